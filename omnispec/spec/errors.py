@@ -1,0 +1,89 @@
+"""``SpecError``: every problem with a spec, each as file + field path + what was expected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+# Keys that select a variant of a discriminated union; pydantic puts the chosen value in the error
+# path (``schedule.flow_match.steps``), which we drop so paths match the file (``schedule.steps``).
+_DISCRIMINATORS = ("kind", "strategy")
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+    file: str | None = None
+
+    def __str__(self) -> str:
+        where = ": ".join(x for x in (self.file, self.path) if x)
+        return f"{where}: {self.message}" if where else self.message
+
+
+class SpecError(ValueError):
+    """A spec (or a request against it) is invalid; ``problems`` lists each finding."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+    @classmethod
+    def single(cls, message: str, path: str = "", file: str | None = None) -> SpecError:
+        return cls([Problem(path, message, file)])
+
+
+def _strip_union_tags(loc: tuple[Any, ...], data: Any) -> list[str]:
+    parts: list[str] = []
+    node = data
+    for segment in loc:
+        if isinstance(node, dict):
+            if segment in node:
+                node = node[segment]
+            elif any(node.get(d) == segment for d in _DISCRIMINATORS) or segment in ("float", "ScaleSchedule"):
+                continue  # the union tag pydantic inserted
+            else:
+                node = None
+        elif isinstance(node, list) and isinstance(segment, int) and 0 <= segment < len(node):
+            node = node[segment]
+        elif isinstance(segment, str) and (segment.startswith(("function-", "tuple[", "list[")) or segment in (
+            "float", "int", "str", "bool", "ScaleSchedule", "literal['dynamic']", "literal['first']", "none"
+        )):
+            continue  # a branch name of a plain (non-discriminated) union
+        else:
+            node = None
+        parts.append(str(segment))
+    return parts
+
+
+def _describe(err: dict[str, Any], data: Any) -> tuple[str, str]:
+    parts = _strip_union_tags(err["loc"], data)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return ".".join(parts), f"unknown key {parts[-1]!r}"
+    if kind == "missing":
+        return ".".join(parts), "required key is missing"
+    if kind == "union_tag_invalid":
+        ctx = err.get("ctx", {})
+        return ".".join(parts + [str(ctx.get("discriminator", "kind")).strip("'")]), (
+            f"unknown variant {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+        )
+    if kind == "union_tag_not_found":
+        ctx = err.get("ctx", {})
+        return ".".join(parts), f"missing {ctx.get('discriminator', 'kind')} (which variant this is)"
+    msg = err["msg"]
+    if kind not in ("spec_rule", "value_error"):
+        msg = f"{msg} (got {err.get('input')!r})"
+    return ".".join(parts), msg.removeprefix("Value error, ")
+
+
+def from_validation_error(exc: ValidationError, data: Any, file: str | None = None) -> SpecError:
+    problems: list[Problem] = []
+    for err in exc.errors():
+        path, message = _describe(err, data)
+        problem = Problem(path, message, file)
+        if problem not in problems:
+            problems.append(problem)
+    return SpecError(problems)

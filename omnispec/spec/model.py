@@ -1,0 +1,78 @@
+"""The component profile: which modules make up the model and what role each plays."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from .base import DType, SpecModel
+
+Role = Literal["denoiser", "encoder", "tokenizer", "vae", "scheduler", "resident", "upsampler", "other"]
+ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
+
+# Built-in family adapters (omnispec.runtime.families registers the same names; a test keeps them equal).
+BUILTIN_FAMILIES = ("flux", "sd3", "wan", "digits")
+# Packages whose classes a spec may name without --trust-code: importing them runs only their own code.
+TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec", "src_models")
+
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+_CLASS_REF = re.compile(rf"^{_DOTTED}(:{_DOTTED})?$")
+
+
+def check_import_ref(ref: str, info: ValidationInfo, what: str) -> str:
+    """Refuse references to code outside the trusted packages unless the caller trusts the spec."""
+    if not _CLASS_REF.match(ref):
+        raise ValueError(f"{what} must look like 'package.Class' or 'package.module:Class', got {ref!r}")
+    package = ref.split(":")[0].split(".")[0]
+    trusted = bool(info.context and info.context.get("trust_code"))
+    if package not in TRUSTED_PACKAGES and not trusted:
+        raise ValueError(
+            f"{what} {ref!r} would import code from {package!r}; only {', '.join(TRUSTED_PACKAGES)} are "
+            "imported without --trust-code (trust_code=True)"
+        )
+    return ref
+
+
+class Component(SpecModel):
+    role: Role
+    class_: str = Field(alias="class", description="'diffusers.Name', 'transformers.Name' or 'pkg.module:Name'.")
+    subfolder: str | None = None
+    dtype: DType | None = Field(default=None, description="Overrides model.dtype for this component.")
+    file: str | None = Field(default=None, description="A single weights file inside the subfolder.")
+
+    @field_validator("class_")
+    @classmethod
+    def _trusted_class(cls, ref: str, info: ValidationInfo) -> str:
+        return check_import_ref(ref, info, "class")
+
+
+class AdapterSlot(SpecModel):
+    """A LoRA that can be switched on for a phase (``recipe.phases[].adapter``)."""
+
+    path: str = Field(description="Local directory/file or Hub id of the LoRA weights.")
+    weight_name: str | None = None
+    scale: float = 1.0
+    target: str | None = Field(default=None, description="Component to load into; the phase's denoiser if unset.")
+
+
+class ModelSpec(SpecModel):
+    family: str
+    source: str | None = Field(default=None, description="Checkpoint root: Hub id or local directory.")
+    revision: str | None = None
+    dtype: DType = "bfloat16"
+    components: dict[str, Component] = Field(min_length=1)
+    adapters: dict[str, AdapterSlot] = Field(default_factory=dict)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, family: str, info: ValidationInfo) -> str:
+        if ":" in family:
+            return check_import_ref(family, info, "family")
+        if family not in BUILTIN_FAMILIES:
+            raise ValueError(f"unknown family {family!r}; built in: {', '.join(BUILTIN_FAMILIES)}, or 'pkg.module:Class'")
+        return family
+
+    def names_with_role(self, role: str) -> list[str]:
+        return [name for name, c in self.components.items() if c.role == role]

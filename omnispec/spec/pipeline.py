@@ -1,0 +1,161 @@
+"""``PipelineSpec``: the whole run, and the checks that span its sections."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+from .base import SpecModel
+from .model import ROLES, ModelSpec
+from .policies import PERTURBABLE_BACKENDS, Policies
+from .recipe import LatentUpsample, PreviousInput, Recipe
+from .schedule import SchedulerSchedule, SegmentSchedule
+
+Loc = tuple[str | int, ...]
+
+
+class RuntimeSpec(SpecModel):
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    seed: int = 0
+    max_batch: int | None = Field(default=None, ge=1, description="Most samples x passes in one denoiser forward.")
+    progress: bool = True
+
+
+class PipelineSpec(SpecModel):
+    omnispec: Literal[1] = 1
+    name: str = Field(min_length=1)
+    extends: None = Field(default=None, description="Resolved by the loader; never left in a loaded spec.")
+    model: ModelSpec
+    recipe: Recipe
+    policies: Policies = Field(default_factory=Policies)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> PipelineSpec:
+        problems = list(_cross_field_problems(self))
+        if problems:
+            raise ValidationError.from_exception_data(
+                "PipelineSpec",
+                [
+                    InitErrorDetails(type=PydanticCustomError("spec_rule", msg), loc=loc, input=None)
+                    for loc, msg in problems
+                ],
+            )
+        return self
+
+
+def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of rules reads best
+    components = spec.model.components
+    phases = spec.recipe.phases
+
+    def role_problem(loc: Loc, name: str, role: str):
+        if name not in components:
+            return loc, f"{name!r} is not a component (have: {', '.join(components)})"
+        if components[name].role != role:
+            return loc, f"component {name!r} has role {components[name].role!r}, expected {role!r}"
+        return None
+
+    names = [p.name for p in phases]
+    for i, phase in enumerate(phases):
+        base: Loc = ("recipe", "phases", i)
+        if names.count(phase.name) > 1:
+            yield base + ("name",), f"phase name {phase.name!r} is used more than once"
+        if problem := role_problem(base + ("denoiser",), phase.denoiser, "denoiser"):
+            yield problem
+        if phase.adapter is not None and phase.adapter not in spec.model.adapters:
+            yield base + ("adapter",), f"adapter slot {phase.adapter!r} is not declared in model.adapters"
+        if isinstance(phase.input, PreviousInput):
+            if i == 0:
+                yield base + ("input", "kind"), "the first phase has no previous phase; its input must be 'initial'"
+            transform = phase.input.transform
+            if isinstance(transform, LatentUpsample) and transform.upsampler is not None:
+                if problem := role_problem(base + ("input", "transform", "upsampler"), transform.upsampler, "upsampler"):
+                    yield problem
+        schedule = phase.schedule
+        if isinstance(schedule, SchedulerSchedule):
+            if problem := role_problem(base + ("schedule", "component"), schedule.component, "scheduler"):
+                yield problem
+        if isinstance(schedule, SegmentSchedule):
+            if schedule.of not in spec.recipe.schedules:
+                have = ", ".join(spec.recipe.schedules) or "none"
+                yield base + ("schedule", "of"), f"{schedule.of!r} is not in recipe.schedules (have: {have})"
+            elif isinstance(phase.input, PreviousInput) and _segment_of(phases[i - 1]) == schedule.of:
+                yield base + ("input",), "a segment continuing the previous phase's schedule takes its latents as they are"
+    yield from _segment_problems(spec)
+    for name, shared in spec.recipe.schedules.items():
+        if isinstance(shared, SchedulerSchedule):
+            if problem := role_problem(("recipe", "schedules", name, "component"), shared.component, "scheduler"):
+                yield problem
+
+    if spec.recipe.output_index() is None:
+        yield ("recipe", "output", "phase"), f"{spec.recipe.output.phase!r} names no phase (have: {', '.join(names)})"
+
+    for slot, adapter in spec.model.adapters.items():
+        if adapter.target is not None and adapter.target not in components:
+            yield ("model", "adapters", slot, "target"), f"{adapter.target!r} is not a component"
+
+    defaults, constraints = spec.recipe.defaults, spec.recipe.constraints
+    for msg in constraints.size_problems(defaults.height, defaults.width):
+        yield ("recipe", "defaults"), msg
+    for msg in constraints.frames_problems(defaults.frames):
+        yield ("recipe", "defaults", "frames"), msg
+    if (
+        constraints.max_sequence_length is not None
+        and defaults.max_sequence_length is not None
+        and defaults.max_sequence_length > constraints.max_sequence_length
+    ):
+        yield ("recipe", "defaults", "max_sequence_length"), f"above constraints.max_sequence_length {constraints.max_sequence_length}"
+
+    yield from _policy_problems(spec)
+
+
+def _segment_of(phase) -> str | None:
+    return phase.schedule.of if isinstance(phase.schedule, SegmentSchedule) else None
+
+
+def _segment_problems(spec: PipelineSpec):
+    """Segments of one shared schedule must be adjacent phases whose ranges don't overlap."""
+    phases = spec.recipe.phases
+    seen: dict[str, list[int]] = {}
+    for i, phase in enumerate(phases):
+        if (of := _segment_of(phase)) is not None:
+            seen.setdefault(of, []).append(i)
+    for of, idx in seen.items():
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            yield ("recipe", "phases", idx[-1], "schedule", "of"), f"segments of {of!r} must be consecutive phases"
+        ranges = sorted((phases[i].schedule.low, phases[i].schedule.high, i) for i in idx)  # type: ignore[union-attr]
+        for (_, hi_a, a), (lo_b, _, b) in zip(ranges, ranges[1:]):
+            if lo_b < hi_a:
+                yield ("recipe", "phases", b, "schedule"), f"segment overlaps phase {phases[a].name!r} of {of!r}"
+
+
+def _policy_problems(spec: PipelineSpec):
+    policies = spec.policies
+    if policies.offload.strategy in ("layerwise", "group") and policies.compile.mode == "full":
+        yield ("policies", "compile", "mode"), (
+            f"full-graph compile cannot trace through {policies.offload.strategy} offload's hooks "
+            "(policies.offload.strategy); use compile mode 'regional'"
+        )
+    perturbing = [
+        i for i, phase in enumerate(spec.recipe.phases) if phase.guidance.perturbs_attention
+    ]
+    if perturbing:
+        chosen = {("default",): policies.attention.default} | {
+            ("per_role", role): backend for role, backend in policies.attention.per_role.items()
+        }
+        for where, backend in chosen.items():
+            if backend not in PERTURBABLE_BACKENDS:
+                yield ("policies", "attention", *where), (
+                    f"backend {backend!r} bypasses the attention perturbation of the skip_layer term in "
+                    f"recipe.phases.{perturbing[0]}.guidance; use an sdpa backend"
+                )
+    known = set(spec.model.components) | set(ROLES)
+    for key in policies.quantization:
+        if key not in known:
+            yield ("policies", "quantization", key), "names neither a component nor a role"
+        elif key in ("tokenizer", "scheduler") or (
+            key in spec.model.components and spec.model.components[key].role in ("tokenizer", "scheduler")
+        ):
+            yield ("policies", "quantization", key), "tokenizers and schedulers hold no weights to quantize"

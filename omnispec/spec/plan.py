@@ -1,0 +1,92 @@
+"""Compile a guidance spec to per-step pass lists and combine coefficients (pure Python, no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .guidance import GuidanceSpec, pass_name, scale_at
+
+Rule = Literal["delta", "apg", "cfg_zero_star"]
+
+# How a term's scale becomes its delta coefficient; a coefficient of 0 means the term is off.
+_COEFFICIENT_OFFSET = {"cfg": 1.0, "true_cfg": 1.0, "apg": 1.0, "cfg_zero_star": 1.0, "modality": 1.0, "skip_layer": 0.0}
+
+
+@dataclass(frozen=True)
+class PlannedTerm:
+    kind: str
+    pass_name: str
+    coefficient: float
+    rule: Rule
+    index: int  # position of the term in ``GuidanceSpec.terms``
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one denoise step runs: ``passes[0]`` is ``cond`` unless the step is a zero-init step."""
+
+    step: int
+    fraction: float
+    sigma: float | None
+    passes: tuple[str, ...]
+    terms: tuple[PlannedTerm, ...] = field(default=())
+    embedded: float | None = None
+    rescale: float = 0.0
+    zero: bool = False  # CFG-zero* zero-init: the step's prediction is 0 and no pass runs
+
+    @property
+    def coefficients(self) -> dict[str, float]:
+        return {t.pass_name: t.coefficient for t in self.terms}
+
+
+def compile_plan(guidance: GuidanceSpec, steps: int, sigmas: Sequence[float] | None = None) -> list[StepPlan]:
+    """Resolve windows and per-step scales into one ``StepPlan`` per step.
+
+    ``sigmas`` (one per step, at least ``steps`` long) are needed only when a window or scale is keyed
+    on sigma. A term whose coefficient is 0 at a step, or whose window excludes the step, adds no pass.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if sigmas is not None and len(sigmas) < steps:
+        raise ValueError(f"need a sigma per step: got {len(sigmas)} for {steps} steps")
+    plans = []
+    for i in range(steps):
+        fraction = i / steps
+        sigma = float(sigmas[i]) if sigmas is not None else None
+        terms: list[PlannedTerm] = []
+        zero = False
+        for index, term in enumerate(guidance.terms):
+            if term.window is not None and not term.window.contains(fraction, sigma):
+                continue
+            if term.kind == "cfg_zero_star" and i < term.zero_init_steps:
+                zero = True
+                continue
+            coefficient = scale_at(term.scale, fraction, sigma) - _COEFFICIENT_OFFSET[term.kind]
+            if coefficient == 0.0:
+                continue
+            rule: Rule = term.kind if term.kind in ("apg", "cfg_zero_star") else "delta"  # type: ignore[assignment]
+            terms.append(PlannedTerm(term.kind, pass_name(term), coefficient, rule, index))
+        embedded = None if guidance.embedded is None else scale_at(guidance.embedded, fraction, sigma)
+        rescale = scale_at(guidance.rescale, fraction, sigma)
+        if zero:
+            plans.append(StepPlan(i, fraction, sigma, (), (), embedded, 0.0, zero=True))
+            continue
+        passes = ("cond", *(t.pass_name for t in terms))
+        plans.append(StepPlan(i, fraction, sigma, passes, tuple(terms), embedded, rescale if terms else 0.0))
+    return plans
+
+
+def compress_plan(plans: Sequence[StepPlan]) -> list[tuple[int, int, StepPlan]]:
+    """Group consecutive steps with identical passes and coefficients: ``(first, last, plan)``."""
+    runs: list[tuple[int, int, StepPlan]] = []
+    for plan in plans:
+        key = (plan.passes, plan.coefficients, plan.embedded, plan.rescale, plan.zero)
+        if runs:
+            first, _, prev = runs[-1]
+            if (prev.passes, prev.coefficients, prev.embedded, prev.rescale, prev.zero) == key:
+                runs[-1] = (first, plan.step, prev)
+                continue
+        runs.append((plan.step, plan.step, plan))
+    return runs

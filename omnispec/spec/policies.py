@@ -1,0 +1,144 @@
+"""How a run uses the hardware: attention, offload, quantization, cache, compile, parallel.
+
+Each section is validated here against the others (``pipeline.py``); the runtime applies them in one
+place and one order: quantization at load, dtype/device, attention, cache, offload, compile.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, PositiveInt, field_validator
+
+from .base import SpecModel
+
+AttentionBackend = Literal[
+    "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage"
+]
+# Backends that run through torch's scaled_dot_product_attention, which diffusers' attention-score
+# perturbation (skip-layer guidance with skip: attention_scores) intercepts; the others bypass it.
+PERTURBABLE_BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+
+
+class AttentionPolicy(SpecModel):
+    default: AttentionBackend = "auto"
+    per_role: dict[str, AttentionBackend] = Field(
+        default_factory=dict, description="Attention role (self, cross, joint, family roles) -> backend."
+    )
+    allow_fallback: bool = Field(default=False, description="Fall back to sdpa when a named backend can't run.")
+
+
+class NoOffload(SpecModel):
+    strategy: Literal["none"]
+
+
+class ModelOffload(SpecModel):
+    """Only the running role-group (encoders, then denoisers, then the VAE) sits on the device."""
+
+    strategy: Literal["model"]
+
+
+class LayerwiseOffload(SpecModel):
+    """Denoiser blocks stream host->device one at a time, prefetched on a side stream."""
+
+    strategy: Literal["layerwise"]
+    prefetch: bool = True
+    pin_memory: bool = True
+
+
+class GroupOffload(SpecModel):
+    strategy: Literal["group"]
+    blocks_per_group: PositiveInt = 1
+    prefetch: bool = True
+    pin_memory: bool = True
+
+
+OffloadPolicy = Annotated[
+    Union[NoOffload, ModelOffload, LayerwiseOffload, GroupOffload], Field(discriminator="strategy")
+]
+
+QuantMethod = Literal[
+    "fp8_dynamic", "fp8_weight_only", "int8_weight_only", "int8_dynamic", "int4_weight_only", "nf4", "int8"
+]
+TORCHAO_METHODS = ("fp8_dynamic", "fp8_weight_only", "int8_weight_only", "int8_dynamic", "int4_weight_only")
+CUDA_ONLY_METHODS = ("fp8_dynamic", "fp8_weight_only", "int4_weight_only", "nf4", "int8")
+
+
+class Quantization(SpecModel):
+    method: QuantMethod
+    exclude: list[str] = Field(default_factory=list, description="fnmatch patterns of module names left alone.")
+
+
+class NoCache(SpecModel):
+    kind: Literal["none"]
+
+
+class FirstBlockCache(SpecModel):
+    """Reuse the rest of the network when the first block's output changed less than ``threshold``."""
+
+    kind: Literal["first_block"]
+    threshold: float = Field(default=0.05, gt=0)
+
+
+class TaylorSeerCache(SpecModel):
+    kind: Literal["taylorseer"]
+    interval: PositiveInt = 2
+    max_order: PositiveInt = 1
+    warmup_steps: int = Field(default=3, ge=0)
+
+
+class MagCache(SpecModel):
+    kind: Literal["magcache"]
+    threshold: float = Field(default=0.06, gt=0)
+    max_skip_steps: PositiveInt = 3
+    retention_ratio: float = Field(default=0.2, ge=0, le=1)
+
+
+class StepMaskCache(SpecModel):
+    """A declared pattern: ``mask[i]`` true computes step ``i``, false reuses the last prediction."""
+
+    kind: Literal["step_mask"]
+    mask: list[bool] = Field(min_length=1)
+
+    @field_validator("mask")
+    @classmethod
+    def _first_step_computes(cls, mask: list[bool]) -> list[bool]:
+        if not mask[0]:
+            raise ValueError("the first step must compute (nothing to reuse yet)")
+        return mask
+
+
+CachePolicy = Annotated[
+    Union[NoCache, FirstBlockCache, TaylorSeerCache, MagCache, StepMaskCache], Field(discriminator="kind")
+]
+
+
+class CompilePolicy(SpecModel):
+    mode: Literal["none", "regional", "full"] = "none"
+    backend: str = "inductor"
+    dynamic: bool = False
+    fullgraph: bool = True
+
+
+class ParallelPolicy(SpecModel):
+    """Degrees whose product is the world size the run requires."""
+
+    cfg: PositiveInt = 1
+    ulysses: PositiveInt = 1
+    ring: PositiveInt = 1
+    data: PositiveInt = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg * self.ulysses * self.ring * self.data
+
+
+class Policies(SpecModel):
+    attention: AttentionPolicy = Field(default_factory=AttentionPolicy)
+    offload: OffloadPolicy = Field(default_factory=lambda: NoOffload(strategy="none"))
+    quantization: dict[str, Quantization] = Field(
+        default_factory=dict, description="Component name or role -> quantization."
+    )
+    cache: CachePolicy = Field(default_factory=lambda: NoCache(kind="none"))
+    compile: CompilePolicy = Field(default_factory=CompilePolicy)
+    parallel: ParallelPolicy = Field(default_factory=ParallelPolicy)

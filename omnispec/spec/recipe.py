@@ -1,0 +1,155 @@
+"""The recipe: request defaults and constraints, the phases that turn a request into latents, the output."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from .base import SpecModel, Unit
+from .guidance import GuidanceSpec
+from .schedule import Schedule, SharedSchedule
+
+Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image"]
+RequestField = Literal[
+    "negative_prompt", "height", "width", "frames", "fps", "steps", "guidance_scale", "max_sequence_length"
+]
+REQUEST_FIELDS: tuple[str, ...] = RequestField.__args__  # type: ignore[attr-defined]
+
+
+class RequestDefaults(SpecModel):
+    """Values a request gets when it does not set them (a closed set: every field here is a request field)."""
+
+    height: int | None = Field(default=None, ge=1)
+    width: int | None = Field(default=None, ge=1)
+    frames: int | None = Field(default=None, ge=1)
+    fps: int | None = Field(default=None, ge=1)
+    steps: int = Field(default=28, ge=1)
+    max_sequence_length: int | None = Field(default=None, ge=1)
+    negative_prompt: str = ""
+
+
+class Constraints(SpecModel):
+    size_multiple_of: int = Field(default=8, ge=1)
+    min_size: int = Field(default=16, ge=1)
+    max_size: int | None = Field(default=None, ge=1)
+    frames_multiple_of: int = Field(default=1, ge=1, description="frames must equal k * multiple + offset.")
+    frames_offset: int = Field(default=0, ge=0)
+    max_frames: int | None = Field(default=None, ge=1)
+    max_sequence_length: int | None = Field(default=None, ge=1, description="Upper bound for the request field.")
+    refuse: list[RequestField] = Field(default_factory=list, description="Request fields this recipe rejects.")
+
+    def size_problems(self, height: int | None, width: int | None) -> list[str]:
+        problems = []
+        for name, value in (("height", height), ("width", width)):
+            if value is None:
+                continue
+            if value % self.size_multiple_of:
+                problems.append(f"{name} {value} is not a multiple of {self.size_multiple_of}")
+            if value < self.min_size:
+                problems.append(f"{name} {value} is below the minimum {self.min_size}")
+            if self.max_size is not None and value > self.max_size:
+                problems.append(f"{name} {value} is above the maximum {self.max_size}")
+        return problems
+
+    def frames_problems(self, frames: int | None) -> list[str]:
+        if frames is None:
+            return []
+        problems = []
+        if (frames - self.frames_offset) % self.frames_multiple_of or frames < self.frames_offset:
+            problems.append(
+                f"frames {frames} must be k*{self.frames_multiple_of}+{self.frames_offset} (e.g. "
+                f"{self.frames_multiple_of * max(1, (frames - self.frames_offset) // self.frames_multiple_of) + self.frames_offset})"
+            )
+        if self.max_frames is not None and frames > self.max_frames:
+            problems.append(f"frames {frames} is above the maximum {self.max_frames}")
+        return problems
+
+
+# ---- phase inputs -----------------------------------------------------------------------------------
+
+class LatentUpsample(SpecModel):
+    """Upsample the previous phase's latents with an ``upsampler`` component, or by interpolation."""
+
+    kind: Literal["latent_upsample"]
+    upsampler: str | None = Field(default=None, description="Component with role 'upsampler'; interpolate if unset.")
+    scale: float = Field(default=2.0, gt=0)
+    mode: Literal["nearest", "bilinear", "bicubic", "trilinear"] = "bilinear"
+
+
+class Resize(SpecModel):
+    """Resize the previous phase's latents to this phase's size by interpolation."""
+
+    kind: Literal["resize"]
+    mode: Literal["nearest", "bilinear", "bicubic", "trilinear"] = "bilinear"
+
+
+LatentTransform = Annotated[Union[LatentUpsample, Resize], Field(discriminator="kind")]
+
+
+class InitialInput(SpecModel):
+    kind: Literal["initial"]
+
+
+class PreviousInput(SpecModel):
+    """The previous phase's latents, optionally transformed, then optionally re-noised.
+
+    ``renoise: first`` mixes in fresh noise up to the phase schedule's first sigma; a number ``s``
+    keeps only the schedule's steps with sigma <= s and re-noises to the first of them.
+    """
+
+    kind: Literal["previous"]
+    transform: LatentTransform | None = None
+    renoise: Unit | Literal["first"] | None = None
+
+
+PhaseInput = Annotated[Union[InitialInput, PreviousInput], Field(discriminator="kind")]
+
+
+class ODESampler(SpecModel):
+    """Deterministic Euler step ``x + (sigma_next - sigma) * v`` (or the scheduler's own ``step``)."""
+
+    kind: Literal["ode"]
+
+
+Sampler = Annotated[Union[ODESampler], Field(discriminator="kind")]
+
+
+class Phase(SpecModel):
+    name: str = Field(min_length=1)
+    denoiser: str
+    schedule: Schedule
+    guidance: GuidanceSpec = Field(default_factory=GuidanceSpec)
+    input: PhaseInput = Field(default_factory=lambda: InitialInput(kind="initial"))
+    adapter: str | None = Field(default=None, description="Adapter slot active during this phase.")
+    size_scale: float = Field(default=1.0, gt=0, description="Phase resolution relative to the request's.")
+    sampler: Sampler = Field(default_factory=lambda: ODESampler(kind="ode"))
+
+
+class OutputSpec(SpecModel):
+    phase: int | str = Field(default=-1, description="Index or name of the phase whose latents are decoded.")
+
+
+class Recipe(SpecModel):
+    task: Task = "text-to-image"
+    defaults: RequestDefaults = Field(default_factory=RequestDefaults)
+    constraints: Constraints = Field(default_factory=Constraints)
+    schedules: dict[str, SharedSchedule] = Field(
+        default_factory=dict, description="Schedules shared by several phases (see schedule kind 'segment')."
+    )
+    phases: list[Phase] = Field(min_length=1)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @model_validator(mode="after")
+    def _video_tasks_have_frames(self) -> Recipe:
+        if self.task.endswith("video") and self.defaults.frames is None:
+            raise ValueError(f"task {self.task!r} needs defaults.frames")
+        return self
+
+    def output_index(self) -> int | None:
+        out = self.output.phase
+        if isinstance(out, str):
+            names = [p.name for p in self.phases]
+            return names.index(out) if out in names else None
+        n = len(self.phases)
+        return out % n if -n <= out < n else None

@@ -1,0 +1,110 @@
+"""Noise schedules: omnispec's own flow-matching schedule, the checkpoint's scheduler, or a segment.
+
+``flow_match_sigmas`` is pure Python so that ``omnispec explain`` can show sigma ranges without torch;
+the runtime uses the same function, so what ``explain`` prints is what runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from .base import SpecModel, Unit
+
+ConfigValue = Union[bool, int, float, str, None]
+
+
+class FlowMatchSchedule(SpecModel):
+    """Euler flow matching on ``sigmas = linspace(1, 1/steps, steps)`` (or explicit ``sigmas``), shifted.
+
+    ``shift`` is a static shift ``s*x / (1 + (s-1)*x)`` or ``dynamic``: the exponential time shift
+    with ``mu`` interpolated from the image sequence length between ``base_seq_len`` and
+    ``max_seq_len`` (FLUX.1's ``calculate_shift``). ``shift_terminal`` stretches the schedule so the
+    last sigma equals it (LTX-style terminal stretch).
+    """
+
+    kind: Literal["flow_match"]
+    steps: int | None = Field(default=None, ge=1, description="Defaults to the request's steps.")
+    sigmas: list[Unit] | None = Field(default=None, min_length=1)
+    shift: float | Literal["dynamic"] = 1.0
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+    shift_terminal: Unit | None = None
+
+    @model_validator(mode="after")
+    def _positive_shift(self) -> FlowMatchSchedule:
+        if self.shift != "dynamic" and self.shift <= 0:
+            raise ValueError(f"shift must be positive or 'dynamic', got {self.shift}")
+        if self.max_seq_len <= self.base_seq_len:
+            raise ValueError("max_seq_len must exceed base_seq_len")
+        return self
+
+
+class SchedulerSchedule(SpecModel):
+    """Use a scheduler component's own ``set_timesteps``/``step`` (Wan's UniPC, or any diffusers scheduler).
+
+    ``config`` overrides entries of the checkpoint's scheduler config (e.g. ``flow_shift``).
+    """
+
+    kind: Literal["scheduler"]
+    component: str = "scheduler"
+    steps: int | None = Field(default=None, ge=1, description="Defaults to the request's steps.")
+    config: dict[str, ConfigValue] = Field(default_factory=dict)
+
+
+class SegmentSchedule(SpecModel):
+    """The steps of a shared schedule whose normalised timestep ``t/T`` lies in ``[low, high)``.
+
+    ``high == 1`` includes ``t/T == 1``. Wan2.2 A14B: the high-noise expert takes ``[0.875, 1]``, the
+    low-noise expert ``[0, 0.875)``; one scheduler state runs through both, as in diffusers.
+    """
+
+    kind: Literal["segment"]
+    of: str
+    low: Unit = 0.0
+    high: Unit = 1.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SegmentSchedule:
+        if self.low >= self.high:
+            raise ValueError(f"segment low {self.low} must be below high {self.high}")
+        return self
+
+    def contains(self, t_norm: float) -> bool:
+        return self.low <= t_norm < self.high or (self.high == 1.0 and t_norm >= 1.0)
+
+
+SharedSchedule = Annotated[Union[FlowMatchSchedule, SchedulerSchedule], Field(discriminator="kind")]
+Schedule = Annotated[
+    Union[FlowMatchSchedule, SchedulerSchedule, SegmentSchedule], Field(discriminator="kind")
+]
+
+
+def dynamic_mu(schedule: FlowMatchSchedule, seq_len: int) -> float:
+    slope = (schedule.max_shift - schedule.base_shift) / (schedule.max_seq_len - schedule.base_seq_len)
+    return seq_len * slope + schedule.base_shift - slope * schedule.base_seq_len
+
+
+def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | None = None) -> list[float]:
+    """Sigmas of each step followed by the terminal 0 (length ``steps + 1``)."""
+    if schedule.sigmas is not None:
+        base = [float(s) for s in schedule.sigmas]
+    else:
+        base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
+    if schedule.shift == "dynamic":
+        if seq_len is None:
+            raise ValueError("a dynamic shift needs the image sequence length")
+        mu = dynamic_mu(schedule, seq_len)
+        shifted = [math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) if s > 0 else 0.0 for s in base]
+    else:
+        k = float(schedule.shift)
+        shifted = [k * s / (1.0 + (k - 1.0) * s) for s in base]
+    if schedule.shift_terminal is not None:
+        one_minus = [1.0 - s for s in shifted]
+        factor = one_minus[-1] / (1.0 - schedule.shift_terminal)
+        shifted = [1.0 - z / factor for z in one_minus]
+    return shifted + [0.0]

@@ -1,0 +1,90 @@
+"""Load a spec's components with their classes, subfolders and dtypes, through ``from_pretrained``.
+
+Loading goes through diffusers'/transformers' own ``from_pretrained`` so that a local directory and a
+Hub id take the same path; ``check_source`` runs first so a missing checkpoint is reported before any
+weight is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..spec import Component, PipelineSpec, SpecError
+from .families import import_ref
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_WEIGHTLESS = ("tokenizer", "scheduler")
+
+
+def component_class(component: Component) -> type:
+    ref = component.class_
+    if ":" not in ref and ref.count(".") == 1:  # 'diffusers.Name' / 'transformers.Name'
+        package, name = ref.split(".")
+        ref = f"{package}:{name}"
+    cls = import_ref(ref)
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise SpecError.single(f"{component.class_!r} has no from_pretrained", "model.components")
+    return cls
+
+
+def check_source(spec: PipelineSpec, source: str | None) -> str:
+    """Resolve the checkpoint root and check every component's files are reachable, loading nothing."""
+    root = source or spec.model.source
+    if not root:
+        raise SpecError.single("no checkpoint: the spec has no model.source and no --source was given", "model.source")
+    local = Path(root).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise SpecError.single(f"checkpoint root {root!r} is not a directory", "model.source")
+        missing = [
+            f"{name} ({c.subfolder})"
+            for name, c in spec.model.components.items()
+            if c.subfolder and not (local / c.subfolder).is_dir()
+        ]
+        if missing:
+            raise SpecError.single(f"checkpoint {root!r} lacks component folder(s): {', '.join(missing)}", "model.source")
+        return str(local)
+    if root.startswith((".", "/", "~")) or root.count("/") != 1:
+        raise SpecError.single(f"checkpoint {root!r} is neither a local directory nor a Hub id (owner/name)", "model.source")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        from huggingface_hub import try_to_load_from_cache
+
+        for name, c in spec.model.components.items():
+            probe = f"{c.subfolder}/config.json" if c.subfolder and c.role not in _WEIGHTLESS else None
+            if probe and not isinstance(try_to_load_from_cache(root, probe, revision=spec.model.revision), str):
+                raise SpecError.single(
+                    f"Hub checkpoint {root!r} is not in the local cache and HF_HUB_OFFLINE is set (component {name!r})",
+                    "model.source",
+                )
+    return root
+
+
+def load_components(spec: PipelineSpec, root: str) -> dict[str, Any]:
+    """Every component, on the CPU, in its dtype. Device placement is a policy step (see policies.apply)."""
+    out: dict[str, Any] = {}
+    for name, component in spec.model.components.items():
+        cls = component_class(component)
+        kwargs: dict[str, Any] = {}
+        if component.subfolder:
+            kwargs["subfolder"] = component.subfolder
+        if spec.model.revision:
+            kwargs["revision"] = spec.model.revision
+        if component.role not in _WEIGHTLESS:
+            kwargs["dtype"] = DTYPES[component.dtype or spec.model.dtype]
+        try:
+            if component.file:
+                out[name] = cls.from_single_file(str(Path(root) / (component.subfolder or "") / component.file), **{
+                    k: v for k, v in kwargs.items() if k == "dtype"})
+            else:
+                out[name] = cls.from_pretrained(root, **kwargs)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SpecError.single(f"cannot load component {name!r} ({component.class_}) from {root!r}: {first}",
+                                   f"model.components.{name}") from None
+        if isinstance(out[name], torch.nn.Module):
+            out[name].eval().requires_grad_(False)
+    return out

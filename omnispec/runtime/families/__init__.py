@@ -1,0 +1,41 @@
+"""Family adapters by name. A spec's ``model.family`` is one of these or a trusted 'pkg.module:Class'."""
+
+from __future__ import annotations
+
+import importlib
+
+from ...spec import BUILTIN_FAMILIES, SpecError
+from .base import Conditioning, Family, Geometry
+
+_BUILTIN = {
+    "flux": "omnispec.runtime.families.flux:FluxFamily",
+    "sd3": "omnispec.runtime.families.sd3:SD3Family",
+    "wan": "omnispec.runtime.families.wan:WanFamily",
+    "digits": "omnispec.runtime.families.digits:DigitsFamily",
+}
+assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
+
+
+def import_ref(ref: str) -> object:
+    """Import 'pkg.module:Name' or 'pkg.Name' (the latter as an attribute of the top-level package)."""
+    if ":" in ref:
+        module, _, attr = ref.partition(":")
+    else:
+        module, _, attr = ref.rpartition(".")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise SpecError.single(f"cannot import {ref!r}: {exc}") from None
+    return obj
+
+
+def family_class(name: str) -> type[Family]:
+    cls = import_ref(_BUILTIN.get(name, name))
+    if not (isinstance(cls, type) and issubclass(cls, Family)):
+        raise SpecError.single(f"{name!r} is not a Family subclass", "model.family")
+    return cls
+
+
+__all__ = ["Conditioning", "Family", "Geometry", "family_class", "import_ref"]

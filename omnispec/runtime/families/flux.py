@@ -1,0 +1,86 @@
+"""FLUX.1 (dev, schnell): packed 2x2 latent patches, embedded guidance, optional true CFG."""
+
+from __future__ import annotations
+
+
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.utils.torch_utils import randn_tensor
+
+from ...spec import SkipLayer
+from ...spec.request import Request
+from .base import Conditioning, Family, Geometry, decode_images
+
+
+class FluxFamily(Family):
+    name = "flux"
+    pipeline_class = FluxPipeline
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+    attention_roles = {"joint": ("transformer_blocks.*.attn",), "single": ("single_transformer_blocks.*.attn",)}
+    required = {
+        "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
+        "tokenizer_2": "tokenizer", "vae": "vae",
+    }
+
+    def helper_components(self):
+        return (*self.required, "scheduler", "transformer")
+
+    def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        embeds, pooled, text_ids = self.helper.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device,
+            max_sequence_length=request.max_sequence_length or 512,
+        )
+        return Conditioning({"encoder_hidden_states": embeds, "pooled_projections": pooled}, {"txt_ids": text_ids})
+
+    def _latent_hw(self, geometry: Geometry) -> tuple[int, int]:
+        f = self.helper.vae_scale_factor
+        return 2 * (geometry.height // (f * 2)), 2 * (geometry.width // (f * 2))
+
+    def _channels(self) -> int:
+        return self.helper.vae.config.latent_channels
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+        h, w = self._latent_hw(geometry)
+        shape = (len(generators), self._channels(), h, w)
+        noise = randn_tensor(shape, generator=generators, device=self.device, dtype=self.latent_dtype(None))
+        return self.pack(noise, geometry)
+
+    def latent_dtype(self, denoiser: torch.nn.Module) -> torch.dtype:
+        # FluxPipeline keeps latents in the text embeddings' dtype (the T5 encoder's).
+        return self.helper.text_encoder_2.dtype
+
+    def pack(self, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        b, c, h, w = spatial.shape
+        return FluxPipeline._pack_latents(spatial, b, c, h, w)
+
+    def unpack(self, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        return FluxPipeline._unpack_latents(latents, geometry.height, geometry.width, self.helper.vae_scale_factor)
+
+    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
+        return latents.shape[1]
+
+    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
+        b = latents.shape[0]
+        h, w = self._latent_hw(geometry)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+        guidance = None
+        if denoiser.config.guidance_embeds:
+            guidance = torch.full([b], 3.5 if embedded is None else embedded, device=latents.device, dtype=torch.float32)
+        t = timestep.expand(b).to(latents.dtype)
+        with self.layer_skip(denoiser, skip):
+            return denoiser(
+                hidden_states=latents, timestep=t / 1000, guidance=guidance,
+                pooled_projections=cond.batched["pooled_projections"],
+                encoder_hidden_states=cond.batched["encoder_hidden_states"],
+                txt_ids=cond.shared["txt_ids"], img_ids=img_ids, return_dict=False,
+            )[0]
+
+    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+        vae = self.helper.vae
+        spatial = self.unpack(latents, geometry)
+        spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
+        return decode_images(self.helper, vae.decode(spatial.to(vae.dtype), return_dict=False)[0])
+
+

@@ -1,0 +1,64 @@
+"""Stable Diffusion 3 / 3.5 (MMDiT): three text encoders, CFG, skip-layer guidance via ``skip_layers``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import StableDiffusion3Pipeline
+from diffusers.utils.torch_utils import randn_tensor
+
+from ...spec import SkipLayer
+from ...spec.request import Request
+from .base import Conditioning, Family, Geometry, decode_images
+
+
+class SD3Family(Family):
+    name = "sd3"
+    pipeline_class = StableDiffusion3Pipeline
+    block_lists = ("transformer_blocks",)
+    attention_roles = {"joint": ("transformer_blocks.*.attn",), "self": ("transformer_blocks.*.attn2",)}
+    required = {
+        "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder", "tokenizer_2": "tokenizer",
+        "text_encoder_3": "encoder", "tokenizer_3": "tokenizer", "vae": "vae",
+    }
+
+    def helper_components(self):
+        return (*self.required, "scheduler", "transformer")
+
+    def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        embeds, _, pooled, _ = self.helper.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
+            max_sequence_length=request.max_sequence_length or 256,
+        )
+        return Conditioning({"encoder_hidden_states": embeds, "pooled_projections": pooled})
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+        f = self.helper.vae_scale_factor
+        shape = (len(generators), self.helper.vae.config.latent_channels, geometry.height // f, geometry.width // f)
+        return randn_tensor(shape, generator=generators, device=self.device, dtype=self.latent_dtype(None))
+
+    def latent_dtype(self, denoiser) -> torch.dtype:
+        # StableDiffusion3Pipeline keeps latents in the prompt embeddings' dtype.
+        enc = self.helper.text_encoder_3 or self.helper.text_encoder
+        return enc.dtype
+
+    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
+        p = self.helper.patch_size
+        return (latents.shape[-2] // p) * (latents.shape[-1] // p)
+
+    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
+        kwargs = {}
+        if skip is not None and skip.skip == "block" and skip.blocks in (None, "transformer_blocks"):
+            kwargs["skip_layers"] = list(skip.layers)  # the model's own block skipping, as diffusers' SLG uses
+            skip = None
+        with self.layer_skip(denoiser, skip):
+            return denoiser(
+                hidden_states=latents, timestep=timestep.expand(latents.shape[0]),
+                encoder_hidden_states=cond.batched["encoder_hidden_states"],
+                pooled_projections=cond.batched["pooled_projections"], return_dict=False, **kwargs,
+            )[0]
+
+    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+        vae = self.helper.vae
+        spatial = latents / vae.config.scaling_factor + vae.config.shift_factor
+        return decode_images(self.helper, vae.decode(spatial.to(vae.dtype), return_dict=False)[0])

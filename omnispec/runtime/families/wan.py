@@ -1,0 +1,68 @@
+"""Wan2.1 / Wan2.2 text-to-video: UMT5 prompts, float32 latents, one or two expert transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import WanPipeline
+from diffusers.utils.torch_utils import randn_tensor
+
+from ...spec import SkipLayer
+from ...spec.request import Request
+from .base import Conditioning, Family, Geometry
+
+
+class WanFamily(Family):
+    name = "wan"
+    pipeline_class = WanPipeline
+    block_lists = ("blocks",)
+    attention_roles = {"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}
+    required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
+
+    def make_helper(self, components):
+        denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]
+        return WanPipeline(
+            tokenizer=components["tokenizer"], text_encoder=components["text_encoder"], vae=components["vae"],
+            scheduler=components.get("scheduler"), transformer=components.get(denoisers[0]),
+        )
+
+    def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        embeds, _ = self.helper.encode_prompt(
+            prompt=prompts, do_classifier_free_guidance=False, device=self.device,
+            max_sequence_length=request.max_sequence_length or 512,
+        )
+        return Conditioning({"encoder_hidden_states": embeds})
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+        h = self.helper
+        frames = geometry.frames or 1
+        shape = (
+            len(generators), self.helper.transformer.config.in_channels,
+            (frames - 1) // h.vae_scale_factor_temporal + 1,
+            geometry.height // h.vae_scale_factor_spatial, geometry.width // h.vae_scale_factor_spatial,
+        )
+        return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+
+    def latent_dtype(self, denoiser) -> torch.dtype:
+        return torch.float32  # WanPipeline steps float32 latents and casts only the model input
+
+    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
+        p = self.helper.transformer.config.patch_size
+        return latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
+
+    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
+        with self.layer_skip(denoiser, skip):
+            return denoiser(
+                hidden_states=latents.to(denoiser.dtype), timestep=timestep.expand(latents.shape[0]),
+                encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype), return_dict=False,
+            )[0]
+
+    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+        vae = self.helper.vae
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+        x = latents.to(vae.dtype) / inv_std + mean
+        video = vae.decode(x, return_dict=False)[0]
+        frames = self.helper.video_processor.postprocess_video(video, output_type="np")
+        return np.asarray(frames, dtype=np.float32)

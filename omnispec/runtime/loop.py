@@ -1,0 +1,108 @@
+"""The one denoise loop every family shares.
+
+A step looks up its phase (a segment of a shared schedule picks by timestep), runs the plan's passes
+(unperturbed passes batched into one forward, bounded by ``max_batch``; each perturbed pass its own
+forward), combines them and hands the result to the sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..spec import Phase, SkipLayer, StepPlan
+from .families import Conditioning, Family, Geometry
+from .guidance import GuidanceState, combine
+from .samplers import StepResult
+from .schedule import Steps
+
+
+@dataclass
+class Passes:
+    """What each pass name runs: which prompts, and which perturbation (None = plain forward)."""
+
+    conditions: dict[str, Conditioning]
+    perturbations: dict[str, SkipLayer | None]
+
+
+@dataclass
+class PhaseRun:
+    """One phase's share of a walk: its step indices (into ``Steps``), compiled plan and pass inputs."""
+
+    phase: Phase
+    denoiser: torch.nn.Module
+    indices: list[int]
+    plans: list[StepPlan]
+    passes: Passes
+    state: GuidanceState = field(default_factory=GuidanceState)
+
+
+StepHook = Callable[[int, PhaseRun, torch.Tensor, StepResult], None]
+
+
+def run_passes(
+    family: Family,
+    run: PhaseRun,
+    plan: StepPlan,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    geometry: Geometry,
+    max_batch: int | None,
+) -> dict[str, torch.Tensor]:
+    """Predictions for every pass of a step, keyed by pass name."""
+    passes = run.passes
+    plain = [p for p in plan.passes if passes.perturbations.get(p) is None]
+    groups: list[tuple[list[str], SkipLayer | None]] = [(plain, None)] if plain else []
+    groups += [([p], passes.perturbations[p]) for p in plan.passes if passes.perturbations.get(p) is not None]
+    preds: dict[str, torch.Tensor] = {}
+    b = x.shape[0]
+    for names, skip in groups:
+        cond = Conditioning.cat([passes.conditions[n] for n in names])
+        rows = len(names) * b
+        chunk = rows if max_batch is None else max(1, min(max_batch, rows))
+        xs = x.repeat(len(names), *[1] * (x.ndim - 1)) if len(names) > 1 else x
+        outs = []
+        for start in range(0, rows, chunk):
+            sl = slice(start, min(rows, start + chunk))
+            outs.append(family.predict(
+                run.denoiser, xs[sl], t, cond.rows(sl), geometry,
+                embedded=plan.embedded, skip=skip,
+            ))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        for k, name in enumerate(names):
+            preds[name] = out[k * b:(k + 1) * b]
+    return preds
+
+
+def denoise(
+    family: Family,
+    runs: Sequence[PhaseRun],
+    steps: Steps,
+    x: torch.Tensor,
+    geometry: Geometry,
+    *,
+    begin: int = 0,
+    max_batch: int | None = None,
+    progress: bool = True,
+    on_step: StepHook | None = None,
+) -> torch.Tensor:
+    owner = {i: (run, k) for run in runs for k, i in enumerate(run.indices)}
+    label = "+".join(r.phase.name for r in runs)
+    steps.start_at(begin)
+    for i in tqdm(range(begin, len(steps)), desc=label, disable=not progress, leave=False):
+        run, k = owner[i]
+        plan = run.plans[k]
+        t = steps.timesteps[i]
+        if plan.zero:
+            pred = torch.zeros_like(x)
+        else:
+            preds = run_passes(family, run, plan, x, t, geometry, max_batch)
+            pred = combine(plan, preds, run.phase.guidance, run.state, x)
+        result = steps.sampler.step(x, pred, i)
+        if on_step is not None:
+            on_step(i, run, x, result)
+        x = result.next
+    return x

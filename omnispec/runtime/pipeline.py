@@ -1,0 +1,118 @@
+"""``Pipeline``: a built spec. ``__call__`` validates a request, encodes prompts once, runs the phases
+and decodes the output phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..spec import PipelineSpec, SkipLayer, explain_spec
+from ..spec.guidance import NEGATIVE_TERMS, pass_name
+from ..spec.recipe import Phase
+from ..spec.request import Request, resolve_request
+from .families import Conditioning, Family
+from .loop import Passes, StepHook
+from .phases import group_steps, phase_groups, run_phases
+
+
+@dataclass
+class Output:
+    """``array``: decoded float32 in [0, 1], channels last, batch first; ``images`` (PIL) for image
+    tasks, ``frames`` (one F x H x W x 3 array per sample) for video tasks."""
+
+    array: np.ndarray
+    latents: torch.Tensor
+    request: Request
+    images: list[Any] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)
+
+    def save(self, path: str | Path) -> list[Path]:
+        from .media import save_output
+
+        return save_output(self, Path(path))
+
+
+class Pipeline:
+    def __init__(self, spec: PipelineSpec, family: Family, components: dict[str, Any], device: torch.device):
+        self.spec = spec
+        self.family = family
+        self.components = components
+        self.device = device
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def __call__(self, prompt: str | list[str], seed: int | list[int] | None = None, **request: Any) -> Output:
+        req = resolve_request(self.spec, prompt, seed, **request)
+        return self.generate(req)
+
+    @torch.no_grad()
+    def generate(self, request: Request, on_step: StepHook | None = None) -> Output:
+        spec = self.spec_for(request)
+        positive = self.family.encode(request.prompts, request)
+        negative = None
+        if any(t.kind in NEGATIVE_TERMS for p in spec.recipe.phases for t in p.guidance.terms):
+            negative = self.family.encode([request.negative_prompt] * len(request.prompts), request)
+        generators = [torch.Generator("cpu").manual_seed(s) for s in request.seeds]
+        results = run_phases(
+            spec, self.family, self.components, request,
+            lambda phase: phase_passes(phase, positive, negative), generators, device=self.device, on_step=on_step,
+        )
+        out = results[spec.recipe.output_index() or 0]
+        array = self.family.decode(out.latents, out.geometry)
+        output = Output(array=array, latents=out.latents, request=request)
+        if spec.recipe.task.endswith("video"):
+            output.frames = [a for a in array]
+        else:
+            from PIL import Image
+
+            output.images = [Image.fromarray(_to_uint8(a).squeeze(-1) if a.shape[-1] == 1 else _to_uint8(a))
+                             for a in array]
+        return output
+
+    def spec_for(self, request: Request) -> PipelineSpec:
+        """The spec with the request's ``guidance_scale`` applied to every phase's primary scale."""
+        if request.guidance_scale is None:
+            return self.spec
+        phases = [p.model_copy(update={"guidance": p.guidance.with_primary_scale(request.guidance_scale)})
+                  for p in self.spec.recipe.phases]
+        return self.spec.model_copy(update={"recipe": self.spec.recipe.model_copy(update={"phases": phases})})
+
+    # ---- introspection ----------------------------------------------------------------------------------
+
+    def explain(self, **request: Any) -> dict[str, Any]:
+        """The resolved plan (as ``omnispec explain``), with the sigmas this checkpoint actually walks."""
+        req = resolve_request(self.spec, "", None, **request)
+        spec = self.spec_for(req)
+        sigmas: dict[str, list[float]] = {}
+        for group in phase_groups(spec):
+            phase = spec.recipe.phases[group[0]]
+            geometry = self.family.geometry(req, phase.size_scale)
+            latents = self.family.initial_latents(geometry, [torch.Generator("cpu").manual_seed(0)])
+            steps, owned = group_steps(spec, group, req, self.family.seq_len(latents, geometry), self.components,
+                                       self.device)
+            for k, idx in enumerate(group):
+                sigmas[spec.recipe.phases[idx].name] = [steps.sigmas[i] for i in owned[k]]
+        return explain_spec(spec, req.steps, sigmas)
+
+
+def phase_passes(phase: Phase, positive: Conditioning, negative: Conditioning | None) -> Passes:
+    conditions = {"cond": positive}
+    perturbations: dict[str, SkipLayer | None] = {"cond": None}
+    for term in phase.guidance.terms:
+        name = pass_name(term)
+        if term.kind in NEGATIVE_TERMS:
+            assert negative is not None
+            conditions[name], perturbations[name] = negative, None
+        elif isinstance(term, SkipLayer):
+            conditions[name], perturbations[name] = positive, term
+        else:
+            raise NotImplementedError(f"{term.kind} passes need a family with modalities")
+    return Passes(conditions, perturbations)
+
+
+def _to_uint8(a: np.ndarray) -> np.ndarray:
+    return (np.clip(a, 0.0, 1.0) * 255).round().astype(np.uint8)

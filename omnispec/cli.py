@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--guidance-scale", type=float, help="primary guidance scale of every phase")
     p.add_argument("--max-sequence-length", type=int)
-    p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i gets seed + i")
+    p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i gets seed + i (default: runtime.seed)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: the spec's runtime.device)")
     p.add_argument("--output", required=True, help="output file: .png, .gif, .mp4 or .npy")
     _add_spec_options(p)

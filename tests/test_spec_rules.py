@@ -134,3 +134,8 @@ def test_video_task_needs_frames():
 def test_unknown_variant_names_the_choices():
     data = with_(FLUX, lambda d: d["recipe"]["phases"][0]["schedule"].update(kind="karras"))
     fails(data, "recipe.phases.0.schedule.kind", "unknown variant 'karras'")
+
+
+def test_segments_must_cover_the_whole_schedule():
+    data = with_(WAN22, lambda d: d["recipe"]["phases"][1]["schedule"].update(low=0.1))
+    fails(data, "recipe.phases.0.schedule", "cover [0, 1]")

@@ -129,6 +129,10 @@ def _segment_problems(spec: PipelineSpec):
         for (_, hi_a, a), (lo_b, _, b) in zip(ranges, ranges[1:]):
             if lo_b < hi_a:
                 yield ("recipe", "phases", b, "schedule"), f"segment overlaps phase {phases[a].name!r} of {of!r}"
+            elif lo_b > hi_a:
+                yield ("recipe", "phases", b, "schedule", "low"), f"gap [{hi_a:g}, {lo_b:g}) of {of!r} has no phase"
+        if ranges[0][0] > 0.0 or ranges[-1][1] < 1.0:
+            yield ("recipe", "phases", idx[0], "schedule"), f"the segments of {of!r} must cover [0, 1] together"
 
 
 def _policy_problems(spec: PipelineSpec):

@@ -1,0 +1,45 @@
+"""``omnispec run``: validate spec, request and output path, then load, generate and write."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .spec import SpecError, load_spec
+from .spec.request import request_fields, resolve_request
+
+
+def run_command(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
+    if not args.prompt:
+        raise SpecError.single("give at least one --prompt", "--prompt")
+    fields = request_fields(vars(args))
+    request = resolve_request(spec, args.prompt, args.seed, **fields)  # checked before any weight loads
+
+    _quiet_libraries()
+    from .runtime import build
+    from .runtime.media import check_output_path
+
+    output_path = Path(args.output)
+    check_output_path(output_path, spec.recipe.task.endswith("video"))
+    pipe = build(spec, source=args.source, device=args.device, trust_code=args.trust_code)
+    try:
+        output = pipe.generate(request)
+    except (RuntimeError, MemoryError) as exc:
+        print(f"error: generation failed: {exc}", file=sys.stderr)
+        return 1
+    for path in output.save(output_path):
+        print(path)
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Keep stderr for omnispec's own progress and errors: silence library warnings and loading bars."""
+    import transformers
+    import diffusers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..policies import apply_policies, check_policies, resolve_device
-from ..spec import PipelineSpec, load_spec
+from ..spec import PipelineSpec, SpecError, load_spec
 from .components import check_source, load_components
 from .families import family_class
 from .pipeline import Pipeline
@@ -20,6 +21,7 @@ def build(
     overrides: Iterable[str] = (),
     device: str | torch.device | None = None,
     *,
+    components: Mapping[str, Any] | None = None,
     trust_code: bool = False,
 ) -> Pipeline:
     """Build a runnable pipeline.
@@ -27,7 +29,8 @@ def build(
     ``source`` replaces ``model.source`` (a local directory or Hub id); ``overrides`` are dotted
     ``key=value`` strings as for ``load_spec``; ``device`` replaces ``runtime.device``. Everything that
     can be checked without weights (family needs, policies against the device, the checkpoint's
-    presence) is checked before the first weight loads.
+    presence) is checked before the first weight loads. ``components`` supplies already-built modules
+    by name (an RL trainer's, or random weights for a benchmark); only the others are loaded.
     """
     if isinstance(spec_or_path, PipelineSpec):
         spec = spec_or_path
@@ -42,8 +45,13 @@ def build(
     family_cls.check_spec(spec)
     target = resolve_device(device or spec.runtime.device)
     check_policies(spec, family_cls, target)
-    root = check_source(spec, source)
-    components = load_components(spec, root)
-    apply_policies(spec, family_cls, components, target)
-    family = family_cls(spec, components, target)
-    return Pipeline(spec, family, components, target)
+    given = dict(components or {})
+    unknown = sorted(set(given) - set(spec.model.components))
+    if unknown:
+        raise SpecError.single(f"components {unknown} are not in the spec's profile", "components")
+    missing = {n: c for n, c in spec.model.components.items() if n not in given}
+    loaded = load_components(spec, check_source(spec, source, missing), only=missing) if missing else {}
+    modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
+    apply_policies(spec, family_cls, modules, target)
+    family = family_cls(spec, modules, target)
+    return Pipeline(spec, family, modules, target)

@@ -8,6 +8,7 @@ weight is read.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ def component_class(component: Component) -> type:
     return cls
 
 
-def check_source(spec: PipelineSpec, source: str | None) -> str:
-    """Resolve the checkpoint root and check every component's files are reachable, loading nothing."""
+def check_source(spec: PipelineSpec, source: str | None, names: Iterable[str] | None = None) -> str:
+    """Resolve the checkpoint root and check the components' files are reachable, loading nothing."""
+    wanted = set(spec.model.components if names is None else names)
     root = source or spec.model.source
     if not root:
         raise SpecError.single("no checkpoint: the spec has no model.source and no --source was given", "model.source")
@@ -43,7 +45,7 @@ def check_source(spec: PipelineSpec, source: str | None) -> str:
         missing = [
             f"{name} ({c.subfolder})"
             for name, c in spec.model.components.items()
-            if c.subfolder and not (local / c.subfolder).is_dir()
+            if name in wanted and c.subfolder and not (local / c.subfolder).is_dir()
         ]
         if missing:
             raise SpecError.single(f"checkpoint {root!r} lacks component folder(s): {', '.join(missing)}", "model.source")
@@ -54,6 +56,8 @@ def check_source(spec: PipelineSpec, source: str | None) -> str:
         from huggingface_hub import try_to_load_from_cache
 
         for name, c in spec.model.components.items():
+            if name not in wanted:
+                continue
             probe = f"{c.subfolder}/config.json" if c.subfolder and c.role not in _WEIGHTLESS else None
             if probe and not isinstance(try_to_load_from_cache(root, probe, revision=spec.model.revision), str):
                 raise SpecError.single(
@@ -63,10 +67,10 @@ def check_source(spec: PipelineSpec, source: str | None) -> str:
     return root
 
 
-def load_components(spec: PipelineSpec, root: str) -> dict[str, Any]:
-    """Every component, on the CPU, in its dtype. Device placement is a policy step (see policies.apply)."""
+def load_components(spec: PipelineSpec, root: str, only: Mapping[str, Component] | None = None) -> dict[str, Any]:
+    """The components (all, or ``only`` these), on the CPU, in their dtypes; placement is a policy step."""
     out: dict[str, Any] = {}
-    for name, component in spec.model.components.items():
+    for name, component in (only if only is not None else spec.model.components).items():
         cls = component_class(component)
         kwargs: dict[str, Any] = {}
         if component.subfolder:

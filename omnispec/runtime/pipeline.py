@@ -50,7 +50,8 @@ class Pipeline:
         return self.generate(req)
 
     @torch.no_grad()
-    def generate(self, request: Request, on_step: StepHook | None = None) -> Output:
+    def generate(self, request: Request, on_step: StepHook | None = None, decode: bool = True) -> Output:
+        """Run a resolved request; ``decode=False`` skips the VAE and leaves ``array`` empty."""
         spec = self.spec_for(request)
         positive = self.family.encode(request.prompts, request)
         negative = None
@@ -62,6 +63,8 @@ class Pipeline:
             lambda phase: phase_passes(phase, positive, negative), generators, device=self.device, on_step=on_step,
         )
         out = results[spec.recipe.output_index() or 0]
+        if not decode:
+            return Output(array=np.empty((0,), np.float32), latents=out.latents, request=request)
         array = self.family.decode(out.latents, out.geometry)
         output = Output(array=array, latents=out.latents, request=request)
         if spec.recipe.task.endswith("video"):

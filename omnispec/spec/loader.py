@@ -71,6 +71,7 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
         cycle = " -> ".join(str(p) for p in (*chain, resolved))
         raise SpecError.single(f"cyclic extends: {cycle}", "extends", str(path))
     data = _read_file(path)
+    _anchor_local_source(data, path)
     base_ref = data.pop("extends", None)
     if base_ref is None:
         return data
@@ -80,6 +81,14 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if not base_path.is_file():
         raise SpecError.single(f"extends {base_ref!r}: no such file {base_path}", "extends", str(path))
     return deep_merge(_read_with_extends(base_path, (*chain, resolved)), data)
+
+
+def _anchor_local_source(data: dict[str, Any], path: Path) -> None:
+    """A ``model.source`` written as ``./x`` or ``../x`` is relative to the spec file, not the shell."""
+    model = data.get("model")
+    source = model.get("source") if isinstance(model, dict) else None
+    if isinstance(source, str) and source.startswith(("./", "../")):
+        model["source"] = str((path.parent / source).resolve())
 
 
 def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,213 @@
+"""Per-step denoise time through omnispec and through the diffusers pipeline, real sizes, random bf16 weights.
+
+``python -m benchmarks.gpu_interpreter [--workloads flux,wan] [--repeats 3] [--json FILE]``  (needs CUDA)
+
+Both run the same in-memory modules (omnispec gets them through ``build(..., components=...)``), the
+same prompt, size and seed, with latents returned undecoded. Per-step time is the difference between
+a long and a short run divided by the step difference, so prompt encoding and set-up cancel out. MFU
+is FLOPs per step (counted by torch's FlopCounterMode on one denoiser forward) over the measured
+bf16 matmul ceiling of this GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def _text_encoders(clip_hidden: int, t5_dim: int, umt5: bool = False):
+    import transformers
+
+    from omnispec.testing import clip_tokenizer, t5_tokenizer
+
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        hidden_size=clip_hidden, intermediate_size=clip_hidden, num_attention_heads=12, num_hidden_layers=1,
+        vocab_size=400, projection_dim=clip_hidden, max_position_embeddings=77, bos_token_id=0, eos_token_id=1))
+    cfg_cls = transformers.UMT5Config if umt5 else transformers.T5Config
+    t5_cls = transformers.UMT5EncoderModel if umt5 else transformers.T5EncoderModel
+    t5 = t5_cls(cfg_cls(d_model=t5_dim, d_kv=64, d_ff=1024, num_layers=1, num_heads=64, vocab_size=256,
+                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    return clip, clip_tokenizer(), t5, t5_tokenizer()
+
+
+SMOKE = False  # --smoke: tiny models on the CPU, to check this script without a GPU
+DEVICE = "cuda"
+
+
+def flux_components() -> dict:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    clip, tok, t5, tok2 = _text_encoders(768, 4096)
+    size = dict(num_layers=1, num_single_layers=1) if SMOKE else {}
+    with torch.device(DEVICE):
+        transformer = FluxTransformer2DModel(guidance_embeds=True, **size).to(torch.bfloat16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=2, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    mods = dict(transformer=transformer, text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2,
+                vae=vae, scheduler=scheduler)
+    for k in ("text_encoder", "text_encoder_2", "vae"):
+        mods[k] = mods[k].to(DEVICE, torch.bfloat16).eval()
+    return mods
+
+
+def wan_components() -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    _, _, umt5, tok = _text_encoders(768, 4096, umt5=True)
+    with torch.device(DEVICE):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=1 if SMOKE else 40, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+        ).to(torch.bfloat16)
+    return dict(transformer=transformer, text_encoder=umt5.to(DEVICE, torch.bfloat16).eval(), tokenizer=tok,
+                vae=AutoencoderKLWan().to(DEVICE, torch.float32).eval(),
+                scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=3.0, num_train_timesteps=1000))
+
+
+WORKLOADS = {
+    "flux": dict(spec="flux1-dev.yaml", components=flux_components, pipeline="FluxPipeline",
+                 request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                 diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=3.5, max_sequence_length=512)),
+    "wan": dict(spec="wan2.1-t2v-1.3b.yaml", components=wan_components, pipeline="WanPipeline",
+                request=dict(height=480, width=832, frames=81, max_sequence_length=512), steps=(1, 3),
+                diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
+                                      max_sequence_length=512)),
+}
+
+
+def flops_per_step(run) -> float:
+    """FLOPs of one denoise step (plus the tiny text encoders), counted on a 1-step run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        run(1)
+    return float(counter.get_total_flops())
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
+    samples = []
+    for _ in range(repeats):
+        times = {}
+        for n in (lo, hi):
+            _sync()
+            start = time.perf_counter()
+            run(n)
+            _sync()
+            times[n] = time.perf_counter() - start
+        samples.append((times[hi] - times[lo]) / (hi - lo))
+    return statistics.median(samples), samples
+
+
+def measure(name: str, repeats: int, ceiling: float) -> dict:
+    import diffusers
+
+    import omnispec
+    from omnispec.spec.request import resolve_request
+
+    w = WORKLOADS[name]
+    mods = w["components"]()
+    pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=DEVICE,
+                          overrides=["runtime.progress=false"])
+    ref = getattr(diffusers, w["pipeline"])(**{k: v for k, v in mods.items()})
+    ref.set_progress_bar_config(disable=True)
+
+    def run_ours(n):
+        pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **w["request"]), decode=False)
+
+    def run_ref(n):
+        ref("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+            output_type="latent", **w["diffusers_kwargs"])
+
+    lo, hi = w["steps"]
+    run_ours(lo), run_ref(lo)  # warm-up
+    flops = flops_per_step(run_ours)
+    results = {}
+    for label, run in (("diffusers", run_ref), ("omnispec", run_ours)):
+        with torch.no_grad():
+            med, samples = per_step(run, lo, hi, repeats)
+        results[label] = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
+                          "mfu": flops / med / ceiling}
+    # Equality of the two runs' latents (same seed), bf16.
+    a = pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=lo, **w["request"]), decode=False).latents
+    b = ref("a photo of a cat", num_inference_steps=lo, generator=torch.Generator("cpu").manual_seed(0),
+            output_type="latent", **w["diffusers_kwargs"])
+    b = (b.images if hasattr(b, "images") else b.frames)
+    cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+    out = {"workload": name, "tflop_per_step": flops / 1e12, **results,
+           "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
+           "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item()}
+    del pipe, ref, mods
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="flux,wan")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
+    args = parser.parse_args()
+    global SMOKE, DEVICE
+    if args.smoke:
+        SMOKE, DEVICE = True, "cpu"
+        for w in WORKLOADS.values():
+            w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
+            w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
+                {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        ceiling = 1e12
+    else:
+        ceiling = matmul_ceiling()
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
+    print(f"{name}  torch {torch.__version__}  bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
+    rows = []
+    for name in args.workloads.split(","):
+        row = measure(name, args.repeats, ceiling)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"ceiling_tflops": ceiling / 1e12, "rows": rows}, indent=1))
+    print("| workload | TFLOP/step | diffusers ms/step (MFU) | omnispec ms/step (MFU) | ratio | latent cosine |")
+    for r in rows:
+        print(f"| {r['workload']} | {r['tflop_per_step']:.1f} | {r['diffusers']['ms_per_step']:.1f} "
+              f"({r['diffusers']['mfu']:.0%}) | {r['omnispec']['ms_per_step']:.1f} ({r['omnispec']['mfu']:.0%}) | "
+              f"{r['ratio']:.3f} | {r['latent_cosine']:.5f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The embedded digits model (``src_models/digits``): pixel-space flow matching, no VAE."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from ...spec import SkipLayer
+from ...spec.request import Request
+from .base import Conditioning, Family, Geometry
+
+
+class DigitsFamily(Family):
+    name = "digits"
+    block_lists = ("blocks",)
+    attention_roles = {"self": ("blocks.*.attn",)}
+    required = {"text_encoder": "encoder", "tokenizer": "tokenizer"}
+
+    def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        tokenizer, encoder = self.components["tokenizer"], self.components["text_encoder"]
+        enc = tokenizer(prompts, padding="max_length", max_length=request.max_sequence_length or 8, truncation=True,
+                        return_tensors="pt")
+        pooled = encoder(enc.input_ids.to(self.device), enc.attention_mask.to(self.device))
+        return Conditioning({"text_embeds": pooled})
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+        shape = (len(generators), 1, geometry.height, geometry.width)
+        return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+
+    def latent_dtype(self, denoiser) -> torch.dtype:
+        return torch.float32
+
+    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
+        return latents.shape[-2] * latents.shape[-1] // 64
+
+    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
+        with self.layer_skip(denoiser, skip):
+            return denoiser(hidden_states=latents.to(denoiser.dtype), timestep=timestep.expand(latents.shape[0]),
+                            text_embeds=cond.batched["text_embeds"])[0].to(latents.dtype)
+
+    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+        """Pixels in [-1, 1] -> float32 (B, H, W, 1) in [0, 1]: white ink on black, as in the data set."""
+        return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 1).cpu().numpy()

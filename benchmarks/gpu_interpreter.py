@@ -131,7 +131,7 @@ def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(samples), samples
 
 
-def measure(name: str, repeats: int, ceiling: float) -> dict:
+def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
     import diffusers
 
     import omnispec
@@ -140,7 +140,7 @@ def measure(name: str, repeats: int, ceiling: float) -> dict:
     w = WORKLOADS[name]
     mods = w["components"]()
     pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=DEVICE,
-                          overrides=["runtime.progress=false"])
+                          overrides=["runtime.progress=false", *overrides])
     ref = getattr(diffusers, w["pipeline"])(**{k: v for k, v in mods.items()})
     ref.set_progress_bar_config(disable=True)
 
@@ -166,7 +166,7 @@ def measure(name: str, repeats: int, ceiling: float) -> dict:
             output_type="latent", **w["diffusers_kwargs"])
     b = (b.images if hasattr(b, "images") else b.frames)
     cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
-    out = {"workload": name, "tflop_per_step": flops / 1e12, **results,
+    out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
            "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item()}
     del pipe, ref, mods
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="flux,wan")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="omnispec spec override")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     global SMOKE, DEVICE
@@ -197,7 +198,7 @@ def main() -> None:
     print(f"{name}  torch {torch.__version__}  bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
     rows = []
     for name in args.workloads.split(","):
-        row = measure(name, args.repeats, ceiling)
+        row = measure(name, args.repeats, ceiling, args.overrides)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:

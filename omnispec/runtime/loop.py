@@ -50,9 +50,9 @@ def run_passes(
     x: torch.Tensor,
     t: torch.Tensor,
     geometry: Geometry,
-    max_batch: int | None,
+    max_rows: int | None,
 ) -> dict[str, torch.Tensor]:
-    """Predictions for every pass of a step, keyed by pass name."""
+    """Predictions for every pass of a step, keyed by pass name; at most ``max_rows`` rows per forward."""
     passes = run.passes
     plain = [p for p in plan.passes if passes.perturbations.get(p) is None]
     groups: list[tuple[list[str], SkipLayer | None]] = [(plain, None)] if plain else []
@@ -62,7 +62,7 @@ def run_passes(
     for names, skip in groups:
         cond = Conditioning.cat([passes.conditions[n] for n in names])
         rows = len(names) * b
-        chunk = rows if max_batch is None else max(1, min(max_batch, rows))
+        chunk = rows if max_rows is None else max(1, min(max_rows, rows))
         xs = x.repeat(len(names), *[1] * (x.ndim - 1)) if len(names) > 1 else x
         outs = []
         for start in range(0, rows, chunk):
@@ -85,7 +85,7 @@ def denoise(
     geometry: Geometry,
     *,
     begin: int = 0,
-    max_batch: int | None = None,
+    max_rows: int | None = None,
     progress: bool = True,
     on_step: StepHook | None = None,
 ) -> torch.Tensor:
@@ -99,7 +99,7 @@ def denoise(
         if plan.zero:
             pred = torch.zeros_like(x)
         else:
-            preds = run_passes(family, run, plan, x, t, geometry, max_batch)
+            preds = run_passes(family, run, plan, x, t, geometry, max_rows)
             pred = combine(plan, preds, run.phase.guidance, run.state, x)
         result = steps.sampler.step(x, pred, i)
         if on_step is not None:

@@ -153,6 +153,14 @@ def run_phases(
     return results
 
 
+def max_rows(spec: PipelineSpec, family: Family, x: torch.Tensor, geometry: Geometry) -> int | None:
+    """Rows per denoiser forward allowed by ``runtime.max_batch`` and ``runtime.max_tokens_per_forward``."""
+    limits = [spec.runtime.max_batch] if spec.runtime.max_batch else []
+    if spec.runtime.max_tokens_per_forward:
+        limits.append(max(1, spec.runtime.max_tokens_per_forward // max(1, family.seq_len(x, geometry))))
+    return min(limits) if limits else None
+
+
 def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components) -> torch.Tensor:
     """Walk a group, switching adapter slots on each phase's first step."""
     starts = {run.indices[0]: run for run in runs if run.indices}
@@ -168,7 +176,7 @@ def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components) ->
     if first is not None:
         set_adapter(spec, first.phase, components)
     return denoise(family, runs, steps, x, geometry, begin=begin,
-                   max_batch=spec.runtime.max_batch, progress=spec.runtime.progress, on_step=hook)
+                   max_rows=max_rows(spec, family, x, geometry), progress=spec.runtime.progress, on_step=hook)
 
 
 __all__ = ["PhaseResult", "Passes", "run_phases"]

@@ -20,6 +20,11 @@ class RuntimeSpec(SpecModel):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
     seed: int = 0
     max_batch: int | None = Field(default=None, ge=1, description="Most samples x passes in one denoiser forward.")
+    max_tokens_per_forward: int | None = Field(
+        default=32768, ge=1,
+        description="Batch guidance passes into one forward only while rows x image tokens stay within this; "
+        "on an H200, two Wan-14B 480p passes (2 x 32760 tokens) ran 1.9% slower batched than one by one.",
+    )
     progress: bool = True
 
 

@@ -63,8 +63,11 @@ class FluxFamily(Family):
 
     def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
         b = latents.shape[0]
-        h, w = self._latent_hw(geometry)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+        key = ("img_ids", latents.device, latents.dtype)
+        if key not in geometry.extra:  # built once per phase: a host->device copy per step would stall the GPU
+            h, w = self._latent_hw(geometry)
+            geometry.extra[key] = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+        img_ids = geometry.extra[key]
         guidance = None
         if denoiser.config.guidance_embeds:
             guidance = torch.full([b], 3.5 if embedded is None else embedded, device=latents.device, dtype=torch.float32)

@@ -10,6 +10,9 @@ import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
+import sys as _sys
+
+_sys.path.insert(0, str(ROOT))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ import torch
 
 from ..policies import apply_policies, check_policies, resolve_device
 from ..spec import PipelineSpec, SpecError, load_spec
-from .components import check_source, load_components
+from .components import check_source, load_adapter_slots, load_components
 from .families import family_class
 from .pipeline import Pipeline
 
@@ -52,6 +52,7 @@ def build(
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
     loaded = load_components(spec, check_source(spec, source, missing), only=missing) if missing else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
+    load_adapter_slots(spec, modules)
     apply_policies(spec, family_cls, modules, target)
     family = family_cls(spec, modules, target)
     return Pipeline(spec, family, modules, target)

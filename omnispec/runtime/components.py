@@ -92,3 +92,33 @@ def load_components(spec: PipelineSpec, root: str, only: Mapping[str, Component]
         if isinstance(out[name], torch.nn.Module):
             out[name].eval().requires_grad_(False)
     return out
+
+
+def adapter_target(spec: PipelineSpec, slot: str) -> str:
+    """The component a LoRA slot loads into: its ``target``, else the denoiser of the first phase using it."""
+    adapter = spec.model.adapters[slot]
+    if adapter.target:
+        return adapter.target
+    users = [p.denoiser for p in spec.recipe.phases if p.adapter == slot]
+    return users[0] if users else spec.recipe.phases[0].denoiser
+
+
+def load_adapter_slots(spec: PipelineSpec, modules: dict[str, Any]) -> None:
+    """Load every LoRA slot with diffusers' PEFT integration (``load_lora_adapter``), all switched off;
+    phases switch their slot on as they start."""
+    for slot, adapter in spec.model.adapters.items():
+        target = adapter_target(spec, slot)
+        module = modules[target]
+        if not hasattr(module, "load_lora_adapter"):
+            raise SpecError.single(f"component {target!r} ({type(module).__name__}) cannot take LoRA adapters",
+                                   f"model.adapters.{slot}")
+        kwargs: dict[str, Any] = {"adapter_name": slot, "prefix": None}
+        kwargs |= {"weight_name": adapter.weight_name} if adapter.weight_name else {"use_safetensors": True}
+        try:
+            module.load_lora_adapter(adapter.path, **kwargs)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SpecError.single(f"cannot load LoRA {adapter.path!r} into {target!r}: {first}",
+                                   f"model.adapters.{slot}.path") from None
+    for target in {adapter_target(spec, slot) for slot in spec.model.adapters}:
+        modules[target].disable_adapters()

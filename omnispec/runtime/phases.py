@@ -95,17 +95,20 @@ def renoise(latents: torch.Tensor, sigma: float, generators: list[torch.Generato
 
 
 def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any]) -> None:
-    """Activate the phase's adapter slot on its target (others off); no slot disables adapters."""
+    """Switch on the phase's adapter slot on its target and every other slot off."""
     if not spec.model.adapters:
         return
-    targets = {slot.target or phase.denoiser for slot in spec.model.adapters.values()}
-    for target in targets:
+    from .components import adapter_target
+
+    by_target: dict[str, list[str]] = {}
+    for slot in spec.model.adapters:
+        by_target.setdefault(adapter_target(spec, slot), []).append(slot)
+    for target, slots in by_target.items():
         module = components[target]
-        slots = [n for n, s in spec.model.adapters.items() if (s.target or phase.denoiser) == target]
         if phase.adapter in slots:
             module.enable_adapters()
             module.set_adapters([phase.adapter], weights=[spec.model.adapters[phase.adapter].scale])
-        elif slots:
+        else:
             module.disable_adapters()
 
 

@@ -1,6 +1,7 @@
 """Policies: checked against the device and family before loading, applied to the loaded modules in one
-order (quantization at load, dtype/device, attention, cache, offload, compile)."""
+order (quantization at load, device placement, attention, cache, offload, compile)."""
 
-from .apply import apply_policies, check_policies, resolve_device
+from .apply import AppliedPolicies, apply_policies, check_policies, resolve_device
+from .cache import CacheRuntime
 
-__all__ = ["apply_policies", "check_policies", "resolve_device"]
+__all__ = ["AppliedPolicies", "CacheRuntime", "apply_policies", "check_policies", "resolve_device"]

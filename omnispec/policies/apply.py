@@ -1,13 +1,21 @@
-"""The one place policies are checked against the target and applied, in one order."""
+"""The one place policies are checked against the target and applied, in one order:
+quantization (at load, see ``quantization.load_kwargs``), device placement, attention, cache, offload,
+compile."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
+from . import quantization
+from .attention import AttentionPlan, apply_attention, usable
+from .cache import CacheRuntime, apply_cache
+from .compile import apply_compile
+from .offload import apply_offload
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -20,48 +28,55 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-# Policy values this build can execute; anything else is refused at build, before weights load,
-# rather than silently ignored.
-_SUPPORTED = {
-    ("attention", "default"): ("auto", "sdpa"),
-    ("offload", "strategy"): ("none",),
-    ("cache", "kind"): ("none",),
-    ("compile", "mode"): ("none",),
-}
+@dataclass
+class AppliedPolicies:
+    attention: AttentionPlan = field(default_factory=AttentionPlan)
+    cache: CacheRuntime | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> None:
     """Refuse what cannot run here, naming the field; nothing is loaded yet."""
     p = spec.policies
-    problems: list[Problem] = []
-    values = {
-        ("attention", "default"): p.attention.default,
-        ("offload", "strategy"): p.offload.strategy,
-        ("cache", "kind"): p.cache.kind,
-        ("compile", "mode"): p.compile.mode,
-    }
-    for key, value in values.items():
-        if value not in _SUPPORTED[key]:
-            problems.append(Problem(f"policies.{'.'.join(key)}", f"{value!r} is not available in this build "
-                                    f"(supported: {', '.join(_SUPPORTED[key])})"))
+    problems: list[Problem] = list(quantization.check(spec, device))
+    dtype = _DTYPES[spec.model.dtype]
     for role, backend in p.attention.per_role.items():
         if role not in family.attention_roles:
             problems.append(Problem(f"policies.attention.per_role.{role}",
                                     f"family {family.name!r} has no attention role {role!r} "
                                     f"(roles: {', '.join(family.attention_roles)})"))
-        elif backend not in _SUPPORTED[("attention", "default")]:
-            problems.append(Problem(f"policies.attention.per_role.{role}", f"{backend!r} is not available in this build"))
-    if p.quantization:
-        problems.append(Problem("policies.quantization", "quantization is not available in this build"))
+    limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
+    if limit:
+        problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))
+    explicit = {("default",): p.attention.default} | {("per_role", r): b for r, b in p.attention.per_role.items()}
+    for where, backend in explicit.items():
+        if backend == "auto" or p.attention.allow_fallback:
+            continue
+        reason = usable(backend, device, dtype, 128)
+        if reason is not None:
+            problems.append(Problem(f"policies.attention.{'.'.join(where)}", f"{backend} cannot run here: {reason}"))
     if p.parallel.world_size != 1:
         problems.append(Problem("policies.parallel", f"world size {p.parallel.world_size} needs the parallel runtime, "
-                                "which is not available in this build"))
+                                "which this version does not have yet"))
     if problems:
         raise SpecError(problems)
 
 
-def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], device: torch.device) -> None:
-    """Quantization happened at load; here: device placement, then attention, cache, offload, compile."""
-    for component in components.values():
-        if isinstance(component, torch.nn.Module):
-            component.to(device)
+def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], device: torch.device) -> AppliedPolicies:
+    """Device placement, attention, cache, offload, compile (quantization already happened at load)."""
+    applied = AppliedPolicies()
+    denoisers = {n: components[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
+    if spec.policies.offload.strategy == "none":
+        for m in components.values():
+            if isinstance(m, torch.nn.Module):
+                m.to(device)
+    applied.attention = apply_attention(spec, family, denoisers, device)
+    applied.cache = apply_cache(spec, components)
+    applied.notes["offload"] = apply_offload(spec, components, device)
+    applied.notes["compile"] = apply_compile(spec, family, components)
+    if applied.cache is not None:
+        applied.notes["cache"] = applied.cache.kind + ("" if applied.cache.scoped else " (loop-level reuse)")
+    return applied

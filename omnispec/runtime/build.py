@@ -53,6 +53,6 @@ def build(
     loaded = load_components(spec, check_source(spec, source, missing), only=missing) if missing else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
     load_adapter_slots(spec, modules)
-    apply_policies(spec, family_cls, modules, target)
+    applied = apply_policies(spec, family_cls, modules, target)
     family = family_cls(spec, modules, target)
-    return Pipeline(spec, family, modules, target)
+    return Pipeline(spec, family, modules, target, applied)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..spec import Component, PipelineSpec, SpecError
+from ..policies import quantization
 from .families import import_ref
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -79,6 +80,7 @@ def load_components(spec: PipelineSpec, root: str, only: Mapping[str, Component]
             kwargs["revision"] = spec.model.revision
         if component.role not in _WEIGHTLESS:
             kwargs["dtype"] = DTYPES[component.dtype or spec.model.dtype]
+            kwargs |= quantization.load_kwargs(spec, name, component, cls)
         try:
             if component.file:
                 out[name] = cls.from_single_file(str(Path(root) / (component.subfolder or "") / component.file), **{

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..policies import CacheRuntime
+from ..policies.cache import cache_context
 from ..spec import Phase, SkipLayer, StepPlan
 from .families import Conditioning, Family, Geometry
 from .guidance import GuidanceState, combine
@@ -51,9 +53,12 @@ def run_passes(
     t: torch.Tensor,
     geometry: Geometry,
     max_rows: int | None,
+    cache: CacheRuntime | None = None,
 ) -> dict[str, torch.Tensor]:
     """Predictions for every pass of a step, keyed by pass name; at most ``max_rows`` rows per forward."""
     passes = run.passes
+    if cache is not None and cache.scoped:
+        return _scoped_passes(family, run, plan, x, t, geometry)
     plain = [p for p in plan.passes if passes.perturbations.get(p) is None]
     groups: list[tuple[list[str], SkipLayer | None]] = [(plain, None)] if plain else []
     groups += [([p], passes.perturbations[p]) for p in plan.passes if passes.perturbations.get(p) is not None]
@@ -77,6 +82,22 @@ def run_passes(
     return preds
 
 
+def _scoped_passes(family, run, plan, x, t, geometry) -> dict[str, torch.Tensor]:
+    """One forward per (pass, sample), each under its own cache context: what a step cache sees for
+    "uncond:1" never depends on which other passes or samples ran beside it."""
+    preds = {}
+    for name in plan.passes:
+        cond, skip = run.passes.conditions[name], run.passes.perturbations.get(name)
+        rows = []
+        for row in range(x.shape[0]):
+            where = {"step_index": plan.step, "num_inference_steps": len(run.plans), "timestep": t, "sigma": plan.sigma}
+            with cache_context(run.denoiser, f"{name}:{row}", **where):
+                rows.append(family.predict(run.denoiser, x[row:row + 1], t, cond.rows(slice(row, row + 1)), geometry,
+                                           embedded=plan.embedded, skip=skip))
+        preds[name] = torch.cat(rows)
+    return preds
+
+
 def denoise(
     family: Family,
     runs: Sequence[PhaseRun],
@@ -88,19 +109,24 @@ def denoise(
     max_rows: int | None = None,
     progress: bool = True,
     on_step: StepHook | None = None,
+    cache: CacheRuntime | None = None,
 ) -> torch.Tensor:
     owner = {i: (run, k) for run in runs for k, i in enumerate(run.indices)}
     label = "+".join(r.phase.name for r in runs)
     steps.start_at(begin)
+    last: torch.Tensor | None = None
     for i in tqdm(range(begin, len(steps)), desc=label, disable=not progress, leave=False):
         run, k = owner[i]
         plan = run.plans[k]
         t = steps.timesteps[i]
         if plan.zero:
             pred = torch.zeros_like(x)
+        elif cache is not None and not cache.computes(i) and last is not None:
+            pred = last  # step_mask: reuse the previous step's combined prediction
         else:
-            preds = run_passes(family, run, plan, x, t, geometry, max_rows)
+            preds = run_passes(family, run, plan, x, t, geometry, max_rows, cache)
             pred = combine(plan, preds, run.phase.guidance, run.state, x)
+        last = pred
         result = steps.sampler.step(x, pred, i)
         if on_step is not None:
             on_step(i, run, x, result)

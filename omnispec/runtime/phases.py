@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..policies import CacheRuntime
 from ..spec import Phase, PipelineSpec, SegmentSchedule, compile_plan
 from ..spec.recipe import LatentUpsample, PreviousInput, Resize
 from ..spec.request import Request
@@ -122,6 +123,7 @@ def run_phases(
     *,
     device: torch.device,
     on_step: StepHook | None = None,
+    cache: CacheRuntime | None = None,
 ) -> list[PhaseResult]:
     """Every phase's final latents, in phase order."""
     results: list[PhaseResult] = []
@@ -149,7 +151,7 @@ def run_phases(
             sigmas = [steps.sigmas[i] for i in mine]
             plans = compile_plan(phase.guidance, len(mine), sigmas) if mine else []
             runs.append(PhaseRun(phase, components[phase.denoiser], mine, plans, passes_for(phase)))
-        x = _walk(spec, family, runs, steps, x, geometry, begin, on_step, components)
+        x = _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, cache)
         for idx in group:
             results.append(PhaseResult(x, geometry))
         prev = results[-1]
@@ -164,7 +166,7 @@ def max_rows(spec: PipelineSpec, family: Family, x: torch.Tensor, geometry: Geom
     return min(limits) if limits else None
 
 
-def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components) -> torch.Tensor:
+def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, cache) -> torch.Tensor:
     """Walk a group, switching adapter slots on each phase's first step."""
     starts = {run.indices[0]: run for run in runs if run.indices}
 
@@ -179,7 +181,8 @@ def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components) ->
     if first is not None:
         set_adapter(spec, first.phase, components)
     return denoise(family, runs, steps, x, geometry, begin=begin,
-                   max_rows=max_rows(spec, family, x, geometry), progress=spec.runtime.progress, on_step=hook)
+                   max_rows=max_rows(spec, family, x, geometry), progress=spec.runtime.progress, on_step=hook,
+                   cache=cache)
 
 
 __all__ = ["PhaseResult", "Passes", "run_phases"]

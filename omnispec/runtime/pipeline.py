@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..policies import AppliedPolicies
 from ..spec import PipelineSpec, SkipLayer, explain_spec
 from ..spec.guidance import NEGATIVE_TERMS, pass_name
 from ..spec.recipe import Phase
@@ -37,11 +38,13 @@ class Output:
 
 
 class Pipeline:
-    def __init__(self, spec: PipelineSpec, family: Family, components: dict[str, Any], device: torch.device):
+    def __init__(self, spec: PipelineSpec, family: Family, components: dict[str, Any], device: torch.device,
+                 policies: AppliedPolicies | None = None):
         self.spec = spec
         self.family = family
         self.components = components
         self.device = device
+        self.policies = policies or AppliedPolicies()
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -53,6 +56,9 @@ class Pipeline:
     def generate(self, request: Request, on_step: StepHook | None = None, decode: bool = True) -> Output:
         """Run a resolved request; ``decode=False`` skips the VAE and leaves ``array`` empty."""
         spec = self.spec_for(request)
+        cache = self.policies.cache
+        if cache is not None:
+            cache.reset()  # no cache state crosses requests
         positive = self.family.encode(request.prompts, request)
         negative = None
         if any(t.kind in NEGATIVE_TERMS for p in spec.recipe.phases for t in p.guidance.terms):
@@ -61,6 +67,7 @@ class Pipeline:
         results = run_phases(
             spec, self.family, self.components, request,
             lambda phase: phase_passes(phase, positive, negative), generators, device=self.device, on_step=on_step,
+            cache=cache,
         )
         out = results[spec.recipe.output_index() or 0]
         if not decode:
@@ -99,7 +106,10 @@ class Pipeline:
                                        self.device)
             for k, idx in enumerate(group):
                 sigmas[spec.recipe.phases[idx].name] = [steps.sigmas[i] for i in owned[k]]
-        return explain_spec(spec, req.steps, sigmas)
+        attention = {role: note for role, note in self.policies.attention.notes.items()}
+        info = explain_spec(spec, req.steps, sigmas, attention=attention or None)
+        info["applied"] = dict(self.policies.notes)
+        return info
 
 
 def phase_passes(phase: Phase, positive: Conditioning, negative: Conditioning | None) -> Passes:

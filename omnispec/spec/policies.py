@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from .base import SpecModel
 
@@ -88,10 +88,21 @@ class TaylorSeerCache(SpecModel):
 
 
 class MagCache(SpecModel):
+    """MagCache skips steps by the accumulated residual-magnitude ratio; ``mag_ratios`` (one per step)
+    come from a calibration run (``calibrate: true`` runs without skipping and logs them)."""
+
     kind: Literal["magcache"]
     threshold: float = Field(default=0.06, gt=0)
     max_skip_steps: PositiveInt = 3
     retention_ratio: float = Field(default=0.2, ge=0, le=1)
+    mag_ratios: list[float] | None = None
+    calibrate: bool = False
+
+    @model_validator(mode="after")
+    def _ratios_or_calibration(self) -> MagCache:
+        if self.mag_ratios is None and not self.calibrate:
+            raise ValueError("magcache needs mag_ratios from a calibration run, or calibrate: true to make them")
+        return self
 
 
 class StepMaskCache(SpecModel):

@@ -17,6 +17,8 @@ class SD3Family(Family):
     pipeline_class = StableDiffusion3Pipeline
     block_lists = ("transformer_blocks",)
     attention_roles = {"joint": ("transformer_blocks.*.attn",), "self": ("transformer_blocks.*.attn2",)}
+    cache_limits = {"first_block": "SD3's last joint block returns no text stream, which diffusers' "
+                                   "first-block cache subtracts (use taylorseer, magcache or step_mask)"}
     required = {
         "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder", "tokenizer_2": "tokenizer",
         "text_encoder_3": "encoder", "tokenizer_3": "tokenizer", "vae": "vae",

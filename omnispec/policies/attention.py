@@ -1,0 +1,271 @@
+"""Attention backends per role: explicit (checked by a real call at build) or ``auto`` (timed on first use).
+
+Mechanism: every attention module of a role gets a diffusers ``ModelHook`` that runs its forward
+inside either ``torch.nn.attention.sdpa_kernel`` (the ``sdpa_*`` backends) or a ``TorchFunctionMode``
+that sends ``F.scaled_dot_product_attention`` to xformers or SageAttention. We do this instead of
+diffusers' ``set_attention_backend`` because that dispatcher (a) reaches only processors written for
+it (FLUX, Wan; not SD3's ``JointAttnProcessor2_0`` or the digits model's ``AttnProcessor2_0``) and (b)
+refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers every processor alike.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from ..spec import PipelineSpec, SpecError
+from ..spec.errors import Problem
+from ..spec.policies import PERTURBABLE_BACKENDS
+
+SDPA_KERNELS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+}
+CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage")
+HOOK_NAME = "omnispec_attention"
+# auto keeps sdpa unless another backend is faster by more than this (timing noise on a short trial).
+AUTO_MARGIN = 0.03
+
+
+# ---- the replacement kernels ----------------------------------------------------------------------
+
+def _xformers_attention(q, k, v, scale):
+    import xformers.ops as xops
+
+    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return out.transpose(1, 2)
+
+
+def _sage_attention(q, k, v, scale):
+    from sageattention import sageattn
+
+    kwargs = {"sm_scale": scale} if scale is not None else {}
+    return sageattn(q, k, v, tensor_layout="HND", is_causal=False, **kwargs)
+
+
+_REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention}
+
+
+class _RedirectSDPA(TorchFunctionMode):
+    """Sends plain (maskless, non-causal, no dropout) SDPA calls to another kernel; others pass through."""
+
+    def __init__(self, kernel: Callable):
+        super().__init__()
+        self.kernel = kernel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            plain = (len(args) <= 3 and kwargs.get("attn_mask") is None and not kwargs.get("is_causal")
+                     and not kwargs.get("dropout_p") and not kwargs.get("enable_gqa") and q.shape[-3] == k.shape[-3])
+            if plain:
+                return self.kernel(q, k, v, kwargs.get("scale"))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def backend_context(backend: str) -> Iterator[None]:
+    if backend == "sdpa":
+        yield
+    elif backend in SDPA_KERNELS:
+        with sdpa_kernel([SDPA_KERNELS[backend]]):
+            yield
+    else:
+        with _RedirectSDPA(_REPLACEMENTS[backend]):
+            yield
+
+
+# ---- detection ------------------------------------------------------------------------------------
+
+def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when the backend runs here for this dtype and head size, else the reason it does not."""
+    if backend == "xformers":
+        try:
+            import xformers.ops  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure means unusable
+            return f"xformers is not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if backend == "sage":
+        try:
+            import sageattention  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"sageattention is not importable ({type(exc).__name__})"
+        if device.type != "cuda":
+            return "sageattention runs only on CUDA"
+    q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
+    try:
+        with backend_context(backend):
+            out = F.scaled_dot_product_attention(q, q, q)
+        ref = F.scaled_dot_product_attention(q.float(), q.float(), q.float())
+        if not torch.isfinite(out).all() or torch.nn.functional.cosine_similarity(
+            out.float().flatten(), ref.flatten(), dim=0) < 0.99:
+            return "gave wrong results in a test call"
+    except Exception as exc:  # noqa: BLE001 - a kernel that can't run raises many kinds of errors
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no kernel'}"
+    return None
+
+
+_PROBES: dict[tuple[str, str, torch.dtype, int], str | None] = {}
+
+
+def usable(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    key = (backend, str(device), dtype, head_dim)
+    if key not in _PROBES:
+        _PROBES[key] = probe(backend, device, dtype, head_dim)
+    return _PROBES[key]
+
+
+# ---- hooks ----------------------------------------------------------------------------------------
+
+class FixedBackendHook(ModelHook):
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+
+    def new_forward(self, module, *args, **kwargs):
+        with backend_context(self.backend):
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+
+# Process-wide cache of auto choices: (role, shape, dtype, device) -> backend.
+AUTO_CHOICES: dict[tuple, str] = {}
+
+
+def _time_backend(backend: str, q: torch.Tensor, repeats: int = 5) -> float:
+    def run():
+        with backend_context(backend):
+            F.scaled_dot_product_attention(q, q, q)
+
+    run()
+    times = []
+    for _ in range(repeats):
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int, head_dim: int,
+           dtype: torch.dtype, device: torch.device) -> str:
+    key = (role, batch, heads, tokens, head_dim, dtype, str(device))
+    if key not in AUTO_CHOICES:
+        if len(candidates) == 1:
+            AUTO_CHOICES[key] = candidates[0]
+        else:
+            q = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
+            times = {b: _time_backend(b, q) for b in candidates}
+            best = min(times, key=times.get)
+            AUTO_CHOICES[key] = best if times[best] < times["sdpa"] * (1 - AUTO_MARGIN) else "sdpa"
+    return AUTO_CHOICES[key]
+
+
+class AutoBackendHook(ModelHook):
+    """Picks the fastest usable backend for each call shape on first use (cached for the process)."""
+
+    def __init__(self, role: str, candidates: list[str], heads: int, head_dim: int):
+        super().__init__()
+        self.role, self.candidates, self.heads, self.head_dim = role, candidates, heads, head_dim
+
+    def new_forward(self, module, *args, **kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        context = kwargs.get("encoder_hidden_states")
+        tokens = hidden.shape[1] + (context.shape[1] if context is not None and hidden.ndim == 3 and
+                                    getattr(module, "added_kv_proj_dim", None) else 0)
+        backend = choose(self.role, self.candidates, hidden.shape[0], self.heads, tokens, self.head_dim,
+                         hidden.dtype, hidden.device)
+        with backend_context(backend):
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+
+# ---- the policy -----------------------------------------------------------------------------------
+
+@dataclass
+class AttentionPlan:
+    """What runs per role, and why: shown by ``explain``."""
+
+    per_role: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def role_modules(family: Any, denoiser: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
+    out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in denoiser.named_modules():
+        if not hasattr(module, "processor"):
+            continue
+        for role, patterns in family.attention_roles.items():
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                out.setdefault(role, []).append((name, module))
+                break
+    return out
+
+
+def _head_dim(module: torch.nn.Module) -> tuple[int, int]:
+    heads = int(getattr(module, "heads", 1))
+    inner = getattr(module, "inner_dim", None) or module.to_q.out_features
+    return heads, int(inner) // heads
+
+
+def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.Module],
+                    device: torch.device) -> AttentionPlan:
+    policy = spec.policies.attention
+    perturbing = any(p.guidance.perturbs_attention for p in spec.recipe.phases)
+    plan = AttentionPlan()
+    problems: list[Problem] = []
+    for dname, denoiser in denoisers.items():
+        for role, modules in role_modules(family, denoiser).items():
+            wanted = policy.per_role.get(role, policy.default)
+            where = f"policies.attention.{'per_role.' + role if role in policy.per_role else 'default'}"
+            heads, head_dim = _head_dim(modules[0][1])
+            dtype = denoiser.dtype
+            if wanted == "auto":
+                allowed = [b for b in CONCRETE if not perturbing or b in PERTURBABLE_BACKENDS]
+                reasons = {b: usable(b, device, dtype, head_dim) for b in allowed}
+                candidates = [b for b in allowed if reasons[b] is None]
+                if "sdpa" not in candidates:
+                    candidates.insert(0, "sdpa")
+                skipped = ", ".join(f"{b} ({r})" for b, r in reasons.items() if r)
+                plan.per_role[role] = "auto"
+                plan.notes[role] = (f"auto over [{', '.join(candidates)}], timed per shape on first use"
+                                    + (f"; unusable here: {skipped}" if skipped else ""))
+                hook_for: Callable[[], ModelHook] = lambda r=role, c=candidates, h=heads, d=head_dim: AutoBackendHook(r, c, h, d)  # noqa: E731
+            else:
+                reason = usable(wanted, device, dtype, head_dim)
+                if reason is not None:
+                    if not policy.allow_fallback:
+                        problems.append(Problem(where, f"{wanted} cannot run for role {role!r} of {dname} "
+                                                f"({dtype}, head size {head_dim}, {device}): {reason}"))
+                        continue
+                    plan.notes[role] = f"sdpa (fallback: {wanted} unusable: {reason})"
+                    wanted = "sdpa"
+                else:
+                    plan.notes[role] = f"{wanted} (explicit, checked by a test call on {device})"
+                plan.per_role[role] = wanted
+                hook_for = lambda b=wanted: FixedBackendHook(b)  # noqa: E731
+            if plan.per_role[role] == "sdpa":
+                plan.notes.setdefault(role, "sdpa: torch's dispatcher picks the kernel")
+                continue
+            for _, module in modules:
+                registry = HookRegistry.check_if_exists_or_initialize(module)
+                if registry.get_hook(HOOK_NAME) is not None:
+                    registry.remove_hook(HOOK_NAME, recurse=False)
+                registry.register_hook(hook_for(), HOOK_NAME)
+    if problems:
+        raise SpecError(problems)
+    return plan

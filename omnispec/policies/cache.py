@@ -1,0 +1,80 @@
+"""Step caches. ``first_block``, ``taylorseer`` and ``magcache`` are diffusers' hooks on each denoiser;
+``step_mask`` (a declared compute/reuse pattern, which diffusers lacks) is read by the denoise loop.
+
+Scoping: while a cache is on, the loop runs every guidance pass of every sample in its own forward
+under its own ``cache_context`` ("uncond:1", ...), and ``reset`` clears all cache state at the start of
+each request, so neither batch-mates nor earlier requests can reach an output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry
+
+from ..spec import PipelineSpec
+
+
+@dataclass
+class CacheRuntime:
+    kind: str
+    denoisers: list[torch.nn.Module]
+    step_mask: list[bool] | None = None
+
+    @property
+    def scoped(self) -> bool:
+        """Whether forwards must be split per pass and sample, each under its own cache context."""
+        return self.step_mask is None
+
+    def reset(self) -> None:
+        for module in self.denoisers:
+            registry = getattr(module, "_diffusers_hook", None)
+            if isinstance(registry, HookRegistry):
+                registry.reset_stateful_hooks(recurse=True)
+
+    def computes(self, step: int) -> bool:
+        return self.step_mask is None or step >= len(self.step_mask) or self.step_mask[step]
+
+
+@contextmanager
+def cache_context(module: torch.nn.Module, name: str, **where: Any) -> Iterator[None]:
+    """diffusers' ``CacheMixin.cache_context`` for any module (the digits DiT has no ``CacheMixin``);
+    ``where`` carries step_index / num_inference_steps / timestep / sigma for the hooks that use them."""
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    _set_cache_context(module, CacheContext(name, **where))
+    try:
+        yield
+    finally:
+        _set_cache_context(module, None)
+
+
+def apply_cache(spec: PipelineSpec, components: dict[str, Any]) -> CacheRuntime | None:
+    policy = spec.policies.cache
+    if policy.kind == "none":
+        return None
+    denoisers = [components[n] for n, c in spec.model.components.items() if c.role == "denoiser"]
+    if policy.kind == "step_mask":
+        return CacheRuntime("step_mask", denoisers, list(policy.mask))
+    from diffusers.hooks import (
+        FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, apply_first_block_cache, apply_mag_cache,
+        apply_taylorseer_cache,
+    )
+
+    for module in denoisers:
+        if policy.kind == "first_block":
+            apply_first_block_cache(module, FirstBlockCacheConfig(threshold=policy.threshold))
+        elif policy.kind == "taylorseer":
+            apply_taylorseer_cache(module, TaylorSeerCacheConfig(
+                cache_interval=policy.interval, max_order=policy.max_order,
+                disable_cache_before_step=policy.warmup_steps, taylor_factors_dtype=torch.float32))
+        else:
+            apply_mag_cache(module, MagCacheConfig(
+                threshold=policy.threshold, max_skip_steps=policy.max_skip_steps,
+                retention_ratio=policy.retention_ratio, num_inference_steps=spec.recipe.defaults.steps,
+                mag_ratios=policy.mag_ratios, calibrate=policy.calibrate))
+    return CacheRuntime(policy.kind, denoisers)

@@ -1,0 +1,73 @@
+"""Quantization at load, through diffusers'/transformers' quantization configs (torchao, bitsandbytes).
+
+A spec keys methods by component name or role; ``load_kwargs`` gives ``from_pretrained`` its
+``quantization_config``. ``check`` rejects, before anything loads, a method the target can't run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from ..spec import Component, PipelineSpec
+from ..spec.errors import Problem
+from ..spec.policies import CUDA_ONLY_METHODS, TORCHAO_METHODS, Quantization
+
+_TORCHAO_CONFIGS = {
+    "fp8_dynamic": "Float8DynamicActivationFloat8WeightConfig",
+    "fp8_weight_only": "Float8WeightOnlyConfig",
+    "int8_weight_only": "Int8WeightOnlyConfig",
+    "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "int4_weight_only": "Int4WeightOnlyConfig",
+}
+
+
+def method_for(spec: PipelineSpec, name: str, component: Component) -> Quantization | None:
+    q = spec.policies.quantization
+    return q.get(name) or q.get(component.role)
+
+
+def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:
+    problems = []
+    for key, q in spec.policies.quantization.items():
+        where = f"policies.quantization.{key}.method"
+        lib = "torchao" if q.method in TORCHAO_METHODS else "bitsandbytes"
+        if importlib.util.find_spec(lib) is None:
+            problems.append(Problem(where, f"{q.method} needs {lib}: pip install 'omnispec[quant]'"))
+            continue
+        if q.method in CUDA_ONLY_METHODS and device.type != "cuda":
+            problems.append(Problem(where, f"{q.method} runs only on CUDA; the target is {device}"))
+        elif q.method.startswith("fp8") and device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                problems.append(Problem(where, f"{q.method} needs compute capability >= 8.9, this GPU has {major}.{minor}"))
+    return problems
+
+
+def load_kwargs(spec: PipelineSpec, name: str, component: Component, cls: type) -> dict[str, Any]:
+    q = method_for(spec, name, component)
+    if q is None:
+        return {}
+    from_transformers = cls.__module__.startswith("transformers")
+    exclude = list(q.exclude) or None
+    if q.method in TORCHAO_METHODS:
+        import torchao.quantization as tq
+
+        ao = getattr(tq, _TORCHAO_CONFIGS[q.method])()
+        if from_transformers:
+            from transformers import TorchAoConfig
+
+            return {"quantization_config": TorchAoConfig(ao, modules_to_not_convert=exclude)}
+        from diffusers import TorchAoConfig as DiffusersTorchAoConfig
+
+        return {"quantization_config": DiffusersTorchAoConfig(ao, modules_to_not_convert=exclude)}
+    bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if q.method == "nf4" else {"load_in_8bit": True}
+    if from_transformers:
+        from transformers import BitsAndBytesConfig
+
+        return {"quantization_config": BitsAndBytesConfig(**bnb, llm_int8_skip_modules=exclude)}
+    from diffusers import BitsAndBytesConfig as DiffusersBnb
+
+    return {"quantization_config": DiffusersBnb(**bnb, llm_int8_skip_modules=exclude)}

@@ -1,0 +1,141 @@
+"""Policies on the tiny fixtures (CPU): same output as the plain run where they must be exact, documented
+tolerances where they approximate, cache scoping, and every conflict rule failing cleanly."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import omnispec
+from omnispec.spec import SpecError
+from omnispec.testing import TINY_OVERRIDES, tiny_flux, tiny_sd3
+
+from conftest import SPECS
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return tiny_flux(tmp_path_factory.mktemp("flux"))
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    return tiny_sd3(tmp_path_factory.mktemp("sd3"))
+
+
+def run(ckpt, spec, family, *overrides, prompt="a cat", **request):
+    pipe = omnispec.build(SPECS / spec, source=str(ckpt), overrides=[*TINY_OVERRIDES[family], *overrides])
+    return pipe, pipe(prompt, seed=0, **request).array
+
+
+@pytest.fixture(scope="module")
+def plain_flux(flux_dir):
+    return run(flux_dir, "flux1-dev.yaml", "flux")[1]
+
+
+@pytest.fixture(scope="module")
+def plain_sd3(sd3_dir):
+    return run(sd3_dir, "sd3.5-medium.yaml", "sd3")[1]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "sdpa_flash", "auto"])
+def test_attention_backends_match_the_plain_run(flux_dir, plain_flux, backend):
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.attention.default={backend}")
+    assert np.abs(out - plain_flux).max() <= 1e-4
+    assert set(pipe.explain()["attention"]) == {"joint", "single"}
+
+
+def test_attention_per_role_reaches_sd3_processors(sd3_dir, plain_sd3):
+    pipe, out = run(sd3_dir, "sd3.5-medium.yaml", "sd3", "policies.attention.per_role={joint: sdpa_math}")
+    assert np.abs(out - plain_sd3).max() <= 1e-4
+    assert pipe.explain()["attention"]["joint"].startswith("sdpa_math (explicit")
+
+
+def test_unusable_backend_is_a_build_error_with_reason(flux_dir):
+    with pytest.raises(SpecError, match=r"policies.attention.default: xformers cannot run here"):
+        run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=xformers")
+
+
+def test_unusable_backend_falls_back_when_allowed(flux_dir, plain_flux):
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention={default: sage, allow_fallback: true}")
+    assert np.abs(out - plain_flux).max() <= 1e-6
+    assert "fallback" in pipe.explain()["attention"]["joint"]
+
+
+def test_unknown_attention_role_is_rejected(flux_dir):
+    with pytest.raises(SpecError, match="no attention role 'cross'"):
+        run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.per_role={cross: sdpa}")
+
+
+@pytest.mark.parametrize("offload", ["{strategy: model}", "{strategy: group, blocks_per_group: 1}",
+                                     "{strategy: layerwise}"])
+def test_offload_gives_the_plain_output(flux_dir, plain_flux, offload):
+    _, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.offload={offload}")
+    assert np.abs(out - plain_flux).max() <= 1e-6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_int8_weight_only_quantization_stays_close(flux_dir, plain_flux):
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={transformer: {method: int8_weight_only}}")
+    assert type(pipe.components["transformer"].transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+    assert type(pipe.components["text_encoder"].text_model.encoder.layers[0].self_attn.q_proj.weight).__name__ == "Parameter"
+    cos = np.dot(out.ravel(), plain_flux.ravel()) / np.linalg.norm(out) / np.linalg.norm(plain_flux)
+    assert cos > 0.99 and np.abs(out - plain_flux).max() < 0.1
+
+
+def test_cuda_only_quantization_is_rejected_on_cpu(flux_dir):
+    with pytest.raises(SpecError, match="policies.quantization.denoiser.method: fp8_dynamic runs only on CUDA|needs torchao"):
+        run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={denoiser: {method: fp8_dynamic}}")
+
+
+def count_rows(pipe):
+    counter = {"rows": 0}
+    pipe.components["transformer"].register_forward_pre_hook(
+        lambda m, a, kw: counter.__setitem__("rows", counter["rows"] + kw["hidden_states"].shape[0]), with_kwargs=True)
+    return counter
+
+
+def test_step_mask_reuses_predictions(sd3_dir, plain_sd3):
+    pipe = omnispec.build(SPECS / "sd3.5-medium.yaml", source=str(sd3_dir),
+                          overrides=[*TINY_OVERRIDES["sd3"], "policies.cache={kind: step_mask, mask: [true, false, true, false]}"])
+    counter = count_rows(pipe)
+    out = pipe("a cat", seed=0, steps=4).array
+    assert counter["rows"] == 2 * 2  # two computed steps of CFG
+    assert np.isfinite(out).all()
+
+
+TRUE_CFG = "recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 2.0}]"
+
+
+@pytest.mark.parametrize("cache", ["{kind: first_block, threshold: 0.2}", "{kind: taylorseer, interval: 2, warmup_steps: 1}"])
+def test_cache_is_reset_per_request_and_scoped_per_pass_and_sample(flux_dir, cache):
+    base = [*TINY_OVERRIDES["flux"], "recipe.defaults.steps=6", TRUE_CFG]
+    pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=[*base, f"policies.cache={cache}"])
+    a = pipe("a cat", seed=0).array
+    b = pipe("a cat", seed=0).array
+    assert np.array_equal(a, b)  # nothing from the first request reaches the second
+    batch = pipe(["a red car in the snow", "a cat"], seed=[5, 0]).array
+    assert np.abs(batch[1] - a[0]).max() <= 1e-5  # a batch-mate changes nothing
+    plain = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=base)("a cat", seed=0).array
+    assert np.abs(a - plain).max() < 0.25  # an approximation of the plain run, not a different image
+
+
+def test_family_cache_limit_is_a_build_error(sd3_dir):
+    with pytest.raises(SpecError, match="policies.cache.kind: first_block cannot run on family 'sd3'"):
+        run(sd3_dir, "sd3.5-medium.yaml", "sd3", "policies.cache={kind: first_block}")
+
+
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_compile_gives_the_plain_output(flux_dir, plain_flux, mode):
+    _, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.compile={{mode: {mode}, backend: eager}}")
+    assert np.abs(out - plain_flux).max() <= 1e-5
+
+
+def test_magcache_needs_ratios_or_calibration():
+    with pytest.raises(SpecError, match="mag_ratios"):
+        omnispec.load_spec(SPECS / "flux1-dev.yaml", ["policies.cache={kind: magcache}"])
+
+
+def test_two_offload_strategies_cannot_be_declared():
+    with pytest.raises(SpecError, match="unknown key 'blocks_per_group'"):
+        omnispec.load_spec(SPECS / "flux1-dev.yaml", ["policies.offload={strategy: model, blocks_per_group: 2}"])

@@ -78,7 +78,8 @@ def test_offload_gives_the_plain_output(flux_dir, plain_flux, offload):
 def test_int8_weight_only_quantization_stays_close(flux_dir, plain_flux):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={transformer: {method: int8_weight_only}}")
     assert type(pipe.components["transformer"].transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
-    assert type(pipe.components["text_encoder"].text_model.encoder.layers[0].self_attn.q_proj.weight).__name__ == "Parameter"
+    untouched = [type(m.weight).__name__ for m in pipe.components["text_encoder"].modules() if hasattr(m, "weight")]
+    assert "Int8Tensor" not in untouched  # only the named component is quantized
     cos = np.dot(out.ravel(), plain_flux.ravel()) / np.linalg.norm(out) / np.linalg.norm(plain_flux)
     assert cos > 0.99 and np.abs(out - plain_flux).max() < 0.1
 

@@ -140,3 +140,24 @@ def test_magcache_needs_ratios_or_calibration():
 def test_two_offload_strategies_cannot_be_declared():
     with pytest.raises(SpecError, match="unknown key 'blocks_per_group'"):
         omnispec.load_spec(SPECS / "flux1-dev.yaml", ["policies.offload={strategy: model, blocks_per_group: 2}"])
+
+
+def test_redirected_attention_accepts_keyword_calls():
+    import torch
+    import torch.nn.functional as F
+
+    from omnispec.policies.attention import _RedirectSDPA
+
+    seen = []
+    q = torch.randn(1, 2, 8, 4)
+    with _RedirectSDPA(lambda q, k, v, scale: seen.append(scale) or q):
+        F.scaled_dot_product_attention(query=q, key=q, value=q, scale=0.5)
+        F.scaled_dot_product_attention(q, q, q)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))  # passes through
+    assert seen == [0.5, None]
+
+
+def test_auto_under_compile_resolves_to_sdpa(flux_dir, plain_flux):
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.compile={mode: regional, backend: eager}")
+    assert pipe.explain()["attention"]["joint"].startswith("sdpa (auto under compile")
+    assert np.abs(out - plain_flux).max() <= 1e-5

@@ -139,3 +139,8 @@ def test_unknown_variant_names_the_choices():
 def test_segments_must_cover_the_whole_schedule():
     data = with_(WAN22, lambda d: d["recipe"]["phases"][1]["schedule"].update(low=0.1))
     fails(data, "recipe.phases.0.schedule", "cover [0, 1]")
+
+
+def test_explicit_attention_backend_with_compile_is_rejected():
+    data = with_(FLUX, lambda d: d.update(policies={"attention": {"default": "sdpa_flash"}, "compile": {"mode": "regional"}}))
+    fails(data, "policies.attention.default", "policies.compile.mode")

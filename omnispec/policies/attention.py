@@ -35,6 +35,9 @@ SDPA_KERNELS = {
     "sdpa_math": SDPBackend.MATH,
 }
 CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage")
+# Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to
+# int8): auto considers them only when the spec allows approximation.
+APPROXIMATE = ("sage",)
 HOOK_NAME = "omnispec_attention"
 # auto keeps sdpa unless another backend is faster by more than this (timing noise on a short trial).
 AUTO_MARGIN = 0.03
@@ -69,11 +72,13 @@ class _RedirectSDPA(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            plain = (len(args) <= 3 and kwargs.get("attn_mask") is None and not kwargs.get("is_causal")
-                     and not kwargs.get("dropout_p") and not kwargs.get("enable_gqa") and q.shape[-3] == k.shape[-3])
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            call = dict(zip(names, args)) | kwargs  # diffusers passes query=/key=/value= by keyword
+            q, k, v = call.get("query"), call.get("key"), call.get("value")
+            plain = (q is not None and call.get("attn_mask") is None and not call.get("is_causal")
+                     and not call.get("dropout_p") and not call.get("enable_gqa") and q.shape[-3] == k.shape[-3])
             if plain:
-                return self.kernel(q, k, v, kwargs.get("scale"))
+                return self.kernel(q, k, v, call.get("scale"))
         return func(*args, **kwargs)
 
 
@@ -234,8 +239,15 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
             where = f"policies.attention.{'per_role.' + role if role in policy.per_role else 'default'}"
             heads, head_dim = _head_dim(modules[0][1])
             dtype = denoiser.dtype
+            if wanted == "auto" and spec.policies.compile.mode != "none":
+                # Per-module hooks would make the compiler recompile every block; under compile the
+                # compiler's own SDPA lowering decides the kernel.
+                plan.per_role[role] = "sdpa"
+                plan.notes[role] = "sdpa (auto under compile: the compiler picks the SDPA kernel)"
+                continue
             if wanted == "auto":
-                allowed = [b for b in CONCRETE if not perturbing or b in PERTURBABLE_BACKENDS]
+                allowed = [b for b in CONCRETE if (not perturbing or b in PERTURBABLE_BACKENDS)
+                           and (policy.approximate or b not in APPROXIMATE)]
                 reasons = {b: usable(b, device, dtype, head_dim) for b in allowed}
                 candidates = [b for b in allowed if reasons[b] is None]
                 if "sdpa" not in candidates:

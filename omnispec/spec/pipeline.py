@@ -147,6 +147,15 @@ def _policy_problems(spec: PipelineSpec):
             f"full-graph compile cannot trace through {policies.offload.strategy} offload's hooks "
             "(policies.offload.strategy); use compile mode 'regional'"
         )
+    if policies.compile.mode != "none":
+        chosen_backends = {("default",): policies.attention.default} | {
+            ("per_role", r): b for r, b in policies.attention.per_role.items()}
+        for where, backend in chosen_backends.items():
+            if backend not in ("auto", "sdpa"):
+                yield ("policies", "attention", *where), (
+                    f"backend {backend!r} is applied by per-module hooks that make policies.compile.mode "
+                    f"{policies.compile.mode!r} recompile every block; use auto or sdpa with compile"
+                )
     perturbing = [
         i for i, phase in enumerate(spec.recipe.phases) if phase.guidance.perturbs_attention
     ]

@@ -26,6 +26,7 @@ class AttentionPolicy(SpecModel):
         default_factory=dict, description="Attention role (self, cross, joint, family roles) -> backend."
     )
     allow_fallback: bool = Field(default=False, description="Fall back to sdpa when a named backend can't run.")
+    approximate: bool = Field(default=False, description="Let auto consider approximate kernels (sage).")
 
 
 class NoOffload(SpecModel):

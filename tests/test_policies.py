@@ -161,3 +161,15 @@ def test_auto_under_compile_resolves_to_sdpa(flux_dir, plain_flux):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.compile={mode: regional, backend: eager}")
     assert pipe.explain()["attention"]["joint"].startswith("sdpa (auto under compile")
     assert np.abs(out - plain_flux).max() <= 1e-5
+
+
+def test_rebuilding_over_the_same_modules_drops_old_attention_hooks(flux_dir):
+    from omnispec.policies.attention import HOOK_NAME
+
+    first, _ = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=sdpa_math")
+    modules = {n: m for n, m in first.components.items()}
+    again = omnispec.build(SPECS / "flux1-dev.yaml", components=modules, overrides=[*TINY_OVERRIDES["flux"]],
+                           device="cpu")
+    attn = again.components["transformer"].transformer_blocks[0].attn
+    hook = attn._diffusers_hook.get_hook(HOOK_NAME)
+    assert hook is None or type(hook).__name__ == "AutoBackendHook"

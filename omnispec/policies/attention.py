@@ -38,6 +38,9 @@ CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage")
 # Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to
 # int8): auto considers them only when the spec allows approximation.
 APPROXIMATE = ("sage",)
+# Never an auto candidate: the math kernel materialises the full score matrix (160 GiB for one Wan-14B
+# 480p layer) and is never the fastest.
+AUTO_EXCLUDED = ("sdpa_math",)
 HOOK_NAME = "omnispec_attention"
 # auto keeps sdpa unless another backend is faster by more than this (timing noise on a short trial).
 AUTO_MARGIN = 0.03
@@ -175,7 +178,13 @@ def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int
             AUTO_CHOICES[key] = candidates[0]
         else:
             q = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
-            times = {b: _time_backend(b, q) for b in candidates}
+            times = {}
+            for b in candidates:
+                try:
+                    times[b] = _time_backend(b, q)
+                except (RuntimeError, torch.OutOfMemoryError):  # a kernel that can't take this shape
+                    times[b] = float("inf")
+            del q
             best = min(times, key=times.get)
             AUTO_CHOICES[key] = best if times[best] < times["sdpa"] * (1 - AUTO_MARGIN) else "sdpa"
     return AUTO_CHOICES[key]
@@ -235,6 +244,10 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
     problems: list[Problem] = []
     for dname, denoiser in denoisers.items():
         for role, modules in role_modules(family, denoiser).items():
+            for _, module in modules:  # a rebuild over the same modules starts clean
+                registry = getattr(module, "_diffusers_hook", None)
+                if isinstance(registry, HookRegistry) and registry.get_hook(HOOK_NAME) is not None:
+                    registry.remove_hook(HOOK_NAME, recurse=False)
             wanted = policy.per_role.get(role, policy.default)
             where = f"policies.attention.{'per_role.' + role if role in policy.per_role else 'default'}"
             heads, head_dim = _head_dim(modules[0][1])
@@ -247,7 +260,7 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
                 continue
             if wanted == "auto":
                 allowed = [b for b in CONCRETE if (not perturbing or b in PERTURBABLE_BACKENDS)
-                           and (policy.approximate or b not in APPROXIMATE)]
+                           and (policy.approximate or b not in APPROXIMATE) and b not in AUTO_EXCLUDED]
                 reasons = {b: usable(b, device, dtype, head_dim) for b in allowed}
                 candidates = [b for b in allowed if reasons[b] is None]
                 if "sdpa" not in candidates:
@@ -274,10 +287,7 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
                 plan.notes.setdefault(role, "sdpa: torch's dispatcher picks the kernel")
                 continue
             for _, module in modules:
-                registry = HookRegistry.check_if_exists_or_initialize(module)
-                if registry.get_hook(HOOK_NAME) is not None:
-                    registry.remove_hook(HOOK_NAME, recurse=False)
-                registry.register_hook(hook_for(), HOOK_NAME)
+                HookRegistry.check_if_exists_or_initialize(module).register_hook(hook_for(), HOOK_NAME)
     if problems:
         raise SpecError(problems)
     return plan

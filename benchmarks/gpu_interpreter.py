@@ -106,6 +106,8 @@ def flops_per_step(run) -> float:
     """FLOPs of one denoise step (plus the tiny text encoders), counted on a 1-step run."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    with torch.no_grad():
+        run(1)  # warm-up: first-use work (auto attention trials, compilation) must not be counted
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         run(1)

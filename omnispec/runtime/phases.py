@@ -124,8 +124,10 @@ def run_phases(
     device: torch.device,
     on_step: StepHook | None = None,
     cache: CacheRuntime | None = None,
+    sampler_factory: Callable[[Steps], Any] | None = None,
 ) -> list[PhaseResult]:
-    """Every phase's final latents, in phase order."""
+    """Every phase's final latents, in phase order. ``sampler_factory`` replaces a walk's sampler (RL
+    rollouts use it to step stochastically and collect log-probs)."""
     results: list[PhaseResult] = []
     prev: PhaseResult | None = None
     for group in phase_groups(spec):
@@ -137,6 +139,10 @@ def run_phases(
         else:
             x = family.initial_latents(geometry, generators)
         steps, owned = group_steps(spec, group, request, family.seq_len(x, geometry), components, device)
+        if sampler_factory is not None:
+            steps.sampler = sampler_factory(steps)
+        elif first.sampler.kind != "ode":
+            steps.sampler = stochastic_sampler(first.sampler, steps, generators)
         begin = 0
         if isinstance(first.input, PreviousInput) and first.input.renoise is not None:
             target = first.input.renoise
@@ -156,6 +162,19 @@ def run_phases(
             results.append(PhaseResult(x, geometry))
         prev = results[-1]
     return results
+
+
+def stochastic_sampler(sampler: Any, steps: Steps, generators: list[torch.Generator]) -> Any:
+    """A declared SDE sampler on an ordinary call: stochastic on its window, each sample with its own noise
+    (seeded from its request seed, offset so it never repeats the initial noise)."""
+    from .samplers import EulerSampler, StochasticSampler, window_mask
+
+    if not isinstance(steps.sampler, EulerSampler):
+        raise ValueError(f"{sampler.kind} needs a flow_match schedule")
+    seeds = [g.initial_seed() for g in generators]
+    mask = window_mask(sampler, len(steps), torch.arange(len(seeds)), seeds[0])
+    sde_generators = [torch.Generator("cpu").manual_seed(s + (1 << 31)) for s in seeds]
+    return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators)
 
 
 def max_rows(spec: PipelineSpec, family: Family, x: torch.Tensor, geometry: Geometry) -> int | None:

@@ -45,6 +45,8 @@ class Pipeline:
         self.components = components
         self.device = device
         self.policies = policies or AppliedPolicies()
+        self.weight_version = 0  # bumped by every weight update; keys the prompt-embedding cache
+        self._encodings: dict[tuple, Conditioning] = {}
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -59,10 +61,7 @@ class Pipeline:
         cache = self.policies.cache
         if cache is not None:
             cache.reset()  # no cache state crosses requests
-        positive = self.family.encode(request.prompts, request)
-        negative = None
-        if any(t.kind in NEGATIVE_TERMS for p in spec.recipe.phases for t in p.guidance.terms):
-            negative = self.family.encode([request.negative_prompt] * len(request.prompts), request)
+        positive, negative = self.encode(request)
         generators = [torch.Generator("cpu").manual_seed(s) for s in request.seeds]
         results = run_phases(
             spec, self.family, self.components, request,
@@ -83,6 +82,27 @@ class Pipeline:
                              for a in array]
         return output
 
+    def encode(self, request: Request) -> tuple[Conditioning, Conditioning | None]:
+        """Positive and (when a phase needs it) negative prompt encodings, one row per prompt. Each distinct
+        prompt is encoded once and cached until the weights change."""
+        positive = self._encode_rows(request.prompts, request)
+        negative = None
+        if any(t.kind in NEGATIVE_TERMS for p in self.spec.recipe.phases for t in p.guidance.terms):
+            negative = self._encode_rows([request.negative_prompt] * len(request.prompts), request)
+        return positive, negative
+
+    def _encode_rows(self, prompts: list[str], request: Request) -> Conditioning:
+        unique = list(dict.fromkeys(prompts))
+        key = (tuple(unique), request.max_sequence_length, self.weight_version)
+        if key not in self._encodings:
+            if len(self._encodings) >= 64:
+                self._encodings.pop(next(iter(self._encodings)))
+            self._encodings[key] = self.family.encode(unique, request)
+        encoded = self._encodings[key]
+        if unique == prompts:
+            return encoded
+        return encoded.rows(torch.tensor([unique.index(p) for p in prompts]))
+
     def spec_for(self, request: Request) -> PipelineSpec:
         """The spec with the request's ``guidance_scale`` applied to every phase's primary scale."""
         if request.guidance_scale is None:
@@ -90,6 +110,21 @@ class Pipeline:
         phases = [p.model_copy(update={"guidance": p.guidance.with_primary_scale(request.guidance_scale)})
                   for p in self.spec.recipe.phases]
         return self.spec.model_copy(update={"recipe": self.spec.recipe.model_copy(update={"phases": phases})})
+
+    # ---- RL: rollouts, replay, weight sync (omnispec.rl) --------------------------------------------------
+
+    def rollout(self, prompts: str | list[str], group_size: int = 1, seed: int = 0, sampler: Any = None,
+                shared_noise: bool = False, **request: Any):
+        """Batched SDE rollouts with per-step log-probs; see ``omnispec.rl.rollout``."""
+        from ..rl.rollout import rollout
+
+        return rollout(self, prompts, group_size, seed, sampler, shared_noise, **request)
+
+    def log_prob(self, rollout: Any, steps: Any = None, grad: bool = True, micro_batch: int | None = None):
+        """Replay stored transitions through the same code, with gradients; see ``omnispec.rl.log_prob``."""
+        from ..rl.rollout import log_prob
+
+        return log_prob(self, rollout, steps, grad, micro_batch)
 
     # ---- introspection ----------------------------------------------------------------------------------
 

@@ -27,6 +27,11 @@ class Steps:
     def __len__(self) -> int:
         return len(self.timesteps)
 
+    @property
+    def euler_sigmas(self) -> torch.Tensor:
+        """The float32 sigmas (terminal included) an Euler walk steps through."""
+        return self.sampler.sigmas
+
     def start_at(self, begin: int) -> None:
         if self.scheduler is not None and hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(begin)

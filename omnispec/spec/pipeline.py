@@ -79,6 +79,12 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
                 if problem := role_problem(base + ("input", "transform", "upsampler"), transform.upsampler, "upsampler"):
                     yield problem
         schedule = phase.schedule
+        shared = spec.recipe.schedules.get(schedule.of) if isinstance(schedule, SegmentSchedule) else None
+        if phase.sampler.kind != "ode" and isinstance(shared or schedule, SchedulerSchedule):
+            yield base + ("sampler", "kind"), (
+                f"{phase.sampler.kind} steps flow-matching sigmas itself; this phase's schedule is a scheduler "
+                "component's (use schedule kind flow_match)"
+            )
         if isinstance(schedule, SchedulerSchedule):
             if problem := role_problem(base + ("schedule", "component"), schedule.component, "scheduler"):
                 yield problem

@@ -112,7 +112,69 @@ class ODESampler(SpecModel):
     kind: Literal["ode"]
 
 
-Sampler = Annotated[Union[ODESampler], Field(discriminator="kind")]
+class AllSteps(SpecModel):
+    kind: Literal["all"]
+
+
+class FixedWindow(SpecModel):
+    """Steps ``start .. start + length - 1`` are stochastic."""
+
+    kind: Literal["fixed"]
+    start: int = Field(default=0, ge=0)
+    length: int = Field(ge=1)
+
+
+class RandomWindow(SpecModel):
+    """``length`` consecutive stochastic steps starting at a step drawn from ``[low, high]``, drawn once per
+    rollout batch, per group or per sample (``scope``) from ``seed`` (MixGRPO-style sliding windows)."""
+
+    kind: Literal["random"]
+    length: int = Field(ge=1)
+    low: int = Field(default=0, ge=0)
+    high: int = Field(ge=0)
+    scope: Literal["batch", "group", "sample"] = "group"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RandomWindow:
+        if self.low > self.high:
+            raise ValueError(f"low {self.low} is above high {self.high}")
+        return self
+
+
+StochasticWindow = Annotated[Union[AllSteps, FixedWindow, RandomWindow], Field(discriminator="kind")]
+
+
+class _Stochastic(SpecModel):
+    window: StochasticWindow = Field(default_factory=lambda: AllSteps(kind="all"))
+
+
+class SDESampler(_Stochastic):
+    """Flow-GRPO's SDE (Liu et al., 2025, arXiv:2505.05470): std ``noise_level * sqrt(sigma / (1 - sigma))``
+    (sigma = 1 replaced by the next-largest sigma), a drift corrected so the marginals match the ODE's."""
+
+    kind: Literal["sde"]
+    noise_level: float = Field(default=0.7, gt=0)
+
+
+class CPSSampler(_Stochastic):
+    """Coefficient-preserving sampling (Wang & Yu, 2025, arXiv:2509.05952): ``std = sigma_next *
+    sin(noise_level * pi / 2)``; the step keeps the noise coefficient at ``sigma_next`` exactly."""
+
+    kind: Literal["cps"]
+    noise_level: float = Field(default=0.8, gt=0, le=1)
+
+
+class DanceSDESampler(_Stochastic):
+    """DanceGRPO's SDE (Xue et al., 2025, arXiv:2505.07818): constant ``eta``, std ``eta * sqrt(sigma -
+    sigma_next)``, drift ``v dt - eta^2 / 2 * score dt``."""
+
+    kind: Literal["dance_sde"]
+    eta: float = Field(default=0.3, gt=0)
+
+
+Sampler = Annotated[Union[ODESampler, SDESampler, CPSSampler, DanceSDESampler], Field(discriminator="kind")]
+STOCHASTIC_SAMPLERS = ("sde", "cps", "dance_sde")
 
 
 class Phase(SpecModel):

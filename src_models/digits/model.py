@@ -16,6 +16,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.attention import FeedForward
 from diffusers.models.attention_processor import Attention
+from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
@@ -71,7 +72,7 @@ class DigitsBlock(nn.Module):
 TransformerBlockRegistry.register(DigitsBlock, TransformerBlockMetadata(return_hidden_states_index=0))
 
 
-class DigitsDiT(ModelMixin, ConfigMixin):
+class DigitsDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """Predicts the flow velocity ``noise - image`` of a 1x32x32 image at timestep ``t`` (sigma x 1000)."""
 
     _repeated_blocks = ["DigitsBlock"]

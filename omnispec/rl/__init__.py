@@ -1,0 +1,19 @@
+"""RL for flow models: SDE rollouts with per-step log-probs, exact replay with gradients, weight sync.
+
+``Pipeline.rollout`` / ``Pipeline.log_prob`` are the entry points; ``RolloutPool`` spreads rollouts over Ray
+actors (``pip install 'omnispec[ray]'``).
+"""
+
+from .rollout import Replay, Rollout, log_prob, rollout
+from .weights import reference, scale_lora, set_lora, update_weights
+
+__all__ = ["Replay", "Rollout", "RolloutPool", "log_prob", "reference", "rollout", "scale_lora", "set_lora",
+           "update_weights"]
+
+
+def __getattr__(name: str):
+    if name == "RolloutPool":
+        from .pool import RolloutPool
+
+        return RolloutPool
+    raise AttributeError(name)

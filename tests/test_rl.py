@@ -1,0 +1,208 @@
+"""RL: SDE samplers, rollouts, exact replay, windows, weight sync, on the embedded digits model."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import omnispec
+from omnispec.rl import reference, scale_lora, set_lora, update_weights
+from omnispec.runtime.samplers import stochastic_step, window_mask
+from omnispec.spec import SpecError
+from omnispec.spec.recipe import CPSSampler, DanceSDESampler, SDESampler
+
+from conftest import SPECS
+
+SAMPLERS = [{"kind": "sde", "noise_level": 0.7}, {"kind": "cps", "noise_level": 0.8}, {"kind": "dance_sde", "eta": 0.3}]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return omnispec.build(SPECS / "digits.yaml", overrides=["runtime.progress=false", "recipe.defaults.steps=8"])
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: s["kind"])
+def test_replay_ratio_is_one_at_every_step_with_another_micro_batch(pipe, sampler):
+    ro = pipe.rollout(["seven", "two"], group_size=3, seed=4, sampler=sampler)
+    assert ro.latents.dtype == torch.float32 and ro.latents.shape[:2] == (6, ro.window + 1)
+    assert ro.log_probs.shape == ro.sigmas.shape == ro.timesteps.shape == (6, ro.window)
+    for micro in (1, 4, None):
+        replay = pipe.log_prob(ro, grad=True, micro_batch=micro)
+        assert replay.log_probs.requires_grad is False or replay.log_probs.grad_fn is not None
+        ratio = torch.exp(replay.log_probs.detach().cpu() - ro.log_probs)
+        assert (ratio - 1).abs().max().item() <= 1e-6
+
+
+def test_replay_has_gradients_for_trainable_weights(pipe):
+    from peft import LoraConfig
+
+    dit = pipe.components["transformer"]
+    dit.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]), adapter_name="probe")
+    try:
+        ro = pipe.rollout("three", group_size=2, sampler=SAMPLERS[0])
+        pipe.log_prob(ro, steps=[0]).log_probs.sum().backward()
+        grads = [p.grad for n, p in dit.named_parameters() if "lora" in n and p.requires_grad]
+        assert grads and any(g is not None and g.abs().sum() > 0 for g in grads)
+    finally:
+        dit.delete_adapters("probe")
+
+
+@pytest.mark.parametrize("cls, params", [(SDESampler, {"noise_level": 1e-7}), (CPSSampler, {"noise_level": 1e-7}),
+                                         (DanceSDESampler, {"eta": 1e-7})])
+def test_vanishing_noise_recovers_the_euler_step(cls, params):
+    sampler = cls(kind=cls.model_fields["kind"].annotation.__args__[0], **params)
+    x, v = torch.randn(2, 1, 4, 4), torch.randn(2, 1, 4, 4)
+    sigma, nxt = torch.full((2, 1, 1, 1), 0.6), torch.full((2, 1, 1, 1), 0.45)
+    out = stochastic_step(sampler, x, v, sigma, nxt, torch.tensor(0.9), noise=torch.zeros_like(x))
+    assert torch.allclose(out.mean, x + (nxt - sigma) * v, atol=1e-5)
+
+
+def test_log_prob_is_the_gaussian_density_averaged_over_pixels():
+    sampler = SDESampler(kind="sde", noise_level=0.7)
+    x, v, noise = torch.randn(3, 1, 4, 4), torch.randn(3, 1, 4, 4), torch.randn(3, 1, 4, 4)
+    sigma, nxt = torch.full((3, 1, 1, 1), 0.5), torch.full((3, 1, 1, 1), 0.4)
+    out = stochastic_step(sampler, x, v, sigma, nxt, torch.tensor(0.9), noise=noise)
+    expected = torch.distributions.Normal(out.mean, out.std.view(-1, 1, 1, 1)).log_prob(out.next).mean((1, 2, 3))
+    assert torch.allclose(out.log_prob, expected, atol=1e-5)
+    std_t = math.sqrt(0.5 / 0.5) * 0.7
+    assert out.std[0].item() == pytest.approx(std_t * math.sqrt(0.1), rel=1e-5)
+
+
+def test_flow_grpo_guard_at_sigma_one():
+    out = stochastic_step(SDESampler(kind="sde"), torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2),
+                          torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 0.9), torch.tensor(0.9),
+                          noise=torch.randn(1, 1, 2, 2))
+    assert torch.isfinite(out.log_prob).all() and torch.isfinite(out.next).all()
+
+
+def test_windows_by_scope():
+    groups = torch.tensor([0, 0, 1, 1])
+    fixed = window_mask(SDESampler(kind="sde", window={"kind": "fixed", "start": 2, "length": 3}), 8, groups, 0)
+    assert fixed.sum(1).tolist() == [3] * 4 and fixed[:, 2:5].all()
+    per_group = window_mask(SDESampler(kind="sde", window={"kind": "random", "length": 2, "high": 6, "scope": "group"}),
+                            8, groups, 0)
+    assert torch.equal(per_group[0], per_group[1]) and torch.equal(per_group[2], per_group[3])
+    per_sample = [window_mask(SDESampler(kind="sde", window={"kind": "random", "length": 2, "high": 6,
+                                                             "scope": "sample"}), 8, torch.arange(16), s)
+                  for s in range(2)]
+    assert len({tuple(r.nonzero().flatten().tolist()) for r in per_sample[0]}) > 1
+    assert not torch.equal(per_sample[0], per_sample[1])  # a new draw per rollout seed
+    cps = window_mask(CPSSampler(kind="cps"), 8, groups, 0)
+    assert not cps[:, -1].any()  # CPS's last step has zero noise: deterministic
+    with pytest.raises(SpecError, match="window"):
+        window_mask(SDESampler(kind="sde", window={"kind": "fixed", "start": 6, "length": 4}), 8, groups, 0)
+
+
+def test_steps_outside_the_window_store_nothing_and_are_deterministic(pipe):
+    sampler = {"kind": "sde", "window": {"kind": "fixed", "start": 3, "length": 2}}
+    a = pipe.rollout("five", group_size=2, seed=1, sampler=sampler)
+    assert a.window == 2 and a.step_indices.tolist() == [[3, 4], [3, 4]]
+    # the states before the window are the ODE's: same initial noise -> same first stored state
+    b = pipe.rollout("five", group_size=2, seed=1, sampler={"kind": "sde", "noise_level": 0.1,
+                                                             "window": {"kind": "fixed", "start": 3, "length": 2}})
+    assert torch.equal(a.latents[:, 0], b.latents[:, 0])
+
+
+def test_group_noise_shared_or_distinct(pipe):
+    sampler = {"kind": "sde", "window": {"kind": "fixed", "start": 0, "length": 2}}
+    shared = pipe.rollout("one", group_size=3, seed=2, sampler=sampler, shared_noise=True)
+    assert torch.equal(shared.latents[0, 0], shared.latents[1, 0])
+    assert not torch.equal(shared.latents[0, 1], shared.latents[1, 1])  # SDE noise still differs
+    distinct = pipe.rollout("one", group_size=3, seed=2, sampler=sampler)
+    assert not torch.equal(distinct.latents[0, 0], distinct.latents[1, 0])
+
+
+def test_batched_rollout_equals_separate_rollouts(pipe):
+    both = pipe.rollout(["one", "eight"], group_size=2, seed=10, sampler=SAMPLERS[0])
+    first = pipe.rollout(["one"], group_size=2, seed=10, sampler=SAMPLERS[0])
+    assert torch.allclose(both.latents[:2], first.latents, atol=1e-5)
+    assert torch.allclose(both.log_probs[:2], first.log_probs, atol=1e-5)
+    assert both.group_ids.tolist() == [0, 0, 1, 1]
+
+
+def test_guidance_plan_applies_during_rollout(pipe):
+    rows = {"n": 0}
+    h = pipe.components["transformer"].register_forward_pre_hook(
+        lambda m, a, kw: rows.__setitem__("n", rows["n"] + kw["hidden_states"].shape[0]), with_kwargs=True)
+    try:
+        pipe.rollout("four", group_size=2, sampler=SAMPLERS[0])
+    finally:
+        h.remove()
+    assert rows["n"] == 8 * 2 * 2  # 8 steps x (cond + uncond) x 2 samples
+
+
+def test_repeated_prompts_are_encoded_once(pipe):
+    calls = {"n": 0}
+    h = pipe.components["text_encoder"].register_forward_pre_hook(lambda m, a: calls.__setitem__("n", calls["n"] + 1))
+    try:
+        pipe.rollout(["the digit 6", "the digit 6", "the digit 9"], group_size=4, sampler=SAMPLERS[0])
+        first = calls["n"]
+        pipe.rollout(["the digit 6", "the digit 6", "the digit 9"], group_size=4, sampler=SAMPLERS[0])
+        second = calls["n"]
+        pipe.rollout(["the digit 6", "the digit 5"], group_size=2, sampler=SAMPLERS[0])
+    finally:
+        h.remove()
+    assert first in (1, 2)  # the unique positives in one batch (+ the negative prompt unless cached)
+    assert second == first  # the same prompts again: nothing re-encoded
+    assert calls["n"] == second + 1  # a new prompt set: one batched encode, negative cached
+
+
+def test_sde_rollouts_need_flow_matching():
+    with pytest.raises(SpecError, match="flow_match"):
+        omnispec.load_spec(SPECS / "sd3.5-medium.yaml", ["recipe.phases.0.sampler={kind: sde}"])
+
+
+def test_weight_sync_full_weights_and_versions(pipe):
+    dit = pipe.components["transformer"]
+    name, param = "proj_out.bias", dict(dit.named_parameters())["proj_out.bias"]
+    saved, version = param.detach().clone(), pipe.weight_version
+    before = pipe("seven", seed=0, steps=2).array
+    try:
+        assert update_weights(pipe, [(name, saved + 0.5)]) == 1
+        assert pipe.weight_version == version + 1
+        assert not np.allclose(pipe("seven", seed=0, steps=2).array, before)
+        with pytest.raises(SpecError, match="no parameter"):
+            update_weights(pipe, [("nope", saved)])
+    finally:
+        update_weights(pipe, [(name, saved)])
+    assert np.array_equal(pipe("seven", seed=0, steps=2).array, before)
+
+
+def test_lora_add_replace_scale_and_reference(pipe):
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from src_models.digits.model import DigitsDiT
+
+    donor = DigitsDiT.from_config(pipe.components["transformer"].config)
+    donor.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"], init_lora_weights=False),
+                      adapter_name="d")
+    state = get_peft_model_state_dict(donor, adapter_name="d")
+    meta = {"r": 2, "lora_alpha": 2, "target_modules": ["to_q", "to_v"]}
+    base = pipe("two", seed=0, steps=2).array
+    set_lora(pipe, "policy", state, metadata=meta)
+    try:
+        on = pipe("two", seed=0, steps=2).array
+        assert not np.allclose(on, base)
+        with reference(pipe):
+            assert np.array_equal(pipe("two", seed=0, steps=2).array, base)
+        scale_lora(pipe, "policy", 0.0)
+        assert np.abs(pipe("two", seed=0, steps=2).array - base).max() < 1e-6
+        set_lora(pipe, "policy", state, scale=1.0, metadata=meta)  # replace by name
+        assert np.abs(pipe("two", seed=0, steps=2).array - on).max() < 1e-6
+    finally:
+        pipe.components["transformer"].delete_adapters("policy")
+
+
+@pytest.mark.slow
+def test_grpo_example_runs_and_logs():
+    import sys
+
+    sys.path.insert(0, str(SPECS.parent / "examples"))
+    import grpo_digits
+
+    history = grpo_digits.train(iterations=2, prompts_per_iter=2, group=2, steps=4, kl=0.01, log=lambda s: None)
+    assert len(history) == 2
+    for row in history:
+        assert {"reward", "ratio_mean", "clip_fraction", "kl"} <= set(row) and 0 <= row["reward"] <= 1
+    assert abs(history[0]["ratio_mean"] - 1) < 1e-3

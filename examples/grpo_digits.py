@@ -45,7 +45,8 @@ def reward_model():
 
 
 def train(iterations: int = 30, prompts_per_iter: int = 10, group: int = 4, steps: int = 10, lr: float = 3e-4,
-          clip: float = 0.2, kl: float = 0.0, seed: int = 0, updates_per_iter: int = 2, log=print) -> list[dict]:
+          clip: float = 0.2, kl: float = 0.0, seed: int = 0, updates_per_iter: int = 2, noise_level: float = 0.7,
+          window: int | None = None, log=print) -> list[dict]:
     import omnispec
     from peft import LoraConfig
 
@@ -53,7 +54,8 @@ def train(iterations: int = 30, prompts_per_iter: int = 10, group: int = 4, step
     rng = random.Random(seed)
     pipe = omnispec.build(ROOT / "specs" / "digits.yaml", overrides=[
         "runtime.progress=false", f"recipe.defaults.steps={steps}", "recipe.phases.0.guidance.terms=[]",
-        "recipe.phases.0.sampler={kind: sde, noise_level: 0.7}"])
+        f"recipe.phases.0.sampler={{kind: sde, noise_level: {noise_level}, window: "
+        + ("{kind: all}}" if window is None else f"{{kind: fixed, start: 0, length: {window}}}}}")])
     dit = pipe.components["transformer"]
     dit.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]),
                     adapter_name="grpo")

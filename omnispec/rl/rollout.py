@@ -114,14 +114,21 @@ def rollout(
     seed: int = 0,
     sampler: Any | None = None,
     shared_noise: bool = False,
+    sample_offset: int = 0,
     **request: Any,
 ) -> Rollout:
+    """Roll out ``prompts x group_size`` samples. Sample ``b`` (counting from ``sample_offset``, the position
+    of this batch in a larger sharded one) starts from seed ``seed + b`` (``seed + group`` with
+    ``shared_noise``) and draws its SDE noise from seed ``seed + b + 2**31``."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if sample_offset % group_size:
+        raise ValueError("sample_offset must be a multiple of group_size")
     sampler = resolve_sampler(pipe, sampler)
     phase = _rl_phase(pipe, sampler)
     expanded = [p for p in prompts for _ in range(group_size)]
-    group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)
-    seeds = [seed + (int(g) if shared_noise else b) for b, g in enumerate(group_ids)]
+    first_group = sample_offset // group_size
+    group_ids = torch.arange(first_group, first_group + len(prompts)).repeat_interleave(group_size)
+    seeds = [seed + (int(g) if shared_noise else sample_offset + b) for b, g in enumerate(group_ids)]
     req = resolve_request(pipe.spec, expanded, seeds, **request)
     spec = pipe.spec_for(req).model_copy(deep=False)
     phase = spec.recipe.phases[0].model_copy(update={"sampler": sampler})
@@ -129,11 +136,14 @@ def rollout(
 
     positive, negative = pipe.encode(req)
     init_generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-    sde_generators = [torch.Generator("cpu").manual_seed(seed + b + SDE_SEED_OFFSET) for b in range(len(expanded))]
+    sde_generators = [torch.Generator("cpu").manual_seed(seed + sample_offset + b + SDE_SEED_OFFSET)
+                      for b in range(len(expanded))]
     record: dict[str, Any] = {}
 
     def make_sampler(steps):
-        mask = window_mask(sampler, len(steps), group_ids, seed)
+        ids = torch.arange(sample_offset, sample_offset + len(expanded)) if sampler.window.kind == "random" and \
+            sampler.window.scope == "sample" else group_ids
+        mask = window_mask(sampler, len(steps), ids, seed)
         record["mask"], record["steps"] = mask, steps
         return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators)
 
@@ -169,7 +179,7 @@ def rollout(
             idx[row, k] = i
     sig = torch.tensor(steps.sigmas, dtype=torch.float32)
     return Rollout(
-        prompts=expanded, group_ids=group_ids, seeds=seeds, latents=latents, log_probs=lp, sigmas=sig[idx],
+        prompts=expanded, group_ids=group_ids - first_group, seeds=seeds, latents=latents, log_probs=lp, sigmas=sig[idx],
         timesteps=steps.timesteps.cpu().to(torch.float32)[idx], step_indices=idx, positive=positive, negative=negative,
         array=array, request=req, sampler=sampler, phase=phase.name, weight_version=pipe.weight_version,
     )

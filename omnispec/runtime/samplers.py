@@ -156,10 +156,12 @@ def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int) ->
         raise SpecError.single(f"no room for a {window.length}-step window in [{window.low}, {window.high}]",
                                "sampler.window")
     gen = torch.Generator().manual_seed(window.seed * 1_000_003 + seed)
-    draws = {"batch": 1, "group": int(group_ids.max()) + 1, "sample": b}[window.scope]
+    # ``group_ids`` are global ids (sample ids for scope "sample"), so a shard of a batch draws the same
+    # windows its samples get in the whole batch: draws are a prefix-consistent sequence.
+    draws = 1 if window.scope == "batch" else int(group_ids.max()) + 1
     starts = torch.randint(window.low, high + 1, (draws,), generator=gen)
     for row in range(b):
-        start = int(starts[{"batch": 0, "group": int(group_ids[row]), "sample": row}[window.scope]])
+        start = int(starts[0 if window.scope == "batch" else int(group_ids[row])])
         mask[row, start:start + window.length] = True
     return mask
 

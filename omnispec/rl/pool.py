@@ -1,0 +1,127 @@
+"""``RolloutPool``: one pipeline per Ray actor; prompts sharded across actors; weights broadcast.
+
+Each actor builds the same spec (``omnispec.build`` inside the actor, on its own device) and answers
+``rollout`` calls; the pool splits the prompt list into contiguous shards, runs them concurrently and
+concatenates the returned ``Rollout``s in prompt order (group ids renumbered). ``update_weights`` and
+``set_lora`` go to every actor, so all of them roll out the same policy version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..runtime.families import Conditioning
+from .rollout import Rollout
+
+
+def _require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("RolloutPool needs Ray: pip install 'omnispec[ray]'") from None
+    return ray
+
+
+class _Worker:
+    def __init__(self, spec: Any, build_kwargs: Mapping[str, Any]):
+        import omnispec
+
+        self.pipe = omnispec.build(spec, **dict(build_kwargs))
+
+    def rollout(self, prompts: list[str], group_size: int, seed: int, sampler: Any, shared_noise: bool,
+                request: Mapping[str, Any], offset: int) -> Rollout:
+        from .rollout import rollout
+
+        return rollout(self.pipe, prompts, group_size, seed, sampler, shared_noise, sample_offset=offset, **dict(request))
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], component: str | None) -> int:
+        from .weights import update_weights
+
+        return update_weights(self.pipe, named, component)
+
+    def set_lora(self, name: str, state: dict, scale: float, component: str | None, metadata: dict | None) -> int:
+        from .weights import set_lora
+
+        set_lora(self.pipe, name, state, scale, component, metadata)
+        return self.pipe.weight_version
+
+    def weight_version(self) -> int:
+        return self.pipe.weight_version
+
+
+def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
+    """One rollout from shards, in order; group ids continue across shards."""
+    offset, group_ids = 0, []
+    for part in parts:
+        group_ids.append(part.group_ids + offset)
+        offset += int(part.group_ids.max()) + 1 if len(part.group_ids) else 0
+
+    def cat_cond(conds: list[Conditioning | None]) -> Conditioning | None:
+        if conds[0] is None:
+            return None
+        return Conditioning.cat(conds)  # type: ignore[arg-type]
+
+    first = parts[0]
+    import numpy as np
+
+    return Rollout(
+        prompts=[p for part in parts for p in part.prompts], group_ids=torch.cat(group_ids),
+        seeds=[s for part in parts for s in part.seeds], latents=torch.cat([p.latents for p in parts]),
+        log_probs=torch.cat([p.log_probs for p in parts]), sigmas=torch.cat([p.sigmas for p in parts]),
+        timesteps=torch.cat([p.timesteps for p in parts]), step_indices=torch.cat([p.step_indices for p in parts]),
+        positive=cat_cond([p.positive for p in parts]), negative=cat_cond([p.negative for p in parts]),
+        array=np.concatenate([p.array for p in parts]),
+        request=first.request.model_copy(update={"prompts": [p for part in parts for p in part.prompts],
+                                                  "seeds": [s for part in parts for s in part.seeds]}),
+        sampler=first.sampler, phase=first.phase, weight_version=first.weight_version,
+        extra={"shards": [len(p.prompts) for p in parts]},
+    )
+
+
+class RolloutPool:
+    def __init__(self, spec: Any, num_workers: int = 2, *, num_gpus_per_worker: float = 0.0,
+                 num_cpus_per_worker: float = 1.0, **build_kwargs: Any):
+        ray = _require_ray()
+        if not ray.is_initialized():
+            ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+        if isinstance(spec, Path):
+            spec = str(spec)
+        actor = ray.remote(num_gpus=num_gpus_per_worker, num_cpus=num_cpus_per_worker)(_Worker)
+        self._ray = ray
+        self.workers = [actor.remote(spec, build_kwargs) for _ in range(num_workers)]
+
+    def rollout(self, prompts: Sequence[str], group_size: int = 1, seed: int = 0, sampler: Any = None,
+                shared_noise: bool = False, **request: Any) -> Rollout:
+        """Shard prompts over the actors; each shard knows its offset in the whole batch, so every sample gets
+        the seeds, noise and window it would get in one pipeline's rollout of all the prompts."""
+        prompts = list(prompts)
+        n = len(self.workers)
+        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+        futures = []
+        for w, (lo, hi) in zip(self.workers, zip(bounds, bounds[1:])):
+            if hi > lo:
+                futures.append(w.rollout.remote(prompts[lo:hi], group_size, seed, sampler, shared_noise, request,
+                                                lo * group_size))
+        return concat_rollouts(self._ray.get(futures))
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], component: str | None = None) -> list[int]:
+        payload = [(k, v.detach().cpu()) for k, v in named]
+        return self._ray.get([w.update_weights.remote(payload, component) for w in self.workers])
+
+    def set_lora(self, name: str, state: Mapping[str, torch.Tensor], scale: float = 1.0, component: str | None = None,
+                 metadata: Mapping[str, Any] | None = None) -> list[int]:
+        payload = {k: v.detach().cpu() for k, v in state.items()}
+        return self._ray.get([w.set_lora.remote(name, payload, scale, component, dict(metadata or {}) or None)
+                              for w in self.workers])
+
+    def weight_versions(self) -> list[int]:
+        return self._ray.get([w.weight_version.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            self._ray.kill(w)
+        self.workers = []

@@ -194,15 +194,15 @@ def test_lora_add_replace_scale_and_reference(pipe):
         pipe.components["transformer"].delete_adapters("policy")
 
 
-@pytest.mark.slow
-def test_grpo_example_runs_and_logs():
+def test_grpo_example_raises_the_reward_within_seconds():
     import sys
 
     sys.path.insert(0, str(SPECS.parent / "examples"))
     import grpo_digits
 
-    history = grpo_digits.train(iterations=2, prompts_per_iter=2, group=2, steps=4, kl=0.01, log=lambda s: None)
-    assert len(history) == 2
+    history = grpo_digits.train(iterations=20, kl=0.01, log=lambda s: None)
     for row in history:
-        assert {"reward", "ratio_mean", "clip_fraction", "kl"} <= set(row) and 0 <= row["reward"] <= 1
-    assert abs(history[0]["ratio_mean"] - 1) < 1e-3
+        assert {"reward", "ratio_mean", "ratio_max_dev", "clip_fraction", "kl"} <= set(row)
+        assert 0 <= row["reward"] <= 1 and abs(row["ratio_mean"] - 1) < 1e-2
+    rewards = [row["reward"] for row in history]
+    assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) > 0.04  # measured: 0.766 -> 0.851 (kl 0)

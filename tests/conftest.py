@@ -26,3 +26,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+# Tiny checkpoints, built once per test session and shared by every test file.
+@pytest.fixture(scope="session")
+def flux_dir(tmp_path_factory):
+    from omnispec.testing import tiny_flux
+
+    return tiny_flux(tmp_path_factory.mktemp("flux"))
+
+
+@pytest.fixture(scope="session")
+def sd3_dir(tmp_path_factory):
+    from omnispec.testing import tiny_sd3
+
+    return tiny_sd3(tmp_path_factory.mktemp("sd3"))
+
+
+@pytest.fixture(scope="session")
+def wan_dir(tmp_path_factory):
+    from omnispec.testing import tiny_wan
+
+    return tiny_wan(tmp_path_factory.mktemp("wan"))
+
+
+@pytest.fixture(scope="session")
+def wan22_dir(tmp_path_factory):
+    from omnispec.testing import tiny_wan
+
+    return tiny_wan(tmp_path_factory.mktemp("wan22"), two_experts=True)

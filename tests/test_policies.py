@@ -8,19 +8,9 @@ import pytest
 
 import omnispec
 from omnispec.spec import SpecError
-from omnispec.testing import TINY_OVERRIDES, tiny_flux, tiny_sd3
+from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS
-
-
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return tiny_flux(tmp_path_factory.mktemp("flux"))
-
-
-@pytest.fixture(scope="module")
-def sd3_dir(tmp_path_factory):
-    return tiny_sd3(tmp_path_factory.mktemp("sd3"))
 
 
 def run(ckpt, spec, family, *overrides, prompt="a cat", **request):

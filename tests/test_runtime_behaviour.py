@@ -9,14 +9,9 @@ import torch
 
 import omnispec
 from omnispec.spec import SpecError
-from omnispec.testing import TINY_OVERRIDES, tiny_flux, tiny_sd3
+from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS
-
-
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return tiny_flux(tmp_path_factory.mktemp("flux"))
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +20,8 @@ def flux(flux_dir):
 
 
 @pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    d = tiny_sd3(tmp_path_factory.mktemp("sd3"))
-    return omnispec.build(SPECS / "sd3.5-medium.yaml", source=str(d), overrides=TINY_OVERRIDES["sd3"])
+def sd3(sd3_dir):
+    return omnispec.build(SPECS / "sd3.5-medium.yaml", source=str(sd3_dir), overrides=TINY_OVERRIDES["sd3"])
 
 
 def count_forwards(pipe, name="transformer"):

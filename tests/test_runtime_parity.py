@@ -1,35 +1,14 @@
 """omnispec's output equals the diffusers pipeline's on the same tiny checkpoint, prompt and seed."""
 
 import numpy as np
-import pytest
 import torch
 
 import omnispec
-from omnispec.testing import TINY_OVERRIDES, tiny_flux, tiny_sd3, tiny_wan
+from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def flux_dir(tmp_path_factory):
-    return tiny_flux(tmp_path_factory.mktemp("flux"))
-
-
-@pytest.fixture(scope="session")
-def sd3_dir(tmp_path_factory):
-    return tiny_sd3(tmp_path_factory.mktemp("sd3"))
-
-
-@pytest.fixture(scope="session")
-def wan_dir(tmp_path_factory):
-    return tiny_wan(tmp_path_factory.mktemp("wan"))
-
-
-@pytest.fixture(scope="session")
-def wan22_dir(tmp_path_factory):
-    return tiny_wan(tmp_path_factory.mktemp("wan22"), two_experts=True)
 
 
 def reference(cls, path, **kwargs):

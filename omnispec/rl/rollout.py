@@ -147,8 +147,7 @@ def rollout(
         record["mask"], record["steps"] = mask, steps
         return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators)
 
-    states: list[torch.Tensor] = []
-    log_probs: list[torch.Tensor] = []
+    states: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def on_step(i: int, run: PhaseRun, x_in: torch.Tensor, result: StepResult) -> None:
         rows = record["mask"][:, i]

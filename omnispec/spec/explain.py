@@ -145,7 +145,7 @@ def render_explain(info: Mapping[str, Any]) -> str:
     lines.append(f"  quantization {pol['quantization'] or '-'}")
     lines.append(f"  compile      {pol['compile']['mode']}")
     par = pol["parallel"]
-    lines.append(f"  parallel     " + " x ".join(f"{k}={v}" for k, v in par.items()))
+    lines.append("  parallel     " + " x ".join(f"{k}={v}" for k, v in par.items()))
     if "attention" in info:
         lines.append("attention per role:")
         lines += [f"  {role:<12} {why}" for role, why in info["attention"].items()]

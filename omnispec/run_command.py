@@ -29,8 +29,9 @@ def run_command(args: argparse.Namespace) -> int:
     except (RuntimeError, MemoryError) as exc:
         print(f"error: generation failed: {exc}", file=sys.stderr)
         return 1
-    for path in output.save(output_path):
-        print(path)
+    if pipe.parallel is None or pipe.parallel.is_main:  # one writer under torchrun
+        for path in output.save(output_path):
+            print(path)
     return 0
 
 

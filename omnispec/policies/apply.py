@@ -58,9 +58,6 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
         reason = usable(backend, device, dtype, 128)
         if reason is not None:
             problems.append(Problem(f"policies.attention.{'.'.join(where)}", f"{backend} cannot run here: {reason}"))
-    if p.parallel.world_size != 1:
-        problems.append(Problem("policies.parallel", f"world size {p.parallel.world_size} needs the parallel runtime, "
-                                "which this version does not have yet"))
     if problems:
         raise SpecError(problems)
 

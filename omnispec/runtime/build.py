@@ -10,6 +10,7 @@ import torch
 
 from ..policies import apply_policies, check_policies, resolve_device
 from ..spec import PipelineSpec, SpecError, load_spec
+from . import distributed
 from .components import check_source, load_adapter_slots, load_components
 from .families import family_class
 from .pipeline import Pipeline
@@ -22,6 +23,7 @@ def build(
     device: str | torch.device | None = None,
     *,
     components: Mapping[str, Any] | None = None,
+    process_group: Any = None,
     trust_code: bool = False,
 ) -> Pipeline:
     """Build a runnable pipeline.
@@ -30,7 +32,9 @@ def build(
     ``key=value`` strings as for ``load_spec``; ``device`` replaces ``runtime.device``. Everything that
     can be checked without weights (family needs, policies against the device, the checkpoint's
     presence) is checked before the first weight loads. ``components`` supplies already-built modules
-    by name (an RL trainer's, or random weights for a benchmark); only the others are loaded.
+    by name (an RL trainer's, or random weights for a benchmark); only the others are loaded. With
+    ``policies.parallel`` degrees above 1, the pipeline joins the initialised default process group (or
+    ``process_group``), or initialises one from torchrun's environment.
     """
     if isinstance(spec_or_path, PipelineSpec):
         spec = spec_or_path
@@ -45,6 +49,9 @@ def build(
     family_cls.check_spec(spec)
     target = resolve_device(device or spec.runtime.device)
     check_policies(spec, family_cls, target)
+    parallel = distributed.setup(spec, target, process_group)
+    if parallel is not None and target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
     given = dict(components or {})
     unknown = sorted(set(given) - set(spec.model.components))
     if unknown:
@@ -55,4 +62,4 @@ def build(
     load_adapter_slots(spec, modules)
     applied = apply_policies(spec, family_cls, modules, target)
     family = family_cls(spec, modules, target)
-    return Pipeline(spec, family, modules, target, applied)
+    return Pipeline(spec, family, modules, target, applied, parallel)

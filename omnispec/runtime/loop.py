@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from ..policies import CacheRuntime
 from ..policies.cache import cache_context
 from ..spec import Phase, SkipLayer, StepPlan
+from .distributed import ParallelContext, broadcast_pass, gather_passes
 from .families import Conditioning, Family, Geometry
 from .guidance import GuidanceState, combine
 from .samplers import StepResult
@@ -54,14 +55,27 @@ def run_passes(
     geometry: Geometry,
     max_rows: int | None,
     cache: CacheRuntime | None = None,
+    parallel: ParallelContext | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Predictions for every pass of a step, keyed by pass name; at most ``max_rows`` rows per forward."""
-    passes = run.passes
+    """Predictions for every pass of a step, keyed by pass name; at most ``max_rows`` rows per forward.
+    Under CFG-parallel each rank computes its round-robin share of the passes and the shares are gathered."""
     if cache is not None and cache.scoped:
         return _scoped_passes(family, run, plan, x, t, geometry)
-    plain = [p for p in plan.passes if passes.perturbations.get(p) is None]
+    if parallel is not None and parallel.cfg > 1:
+        names = list(plan.passes)
+        if len(names) == 1:
+            mine = _local_passes(family, run, plan, names, x, t, geometry, max_rows) if parallel.cfg_index == 0 else {}
+            return {names[0]: broadcast_pass(parallel, mine.get(names[0]), x)}
+        local = _local_passes(family, run, plan, names[parallel.cfg_index::parallel.cfg], x, t, geometry, max_rows)
+        return gather_passes(parallel, names, local, x)
+    return _local_passes(family, run, plan, list(plan.passes), x, t, geometry, max_rows)
+
+
+def _local_passes(family, run, plan, names_wanted, x, t, geometry, max_rows) -> dict[str, torch.Tensor]:
+    passes = run.passes
+    plain = [p for p in names_wanted if passes.perturbations.get(p) is None]
     groups: list[tuple[list[str], SkipLayer | None]] = [(plain, None)] if plain else []
-    groups += [([p], passes.perturbations[p]) for p in plan.passes if passes.perturbations.get(p) is not None]
+    groups += [([p], passes.perturbations[p]) for p in names_wanted if passes.perturbations.get(p) is not None]
     preds: dict[str, torch.Tensor] = {}
     b = x.shape[0]
     for names, skip in groups:
@@ -110,6 +124,7 @@ def denoise(
     progress: bool = True,
     on_step: StepHook | None = None,
     cache: CacheRuntime | None = None,
+    parallel: ParallelContext | None = None,
 ) -> torch.Tensor:
     owner = {i: (run, k) for run in runs for k, i in enumerate(run.indices)}
     label = "+".join(r.phase.name for r in runs)
@@ -124,7 +139,7 @@ def denoise(
         elif cache is not None and not cache.computes(i) and last is not None:
             pred = last  # step_mask: reuse the previous step's combined prediction
         else:
-            preds = run_passes(family, run, plan, x, t, geometry, max_rows, cache)
+            preds = run_passes(family, run, plan, x, t, geometry, max_rows, cache, parallel)
             pred = combine(plan, preds, run.phase.guidance, run.state, x)
         last = pred
         result = steps.sampler.step(x, pred, i)

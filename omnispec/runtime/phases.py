@@ -125,6 +125,7 @@ def run_phases(
     on_step: StepHook | None = None,
     cache: CacheRuntime | None = None,
     sampler_factory: Callable[[Steps], Any] | None = None,
+    parallel: Any = None,
 ) -> list[PhaseResult]:
     """Every phase's final latents, in phase order. ``sampler_factory`` replaces a walk's sampler (RL
     rollouts use it to step stochastically and collect log-probs)."""
@@ -157,7 +158,7 @@ def run_phases(
             sigmas = [steps.sigmas[i] for i in mine]
             plans = compile_plan(phase.guidance, len(mine), sigmas) if mine else []
             runs.append(PhaseRun(phase, components[phase.denoiser], mine, plans, passes_for(phase)))
-        x = _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, cache)
+        x = _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, cache, parallel)
         for idx in group:
             results.append(PhaseResult(x, geometry))
         prev = results[-1]
@@ -185,7 +186,7 @@ def max_rows(spec: PipelineSpec, family: Family, x: torch.Tensor, geometry: Geom
     return min(limits) if limits else None
 
 
-def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, cache) -> torch.Tensor:
+def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, cache, parallel) -> torch.Tensor:
     """Walk a group, switching adapter slots on each phase's first step."""
     starts = {run.indices[0]: run for run in runs if run.indices}
 
@@ -199,9 +200,10 @@ def _walk(spec, family, runs, steps, x, geometry, begin, on_step, components, ca
     first = starts.get(begin)
     if first is not None:
         set_adapter(spec, first.phase, components)
+    progress = spec.runtime.progress and (parallel is None or parallel.is_main)
     return denoise(family, runs, steps, x, geometry, begin=begin,
-                   max_rows=max_rows(spec, family, x, geometry), progress=spec.runtime.progress, on_step=hook,
-                   cache=cache)
+                   max_rows=max_rows(spec, family, x, geometry), progress=progress, on_step=hook,
+                   cache=cache, parallel=parallel)
 
 
 __all__ = ["PhaseResult", "Passes", "run_phases"]

@@ -16,6 +16,7 @@ from ..spec.guidance import NEGATIVE_TERMS, pass_name
 from ..spec.recipe import Phase
 from ..spec.request import Request, resolve_request
 from .families import Conditioning, Family
+from .distributed import ParallelContext, data_slice, gather_samples
 from .loop import Passes, StepHook
 from .phases import group_steps, phase_groups, run_phases
 
@@ -39,12 +40,13 @@ class Output:
 
 class Pipeline:
     def __init__(self, spec: PipelineSpec, family: Family, components: dict[str, Any], device: torch.device,
-                 policies: AppliedPolicies | None = None):
+                 policies: AppliedPolicies | None = None, parallel: ParallelContext | None = None):
         self.spec = spec
         self.family = family
         self.components = components
         self.device = device
         self.policies = policies or AppliedPolicies()
+        self.parallel = parallel
         self.weight_version = 0  # bumped by every weight update; keys the prompt-embedding cache
         self._encodings: dict[tuple, Conditioning] = {}
 
@@ -56,7 +58,22 @@ class Pipeline:
 
     @torch.no_grad()
     def generate(self, request: Request, on_step: StepHook | None = None, decode: bool = True) -> Output:
-        """Run a resolved request; ``decode=False`` skips the VAE and leaves ``array`` empty."""
+        """Run a resolved request; ``decode=False`` skips the VAE and leaves ``array`` empty. Under data
+        parallelism each data group runs its share of the samples and every rank gets the whole output."""
+        ctx = self.parallel
+        if ctx is not None and ctx.data > 1:
+            share = list(data_slice(ctx, len(request.prompts)))
+            part = request.model_copy(update={"prompts": [request.prompts[i] for i in share],
+                                              "seeds": [request.seeds[i] for i in share]})
+            local = self._generate(part, on_step, decode) if share else None
+            parts = [p for p in gather_samples(ctx, None if local is None else
+                                               (local.array, local.latents.cpu())) if p is not None]
+            array = np.concatenate([a for a, _ in parts])
+            latents = torch.cat([lat for _, lat in parts])
+            return self._output(request, array, latents, decode)
+        return self._generate(request, on_step, decode)
+
+    def _generate(self, request: Request, on_step: StepHook | None, decode: bool) -> Output:
         spec = self.spec_for(request)
         cache = self.policies.cache
         if cache is not None:
@@ -66,14 +83,17 @@ class Pipeline:
         results = run_phases(
             spec, self.family, self.components, request,
             lambda phase: phase_passes(phase, positive, negative), generators, device=self.device, on_step=on_step,
-            cache=cache,
+            cache=cache, parallel=self.parallel,
         )
         out = results[spec.recipe.output_index() or 0]
+        array = self.family.decode(out.latents, out.geometry) if decode else np.empty((0,), np.float32)
+        return self._output(request, array, out.latents, decode)
+
+    def _output(self, request: Request, array: np.ndarray, latents: torch.Tensor, decode: bool) -> Output:
+        output = Output(array=array, latents=latents, request=request)
         if not decode:
-            return Output(array=np.empty((0,), np.float32), latents=out.latents, request=request)
-        array = self.family.decode(out.latents, out.geometry)
-        output = Output(array=array, latents=out.latents, request=request)
-        if spec.recipe.task.endswith("video"):
+            return output
+        if self.spec.recipe.task.endswith("video"):
             output.frames = [a for a in array]
         else:
             from PIL import Image

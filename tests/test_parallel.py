@@ -1,0 +1,93 @@
+"""policies.parallel on CPU: processes launched as torchrun would (env://, gloo), compared with one process."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, args: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Start ``nproc`` ranks of ``python -m omnispec run ...`` with torchrun's environment."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "omnispec", "run", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def single(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omnispec", "run", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def sd3_args(sd3_dir, out, *extra):
+    sets = [x for o in TINY_OVERRIDES["sd3"] for x in ("--set", o)]
+    return [str(SPECS / "sd3.5-medium.yaml"), "--source", str(sd3_dir), *sets,
+            "--set", "recipe.phases.0.guidance.terms.1.scale=2.0", "--set", "recipe.phases.0.guidance.terms.1.layers=[1]",
+            "--set", "recipe.phases.0.guidance.terms.1.window.end=1.0",
+            "--prompt", "a cat", "--prompt", "a red car", "--prompt", "a bowl of fruit", "--seed", "3",
+            "--negative-prompt", "blurry", "--output", str(out), *extra]
+
+
+# cond + uncond + skip-layer = 3 passes a step: cfg 2 splits them unevenly (2 + 1), cfg 3 evenly; the
+# last case turns skip-layer off and CFG off after the first half, so late steps run one pass (broadcast).
+CASES = {
+    "cfg2-uneven": ({"cfg": 2}, []),
+    "cfg3": ({"cfg": 3}, []),
+    "data2": ({"data": 2}, []),
+    "cfg2-single-pass-steps": ({"cfg": 2}, ["--set", "recipe.phases.0.guidance.terms.1.scale=0.0",
+                                            "--set", "recipe.phases.0.guidance.terms.0.window={start: 0.0, end: 0.5}"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_run_equals_single_process(sd3_dir, tmp_path, case):
+    degrees, extra = CASES[case]
+    ref_out = tmp_path / "ref.npy"
+    res = single(sd3_args(sd3_dir, ref_out, *extra))
+    assert res.returncode == 0, res.stderr
+    reference = np.load(ref_out)
+    nproc = int(np.prod(list(degrees.values())))
+    out = tmp_path / "par.npy"
+    flow = "{" + ", ".join(f"{k}: {v}" for k, v in degrees.items()) + "}"
+    results = launch(nproc, sd3_args(sd3_dir, out, *extra, "--set", f"policies.parallel={flow}"))
+    for r in results:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert str(out) in results[0].stdout and not any(str(out) in r.stdout for r in results[1:])  # rank 0 writes
+    assert np.abs(np.load(out) - reference).max() <= 1e-4
+
+
+def test_wrong_world_size_fails_cleanly_on_every_rank(sd3_dir, tmp_path):
+    results = launch(2, sd3_args(sd3_dir, tmp_path / "x.npy", "--set", "policies.parallel={cfg: 4}"), timeout=120)
+    for r in results:
+        assert r.returncode == 2 and "WORLD_SIZE is 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_degrees_above_one_in_a_single_process_are_refused(sd3_dir, tmp_path):
+    res = single(sd3_args(sd3_dir, tmp_path / "x.npy", "--set", "policies.parallel={cfg: 2}"))
+    assert res.returncode == 2 and "torchrun --nproc-per-node 2" in res.stderr
+
+
+def test_sequence_parallel_is_refused_with_the_reason(sd3_dir, tmp_path):
+    res = single(sd3_args(sd3_dir, tmp_path / "x.npy", "--set", "policies.parallel={ulysses: 2}"))
+    assert res.returncode == 2 and "sequence parallelism" in res.stderr

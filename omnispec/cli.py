@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "explain":
             spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
-            info = explain_spec(spec)
+            info = explain_spec(spec, attention=_planned_attention(spec))
             print(json.dumps(info, indent=2) if args.json else render_explain(info))
             return 0
         if args.command == "run":
@@ -80,6 +80,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _planned_attention(spec) -> dict[str, str]:
+    """Per attention role of the family: the backend the policy asks for and how it will be chosen (the
+    checks against this machine happen at build; ``Pipeline.explain()`` shows their outcome)."""
+    from .quiet import quiet_libraries
+
+    quiet_libraries()
+    from .runtime.families import family_class
+
+    policy = spec.policies.attention
+    compiled = spec.policies.compile.mode != "none"
+    out = {}
+    for role in family_class(spec.model.family).attention_roles:
+        backend = policy.per_role.get(role, policy.default)
+        source = "per_role" if role in policy.per_role else "default"
+        if backend == "auto":
+            why = ("sdpa: under compile the compiler picks the kernel" if compiled else
+                   "auto: the fastest usable exact backend, timed per shape on first use (never slower than sdpa)")
+        else:
+            why = f"{backend} ({source}; checked by a test call at build"
+            why += ", falls back to sdpa if unusable)" if policy.allow_fallback else ")"
+        out[role] = why
+    return out
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .quiet import quiet_libraries
 from .spec import SpecError, load_spec
 from .spec.request import request_fields, resolve_request
 
@@ -17,7 +18,7 @@ def run_command(args: argparse.Namespace) -> int:
     fields = request_fields(vars(args))
     request = resolve_request(spec, args.prompt, args.seed, **fields)  # checked before any weight loads
 
-    _quiet_libraries()
+    quiet_libraries()
     from .runtime import build
     from .runtime.media import check_output_path
 
@@ -34,13 +35,3 @@ def run_command(args: argparse.Namespace) -> int:
             print(path)
     return 0
 
-
-def _quiet_libraries() -> None:
-    """Keep stderr for omnispec's own progress and errors: silence library warnings and loading bars."""
-    import transformers
-    import diffusers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()

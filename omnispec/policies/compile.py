@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..spec import PipelineSpec, SpecError
 
 
@@ -31,7 +29,3 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             for block in blocks:
                 block.compile(**kwargs)
     return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic})"
-
-
-def compile_supported() -> bool:
-    return hasattr(torch, "compile")

@@ -88,6 +88,36 @@ def test_degrees_above_one_in_a_single_process_are_refused(sd3_dir, tmp_path):
     assert res.returncode == 2 and "torchrun --nproc-per-node 2" in res.stderr
 
 
-def test_sequence_parallel_is_refused_with_the_reason(sd3_dir, tmp_path):
+def tiny_args(family, spec, ckpt, out, *extra):
+    sets = [x for o in TINY_OVERRIDES[family] for x in ("--set", o)]
+    return [str(SPECS / spec), "--source", str(ckpt), *sets, "--prompt", "a cat", "--prompt", "a red car",
+            "--seed", "1", "--negative-prompt", "blurry", "--output", str(out), *extra]
+
+
+SEQUENCE_CASES = {
+    "wan-ulysses2": ("wan", "wan2.1-t2v-1.3b.yaml", "wan_dir", {"ulysses": 2}, []),
+    "flux-ulysses2": ("flux", "flux1-dev.yaml", "flux_dir", {"ulysses": 2}, []),
+    "flux-cfg2-ulysses2": ("flux", "flux1-dev.yaml", "flux_dir", {"cfg": 2, "ulysses": 2},
+                           ["--set", "recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 2.0}]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SEQUENCE_CASES))
+def test_sequence_parallel_equals_single_process(request, tmp_path, case):
+    family, spec, ckpt_fixture, degrees, extra = SEQUENCE_CASES[case]
+    ckpt = request.getfixturevalue(ckpt_fixture)
+    ref = single(tiny_args(family, spec, ckpt, tmp_path / "ref.npy", *extra))
+    assert ref.returncode == 0, ref.stderr
+    flow = "{" + ", ".join(f"{k}: {v}" for k, v in degrees.items()) + "}"
+    results = launch(int(np.prod(list(degrees.values()))),
+                     tiny_args(family, spec, ckpt, tmp_path / "par.npy", *extra, "--set", f"policies.parallel={flow}"))
+    for r in results:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert np.abs(np.load(tmp_path / "par.npy") - np.load(tmp_path / "ref.npy")).max() <= 1e-4
+
+
+def test_ring_on_cpu_and_families_without_a_plan_are_refused(sd3_dir, flux_dir, tmp_path):
+    res = single(tiny_args("flux", "flux1-dev.yaml", flux_dir, tmp_path / "x.npy", "--set", "policies.parallel={ring: 2}"))
+    assert res.returncode == 2 and "ring attention needs" in res.stderr
     res = single(sd3_args(sd3_dir, tmp_path / "x.npy", "--set", "policies.parallel={ulysses: 2}"))
-    assert res.returncode == 2 and "sequence parallelism" in res.stderr
+    assert res.returncode == 2 and "family 'sd3' has no context-parallel plan" in res.stderr

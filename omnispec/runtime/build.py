@@ -49,6 +49,16 @@ def build(
     family_cls.check_spec(spec)
     target = resolve_device(device or spec.runtime.device)
     check_policies(spec, family_cls, target)
+    par = spec.policies.parallel
+    if par.ring * par.ulysses > 1:
+        if not family_cls.context_parallel:
+            raise SpecError.single(f"family {family_cls.name!r} has no context-parallel plan for ulysses/ring",
+                                   "policies.parallel")
+        attention = spec.policies.attention
+        for backend in (attention.default, *attention.per_role.values()):
+            if backend in ("xformers", "sage"):
+                raise SpecError.single(f"attention backend {backend!r} cannot run under sequence parallelism",
+                                       "policies.attention")
     parallel = distributed.setup(spec, target, process_group)
     if parallel is not None and target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -61,5 +71,8 @@ def build(
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
     load_adapter_slots(spec, modules)
     applied = apply_policies(spec, family_cls, modules, target)
+    if parallel is not None and parallel.sp_mesh is not None:
+        denoisers = {n: modules[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
+        distributed.enable_sequence_parallel(parallel, family_cls, denoisers)
     family = family_cls(spec, modules, target)
     return Pipeline(spec, family, modules, target, applied, parallel)

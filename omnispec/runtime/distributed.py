@@ -1,7 +1,7 @@
 """``policies.parallel`` on torch.distributed: CFG-parallel and data-parallel (NCCL on GPUs, gloo on CPUs).
 
-Ranks are laid out as ``rank = data_index * cfg + cfg_index`` (sequence-parallel degrees must be 1 in this
-version). A step's guidance passes go round-robin over the ranks of a cfg group; each rank runs its share
+Ulysses and ring split each forward's sequence over ``ring x ulysses`` ranks through diffusers' context
+parallelism (the models' ``_cp_plan``); every rank of a sequence group runs the same passes. A step's guidance passes go round-robin over the ranks of a cfg group; each rank runs its share
 in one batched forward, the shares are all-gathered (padded to the largest share, zeros not computed), and
 every rank applies the same combine, so all ranks hold the serial result. A step with a single pass is
 computed by cfg rank 0 and broadcast: the other ranks of the group wait (there is no second pass to give
@@ -27,20 +27,22 @@ class ParallelContext:
     world_size: int
     cfg: int
     data: int
+    ring: int
+    ulysses: int
     cfg_index: int
     data_index: int
-    cfg_group: Any  # process group of this rank's cfg peers (None when cfg == 1)
-    data_group: Any  # process group of this rank's data peers, one per cfg index (None when data == 1)
-    group: Any  # the whole group the pipeline runs in
+    cfg_group: Any  # process group of this rank's cfg peers
+    data_group: Any  # process group of this rank's data peers
+    cfg_root: int  # global rank of cfg index 0 in this rank's cfg group
+    sp_mesh: Any = None  # DeviceMesh ("ring", "ulysses") of this rank's sequence-parallel peers
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def cfg_root(self) -> int:
-        """Global rank of cfg index 0 in this rank's cfg group."""
-        return self.data_index * self.cfg
+    def sequence(self) -> int:
+        return self.ring * self.ulysses
 
 
 def _ensure_process_group(world: int, device: torch.device) -> None:
@@ -61,35 +63,84 @@ def _ensure_process_group(world: int, device: torch.device) -> None:
 
 def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> ParallelContext | None:
     """The run's parallel context, or None for one process. Checks the degrees against the world size
-    before any collective, so a mismatch fails cleanly on every rank instead of hanging."""
+    before any collective, so a mismatch fails cleanly on every rank instead of hanging.
+
+    Ranks form a DeviceMesh ``(data, cfg, ring, ulysses)`` in that order (row-major). A caller's own
+    ``group`` is supported for cfg/data degrees (sequence parallel needs the mesh over the default group).
+    """
     par = spec.policies.parallel
-    if par.ulysses != 1 or par.ring != 1:
-        raise SpecError.single("sequence parallelism (ulysses, ring) is not available in this version",
-                               "policies.parallel")
     world = par.world_size
     if world == 1:
         return None
+    if par.ring > 1 and device.type != "cuda":
+        raise SpecError.single("ring attention needs an attention kernel that returns the log-sum-exp (flash or "
+                               "cuDNN on CUDA); on a CPU target use ulysses", "policies.parallel.ring")
     _ensure_process_group(world, device)
     size = dist.get_world_size(group)
     if size != world:
         raise SpecError.single(f"the degrees multiply to {world} but the process group has {size} ranks",
                                "policies.parallel")
     rank = dist.get_rank(group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    if group is not None and group is not dist.group.WORLD:
+        if par.ring * par.ulysses > 1:
+            raise SpecError.single("sequence parallel runs on the default process group", "policies.parallel")
+        return _manual_groups(par, rank, dist.get_process_group_ranks(group))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (par.data, par.cfg, par.ring, par.ulysses),
+                            mesh_dim_names=("data", "cfg", "ring", "ulysses"))
+    coords = mesh.get_coordinate()
+    cfg_ranks = mesh["cfg"].mesh.flatten().tolist()
+    return ParallelContext(
+        rank, size, par.cfg, par.data, par.ring, par.ulysses, cfg_index=coords[1], data_index=coords[0],
+        cfg_group=mesh.get_group("cfg"), data_group=mesh.get_group("data"), cfg_root=cfg_ranks[0],
+        sp_mesh=mesh["ring", "ulysses"] if par.ring * par.ulysses > 1 else None,
+    )
+
+
+def _manual_groups(par: Any, rank: int, ranks: list[int]) -> ParallelContext:
     cfg_index, data_index = rank % par.cfg, rank // par.cfg
     cfg_group = data_group = None
     # new_group must be called by every rank for every group, in the same order.
     for d in range(par.data):
-        members = [ranks[d * par.cfg + c] for c in range(par.cfg)]
-        g = dist.new_group(members) if par.cfg > 1 else None
+        g = dist.new_group([ranks[d * par.cfg + c] for c in range(par.cfg)])
         if d == data_index:
             cfg_group = g
     for c in range(par.cfg):
-        members = [ranks[d * par.cfg + c] for d in range(par.data)]
-        g = dist.new_group(members) if par.data > 1 else None
+        g = dist.new_group([ranks[d * par.cfg + c] for d in range(par.data)])
         if c == cfg_index:
             data_group = g
-    return ParallelContext(rank, size, par.cfg, par.data, cfg_index, data_index, cfg_group, data_group, group)
+    return ParallelContext(rank, len(ranks), par.cfg, par.data, 1, 1, cfg_index, data_index, cfg_group, data_group,
+                           cfg_root=ranks[data_index * par.cfg])
+
+
+def enable_sequence_parallel(ctx: ParallelContext, family: Any, denoisers: dict[str, torch.nn.Module]) -> None:
+    """Ulysses / ring through diffusers' context parallelism (the models' ``_cp_plan``)."""
+    from diffusers import ContextParallelConfig
+
+    config = ContextParallelConfig(ring_degree=ctx.ring, ulysses_degree=ctx.ulysses, mesh=ctx.sp_mesh)
+    for name, module in denoisers.items():
+        heads = getattr(module.config, "num_attention_heads", None)
+        if heads is not None and heads % ctx.ulysses:
+            raise SpecError.single(f"{name} has {heads} attention heads, not divisible by ulysses {ctx.ulysses}",
+                                   "policies.parallel.ulysses")
+        if ctx.ring > 1:
+            module.set_attention_backend("_native_flash")  # ring needs a kernel that returns the log-sum-exp
+        if torch.accelerator.device_count() == 0:
+            # diffusers picks a device as rank % accelerator count; on a CPU-only host that count is 0.
+            import unittest.mock
+
+            with unittest.mock.patch.object(torch.accelerator, "device_count", lambda: 1):
+                module.enable_parallelism(config=config)
+        else:
+            module.enable_parallelism(config=config)
+
+
+def check_sequence(ctx: ParallelContext | None, tokens: int, what: str) -> None:
+    """Sequence parallel splits tokens evenly over ring x ulysses ranks: refuse lengths that don't divide."""
+    if ctx is not None and ctx.sequence > 1 and tokens % ctx.sequence:
+        raise SpecError.single(f"{what} of {tokens} tokens does not split over {ctx.sequence} sequence-parallel "
+                               "ranks; choose a size or max_sequence_length that divides", "request")
 
 
 def gather_passes(ctx: ParallelContext, names: list[str], local: dict[str, torch.Tensor], like: torch.Tensor
@@ -110,8 +161,7 @@ def gather_passes(ctx: ParallelContext, names: list[str], local: dict[str, torch
 def broadcast_pass(ctx: ParallelContext, pred: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     buf = pred.to(torch.float32) if pred is not None else torch.empty(like.shape, dtype=torch.float32,
                                                                          device=like.device)
-    dist.broadcast(buf, src=ctx.cfg_root if ctx.group is None else dist.get_global_rank(ctx.group, ctx.cfg_root),
-                   group=ctx.cfg_group)
+    dist.broadcast(buf, src=ctx.cfg_root, group=ctx.cfg_group)
     return buf
 
 

@@ -15,6 +15,7 @@ from ..policies import CacheRuntime
 from ..spec import Phase, PipelineSpec, SegmentSchedule, compile_plan
 from ..spec.recipe import LatentUpsample, PreviousInput, Resize
 from ..spec.request import Request
+from .distributed import check_sequence
 from .families import Family, Geometry
 from .loop import Passes, PhaseRun, StepHook, denoise
 from .schedule import Steps, resolve_steps
@@ -139,6 +140,9 @@ def run_phases(
             x = transform_latents(family, first, prev.latents, prev.geometry, geometry, components)
         else:
             x = family.initial_latents(geometry, generators)
+        if parallel is not None:
+            check_sequence(parallel, family.seq_len(x, geometry), f"phase {first.name!r}'s image")
+            check_sequence(parallel, request.max_sequence_length or 0, "the prompt (max_sequence_length)")
         steps, owned = group_steps(spec, group, request, family.seq_len(x, geometry), components, device)
         if sampler_factory is not None:
             steps.sampler = sampler_factory(steps)

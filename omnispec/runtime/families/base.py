@@ -64,6 +64,8 @@ class Family:
     # Which component names the helper pipeline expects, with the role each must have.
     required: ClassVar[Mapping[str, str]] = {}
     supports_modality: ClassVar[bool] = False
+    # Whether the denoiser has a diffusers context-parallel plan (``_cp_plan``) for ulysses / ring.
+    context_parallel: ClassVar[bool] = False
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
     cache_limits: ClassVar[Mapping[str, str]] = {}
 

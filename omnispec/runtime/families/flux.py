@@ -16,6 +16,7 @@ from .base import Conditioning, Family, Geometry, decode_images
 
 class FluxFamily(Family):
     name = "flux"
+    context_parallel = True
     pipeline_class = FluxPipeline
     block_lists = ("transformer_blocks", "single_transformer_blocks")
     attention_roles = {"joint": ("transformer_blocks.*.attn",), "single": ("single_transformer_blocks.*.attn",)}

@@ -14,6 +14,7 @@ from .base import Conditioning, Family, Geometry
 
 class WanFamily(Family):
     name = "wan"
+    context_parallel = True
     pipeline_class = WanPipeline
     block_lists = ("blocks",)
     attention_roles = {"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}

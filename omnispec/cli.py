@@ -96,7 +96,9 @@ def _planned_attention(spec) -> dict[str, str]:
     for role in family_class(spec.model.family).attention_roles:
         backend = policy.per_role.get(role, policy.default)
         source = "per_role" if role in policy.per_role else "default"
-        if backend == "auto":
+        if backend == "auto" and spec.policies.parallel.world_size > 1:
+            why = "sdpa: with several processes every rank runs the same kernel"
+        elif backend == "auto":
             why = ("sdpa: under compile the compiler picks the kernel" if compiled else
                    "auto: the fastest usable exact backend, timed per shape on first use (never slower than sdpa)")
         else:

@@ -258,6 +258,12 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
                 plan.per_role[role] = "sdpa"
                 plan.notes[role] = "sdpa (auto under compile: the compiler picks the SDPA kernel)"
                 continue
+            if wanted == "auto" and spec.policies.parallel.world_size > 1:
+                # Timed trials could pick different kernels on different ranks, and the ranks of one
+                # sequence or cfg group must compute alike.
+                plan.per_role[role] = "sdpa"
+                plan.notes[role] = "sdpa (auto with several processes: every rank runs the same kernel)"
+                continue
             if wanted == "auto":
                 allowed = [b for b in CONCRETE if (not perturbing or b in PERTURBABLE_BACKENDS)
                            and (policy.approximate or b not in APPROXIMATE) and b not in AUTO_EXCLUDED]

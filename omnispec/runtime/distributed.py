@@ -2,7 +2,8 @@
 
 Ulysses and ring split each forward's sequence over ``ring x ulysses`` ranks through diffusers' context
 parallelism (the models' ``_cp_plan``); every rank of a sequence group runs the same passes. A step's guidance passes go round-robin over the ranks of a cfg group; each rank runs its share
-in one batched forward, the shares are all-gathered (padded to the largest share, zeros not computed), and
+in one batched forward, the shares are all-gathered (padded to the largest share, zeros not computed; sent as float32 and cast back
+to the dtype the model produced), and
 every rank applies the same combine, so all ranks hold the serial result. A step with a single pass is
 computed by cfg rank 0 and broadcast: the other ranks of the group wait (there is no second pass to give
 them). Data parallel splits a request's prompts over data groups and gathers the outputs in order;
@@ -143,26 +144,38 @@ def check_sequence(ctx: ParallelContext | None, tokens: int, what: str) -> None:
                                "ranks; choose a size or max_sequence_length that divides", "request")
 
 
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _root_dtype(ctx: ParallelContext, local: torch.Tensor | None, like: torch.Tensor) -> torch.dtype:
+    """The predictions' dtype as cfg rank 0 (which always computes a pass) has it."""
+    code = torch.tensor([_DTYPES.index(local.dtype) if local is not None else -1], device=like.device)
+    dist.broadcast(code, src=ctx.cfg_root, group=ctx.cfg_group)
+    return _DTYPES[int(code.item())]
+
+
 def gather_passes(ctx: ParallelContext, names: list[str], local: dict[str, torch.Tensor], like: torch.Tensor
                   ) -> dict[str, torch.Tensor]:
-    """All-gather the cfg group's pass predictions so every rank holds all of them. Exchanged in float32
-    (exact for bf16/fp16 predictions), so a rank with no share of the passes still agrees on the dtype;
-    the combine then runs in float32 on every rank."""
+    """All-gather the cfg group's pass predictions so every rank holds all of them, in the dtype the model
+    produced them in (sent as float32, which holds bf16/fp16 exactly), so the combine that follows is the
+    serial arithmetic on every rank, including a rank that had no pass to compute."""
     share = -(-len(names) // ctx.cfg)
     mine = names[ctx.cfg_index::ctx.cfg]
+    dtype = _root_dtype(ctx, next(iter(local.values()), None), like)
     buf = torch.zeros((share, *like.shape), dtype=torch.float32, device=like.device)
     for k, name in enumerate(mine):
         buf[k] = local[name]
     out = [torch.empty_like(buf) for _ in range(ctx.cfg)]
     dist.all_gather(out, buf, group=ctx.cfg_group)
-    return {name: out[i % ctx.cfg][i // ctx.cfg] for i, name in enumerate(names)}
+    return {name: out[i % ctx.cfg][i // ctx.cfg].to(dtype) for i, name in enumerate(names)}
 
 
 def broadcast_pass(ctx: ParallelContext, pred: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    dtype = _root_dtype(ctx, pred, like)
     buf = pred.to(torch.float32) if pred is not None else torch.empty(like.shape, dtype=torch.float32,
                                                                          device=like.device)
     dist.broadcast(buf, src=ctx.cfg_root, group=ctx.cfg_group)
-    return buf
+    return buf.to(dtype)
 
 
 def data_slice(ctx: ParallelContext | None, count: int) -> range:

@@ -1,0 +1,165 @@
+"""Parallel policies on two GPUs: per-step time of cfg=2, ulysses=2 and ring=2 against one GPU, same call.
+
+``torchrun --nproc-per-node 2 -m benchmarks.gpu_parallel [--workloads flux,wan] [--json FILE]``
+(``--smoke``: tiny models on CPU with gloo, to check the script; ring is skipped there.)
+
+FLUX.1-dev-size at 1024² with true CFG (two passes) and Wan 14B-size at 480x832x81 with CFG, random bf16
+weights made from the same seed on every rank. For each configuration fresh modules are built (context
+parallelism attaches to a module once); the single-GPU run goes on rank 0 while rank 1 waits. The peer is
+diffusers' own context-parallel call (``enable_parallelism(ContextParallelConfig(ulysses_degree=2))``) on the
+diffusers pipeline. Outputs (latents, same seed) are compared with the single-GPU run: max abs difference
+and cosine. Keep NVLink multicast off (the device README): NCCL_NVLS_ENABLE=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import gpu_interpreter as gi
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"single": {}, "cfg2": {"cfg": 2}, "ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}}
+
+
+def _components(name: str) -> dict:
+    torch.manual_seed(0)  # identical random weights on every rank
+    if gi.DEVICE == "cuda":
+        torch.cuda.manual_seed_all(0)
+    return gi.WORKLOADS[name]["components"]()
+
+
+def _spec_overrides(name: str, degrees: dict) -> list[str]:
+    out = ["runtime.progress=false", "policies.attention.default=sdpa"]  # one kernel for every run compared
+    if name == "flux":
+        out.append("recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 4.0}]")
+    if degrees:
+        out.append("policies.parallel={" + ", ".join(f"{k}: {v}" for k, v in degrees.items()) + "}")
+    return out
+
+
+def measure(name: str, label: str, repeats: int, ceiling: float) -> dict | None:
+    import omnispec
+    from omnispec.spec.request import resolve_request
+
+    degrees = CONFIGS[label]
+    rank = dist.get_rank()
+    if not degrees and rank != 0:
+        dist.barrier()
+        return None
+    w = gi.WORKLOADS[name]
+    mods = _components(name)
+    pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=gi.DEVICE,
+                          overrides=_spec_overrides(name, degrees))
+    request = w["request"] | ({"negative_prompt": "blurry"} if name == "flux" else {})
+
+    def run(n):
+        return pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **request), decode=False)
+
+    lo, hi = w["steps"]
+    with torch.no_grad():
+        run(lo)
+        med, samples = gi.per_step(run, lo, hi, repeats)
+        latents = run(lo).latents.float().cpu()
+    row = {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
+    if not degrees:
+        torch.save(latents, f"/tmp/omnispec_parallel_{name}_single.pt")
+        dist.barrier()
+    elif rank == 0:
+        ref = torch.load(f"/tmp/omnispec_parallel_{name}_single.pt")
+        row |= {"max_abs_diff": (latents - ref).abs().max().item(),
+                "cosine": torch.nn.functional.cosine_similarity(latents.flatten(), ref.flatten(), dim=0).item()}
+    del pipe, mods
+    gc.collect()
+    if gi.DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def diffusers_ulysses_peer(name: str, repeats: int) -> dict:
+    import diffusers
+    from diffusers import ContextParallelConfig
+
+    w = gi.WORKLOADS[name]
+    mods = _components(name)
+    mods["transformer"].enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+    ref = getattr(diffusers, w["pipeline"])(**mods)
+    ref.set_progress_bar_config(disable=True)
+    kwargs = dict(w["diffusers_kwargs"])
+    if name == "flux":
+        kwargs |= {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}
+
+    def run(n):
+        ref("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+            output_type="latent", **kwargs)
+
+    lo, hi = w["steps"]
+    with torch.no_grad():
+        run(lo)
+        med, samples = gi.per_step(run, lo, hi, repeats)
+    return {"workload": name, "config": "diffusers ulysses2", "ms_per_step": med * 1e3,
+            "samples_ms": [s * 1e3 for s in samples]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="flux,wan")
+    parser.add_argument("--configs", default="single,cfg2,ulysses2,ring2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    configs = args.configs.split(",")
+    if args.smoke:
+        gi.SMOKE, gi.DEVICE = True, "cpu"
+        for w in gi.WORKLOADS.values():
+            w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
+            w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
+                {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        configs = [c for c in configs if c != "ring2"]
+    dist.init_process_group("gloo" if args.smoke else "nccl")
+    if not args.smoke:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rows = []
+    for name in args.workloads.split(","):
+        for label in configs:
+            try:
+                row = measure(name, label, args.repeats, 1.0)
+            except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
+                row = {"workload": name, "config": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            if row and dist.get_rank() == 0:
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if not args.smoke:
+            try:
+                row = diffusers_ulysses_peer(name, args.repeats)
+            except Exception as exc:  # noqa: BLE001
+                row = {"workload": name, "config": "diffusers ulysses2", "error": f"{type(exc).__name__}: {exc}"[:300]}
+            if dist.get_rank() == 0:
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if args.json and dist.get_rank() == 0:
+            args.json.write_text(json.dumps(rows, indent=1))
+    if dist.get_rank() == 0:
+        single = {r["workload"]: r["ms_per_step"] for r in rows if r.get("config") == "single" and "ms_per_step" in r}
+        print("| workload | config | ms/step | speed-up vs 1 GPU | max abs diff | cosine |")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['workload']} | {r['config']} | error: {r['error'][:70]} | | | |")
+                continue
+            base = single.get(r["workload"])
+            speed = f"{base / r['ms_per_step']:.2f}x" if base else ""
+            print(f"| {r['workload']} | {r['config']} | {r['ms_per_step']:.1f} | {speed} | "
+                  f"{r.get('max_abs_diff', '')} | {r.get('cosine', '')} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

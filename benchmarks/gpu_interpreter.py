@@ -102,6 +102,16 @@ WORKLOADS = {
 }
 
 
+def enable_smoke() -> None:
+    """Tiny models at 64 px on the CPU: checks a benchmark script without a GPU (its numbers mean nothing)."""
+    global SMOKE, DEVICE
+    SMOKE, DEVICE = True, "cpu"
+    for w in WORKLOADS.values():
+        w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
+        w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
+            {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+
+
 def flops_per_step(run) -> float:
     """FLOPs of one denoise step (plus the tiny text encoders), counted on a 1-step run."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -186,13 +196,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="omnispec spec override")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
-    global SMOKE, DEVICE
     if args.smoke:
-        SMOKE, DEVICE = True, "cpu"
-        for w in WORKLOADS.values():
-            w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
-            w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
-                {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        enable_smoke()
         ceiling = 1e12
     else:
         ceiling = matmul_ceiling()

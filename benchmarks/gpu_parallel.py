@@ -118,11 +118,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     configs = args.configs.split(",")
     if args.smoke:
-        gi.SMOKE, gi.DEVICE = True, "cpu"
-        for w in gi.WORKLOADS.values():
-            w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
-            w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
-                {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        gi.enable_smoke()
         configs = [c for c in configs if c != "ring2"]
     dist.init_process_group("gloo" if args.smoke else "nccl")
     if not args.smoke:

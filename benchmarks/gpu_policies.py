@@ -182,11 +182,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     if args.smoke:
-        gi.SMOKE, gi.DEVICE = True, "cpu"
-        for w in gi.WORKLOADS.values():
-            w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
-            w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
-                {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        gi.enable_smoke()
         ceiling = 1e12
     else:
         ceiling = gi.matmul_ceiling()

@@ -181,7 +181,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
            "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item()}
-    del pipe, ref, mods
+    pipe = ref = mods = None  # free the GPU memory before the next workload
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

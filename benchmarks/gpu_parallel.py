@@ -75,7 +75,7 @@ def measure(name: str, label: str, repeats: int, ceiling: float) -> dict | None:
         ref = torch.load(f"/tmp/omnispec_parallel_{name}_single.pt")
         row |= {"max_abs_diff": (latents - ref).abs().max().item(),
                 "cosine": torch.nn.functional.cosine_similarity(latents.flatten(), ref.flatten(), dim=0).item()}
-    del pipe, mods
+    pipe = mods = None  # free memory before the next configuration
     gc.collect()
     if gi.DEVICE == "cuda":
         torch.cuda.empty_cache()

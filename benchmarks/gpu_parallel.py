@@ -44,7 +44,7 @@ def _spec_overrides(name: str, degrees: dict) -> list[str]:
     return out
 
 
-def measure(name: str, label: str, repeats: int, ceiling: float) -> dict | None:
+def measure(name: str, label: str, repeats: int) -> dict | None:
     import omnispec
     from omnispec.spec.request import resolve_request
 
@@ -127,7 +127,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         for label in configs:
             try:
-                row = measure(name, label, args.repeats, 1.0)
+                row = measure(name, label, args.repeats)
             except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                 row = {"workload": name, "config": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
             if row and dist.get_rank() == 0:

@@ -51,6 +51,16 @@ def _peak(run, n: int) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
+def _release(mods: dict, names: tuple[str, ...] | None = None) -> None:
+    """Move modules (all, or ``names``) back to the host and free the device cache for the next build."""
+    for name, m in mods.items():
+        if isinstance(m, torch.nn.Module) and (names is None or name in names):
+            m.to("cpu")
+    gc.collect()
+    if gi.DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
     with torch.no_grad():
         run(lo)  # warm-up (and lazy compilation)
@@ -132,18 +142,11 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
 def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
     mods = gi.flux_components()
     w = gi.WORKLOADS["flux"]
-    for m in mods.values():
-        if isinstance(m, torch.nn.Module):
-            m.to("cpu")
     plain = _build(w["spec"], mods, [])
     run_plain = _runner(plain, w["request"])
     flops = gi.flops_per_step(run_plain)
     rows = [{"part": "model_offload", "config": "resident", **_measure(run_plain, 2, 4, repeats, flops, ceiling)}]
-    for m in mods.values():
-        if isinstance(m, torch.nn.Module):
-            m.to("cpu")
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release(mods)
     pipe = _build(w["spec"], mods, ["policies.offload.strategy=model"])
     run = _runner(pipe, w["request"])
     rows.append({"part": "model_offload", "config": "model", **_measure(run, 2, 4, repeats, flops, ceiling)})
@@ -160,9 +163,7 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
     flops = gi.flops_per_step(run_res)
     rows = [{"part": "layerwise", "config": "resident", **_measure(run_res, 1, 2, repeats, flops, ceiling)}]
     print(json.dumps(rows[-1]), flush=True)
-    mods["transformer"].to("cpu")
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release(mods, ("transformer",))
     pipe = _build(w["spec"], mods, ["policies.offload.strategy=layerwise"])
     rows.append({"part": "layerwise", "config": "layerwise", **_measure(_runner(pipe, w["request"]), 1, 2, repeats,
                                                                         flops, ceiling)})

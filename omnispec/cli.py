@@ -90,16 +90,16 @@ def _planned_attention(spec) -> dict[str, str]:
     quiet_libraries()
     from .runtime.families import family_class
 
+    from .policies.attention import auto_as_sdpa
+
     policy = spec.policies.attention
-    compiled = spec.policies.compile.mode != "none"
+    forced = auto_as_sdpa(spec)
     out = {}
     for role in family_class(spec.model.family).attention_roles:
         backend = policy.per_role.get(role, policy.default)
         source = "per_role" if role in policy.per_role else "default"
-        if backend == "auto" and spec.policies.parallel.world_size > 1:
-            why = "sdpa: with several processes every rank runs the same kernel"
-        elif backend == "auto":
-            why = ("sdpa: under compile the compiler picks the kernel" if compiled else
+        if backend == "auto":
+            why = (f"sdpa ({forced})" if forced else
                    "auto: the fastest usable exact backend, timed per shape on first use (never slower than sdpa)")
         else:
             why = f"{backend} ({source}; checked by a test call at build"

@@ -218,6 +218,20 @@ class AttentionPlan:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+def auto_as_sdpa(spec: PipelineSpec) -> str | None:
+    """Why ``auto`` must be plain sdpa for this spec, or None when it may time kernels.
+
+    Under compile, per-module hooks would make the compiler recompile every block (the compiler's own SDPA
+    lowering decides the kernel); with several processes, timed trials could pick different kernels on
+    different ranks, and the ranks of one sequence or cfg group must compute alike.
+    """
+    if spec.policies.compile.mode != "none":
+        return "auto under compile: the compiler picks the SDPA kernel"
+    if spec.policies.parallel.world_size > 1:
+        return "auto with several processes: every rank runs the same kernel"
+    return None
+
+
 def role_modules(family: Any, denoiser: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
     for name, module in denoiser.named_modules():
@@ -252,17 +266,10 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
             where = f"policies.attention.{'per_role.' + role if role in policy.per_role else 'default'}"
             heads, head_dim = _head_dim(modules[0][1])
             dtype = denoiser.dtype
-            if wanted == "auto" and spec.policies.compile.mode != "none":
-                # Per-module hooks would make the compiler recompile every block; under compile the
-                # compiler's own SDPA lowering decides the kernel.
+            forced = auto_as_sdpa(spec) if wanted == "auto" else None
+            if forced is not None:
                 plan.per_role[role] = "sdpa"
-                plan.notes[role] = "sdpa (auto under compile: the compiler picks the SDPA kernel)"
-                continue
-            if wanted == "auto" and spec.policies.parallel.world_size > 1:
-                # Timed trials could pick different kernels on different ranks, and the ranks of one
-                # sequence or cfg group must compute alike.
-                plan.per_role[role] = "sdpa"
-                plan.notes[role] = "sdpa (auto with several processes: every rank runs the same kernel)"
+                plan.notes[role] = f"sdpa ({forced})"
                 continue
             if wanted == "auto":
                 allowed = [b for b in CONCRETE if (not perturbing or b in PERTURBABLE_BACKENDS)

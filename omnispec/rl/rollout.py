@@ -17,9 +17,9 @@ from pydantic import TypeAdapter
 from ..runtime.families import Conditioning
 from ..runtime.guidance import combine
 from ..runtime.loop import PhaseRun, run_passes
-from ..runtime.phases import group_steps, phase_groups, run_phases
+from ..runtime.phases import phase_groups, planned_steps, run_phases
 from ..runtime.pipeline import phase_passes
-from ..runtime.samplers import StochasticSampler, StepResult, stochastic_step, window_mask
+from ..runtime.samplers import SDE_SEED_OFFSET, StochasticSampler, StepResult, stochastic_step, window_mask
 from ..spec import APG, SpecError, compile_plan
 from ..spec.recipe import STOCHASTIC_SAMPLERS, Phase, Sampler
 from ..spec.schedule import FlowMatchSchedule
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from ..runtime.pipeline import Pipeline
 
 _SAMPLER = TypeAdapter(Sampler)
-SDE_SEED_OFFSET = 1 << 31  # SDE noise of sample b comes from seed S_b + this, initial noise from S_b
 
 
 @dataclass
@@ -130,7 +129,7 @@ def rollout(
     group_ids = torch.arange(first_group, first_group + len(prompts)).repeat_interleave(group_size)
     seeds = [seed + (int(g) if shared_noise else sample_offset + b) for b, g in enumerate(group_ids)]
     req = resolve_request(pipe.spec, expanded, seeds, **request)
-    spec = pipe.spec_for(req).model_copy(deep=False)
+    spec = pipe.spec_for(req)
     phase = spec.recipe.phases[0].model_copy(update={"sampler": sampler})
     spec = spec.model_copy(update={"recipe": spec.recipe.model_copy(update={"phases": [phase]})})
 
@@ -200,8 +199,8 @@ def log_prob(
     phase = spec.recipe.phases[0]
     _rl_phase(pipe, ro.sampler)
     ks = list(range(ro.window)) if steps is None else list(steps)
-    n = _phase_steps(pipe, ro)
-    sigmas = n["sigmas"]
+    walk, _ = planned_steps(spec, pipe.family, [0], ro.request, pipe.components, pipe.device)
+    sigmas, timesteps = [*walk.sigmas, 0.0], walk.timesteps.tolist()
     plans = compile_plan(phase.guidance, len(sigmas) - 1, sigmas[:-1])
     guard = torch.tensor(sigmas[1] if len(sigmas) > 2 else sigmas[0])
     dtype = pipe.family.latent_dtype(pipe.components[phase.denoiser])
@@ -224,7 +223,7 @@ def log_prob(
                     x = ro.latents[index, k].to(pipe.device, dtype)
                     passes = phase_passes(phase, ro.positive.rows(index), ro.negative.rows(index) if ro.negative else None)
                     run = PhaseRun(phase, pipe.components[phase.denoiser], [i], [plans[i]], passes)
-                    t = torch.tensor(n["timesteps"][i], dtype=torch.float32, device=pipe.device)
+                    t = torch.tensor(timesteps[i], dtype=torch.float32, device=pipe.device)
                     preds = run_passes(pipe.family, run, plans[i], x, t, geometry, None, pipe.policies.cache)
                     pred = combine(plans[i], preds, phase.guidance, run.state, x)
                     shape = (-1, *[1] * (x.ndim - 1))
@@ -239,12 +238,3 @@ def log_prob(
                         means[row][col] = result.mean[j]
     stacked = torch.stack([torch.stack(m) for m in means])  # type: ignore[arg-type]
     return Replay(out_lp, stacked, out_std)
-
-
-def _phase_steps(pipe: Pipeline, ro: Rollout) -> dict[str, list[float]]:
-    """The phase's sigmas (with the terminal 0) and timesteps, exactly as the rollout walked them."""
-    spec = pipe.spec_for(ro.request)
-    geometry = pipe.family.geometry(ro.request, spec.recipe.phases[0].size_scale)
-    probe = pipe.family.initial_latents(geometry, [torch.Generator("cpu").manual_seed(0)])
-    steps, _ = group_steps(spec, [0], ro.request, pipe.family.seq_len(probe, geometry), pipe.components, pipe.device)
-    return {"sigmas": [*steps.sigmas, 0.0], "timesteps": steps.timesteps.tolist()}

@@ -65,6 +65,17 @@ def group_steps(
     return steps, owned
 
 
+def planned_steps(
+    spec: PipelineSpec, family: Family, group: list[int], request: Request, components: dict[str, Any],
+    device: torch.device,
+) -> tuple[Steps, list[list[int]]]:
+    """A group's walk as a request would take it, without running it (explain, RL replay): the sequence
+    length for a dynamic shift comes from a probe of the group's initial latents."""
+    geometry = family.geometry(request, spec.recipe.phases[group[0]].size_scale)
+    probe = family.initial_latents(geometry, [torch.Generator("cpu").manual_seed(0)])
+    return group_steps(spec, group, request, family.seq_len(probe, geometry), components, device)
+
+
 def transform_latents(
     family: Family, phase: Phase, latents: torch.Tensor, prev: Geometry, new: Geometry, components: dict[str, Any]
 ) -> torch.Tensor:
@@ -172,13 +183,13 @@ def run_phases(
 def stochastic_sampler(sampler: Any, steps: Steps, generators: list[torch.Generator]) -> Any:
     """A declared SDE sampler on an ordinary call: stochastic on its window, each sample with its own noise
     (seeded from its request seed, offset so it never repeats the initial noise)."""
-    from .samplers import EulerSampler, StochasticSampler, window_mask
+    from .samplers import SDE_SEED_OFFSET, EulerSampler, StochasticSampler, window_mask
 
     if not isinstance(steps.sampler, EulerSampler):
         raise ValueError(f"{sampler.kind} needs a flow_match schedule")
     seeds = [g.initial_seed() for g in generators]
     mask = window_mask(sampler, len(steps), torch.arange(len(seeds)), seeds[0])
-    sde_generators = [torch.Generator("cpu").manual_seed(s + (1 << 31)) for s in seeds]
+    sde_generators = [torch.Generator("cpu").manual_seed(s + SDE_SEED_OFFSET) for s in seeds]
     return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators)
 
 

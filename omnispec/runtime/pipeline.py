@@ -18,7 +18,7 @@ from ..spec.request import Request, resolve_request
 from .families import Conditioning, Family
 from .distributed import ParallelContext, data_slice, gather_samples
 from .loop import Passes, StepHook
-from .phases import group_steps, phase_groups, run_phases
+from .phases import phase_groups, planned_steps, run_phases
 
 
 @dataclass
@@ -154,11 +154,7 @@ class Pipeline:
         spec = self.spec_for(req)
         sigmas: dict[str, list[float]] = {}
         for group in phase_groups(spec):
-            phase = spec.recipe.phases[group[0]]
-            geometry = self.family.geometry(req, phase.size_scale)
-            latents = self.family.initial_latents(geometry, [torch.Generator("cpu").manual_seed(0)])
-            steps, owned = group_steps(spec, group, req, self.family.seq_len(latents, geometry), self.components,
-                                       self.device)
+            steps, owned = planned_steps(spec, self.family, group, req, self.components, self.device)
             for k, idx in enumerate(group):
                 sigmas[spec.recipe.phases[idx].name] = [steps.sigmas[i] for i in owned[k]]
         attention = {role: note for role, note in self.policies.attention.notes.items()}

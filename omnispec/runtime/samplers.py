@@ -105,6 +105,10 @@ def stochastic_step(
                       mean, std.flatten())
 
 
+# A sample's SDE noise comes from its seed plus this offset, so it never repeats its initial noise.
+SDE_SEED_OFFSET = 1 << 31
+
+
 class StochasticSampler:
     """Euler steps, except where ``mask[b, i]`` marks a stochastic step of sample ``b``: there the spec's
     SDE runs with that sample's own generator, and the result carries log-prob, mean and std."""

@@ -73,9 +73,6 @@ def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> Parall
     world = par.world_size
     if world == 1:
         return None
-    if par.ring > 1 and device.type != "cuda":
-        raise SpecError.single("ring attention needs an attention kernel that returns the log-sum-exp (flash or "
-                               "cuDNN on CUDA); on a CPU target use ulysses", "policies.parallel.ring")
     _ensure_process_group(world, device)
     size = dist.get_world_size(group)
     if size != world:
@@ -127,6 +124,8 @@ def enable_sequence_parallel(ctx: ParallelContext, family: Any, denoisers: dict[
                                    "policies.parallel.ulysses")
         if ctx.ring > 1:
             module.set_attention_backend("_native_flash")  # ring needs a kernel that returns the log-sum-exp
+            if next(module.parameters()).device.type == "cpu":
+                _install_cpu_flash_kernel()
         if torch.accelerator.device_count() == 0:
             # diffusers picks a device as rank % accelerator count; on a CPU-only host that count is 0.
             import unittest.mock
@@ -135,6 +134,33 @@ def enable_sequence_parallel(ctx: ParallelContext, family: Any, denoisers: dict[
                 module.enable_parallelism(config=config)
         else:
             module.enable_parallelism(config=config)
+
+
+_CPU_FLASH: Any = None
+
+
+def _install_cpu_flash_kernel() -> None:
+    """Give ``aten::_scaled_dot_product_flash_attention`` a CPU kernel, so diffusers' ring attention (whose
+    ``_native_flash`` backend calls that op for the log-sum-exp it merges ring steps with) runs on gloo/CPU.
+
+    torch has the CPU flash kernel under another name (``..._for_cpu``, returning output and log-sum-exp);
+    this registers it under the CUDA op's name through ``torch.library``, adding a kernel where none exists
+    and touching no other device's. Forward only: the CPU path is for tests and debugging, not training.
+    """
+    global _CPU_FLASH
+    if _CPU_FLASH is not None:
+        return
+
+    def flash_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                  is_causal: bool = False, return_debug_mask: bool = False, *, scale: float | None = None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, scale=scale)
+        unused = query.new_empty(0, dtype=torch.int64)  # cumulative lengths / philox state: varlen and dropout only
+        return out, lse, unused, unused, query.shape[2], key.shape[2], unused, unused, query.new_empty(0)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_flash_attention", flash_cpu, "CPU")
+    _CPU_FLASH = library  # the registration lives as long as this object
 
 
 def check_sequence(ctx: ParallelContext | None, tokens: int, what: str) -> None:

@@ -1,14 +1,16 @@
 """Parallel policies on two GPUs: per-step time of cfg=2, ulysses=2 and ring=2 against one GPU, same call.
 
 ``torchrun --nproc-per-node 2 -m benchmarks.gpu_parallel [--workloads flux,wan] [--json FILE]``
-(``--smoke``: tiny models on CPU with gloo, to check the script; ring is skipped there.)
+(``--smoke``: tiny models on CPU with gloo, to check the script.)
 
 FLUX.1-dev-size at 1024² with true CFG (two passes) and Wan 14B-size at 480x832x81 with CFG, random bf16
 weights made from the same seed on every rank. For each configuration fresh modules are built (context
-parallelism attaches to a module once); the single-GPU run goes on rank 0 while rank 1 waits. The peer is
-diffusers' own context-parallel call (``enable_parallelism(ContextParallelConfig(ulysses_degree=2))``) on the
-diffusers pipeline. Outputs (latents, same seed) are compared with the single-GPU run: max abs difference
-and cosine. Keep NVLink multicast off (the device README): NCCL_NVLS_ENABLE=0.
+parallelism attaches to a module once); the single-GPU runs go on rank 0 while rank 1 waits. The peers are
+diffusers' own context-parallel call (``enable_parallelism(ContextParallelConfig(ulysses_degree=2 | ring_degree=2))``)
+on the diffusers pipeline. Outputs (latents, same seed) are compared with the single-GPU run: max abs
+difference and cosine. ``single-unbatched`` is the single-GPU run with one sample row per forward (as each
+cfg rank runs): its difference is what bf16 alone moves with the batch shape, the floor for the others.
+Keep NVLink multicast off (the device README): NCCL_NVLS_ENABLE=0.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch.distributed as dist
 from . import gpu_interpreter as gi
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"single": {}, "cfg2": {"cfg": 2}, "ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}}
+CONFIGS = {"single": {}, "single-unbatched": {}, "cfg2": {"cfg": 2}, "ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}}
+# Per-step time = (time of hi steps - time of lo steps) / (hi - lo); Wan's 6.4 s steps keep its count low.
+STEPS = {"flux": (2, 6), "wan": (1, 2)}
 
 
 def _components(name: str) -> dict:
@@ -35,8 +39,12 @@ def _components(name: str) -> dict:
     return gi.WORKLOADS[name]["components"]()
 
 
-def _spec_overrides(name: str, degrees: dict) -> list[str]:
+def _spec_overrides(name: str, label: str) -> list[str]:
+    degrees = CONFIGS[label]
     out = ["runtime.progress=false", "policies.attention.default=sdpa"]  # one kernel for every run compared
+    if label == "single-unbatched":
+        # one sample row per forward, as each cfg rank runs: how far bf16 moves with the batch shape alone
+        out.append("runtime.max_batch=1")
     if name == "flux":
         out.append("recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 4.0}]")
     if degrees:
@@ -56,22 +64,23 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
     w = gi.WORKLOADS[name]
     mods = _components(name)
     pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=gi.DEVICE,
-                          overrides=_spec_overrides(name, degrees))
+                          overrides=_spec_overrides(name, label))
     request = w["request"] | ({"negative_prompt": "blurry"} if name == "flux" else {})
 
     def run(n):
         return pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **request), decode=False)
 
-    lo, hi = w["steps"]
+    lo, hi = STEPS[name] if not gi.SMOKE else w["steps"]
     with torch.no_grad():
         run(lo)
         med, samples = gi.per_step(run, lo, hi, repeats)
         latents = run(lo).latents.float().cpu()
     row = {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
-    if not degrees:
+    if label == "single":
         torch.save(latents, f"/tmp/omnispec_parallel_{name}_single.pt")
+    if not degrees:
         dist.barrier()
-    elif rank == 0:
+    if label != "single" and rank == 0:
         ref = torch.load(f"/tmp/omnispec_parallel_{name}_single.pt")
         row |= {"max_abs_diff": (latents - ref).abs().max().item(),
                 "cosine": torch.nn.functional.cosine_similarity(latents.flatten(), ref.flatten(), dim=0).item()}
@@ -82,13 +91,16 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
     return row
 
 
-def diffusers_ulysses_peer(name: str, repeats: int) -> dict:
+def diffusers_peer(name: str, degrees: dict, repeats: int) -> dict:
+    """The same degree through diffusers' own call: ``enable_parallelism(ContextParallelConfig(...))``."""
     import diffusers
     from diffusers import ContextParallelConfig
 
     w = gi.WORKLOADS[name]
     mods = _components(name)
-    mods["transformer"].enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+    if degrees.get("ring_degree", 1) > 1:
+        mods["transformer"].set_attention_backend("_native_flash")  # diffusers' ring needs the log-sum-exp
+    mods["transformer"].enable_parallelism(config=ContextParallelConfig(**degrees))
     ref = getattr(diffusers, w["pipeline"])(**mods)
     ref.set_progress_bar_config(disable=True)
     kwargs = dict(w["diffusers_kwargs"])
@@ -99,18 +111,21 @@ def diffusers_ulysses_peer(name: str, repeats: int) -> dict:
         ref("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **kwargs)
 
-    lo, hi = w["steps"]
+    lo, hi = STEPS[name]
     with torch.no_grad():
         run(lo)
         med, samples = gi.per_step(run, lo, hi, repeats)
-    return {"workload": name, "config": "diffusers ulysses2", "ms_per_step": med * 1e3,
-            "samples_ms": [s * 1e3 for s in samples]}
+    label = "diffusers " + ",".join(f"{k.split('_')[0]}{v}" for k, v in degrees.items())
+    ref = mods = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="flux,wan")
-    parser.add_argument("--configs", default="single,cfg2,ulysses2,ring2")
+    parser.add_argument("--configs", default="single,single-unbatched,cfg2,ulysses2,ring2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
@@ -119,7 +134,6 @@ def main() -> None:
     configs = args.configs.split(",")
     if args.smoke:
         gi.enable_smoke()
-        configs = [c for c in configs if c != "ring2"]
     dist.init_process_group("gloo" if args.smoke else "nccl")
     if not args.smoke:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -133,11 +147,11 @@ def main() -> None:
             if row and dist.get_rank() == 0:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        if not args.smoke:
+        for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}) if not args.smoke else ():
             try:
-                row = diffusers_ulysses_peer(name, args.repeats)
+                row = diffusers_peer(name, degrees, args.repeats)
             except Exception as exc:  # noqa: BLE001
-                row = {"workload": name, "config": "diffusers ulysses2", "error": f"{type(exc).__name__}: {exc}"[:300]}
+                row = {"workload": name, "config": f"diffusers {degrees}", "error": f"{type(exc).__name__}: {exc}"[:300]}
             if dist.get_rank() == 0:
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -1,12 +1,19 @@
 """Policies at real sizes (random bf16 weights): per-step time, peak memory and MFU as ratios to the plain
 eager run measured in the same call, with diffusers' own calls as peers where they exist.
 
-``python -m benchmarks.gpu_policies [--parts attention,compile,model_offload,layerwise] [--json FILE]``
+``python -m benchmarks.gpu_policies [--parts attention,compile,quant,model_offload,wan_attention,layerwise]
+[--json FILE]``
 
 - attention (FLUX.1-dev 1024²): every usable backend, omnispec ``auto``, and diffusers' ``set_attention_backend``.
-- compile (FLUX.1-dev 1024²): omnispec ``compile: regional``; compile time reported separately.
-- model_offload (FLUX.1-dev 1024²): peak memory and time of ``offload: model``.
-- layerwise (Wan 14B 480x832x81, CFG): ``offload: layerwise`` vs resident, and diffusers' ``apply_group_offloading``.
+- compile (FLUX.1-dev 1024²): omnispec ``compile: regional`` and diffusers' ``compile_repeated_blocks``;
+  compile time reported separately.
+- quant (FLUX.1-dev 1024²): ``quantization: fp8_dynamic`` eager and with regional compile, against bf16 eager;
+  cosine of the first denoiser output against bf16; peer: torchao ``quantize_`` with the same config and
+  ``compile_repeated_blocks`` on the diffusers pipeline.
+- model_offload (FLUX.1-dev 1024²): peak memory and time of ``offload: model``; peer ``enable_model_cpu_offload``.
+- wan_attention (Wan 14B attention shapes at 480x832x81, CFG; 8 of the 40 blocks, since only the ratio between
+  backends is asked): every usable backend and ``auto``.
+- layerwise (Wan 14B 480x832x81, CFG): ``offload: layerwise`` vs resident, and diffusers' ``enable_group_offload``.
 Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not decoded.
 """
 
@@ -59,6 +66,35 @@ def _release(mods: dict, names: tuple[str, ...] | None = None) -> None:
     gc.collect()
     if gi.DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def _first_output(run, module: torch.nn.Module) -> torch.Tensor:
+    """The denoiser's output on the first call of a one-step run (same seed, so the same input everywhere)."""
+    seen: list[torch.Tensor] = []
+
+    def keep(_m, _a, out):
+        if not seen:
+            seen.append((out[0] if isinstance(out, tuple) else out.sample).float().flatten().cpu())
+
+    handle = module.register_forward_hook(keep)
+    with torch.no_grad():
+        run(1)
+    handle.remove()
+    return seen[0]
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+def _diffusers_runner(pipeline, w: dict):
+    pipeline.set_progress_bar_config(disable=True)
+
+    def run(n: int):
+        pipeline("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+                 output_type="latent", **w["diffusers_kwargs"])
+
+    return run
 
 
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
@@ -119,6 +155,10 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
 
 
 def compile_part(repeats: int, ceiling: float) -> list[dict]:
+    import copy
+
+    import diffusers
+
     mods = gi.flux_components()
     w = gi.WORKLOADS["flux"]
     plain = _build(w["spec"], mods, [])
@@ -126,6 +166,19 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     flops = gi.flops_per_step(run_plain)
     rows = [{"part": "compile", "config": "eager", **_measure(run_plain, 2, 4, repeats, flops, ceiling)}]
     print(json.dumps(rows[-1]), flush=True)
+    # peer first, on a copy: compilation changes the module it is applied to
+    twin = copy.deepcopy(mods["transformer"])
+    twin.compile_repeated_blocks(fullgraph=True)
+    run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
+    start = time.perf_counter()
+    with torch.no_grad():
+        run_peer(1)
+    gi._sync()
+    rows.append({"part": "compile", "config": "diffusers compile_repeated_blocks", "first_call_s": time.perf_counter() - start,
+                 **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
+    print(json.dumps(rows[-1]), flush=True)
+    twin = run_peer = None
+    _release({})
     pipe = _build(w["spec"], mods, ["policies.compile.mode=regional"])
     run = _runner(pipe, w["request"])
     start = time.perf_counter()
@@ -139,7 +192,56 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     return rows
 
 
+def quant_part(repeats: int, ceiling: float) -> list[dict]:
+    """fp8 dynamic quantization (+ regional compile) against bf16 eager, on copies of one set of weights."""
+    import copy
+
+    import diffusers
+
+    mods = gi.flux_components()
+    w = gi.WORKLOADS["flux"]
+    plain = _build(w["spec"], mods, [])
+    run_plain = _runner(plain, w["request"])
+    flops = gi.flops_per_step(run_plain)
+    reference = _first_output(run_plain, mods["transformer"])
+    rows = [{"part": "quant", "config": "bf16 eager", **_measure(run_plain, 2, 4, repeats, flops, ceiling)}]
+    print(json.dumps(rows[-1]), flush=True)
+    method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
+    policy = f"policies.quantization={{transformer: {{method: {method}}}}}"
+    for label, extra in ((f"{method} eager", []), (f"{method} + regional compile", ["policies.compile.mode=regional"])):
+        twin = copy.deepcopy(mods["transformer"])
+        pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
+        run = _runner(pipe, w["request"])
+        start = time.perf_counter()
+        out = _first_output(run, twin)  # also the compile warm-up
+        gi._sync()
+        rows.append({"part": "quant", "config": label, "first_call_s": time.perf_counter() - start,
+                     "denoiser_cosine_vs_bf16": _cosine(out, reference),
+                     **_measure(run, 2, 4, repeats, flops, ceiling)})
+        print(json.dumps(rows[-1]), flush=True)
+        pipe = run = twin = None
+        _release({})
+    # peer: the same torchao config through torchao's quantize_ and diffusers' compile_repeated_blocks
+    from torchao.quantization import quantize_
+
+    from omnispec.policies.quantization import _torchao_config
+
+    twin = copy.deepcopy(mods["transformer"])
+    quantize_(twin, _torchao_config(method))
+    twin.compile_repeated_blocks(fullgraph=True)
+    run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
+    start = time.perf_counter()
+    out = _first_output(run_peer, twin)
+    rows.append({"part": "quant", "config": f"diffusers + torchao {method} + compile_repeated_blocks",
+                 "first_call_s": time.perf_counter() - start, "denoiser_cosine_vs_bf16": _cosine(out, reference),
+                 **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
+    import diffusers
+
     mods = gi.flux_components()
     w = gi.WORKLOADS["flux"]
     plain = _build(w["spec"], mods, [])
@@ -150,12 +252,41 @@ def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
     pipe = _build(w["spec"], mods, ["policies.offload.strategy=model"])
     run = _runner(pipe, w["request"])
     rows.append({"part": "model_offload", "config": "model", **_measure(run, 2, 4, repeats, flops, ceiling)})
+    pipe = run = None
+    _release(mods)
+    peer = diffusers.FluxPipeline(**mods)
+    peer.enable_model_cpu_offload(device=gi.DEVICE)
+    rows.append({"part": "model_offload", "config": "diffusers enable_model_cpu_offload",
+                 **_measure(_diffusers_runner(peer, w), 2, 4, repeats, flops, ceiling)})
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
 
 
+def wan_attention_part(repeats: int, ceiling: float) -> list[dict]:
+    """``auto`` against each single backend at Wan 14B's attention shapes (8 blocks: the ratio is the point)."""
+    mods = gi.wan_components()
+    del mods["transformer"].blocks[8:]
+    w = gi.WORKLOADS["wan"]
+    rows = []
+    flops = gi.flops_per_step(_runner(_build(w["spec"], mods, ["policies.attention.default=sdpa"]), w["request"]))
+    for backend in ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "auto"):
+        try:
+            pipe = _build(w["spec"], mods, [f"policies.attention.default={backend}"])
+            row = {"part": "wan_attention", "config": backend,
+                   **_measure(_runner(pipe, w["request"]), 1, 2, repeats, flops, ceiling)}
+        except Exception as exc:  # noqa: BLE001 - an unusable backend is a result, not a crash
+            row = {"part": "wan_attention", "config": backend, "error": str(exc).splitlines()[0][:200]}
+        if backend == "auto" and "error" not in row:
+            row["explain"] = pipe.explain()["attention"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
+    import diffusers
+
     mods = gi.wan_components()
     w = gi.WORKLOADS["wan"]
     resident = _build(w["spec"], mods, [])
@@ -163,21 +294,32 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
     flops = gi.flops_per_step(run_res)
     rows = [{"part": "layerwise", "config": "resident", **_measure(run_res, 1, 2, repeats, flops, ceiling)}]
     print(json.dumps(rows[-1]), flush=True)
+    resident = run_res = None
     _release(mods, ("transformer",))
     pipe = _build(w["spec"], mods, ["policies.offload.strategy=layerwise"])
     rows.append({"part": "layerwise", "config": "layerwise", **_measure(_runner(pipe, w["request"]), 1, 2, repeats,
                                                                         flops, ceiling)})
     print(json.dumps(rows[-1]), flush=True)
+    pipe = mods = None  # group-offload hooks stay on a module: the peer gets freshly built ones
+    _release({})
+    mods = gi.wan_components()
+    mods["transformer"].to("cpu").enable_group_offload(
+        torch.device(gi.DEVICE), offload_type="block_level", num_blocks_per_group=1, use_stream=gi.DEVICE == "cuda",
+        record_stream=gi.DEVICE == "cuda")
+    peer = getattr(diffusers, w["pipeline"])(**mods)
+    rows.append({"part": "layerwise", "config": "diffusers enable_group_offload (block level, 1 block, stream)",
+                 **_measure(_diffusers_runner(peer, w), 1, 2, repeats, flops, ceiling)})
+    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-PARTS = {"attention": attention_part, "compile": compile_part, "model_offload": model_offload_part,
-         "layerwise": layerwise_part}
+PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part,
+         "model_offload": model_offload_part, "wan_attention": wan_attention_part, "layerwise": layerwise_part}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="attention,compile,model_offload,layerwise")
+    parser.add_argument("--parts", default="attention,compile,quant,model_offload,wan_attention,layerwise")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")

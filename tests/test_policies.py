@@ -74,6 +74,33 @@ def test_int8_weight_only_quantization_stays_close(flux_dir, plain_flux):
     assert cos > 0.99 and np.abs(out - plain_flux).max() < 0.1
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_in_memory_components_are_quantized_like_loaded_ones(flux_dir):
+    """A component passed to build() in memory gets the same torchao config as one loaded with it."""
+    from diffusers import FluxTransformer2DModel
+
+    policy = "policies.quantization={transformer: {method: int8_weight_only, exclude: [proj_out]}}"
+    loaded, out_loaded = run(flux_dir, "flux1-dev.yaml", "flux", policy)
+    given = FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer")
+    pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), components={"transformer": given},
+                          overrides=[*TINY_OVERRIDES["flux"], policy])
+    assert type(given.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+    assert type(given.proj_out.weight).__name__ == "Parameter" or not hasattr(given.proj_out.weight, "qdata")
+    assert "in memory" in pipe.explain()["applied"]["quantization"]
+    assert np.abs(pipe("a cat", seed=0).array - out_loaded).max() <= 1e-6
+
+
+def test_bitsandbytes_is_refused_for_in_memory_components():
+    # bitsandbytes is CUDA-only, so build() on this CPU stops earlier; the rule itself is checked here.
+    import torch
+
+    from omnispec.policies.quantization import quantize_in_memory
+
+    spec = omnispec.load_spec(SPECS / "flux1-dev.yaml", ["policies.quantization={transformer: {method: nf4}}"])
+    with pytest.raises(SpecError, match="swaps layers while a checkpoint loads"):
+        quantize_in_memory(spec, "transformer", spec.model.components["transformer"], torch.nn.Linear(4, 4))
+
+
 def test_cuda_only_quantization_is_rejected_on_cpu(flux_dir):
     with pytest.raises(SpecError, match="policies.quantization.denoiser.method: fp8_dynamic runs only on CUDA|needs torchao"):
         run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={denoiser: {method: fp8_dynamic}}")

@@ -2,6 +2,9 @@
 
 A spec keys methods by component name or role; ``load_kwargs`` gives ``from_pretrained`` its
 ``quantization_config``. ``check`` rejects, before anything loads, a method the target can't run.
+Components handed to ``build`` already in memory (a trainer's, a benchmark's) never pass through
+``from_pretrained``; ``quantize_in_memory`` gives them the same torchao config through torchao's own
+``quantize_``, which is what diffusers' torchao quantizer applies after loading.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..spec import Component, PipelineSpec
+from ..spec import Component, PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import CUDA_ONLY_METHODS, TORCHAO_METHODS, Quantization
 
@@ -46,6 +49,31 @@ def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:
     return problems
 
 
+def _torchao_config(method: str) -> Any:
+    import torchao.quantization as tq
+
+    return getattr(tq, _TORCHAO_CONFIGS[method])()
+
+
+def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, module: Any) -> str | None:
+    """Quantize an in-memory component as its policy says; returns a note for ``explain``, or None."""
+    q = method_for(spec, name, component)
+    if q is None or not isinstance(module, torch.nn.Module) or getattr(module, "is_quantized", False):
+        return None  # no policy, or already quantized when it was loaded
+    if q.method not in TORCHAO_METHODS:
+        raise SpecError.single(
+            f"{q.method} (bitsandbytes) swaps layers while a checkpoint loads; component {name!r} was passed in "
+            "memory, so load it from the checkpoint or use a torchao method", f"policies.quantization.{name}")
+    from torchao.quantization import quantize_
+
+    def wanted(child: torch.nn.Module, fqn: str) -> bool:
+        # the exclude entries are matched as diffusers matches modules_to_not_convert: by substring
+        return isinstance(child, torch.nn.Linear) and not any(pattern in fqn for pattern in q.exclude)
+
+    quantize_(module, _torchao_config(q.method), filter_fn=wanted)
+    return f"{name}: {q.method} (torchao quantize_, in memory)"
+
+
 def load_kwargs(spec: PipelineSpec, name: str, component: Component, cls: type) -> dict[str, Any]:
     q = method_for(spec, name, component)
     if q is None:
@@ -53,9 +81,7 @@ def load_kwargs(spec: PipelineSpec, name: str, component: Component, cls: type) 
     from_transformers = cls.__module__.startswith("transformers")
     exclude = list(q.exclude) or None
     if q.method in TORCHAO_METHODS:
-        import torchao.quantization as tq
-
-        ao = getattr(tq, _TORCHAO_CONFIGS[q.method])()
+        ao = _torchao_config(q.method)
         if from_transformers:
             from transformers import TorchAoConfig
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..policies import apply_policies, check_policies, resolve_device
+from ..policies import quantization
 from ..spec import PipelineSpec, SpecError, load_spec
 from . import distributed
 from .components import check_source, load_adapter_slots, load_components
@@ -69,8 +70,12 @@ def build(
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
     loaded = load_components(spec, check_source(spec, source, missing), only=missing) if missing else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
+    quantized = [note for name in given
+                 if (note := quantization.quantize_in_memory(spec, name, spec.model.components[name], given[name]))]
     load_adapter_slots(spec, modules)
     applied = apply_policies(spec, family_cls, modules, target)
+    if quantized:
+        applied.notes["quantization"] = "; ".join(quantized)
     if parallel is not None and parallel.sp_mesh is not None:
         denoisers = {n: modules[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
         distributed.enable_sequence_parallel(parallel, family_cls, denoisers)

@@ -1,0 +1,246 @@
+"""RL rollout throughput at SD3.5-medium size: omnispec's batched ``rollout`` against a Flow-GRPO-style
+loop around the diffusers pipeline, in the same call; and replay (log-prob with gradients) time per step.
+
+``python -m benchmarks.gpu_rollout [--prompts 16 --group 8 --steps 10 --size 512] [--json FILE]``
+(``--smoke``: tiny models on the CPU, to check the script only.)
+
+Random bf16 weights at SD3.5-medium's sizes (MMDiT-X 24 blocks, CLIP-L, CLIP-G, T5-XXL encoders, the
+16-channel VAE), a rank-32 LoRA on the attention projections as in Flow-GRPO's SD3 runs, CFG 4.5, the
+Flow-GRPO SDE (noise level 0.7) on every step, prompts up to 128 T5 tokens, outputs decoded. The baseline
+is what Flow-GRPO's trainer does: it calls its copy of the pipeline's loop on ``--baseline-batch`` samples at
+a time (their ``sample.batch_size``, 8), encoding every sample's prompt, CFG as one concatenated forward.
+Each repeat uses fresh prompts, so neither side reuses an encoding across repeats. Images/s include prompt
+encoding and decoding. Replay: one stored step of ``--replay-batch`` samples, forward with gradients and
+backward of the summed log-prob, per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from . import gpu_interpreter as gi
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def sd3_components() -> dict:
+    import transformers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from omnispec.testing import clip_tokenizer, t5_tokenizer
+
+    tiny = gi.SMOKE
+
+    def clip(hidden: int, layers: int, heads: int):
+        return transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+            hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads, projection_dim=hidden,
+            num_hidden_layers=1 if tiny else layers, vocab_size=400, max_position_embeddings=77, bos_token_id=0,
+            eos_token_id=1, hidden_act="gelu"))
+
+    with torch.device(gi.DEVICE):
+        transformer = SD3Transformer2DModel(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2 if tiny else 24,
+            attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+            pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
+            dual_attention_layers=(0,) if tiny else tuple(range(13)))
+        encoders = [clip(768, 12, 12), clip(1280, 32, 20), transformers.T5EncoderModel(transformers.T5Config(
+            d_model=4096, d_kv=64, d_ff=10240, num_layers=1 if tiny else 24, num_heads=64, vocab_size=256,
+            feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))]
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                            layers_per_block=2, shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False,
+                            use_post_quant_conv=False)
+    mods = dict(transformer=transformer.to(torch.bfloat16), text_encoder=encoders[0], tokenizer=clip_tokenizer(),
+                text_encoder_2=encoders[1], tokenizer_2=clip_tokenizer(), text_encoder_3=encoders[2],
+                tokenizer_3=t5_tokenizer(), vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    for k in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+        mods[k] = mods[k].to(gi.DEVICE, torch.bfloat16).eval().requires_grad_(False)
+    from peft import LoraConfig
+
+    mods["transformer"].eval().requires_grad_(False)
+    mods["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
+    return mods
+
+
+def _sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.Tensor, sigma_max: torch.Tensor,
+              noise: torch.Tensor | None = None, prev: torch.Tensor | None = None):
+    """The baseline's own Flow-GRPO SDE step (float32): next sample (drawn, or ``prev`` given) and its log-prob."""
+    dt = nxt - sigma
+    std = NOISE_LEVEL * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
+    mean = x * (1 + std**2 / (2 * sigma) * dt) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+    scale = std * torch.sqrt(-dt)
+    nxt_x = mean + scale * noise if prev is None else prev
+    lp = -((nxt_x.detach() - mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+    return nxt_x, lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+class FlowGRPOLoop:
+    """Flow-GRPO's sampling pattern around ``StableDiffusion3Pipeline``: per batch of samples, encode the
+    prompts, then per step one CFG forward of the concatenated batch and an SDE step with its log-prob."""
+
+    def __init__(self, mods: dict, size: int, steps: int) -> None:
+        import diffusers
+
+        self.pipe = diffusers.StableDiffusion3Pipeline(**mods)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.size, self.steps = size, steps
+        self.neg = self._encode([""])
+
+    def _encode(self, prompts: list[str]):
+        pe, _, pooled, _ = self.pipe.encode_prompt(prompts, prompts, prompts, device=gi.DEVICE,
+                                                   do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS)
+        return pe, pooled
+
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, pe, pooled) -> torch.Tensor:
+        n = x.shape[0]
+        embeds = torch.cat([self.neg[0].expand(n, -1, -1), pe])
+        pooled_all = torch.cat([self.neg[1].expand(n, -1), pooled])
+        out = self.pipe.transformer(hidden_states=torch.cat([x, x]).to(torch.bfloat16), timestep=t.expand(2 * n),
+                                    encoder_hidden_states=embeds, pooled_projections=pooled_all, return_dict=False)[0]
+        uncond, cond = out.float().chunk(2)
+        return uncond + CFG_SCALE * (cond - uncond)
+
+    def sample(self, prompts: list[str], seed: int) -> dict:
+        pipe = self.pipe
+        pe, pooled = self._encode(prompts)
+        gen = torch.Generator(gi.DEVICE).manual_seed(seed)
+        x = pipe.prepare_latents(len(prompts), 16, self.size, self.size, torch.float32, gi.DEVICE, gen)
+        pipe.scheduler.set_timesteps(self.steps, device=gi.DEVICE)
+        sigmas = pipe.scheduler.sigmas.to(gi.DEVICE, torch.float32)
+        states, lps = [x], []
+        for k, t in enumerate(pipe.scheduler.timesteps):
+            v = self._forward(x, t, pe, pooled)
+            x, lp = _sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1], noise=torch.randn(x.shape, generator=gen,
+                                                                                           device=gi.DEVICE))
+            states.append(x)
+            lps.append(lp)
+        vae = pipe.vae
+        images = vae.decode((x / vae.config.scaling_factor + vae.config.shift_factor).to(vae.dtype), return_dict=False)[0]
+        images = pipe.image_processor.postprocess(images, output_type="pt")
+        return {"latents": torch.stack(states, 1), "log_probs": torch.stack(lps, 1), "images": images, "pe": pe,
+                "pooled": pooled, "sigmas": sigmas, "timesteps": pipe.scheduler.timesteps}
+
+    def replay_step(self, batch: dict, k: int) -> torch.Tensor:
+        sig = batch["sigmas"]
+        v = self._forward(batch["latents"][:, k], batch["timesteps"][k], batch["pe"], batch["pooled"])
+        _, lp = _sde_step(v, batch["latents"][:, k], sig[k], sig[k + 1], sig[1], prev=batch["latents"][:, k + 1])
+        return lp
+
+
+def _timed(fn) -> tuple[float, object]:
+    gi._sync()
+    start = time.perf_counter()
+    out = fn()
+    gi._sync()
+    return time.perf_counter() - start, out
+
+
+def _prompts(tag: str, n: int) -> list[str]:
+    subjects = ["a cat", "a red car", "a bowl of fruit", "a lighthouse", "a city at night", "a dog on a beach",
+                "a mountain lake", "a robot", "a forest path", "a teapot"]
+    return [f"{subjects[i % len(subjects)]}, study {tag}-{i}" for i in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--baseline-batch", type=int, default=8)
+    parser.add_argument("--replay-batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure omnispec with policies.compile.mode=regional (after the eager runs)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        gi.enable_smoke()
+        args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 2, 2
+    import omnispec
+
+    mods = sd3_components()
+    overrides = ["runtime.progress=false", "recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]",
+                 "recipe.phases.0.schedule={kind: flow_match, shift: 3.0}",
+                 f"recipe.phases.0.sampler={{kind: sde, noise_level: {NOISE_LEVEL}}}"]
+    request = dict(height=args.size, width=args.size, steps=args.steps, max_sequence_length=MAX_TOKENS)
+    pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE, overrides=overrides)
+    base = FlowGRPOLoop(mods, args.size, args.steps)
+    n = args.prompts * args.group
+    result: dict = {"setup": {k: v for k, v in vars(args).items() if k != "json"} | {"images": n}, "rows": []}
+
+    def save(row: dict) -> None:
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+    def run_base(tag: str):
+        rows = [p for p in _prompts(tag, args.prompts) for _ in range(args.group)]
+        out = None
+        for i in range(0, n, args.baseline_batch):
+            out = base.sample(rows[i:i + args.baseline_batch], seed=i)
+        return out
+
+    def run_ours(tag: str, p=pipe):
+        return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, **request)
+
+    with torch.no_grad():  # warm-up: kernels, allocator, autotuning
+        base.sample(_prompts("w", 2), seed=0)
+        pipe.rollout(_prompts("w", 1), group_size=2, seed=0, **request)
+    times: dict[str, list[float]] = {"flow-grpo loop (diffusers)": [], "omnispec rollout": []}
+    for r in range(args.repeats):  # interleaved, so drift hits both sides alike
+        with torch.no_grad():
+            times["flow-grpo loop (diffusers)"].append(_timed(lambda: run_base(f"b{r}"))[0])
+            times["omnispec rollout"].append(_timed(lambda: run_ours(f"o{r}"))[0])
+    for label, samples in times.items():
+        med = statistics.median(samples)
+        save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
+
+    # replay: one stored step of replay_batch samples, forward with gradients + backward, both sides
+    with torch.no_grad():
+        ro = run_ours("replay")
+        ref = base.sample(_prompts("replay", 1) * args.replay_batch, seed=0)
+    part = ro.select(range(args.replay_batch))
+    for label, step in (("omnispec log_prob", lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs),
+                        ("flow-grpo replay (diffusers)", lambda k: base.replay_step(ref, k))):
+        samples = []
+        for k in [0, args.steps // 2, args.steps - 1, 0, args.steps // 2, args.steps - 1]:
+            samples.append(_timed(lambda: step(k).sum().backward())[0])
+        med = statistics.median(samples[1:])  # the first includes autograd warm-up
+        save({"config": label, "ms_per_step": med * 1e3, "samples_per_replay": args.replay_batch,
+              "samples_ms": [s * 1e3 for s in samples]})
+        mods["transformer"].zero_grad(set_to_none=True)
+    ratio = (pipe.log_prob(part, grad=False).log_probs - part.log_probs).exp()
+    save({"config": "replay ratio check", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
+
+    if args.compile:
+        compiled = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
+                                  overrides=[*overrides, "policies.compile.mode=regional"])
+        with torch.no_grad():
+            first, _ = _timed(lambda: run_ours("cw", compiled))  # compiles every shape the batching uses
+            samples = [_timed(lambda: run_ours(f"c{r}", compiled))[0] for r in range(args.repeats)]
+        med = statistics.median(samples)
+        save({"config": "omnispec rollout + regional compile", "seconds": med, "images_per_s": n / med,
+              "samples_s": samples, "first_call_s": first})
+    baseline = statistics.median(times["flow-grpo loop (diffusers)"])
+    print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")
+    for row in result["rows"]:
+        if "images_per_s" in row:
+            print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | {baseline / row['seconds']:.2f}x |")
+        elif "ms_per_step" in row:
+            print(f"| {row['config']} | {row['ms_per_step']:.1f} ms per step of {row['samples_per_replay']} samples | | |")
+
+
+if __name__ == "__main__":
+    main()

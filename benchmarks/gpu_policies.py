@@ -208,7 +208,9 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     print(json.dumps(rows[-1]), flush=True)
     method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
     policy = f"policies.quantization={{transformer: {{method: {method}}}}}"
-    for label, extra in ((f"{method} eager", []), (f"{method} + regional compile", ["policies.compile.mode=regional"])):
+    modes = QUANT_COMPILE
+    for label, extra in ((f"{method} + {m} compile" if m != "none" else f"{method} eager",
+                          [f"policies.compile.mode={m}"]) for m in modes):
         twin = copy.deepcopy(mods["transformer"])
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
         run = _runner(pipe, w["request"])
@@ -228,11 +230,16 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
 
     twin = copy.deepcopy(mods["transformer"])
     quantize_(twin, _torchao_config(method))
-    twin.compile_repeated_blocks(fullgraph=True)
+    peer_mode = modes[-1]
+    if peer_mode == "regional":
+        twin.compile_repeated_blocks(fullgraph=True)
+    elif peer_mode == "full":
+        twin.compile(fullgraph=True)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
     start = time.perf_counter()
     out = _first_output(run_peer, twin)
-    rows.append({"part": "quant", "config": f"diffusers + torchao {method} + compile_repeated_blocks",
+    peer_how = {"regional": " + compile_repeated_blocks", "full": " + torch.compile", "none": ""}[peer_mode]
+    rows.append({"part": "quant", "config": f"diffusers + torchao {method}{peer_how}",
                  "first_call_s": time.perf_counter() - start, "denoiser_cosine_vs_bf16": _cosine(out, reference),
                  **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
     print(json.dumps(rows[-1]), flush=True)
@@ -313,6 +320,8 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
     return rows
 
 
+QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measured with quantization
+
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part,
          "model_offload": model_offload_part, "wan_attention": wan_attention_part, "layerwise": layerwise_part}
 
@@ -321,9 +330,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="attention,compile,quant,model_offload,wan_attention,layerwise")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quant-compile", default="none,regional",
+                        help="compile modes measured with fp8 quantization (the last one is the peer's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
+    QUANT_COMPILE[:] = args.quant_compile.split(",")
     if args.smoke:
         gi.enable_smoke()
         ceiling = 1e12

@@ -144,6 +144,30 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def breakdown(pipeline, run) -> dict:
+    """Seconds spent in prompt encoding, the denoiser and VAE decoding during one ``run`` (synchronised)."""
+    spent = {"t5_encode_s": 0.0, "denoiser_s": 0.0, "vae_decode_s": 0.0}
+    parts = pipeline.components  # a name -> module dict on both omnispec's and diffusers' pipelines
+    modules = {"t5_encode_s": parts["text_encoder_3"], "denoiser_s": parts["transformer"],
+               "vae_decode_s": parts["vae"].decoder}
+    handles, starts = [], {}
+    for key, module in modules.items():
+        def pre(_m, _a, key=key):
+            gi._sync()
+            starts[key] = time.perf_counter()
+
+        def post(_m, _a, _o, key=key):
+            gi._sync()
+            spent[key] += time.perf_counter() - starts[key]
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    with torch.no_grad():
+        total, _ = _timed(run)
+    for h in handles:
+        h.remove()
+    return spent | {"total_s": total, "other_s": total - sum(spent.values())}
+
+
 def _prompts(tag: str, n: int) -> list[str]:
     subjects = ["a cat", "a red car", "a bowl of fruit", "a lighthouse", "a city at night", "a dog on a beach",
                 "a mountain lake", "a robot", "a forest path", "a teapot"]
@@ -161,6 +185,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure omnispec with policies.compile.mode=regional (after the eager runs)")
+    parser.add_argument("--compile-repeats", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -195,17 +220,26 @@ def main() -> None:
     def run_ours(tag: str, p=pipe):
         return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, **request)
 
-    with torch.no_grad():  # warm-up: kernels, allocator, autotuning
+    sdpa = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
+                          overrides=[*overrides, "policies.attention.default=sdpa"])
+    with torch.no_grad():  # warm-up: kernels, allocator, autotuning, auto attention's trials at the timed shapes
         base.sample(_prompts("w", 2), seed=0)
-        pipe.rollout(_prompts("w", 1), group_size=2, seed=0, **request)
-    times: dict[str, list[float]] = {"flow-grpo loop (diffusers)": [], "omnispec rollout": []}
-    for r in range(args.repeats):  # interleaved, so drift hits both sides alike
+        for p in (pipe, sdpa):
+            p.rollout(_prompts("w", 1), group_size=2, seed=0, **request)
+        run_ours("w")
+    times: dict[str, list[float]] = {"flow-grpo loop (diffusers)": [], "omnispec rollout": [],
+                                     "omnispec rollout, attention sdpa": []}
+    for r in range(args.repeats):  # interleaved, so drift hits every side alike
         with torch.no_grad():
             times["flow-grpo loop (diffusers)"].append(_timed(lambda: run_base(f"b{r}"))[0])
             times["omnispec rollout"].append(_timed(lambda: run_ours(f"o{r}"))[0])
+            times["omnispec rollout, attention sdpa"].append(_timed(lambda: run_ours(f"s{r}", sdpa))[0])
     for label, samples in times.items():
         med = statistics.median(samples)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
+    save({"config": "omnispec breakdown", **breakdown(pipe, lambda: run_ours("bd")),
+          "auto_attention": pipe.explain()["attention"]})
+    save({"config": "baseline breakdown", **breakdown(base.pipe, lambda: run_base("bd"))})
 
     # replay: one stored step of replay_batch samples, forward with gradients + backward, both sides
     with torch.no_grad():
@@ -221,7 +255,7 @@ def main() -> None:
         save({"config": label, "ms_per_step": med * 1e3, "samples_per_replay": args.replay_batch,
               "samples_ms": [s * 1e3 for s in samples]})
         mods["transformer"].zero_grad(set_to_none=True)
-    ratio = (pipe.log_prob(part, grad=False).log_probs - part.log_probs).exp()
+    ratio = (pipe.log_prob(part, grad=False).log_probs.cpu() - part.log_probs).exp()
     save({"config": "replay ratio check", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
 
     if args.compile:
@@ -229,7 +263,7 @@ def main() -> None:
                                   overrides=[*overrides, "policies.compile.mode=regional"])
         with torch.no_grad():
             first, _ = _timed(lambda: run_ours("cw", compiled))  # compiles every shape the batching uses
-            samples = [_timed(lambda: run_ours(f"c{r}", compiled))[0] for r in range(args.repeats)]
+            samples = [_timed(lambda: run_ours(f"c{r}", compiled))[0] for r in range(args.compile_repeats)]
         med = statistics.median(samples)
         save({"config": "omnispec rollout + regional compile", "seconds": med, "images_per_s": n / med,
               "samples_s": samples, "first_call_s": first})

@@ -169,11 +169,12 @@ def rollout(
     idx = torch.empty((b, w), dtype=torch.long)
     position = mask.long().cumsum(1) - 1
     for i, x_in, x_out, step_lp in states:
+        x_in, x_out, step_lp = x_in.cpu(), x_out.cpu(), step_lp.cpu()  # one copy per step, not per sample
         for row in torch.nonzero(mask[:, i]).flatten().tolist():
             k = int(position[row, i])
-            latents[row, k] = x_in[row].cpu()
-            latents[row, k + 1] = x_out[row].cpu()
-            lp[row, k] = step_lp[row].cpu()
+            latents[row, k] = x_in[row]
+            latents[row, k + 1] = x_out[row]
+            lp[row, k] = step_lp[row]
             idx[row, k] = i
     sig = torch.tensor(steps.sigmas, dtype=torch.float32)
     return Rollout(

@@ -123,14 +123,15 @@ class StochasticSampler:
         rows = self.mask[:, i]
         if not bool(rows.any()):
             return ode
-        from diffusers.utils.torch_utils import randn_tensor
-
         # Only samples in their window draw noise, each from its own generator: a sample's stream never
-        # depends on its batch-mates' windows.
-        noise = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # depends on its batch-mates' windows. The draws happen where the generators live (the host, as
+        # diffusers' randn_tensor does with CPU generators, so streams don't depend on the device) and
+        # cross to the device in one pinned, non-blocking copy instead of one synchronising copy per sample.
+        noise = torch.zeros(x.shape, dtype=torch.float32, device=self.generators[0].device)
         for b in torch.nonzero(rows).flatten().tolist():
-            noise[b] = randn_tensor((1, *x.shape[1:]), generator=self.generators[b], device=x.device,
-                                    dtype=torch.float32)[0]
+            noise[b] = torch.randn(x.shape[1:], generator=self.generators[b], device=noise.device, dtype=torch.float32)
+        if noise.device != x.device:
+            noise = noise.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else noise.to(x.device)
         shape = (-1, *[1] * (x.ndim - 1))
         sigma = self.sigmas[i].expand(x.shape[0]).reshape(shape)
         sigma_next = self.sigmas[i + 1].expand(x.shape[0]).reshape(shape)

@@ -67,8 +67,8 @@ def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, modu
     from torchao.quantization import quantize_
 
     def wanted(child: torch.nn.Module, fqn: str) -> bool:
-        # the exclude entries are matched as diffusers matches modules_to_not_convert: by substring
-        return isinstance(child, torch.nn.Linear) and not any(pattern in fqn for pattern in q.exclude)
+        # exclude entries match as diffusers matches modules_to_not_convert ("<entry>." inside the name)
+        return isinstance(child, torch.nn.Linear) and not any(f"{entry}." in f"{fqn}." for entry in q.exclude)
 
     quantize_(module, _torchao_config(q.method), filter_fn=wanted)
     return f"{name}: {q.method} (torchao quantize_, in memory)"

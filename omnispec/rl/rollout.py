@@ -19,7 +19,7 @@ from ..runtime.guidance import combine
 from ..runtime.loop import PhaseRun, run_passes
 from ..runtime.phases import phase_groups, planned_steps, run_phases
 from ..runtime.pipeline import phase_passes
-from ..runtime.samplers import SDE_SEED_OFFSET, StochasticSampler, StepResult, stochastic_step, window_mask
+from ..runtime.samplers import StochasticSampler, StepResult, sde_generators, stochastic_step, window_mask
 from ..spec import APG, SpecError, compile_plan
 from ..spec.recipe import STOCHASTIC_SAMPLERS, Phase, Sampler
 from ..spec.schedule import FlowMatchSchedule
@@ -118,7 +118,7 @@ def rollout(
 ) -> Rollout:
     """Roll out ``prompts x group_size`` samples. Sample ``b`` (counting from ``sample_offset``, the position
     of this batch in a larger sharded one) starts from seed ``seed + b`` (``seed + group`` with
-    ``shared_noise``) and draws its SDE noise from seed ``seed + b + 2**31``."""
+    ``shared_noise``) and draws its SDE noise on the pipeline's device from seed ``seed + b + 2**31``."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if sample_offset % group_size:
         raise ValueError("sample_offset must be a multiple of group_size")
@@ -135,8 +135,7 @@ def rollout(
 
     positive, negative = pipe.encode(req)
     init_generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-    sde_generators = [torch.Generator("cpu").manual_seed(seed + sample_offset + b + SDE_SEED_OFFSET)
-                      for b in range(len(expanded))]
+    noise_generators = sde_generators([seed + sample_offset + b for b in range(len(expanded))], pipe.device)
     record: dict[str, Any] = {}
 
     def make_sampler(steps):
@@ -144,7 +143,7 @@ def rollout(
             sampler.window.scope == "sample" else group_ids
         mask = window_mask(sampler, len(steps), ids, seed)
         record["mask"], record["steps"] = mask, steps
-        return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators)
+        return StochasticSampler(sampler, steps.euler_sigmas, mask, noise_generators)
 
     states: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -164,18 +163,22 @@ def rollout(
     mask, steps = record["mask"], record["steps"]
     w = int(mask[0].sum())
     b = len(expanded)
-    latents = torch.empty((b, w + 1, *states[0][1].shape[1:]), dtype=torch.float32)
-    lp = torch.empty((b, w), dtype=torch.float32)
+    dev = states[0][1].device
+    # Gathered on the device and copied to the host once: per-sample host copies were a visible share of
+    # a GPU rollout's time.
+    latents = torch.empty((b, w + 1, *states[0][1].shape[1:]), dtype=torch.float32, device=dev)
+    lp = torch.empty((b, w), dtype=torch.float32, device=dev)
     idx = torch.empty((b, w), dtype=torch.long)
     position = mask.long().cumsum(1) - 1
     for i, x_in, x_out, step_lp in states:
-        x_in, x_out, step_lp = x_in.cpu(), x_out.cpu(), step_lp.cpu()  # one copy per step, not per sample
-        for row in torch.nonzero(mask[:, i]).flatten().tolist():
-            k = int(position[row, i])
-            latents[row, k] = x_in[row]
-            latents[row, k + 1] = x_out[row]
-            lp[row, k] = step_lp[row]
-            idx[row, k] = i
+        rows = torch.nonzero(mask[:, i]).flatten()
+        k = position[rows, i]
+        rows_d, k_d = rows.to(dev), k.to(dev)
+        latents[rows_d, k_d] = x_in[rows_d]
+        latents[rows_d, k_d + 1] = x_out[rows_d]
+        lp[rows_d, k_d] = step_lp[rows_d]
+        idx[rows, k] = i
+    latents, lp = latents.cpu(), lp.cpu()
     sig = torch.tensor(steps.sigmas, dtype=torch.float32)
     return Rollout(
         prompts=expanded, group_ids=group_ids - first_group, seeds=seeds, latents=latents, log_probs=lp, sigmas=sig[idx],

@@ -158,7 +158,7 @@ def run_phases(
         if sampler_factory is not None:
             steps.sampler = sampler_factory(steps)
         elif first.sampler.kind != "ode":
-            steps.sampler = stochastic_sampler(first.sampler, steps, generators)
+            steps.sampler = stochastic_sampler(first.sampler, steps, generators, device)
         begin = 0
         if isinstance(first.input, PreviousInput) and first.input.renoise is not None:
             target = first.input.renoise
@@ -180,17 +180,16 @@ def run_phases(
     return results
 
 
-def stochastic_sampler(sampler: Any, steps: Steps, generators: list[torch.Generator]) -> Any:
+def stochastic_sampler(sampler: Any, steps: Steps, generators: list[torch.Generator], device: torch.device) -> Any:
     """A declared SDE sampler on an ordinary call: stochastic on its window, each sample with its own noise
     (seeded from its request seed, offset so it never repeats the initial noise)."""
-    from .samplers import SDE_SEED_OFFSET, EulerSampler, StochasticSampler, window_mask
+    from .samplers import EulerSampler, StochasticSampler, sde_generators, window_mask
 
     if not isinstance(steps.sampler, EulerSampler):
         raise ValueError(f"{sampler.kind} needs a flow_match schedule")
     seeds = [g.initial_seed() for g in generators]
     mask = window_mask(sampler, len(steps), torch.arange(len(seeds)), seeds[0])
-    sde_generators = [torch.Generator("cpu").manual_seed(s + SDE_SEED_OFFSET) for s in seeds]
-    return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators)
+    return StochasticSampler(sampler, steps.euler_sigmas, mask, sde_generators(seeds, device))
 
 
 def max_rows(spec: PipelineSpec, family: Family, x: torch.Tensor, geometry: Geometry) -> int | None:

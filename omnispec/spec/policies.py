@@ -67,7 +67,9 @@ CUDA_ONLY_METHODS = ("fp8_dynamic", "fp8_weight_only", "int4_weight_only", "nf4"
 
 class Quantization(SpecModel):
     method: QuantMethod
-    exclude: list[str] = Field(default_factory=list, description="fnmatch patterns of module names left alone.")
+    exclude: list[str] = Field(default_factory=list, description=(
+        "Modules left unquantized: an entry matches a module whose dotted name contains it followed by a dot, "
+        "as diffusers and transformers match modules_to_not_convert."))
 
 
 class NoCache(SpecModel):

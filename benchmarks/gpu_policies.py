@@ -68,8 +68,9 @@ def _release(mods: dict, names: tuple[str, ...] | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-def _first_output(run, module: torch.nn.Module) -> torch.Tensor:
-    """The denoiser's output on the first call of a one-step run (same seed, so the same input everywhere)."""
+def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """The denoiser's output on the first call of a one-step run (same seed, so the same input everywhere),
+    and that run's seconds (on a compiled module, the compilation)."""
     seen: list[torch.Tensor] = []
 
     def keep(_m, _a, out):
@@ -77,10 +78,9 @@ def _first_output(run, module: torch.nn.Module) -> torch.Tensor:
             seen.append((out[0] if isinstance(out, tuple) else out.sample).float().flatten().cpu())
 
     handle = module.register_forward_hook(keep)
-    with torch.no_grad():
-        run(1)
+    seconds = _first_call_s(run)
     handle.remove()
-    return seen[0]
+    return seen[0], seconds
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,6 +95,26 @@ def _diffusers_runner(pipeline, w: dict):
                  output_type="latent", **w["diffusers_kwargs"])
 
     return run
+
+
+def _flux_plain(part: str, label: str, repeats: int, ceiling: float):
+    """Random FLUX.1-dev-size components, the plain omnispec run over them, its FLOPs per step and its row."""
+    mods = gi.flux_components()
+    w = gi.WORKLOADS["flux"]
+    run_plain = _runner(_build(w["spec"], mods, []), w["request"])
+    flops = gi.flops_per_step(run_plain)
+    row = {"part": part, "config": label, **_measure(run_plain, 2, 4, repeats, flops, ceiling)}
+    print(json.dumps(row), flush=True)
+    return mods, w, run_plain, flops, row
+
+
+def _first_call_s(run) -> float:
+    """Seconds of a one-step run: on a compiled module, the compilation."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        run(1)
+    gi._sync()
+    return time.perf_counter() - start
 
 
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
@@ -159,34 +179,19 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
 
     import diffusers
 
-    mods = gi.flux_components()
-    w = gi.WORKLOADS["flux"]
-    plain = _build(w["spec"], mods, [])
-    run_plain = _runner(plain, w["request"])
-    flops = gi.flops_per_step(run_plain)
-    rows = [{"part": "compile", "config": "eager", **_measure(run_plain, 2, 4, repeats, flops, ceiling)}]
-    print(json.dumps(rows[-1]), flush=True)
+    mods, w, _, flops, eager = _flux_plain("compile", "eager", repeats, ceiling)
+    rows = [eager]
     # peer first, on a copy: compilation changes the module it is applied to
     twin = copy.deepcopy(mods["transformer"])
     twin.compile_repeated_blocks(fullgraph=True)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
-    start = time.perf_counter()
-    with torch.no_grad():
-        run_peer(1)
-    gi._sync()
-    rows.append({"part": "compile", "config": "diffusers compile_repeated_blocks", "first_call_s": time.perf_counter() - start,
+    rows.append({"part": "compile", "config": "diffusers compile_repeated_blocks", "first_call_s": _first_call_s(run_peer),
                  **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
     print(json.dumps(rows[-1]), flush=True)
     twin = run_peer = None
     _release({})
-    pipe = _build(w["spec"], mods, ["policies.compile.mode=regional"])
-    run = _runner(pipe, w["request"])
-    start = time.perf_counter()
-    with torch.no_grad():
-        run(1)
-    gi._sync()
-    compile_s = time.perf_counter() - start
-    rows.append({"part": "compile", "config": "regional", "first_call_s": compile_s,
+    run = _runner(_build(w["spec"], mods, ["policies.compile.mode=regional"]), w["request"])
+    rows.append({"part": "compile", "config": "regional", "first_call_s": _first_call_s(run),
                  **_measure(run, 2, 4, repeats, flops, ceiling)})
     print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -198,14 +203,9 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
 
     import diffusers
 
-    mods = gi.flux_components()
-    w = gi.WORKLOADS["flux"]
-    plain = _build(w["spec"], mods, [])
-    run_plain = _runner(plain, w["request"])
-    flops = gi.flops_per_step(run_plain)
-    reference = _first_output(run_plain, mods["transformer"])
-    rows = [{"part": "quant", "config": "bf16 eager", **_measure(run_plain, 2, 4, repeats, flops, ceiling)}]
-    print(json.dumps(rows[-1]), flush=True)
+    mods, w, run_plain, flops, eager = _flux_plain("quant", "bf16 eager", repeats, ceiling)
+    reference, _ = _first_output(run_plain, mods["transformer"])
+    rows = [eager]
     method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
     policy = f"policies.quantization={{transformer: {{method: {method}}}}}"
     modes = QUANT_COMPILE
@@ -214,10 +214,8 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
         twin = copy.deepcopy(mods["transformer"])
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
         run = _runner(pipe, w["request"])
-        start = time.perf_counter()
-        out = _first_output(run, twin)  # also the compile warm-up
-        gi._sync()
-        rows.append({"part": "quant", "config": label, "first_call_s": time.perf_counter() - start,
+        out, first = _first_output(run, twin)  # also the compile warm-up
+        rows.append({"part": "quant", "config": label, "first_call_s": first,
                      "denoiser_cosine_vs_bf16": _cosine(out, reference),
                      **_measure(run, 2, 4, repeats, flops, ceiling)})
         print(json.dumps(rows[-1]), flush=True)
@@ -236,11 +234,10 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     elif peer_mode == "full":
         twin.compile(fullgraph=True)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
-    start = time.perf_counter()
-    out = _first_output(run_peer, twin)
+    out, first = _first_output(run_peer, twin)
     peer_how = {"regional": " + compile_repeated_blocks", "full": " + torch.compile", "none": ""}[peer_mode]
     rows.append({"part": "quant", "config": f"diffusers + torchao {method}{peer_how}",
-                 "first_call_s": time.perf_counter() - start, "denoiser_cosine_vs_bf16": _cosine(out, reference),
+                 "first_call_s": first, "denoiser_cosine_vs_bf16": _cosine(out, reference),
                  **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
     print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -249,12 +246,8 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
 def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
     import diffusers
 
-    mods = gi.flux_components()
-    w = gi.WORKLOADS["flux"]
-    plain = _build(w["spec"], mods, [])
-    run_plain = _runner(plain, w["request"])
-    flops = gi.flops_per_step(run_plain)
-    rows = [{"part": "model_offload", "config": "resident", **_measure(run_plain, 2, 4, repeats, flops, ceiling)}]
+    mods, w, _, flops, resident = _flux_plain("model_offload", "resident", repeats, ceiling)
+    rows = [resident]
     _release(mods)
     pipe = _build(w["spec"], mods, ["policies.offload.strategy=model"])
     run = _runner(pipe, w["request"])
@@ -265,7 +258,7 @@ def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
     peer.enable_model_cpu_offload(device=gi.DEVICE)
     rows.append({"part": "model_offload", "config": "diffusers enable_model_cpu_offload",
                  **_measure(_diffusers_runner(peer, w), 2, 4, repeats, flops, ceiling)})
-    for r in rows:
+    for r in rows[1:]:
         print(json.dumps(r), flush=True)
     return rows
 

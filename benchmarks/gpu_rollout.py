@@ -136,10 +136,10 @@ class FlowGRPOLoop:
         return lp
 
 
-def _timed(fn) -> tuple[float, object]:
+def _timed(fn, *args) -> tuple[float, object]:
     gi._sync()
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     gi._sync()
     return time.perf_counter() - start, out
 
@@ -231,9 +231,9 @@ def main() -> None:
                                      "omnispec rollout, attention sdpa": []}
     for r in range(args.repeats):  # interleaved, so drift hits every side alike
         with torch.no_grad():
-            times["flow-grpo loop (diffusers)"].append(_timed(lambda: run_base(f"b{r}"))[0])
-            times["omnispec rollout"].append(_timed(lambda: run_ours(f"o{r}"))[0])
-            times["omnispec rollout, attention sdpa"].append(_timed(lambda: run_ours(f"s{r}", sdpa))[0])
+            times["flow-grpo loop (diffusers)"].append(_timed(run_base, f"b{r}")[0])
+            times["omnispec rollout"].append(_timed(run_ours, f"o{r}")[0])
+            times["omnispec rollout, attention sdpa"].append(_timed(run_ours, f"s{r}", sdpa)[0])
     for label, samples in times.items():
         med = statistics.median(samples)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
@@ -250,7 +250,7 @@ def main() -> None:
                         ("flow-grpo replay (diffusers)", lambda k: base.replay_step(ref, k))):
         samples = []
         for k in [0, args.steps // 2, args.steps - 1, 0, args.steps // 2, args.steps - 1]:
-            samples.append(_timed(lambda: step(k).sum().backward())[0])
+            samples.append(_timed(lambda fn, at: fn(at).sum().backward(), step, k)[0])
         med = statistics.median(samples[1:])  # the first includes autograd warm-up
         save({"config": label, "ms_per_step": med * 1e3, "samples_per_replay": args.replay_batch,
               "samples_ms": [s * 1e3 for s in samples]})
@@ -262,8 +262,8 @@ def main() -> None:
         compiled = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                                   overrides=[*overrides, "policies.compile.mode=regional"])
         with torch.no_grad():
-            first, _ = _timed(lambda: run_ours("cw", compiled))  # compiles every shape the batching uses
-            samples = [_timed(lambda: run_ours(f"c{r}", compiled))[0] for r in range(args.compile_repeats)]
+            first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
+            samples = [_timed(run_ours, f"c{r}", compiled)[0] for r in range(args.compile_repeats)]
         med = statistics.median(samples)
         save({"config": "omnispec rollout + regional compile", "seconds": med, "images_per_s": n / med,
               "samples_s": samples, "first_call_s": first})

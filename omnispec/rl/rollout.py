@@ -19,11 +19,11 @@ from ..runtime.guidance import combine
 from ..runtime.loop import PhaseRun, run_passes
 from ..runtime.phases import phase_groups, planned_steps, run_phases
 from ..runtime.pipeline import phase_passes
-from ..runtime.samplers import StochasticSampler, StepResult, sde_generators, stochastic_step, window_mask
+from ..runtime.samplers import StepResult, StochasticSampler, sde_generators, stochastic_step, window_mask
 from ..spec import APG, SpecError, compile_plan
 from ..spec.recipe import STOCHASTIC_SAMPLERS, Phase, Sampler
-from ..spec.schedule import FlowMatchSchedule
 from ..spec.request import Request, resolve_request
+from ..spec.schedule import FlowMatchSchedule
 
 if TYPE_CHECKING:
     from ..runtime.pipeline import Pipeline

@@ -10,7 +10,8 @@ eager run measured in the same call, with diffusers' own calls as peers where th
 - quant (FLUX.1-dev 1024²): ``quantization: fp8_dynamic`` eager and with regional compile, against bf16 eager;
   cosine of the first denoiser output against bf16; peer: torchao ``quantize_`` with the same config and
   ``compile_repeated_blocks`` on the diffusers pipeline.
-- model_offload (FLUX.1-dev 1024²): peak memory and time of ``offload: model``; peer ``enable_model_cpu_offload``.
+- model_offload (FLUX.1-dev 1024²): peak memory, per-step and per-request (4 steps) time of ``offload: model``;
+  peer ``enable_model_cpu_offload``.
 - wan_attention (Wan 14B attention shapes at 480x832x81, CFG; 8 of the 40 blocks, since only the ratio between
   backends is asked): every usable backend and ``auto``.
 - layerwise (Wan 14B 480x832x81, CFG): ``offload: layerwise`` vs resident, and diffusers' ``enable_group_offload``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -115,6 +117,19 @@ def _first_call_s(run) -> float:
         run(1)
     gi._sync()
     return time.perf_counter() - start
+
+
+def _request_s(run, steps: int, repeats: int) -> float:
+    """Median seconds of a whole ``steps``-step request: what model offload's per-request moves cost."""
+    samples = []
+    for _ in range(repeats):
+        gi._sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            run(steps)
+        gi._sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
@@ -244,20 +259,23 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
 
 
 def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
+    """Per-step time cancels the moves (they happen once per request), so whole 4-step requests are timed too."""
     import diffusers
 
-    mods, w, _, flops, resident = _flux_plain("model_offload", "resident", repeats, ceiling)
-    rows = [resident]
+    mods, w, run_plain, flops, resident = _flux_plain("model_offload", "resident", repeats, ceiling)
+    rows = [resident | {"request_s": _request_s(run_plain, 4, repeats)}]
+    run_plain = None
     _release(mods)
-    pipe = _build(w["spec"], mods, ["policies.offload.strategy=model"])
-    run = _runner(pipe, w["request"])
-    rows.append({"part": "model_offload", "config": "model", **_measure(run, 2, 4, repeats, flops, ceiling)})
-    pipe = run = None
+    run = _runner(_build(w["spec"], mods, ["policies.offload.strategy=model"]), w["request"])
+    rows.append({"part": "model_offload", "config": "model", **_measure(run, 2, 4, repeats, flops, ceiling),
+                 "request_s": _request_s(run, 4, repeats)})
+    run = None
     _release(mods)
     peer = diffusers.FluxPipeline(**mods)
     peer.enable_model_cpu_offload(device=gi.DEVICE)
+    run_peer = _diffusers_runner(peer, w)
     rows.append({"part": "model_offload", "config": "diffusers enable_model_cpu_offload",
-                 **_measure(_diffusers_runner(peer, w), 2, 4, repeats, flops, ceiling)})
+                 **_measure(run_peer, 2, 4, repeats, flops, ceiling), "request_s": _request_s(run_peer, 4, repeats)})
     for r in rows[1:]:
         print(json.dumps(r), flush=True)
     return rows

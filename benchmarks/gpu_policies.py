@@ -222,7 +222,9 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     reference, _ = _first_output(run_plain, mods["transformer"])
     rows = [eager]
     method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
-    policy = f"policies.quantization={{transformer: {{method: {method}}}}}"
+    granularity = QUANT_GRANULARITY[0] if method == "fp8_dynamic" else None
+    policy = (f"policies.quantization={{transformer: {{method: {method}"
+              + (f", granularity: {granularity}" if granularity else "") + "}}")
     modes = QUANT_COMPILE
     for label, extra in ((f"{method} + {m} compile" if m != "none" else f"{method} eager",
                           [f"policies.compile.mode={m}"]) for m in modes):
@@ -239,10 +241,10 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     # peer: the same torchao config through torchao's quantize_ and diffusers' compile_repeated_blocks
     from torchao.quantization import quantize_
 
-    from omnispec.policies.quantization import _torchao_config
+    from omnispec.policies.quantization import torchao_config
 
     twin = copy.deepcopy(mods["transformer"])
-    quantize_(twin, _torchao_config(method))
+    quantize_(twin, torchao_config(method, granularity))
     peer_mode = modes[-1]
     if peer_mode == "regional":
         twin.compile_repeated_blocks(fullgraph=True)
@@ -332,6 +334,7 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
 
 
 QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measured with quantization
+QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
 
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part,
          "model_offload": model_offload_part, "wan_attention": wan_attention_part, "layerwise": layerwise_part}
@@ -343,10 +346,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant-compile", default="none,regional",
                         help="compile modes measured with fp8 quantization (the last one is the peer's)")
+    parser.add_argument("--quant-granularity", choices=["tensor", "row"], default=None)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     QUANT_COMPILE[:] = args.quant_compile.split(",")
+    QUANT_GRANULARITY[:] = [args.quant_granularity]
     if args.smoke:
         gi.enable_smoke()
         ceiling = 1e12

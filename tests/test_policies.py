@@ -101,6 +101,20 @@ def test_bitsandbytes_is_refused_for_in_memory_components():
         quantize_in_memory(spec, "transformer", spec.model.components["transformer"], torch.nn.Linear(4, 4))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_fp8_granularity_reaches_the_torchao_config():
+    from diffusers import FluxTransformer2DModel
+    from torchao.quantization import PerRow
+
+    from omnispec.policies.quantization import load_kwargs
+
+    spec = omnispec.load_spec(SPECS / "flux1-dev.yaml",
+                              ["policies.quantization={transformer: {method: fp8_dynamic, granularity: row}}"])
+    kwargs = load_kwargs(spec, "transformer", spec.model.components["transformer"], FluxTransformer2DModel)
+    granularity = kwargs["quantization_config"].quant_type.granularity  # torchao keeps [activation, weight]
+    assert all(isinstance(g, PerRow) for g in (granularity if isinstance(granularity, list) else [granularity]))
+
+
 def test_cuda_only_quantization_is_rejected_on_cpu(flux_dir):
     with pytest.raises(SpecError, match="policies.quantization.denoiser.method: fp8_dynamic runs only on CUDA|needs torchao"):
         run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={denoiser: {method: fp8_dynamic}}")

@@ -101,6 +101,12 @@ def test_quantization_keys_name_components_or_roles():
     fails(data, "policies.quantization.transfomer", "neither a component nor a role")
 
 
+def test_quantization_granularity_is_for_fp8_dynamic_only():
+    q = {"transformer": {"method": "int8_weight_only", "granularity": "row"}}
+    fails(with_(FLUX, lambda d: d.update(policies={"quantization": q})), "policies.quantization.transformer",
+          "granularity applies to fp8_dynamic only")
+
+
 def test_one_negative_prompt_term_per_plan():
     terms = [{"kind": "cfg", "scale": 3.0}, {"kind": "apg", "scale": 3.0}]
     data = with_(FLUX, lambda d: d["recipe"]["phases"][0]["guidance"].update(terms=terms))

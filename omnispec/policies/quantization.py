@@ -49,10 +49,11 @@ def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:
     return problems
 
 
-def _torchao_config(method: str) -> Any:
+def torchao_config(method: str, granularity: str | None = None) -> Any:
     import torchao.quantization as tq
 
-    return getattr(tq, _TORCHAO_CONFIGS[method])()
+    kwargs = {"granularity": {"tensor": tq.PerTensor, "row": tq.PerRow}[granularity]()} if granularity else {}
+    return getattr(tq, _TORCHAO_CONFIGS[method])(**kwargs)
 
 
 def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, module: Any) -> str | None:
@@ -70,7 +71,7 @@ def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, modu
         # exclude entries match as diffusers matches modules_to_not_convert ("<entry>." inside the name)
         return isinstance(child, torch.nn.Linear) and not any(f"{entry}." in f"{fqn}." for entry in q.exclude)
 
-    quantize_(module, _torchao_config(q.method), filter_fn=wanted)
+    quantize_(module, torchao_config(q.method, q.granularity), filter_fn=wanted)
     return f"{name}: {q.method} (torchao quantize_, in memory)"
 
 
@@ -81,7 +82,7 @@ def load_kwargs(spec: PipelineSpec, name: str, component: Component, cls: type) 
     from_transformers = cls.__module__.startswith("transformers")
     exclude = list(q.exclude) or None
     if q.method in TORCHAO_METHODS:
-        ao = _torchao_config(q.method)
+        ao = torchao_config(q.method, q.granularity)
         if from_transformers:
             from transformers import TorchAoConfig
 

@@ -70,6 +70,14 @@ class Quantization(SpecModel):
     exclude: list[str] = Field(default_factory=list, description=(
         "Modules left unquantized: an entry matches a module whose dotted name contains it followed by a dot, "
         "as diffusers and transformers match modules_to_not_convert."))
+    granularity: Literal["tensor", "row"] | None = Field(default=None, description=(
+        "fp8_dynamic scale granularity (torchao PerTensor / PerRow); default: torchao's."))
+
+    @model_validator(mode="after")
+    def _granularity_is_fp8_dynamic(self) -> Quantization:
+        if self.granularity is not None and self.method != "fp8_dynamic":
+            raise ValueError(f"granularity applies to fp8_dynamic only, not {self.method}")
+        return self
 
 
 class NoCache(SpecModel):

@@ -56,8 +56,10 @@ def torchao_config(method: str, granularity: str | None = None) -> Any:
     return getattr(tq, _TORCHAO_CONFIGS[method])(**kwargs)
 
 
-def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, module: Any) -> str | None:
-    """Quantize an in-memory component as its policy says; returns a note for ``explain``, or None."""
+def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, module: Any,
+                       device: torch.device | None = None) -> str | None:
+    """Quantize an in-memory component as its policy says; returns a note for ``explain``, or None.
+    A CUDA-only method quantizes on ``device`` (torchao computes fp8/int4 weights with CUDA kernels)."""
     q = method_for(spec, name, component)
     if q is None or not isinstance(module, torch.nn.Module) or getattr(module, "is_quantized", False):
         return None  # no policy, or already quantized when it was loaded
@@ -71,6 +73,8 @@ def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, modu
         # exclude entries match as diffusers matches modules_to_not_convert ("<entry>." inside the name)
         return isinstance(child, torch.nn.Linear) and not any(f"{entry}." in f"{fqn}." for entry in q.exclude)
 
+    if q.method in CUDA_ONLY_METHODS and device is not None and next(module.parameters()).device != device:
+        module.to(device)
     quantize_(module, torchao_config(q.method, q.granularity), filter_fn=wanted)
     return f"{name}: {q.method} (torchao quantize_, in memory)"
 

@@ -70,8 +70,8 @@ def build(
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
     loaded = load_components(spec, check_source(spec, source, missing), only=missing) if missing else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
-    quantized = [note for name in given
-                 if (note := quantization.quantize_in_memory(spec, name, spec.model.components[name], given[name]))]
+    quantized = [note for name in given if (note := quantization.quantize_in_memory(
+        spec, name, spec.model.components[name], given[name], target))]
     load_adapter_slots(spec, modules)
     applied = apply_policies(spec, family_cls, modules, target)
     if quantized:

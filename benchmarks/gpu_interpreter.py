@@ -124,6 +124,13 @@ def flops_per_step(run) -> float:
     return float(counter.get_total_flops())
 
 
+def free_device_memory() -> None:
+    """Collect dropped modules and return the device cache, so the next build starts from an empty GPU."""
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -182,9 +189,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
            "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item()}
     pipe = ref = mods = None  # free the GPU memory before the next workload
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory()
     return out
 
 

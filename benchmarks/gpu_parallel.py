@@ -16,7 +16,6 @@ Keep NVLink multicast off (the device README): NCCL_NVLS_ENABLE=0.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 from pathlib import Path
@@ -37,6 +36,19 @@ def _components(name: str) -> dict:
     if gi.DEVICE == "cuda":
         torch.cuda.manual_seed_all(0)
     return gi.WORKLOADS[name]["components"]()
+
+
+def _steps(name: str) -> tuple[int, int]:
+    return gi.WORKLOADS[name]["steps"] if gi.SMOKE else STEPS[name]
+
+
+def _timed_row(run, name: str, label: str, repeats: int) -> dict:
+    """Per-step time of ``run(n)`` after a warm-up run, as a result row."""
+    lo, hi = _steps(name)
+    with torch.no_grad():
+        run(lo)
+        med, samples = gi.per_step(run, lo, hi, repeats)
+    return {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
 
 
 def _spec_overrides(name: str, label: str) -> list[str]:
@@ -70,12 +82,9 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
     def run(n):
         return pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **request), decode=False)
 
-    lo, hi = STEPS[name] if not gi.SMOKE else w["steps"]
+    row = _timed_row(run, name, label, repeats)
     with torch.no_grad():
-        run(lo)
-        med, samples = gi.per_step(run, lo, hi, repeats)
-        latents = run(lo).latents.float().cpu()
-    row = {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
+        latents = run(_steps(name)[0]).latents.float().cpu()
     if label == "single":
         torch.save(latents, f"/tmp/omnispec_parallel_{name}_single.pt")
     if not degrees:
@@ -85,9 +94,7 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
         row |= {"max_abs_diff": (latents - ref).abs().max().item(),
                 "cosine": torch.nn.functional.cosine_similarity(latents.flatten(), ref.flatten(), dim=0).item()}
     pipe = mods = None  # free memory before the next configuration
-    gc.collect()
-    if gi.DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    gi.free_device_memory()
     return row
 
 
@@ -111,15 +118,11 @@ def diffusers_peer(name: str, degrees: dict, repeats: int) -> dict:
         ref("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **kwargs)
 
-    lo, hi = STEPS[name]
-    with torch.no_grad():
-        run(lo)
-        med, samples = gi.per_step(run, lo, hi, repeats)
     label = "diffusers " + ",".join(f"{k.split('_')[0]}{v}" for k, v in degrees.items())
+    row = _timed_row(run, name, label, repeats)
     ref = mods = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
+    gi.free_device_memory()
+    return row
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not d
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -65,9 +64,7 @@ def _release(mods: dict, names: tuple[str, ...] | None = None) -> None:
     for name, m in mods.items():
         if isinstance(m, torch.nn.Module) and (names is None or name in names):
             m.to("cpu")
-    gc.collect()
-    if gi.DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    gi.free_device_memory()
 
 
 def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
@@ -364,9 +361,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - keep the other parts' results
             rows.append({"part": part, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
             print(json.dumps(rows[-1]), flush=True)
-        gc.collect()
-        if gi.DEVICE == "cuda":
-            torch.cuda.empty_cache()
+        gi.free_device_memory()
         if args.json:
             args.json.write_text(json.dumps({"ceiling_tflops": ceiling / 1e12, "rows": rows}, indent=1))
     print("| part | config | ms/step | MFU | peak GiB |")

@@ -124,6 +124,48 @@ def flops_per_step(run) -> float:
     return float(counter.get_total_flops())
 
 
+class CompileWatch:
+    """Counts what dynamo does while a block runs: frames compiled, graphs, graph breaks, and recompiles
+    with their first guard failures. A compiled region that recompiles per block, or breaks its graph,
+    shows here rather than as an unexplained slow or noisy step time."""
+
+    def __init__(self) -> None:
+        self.recompiles: list[str] = []
+
+    def __enter__(self) -> "CompileWatch":
+        import logging
+
+        from torch._dynamo.utils import counters
+
+        self._start = {"graphs": counters["stats"]["unique_graphs"],
+                       "breaks": sum(counters["graph_break"].values())}
+        torch._logging.set_logs(recompiles=True)
+        self._logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+        self._handler = logging.Handler()
+        self._handler.emit = lambda record: self.recompiles.append(record.getMessage())  # type: ignore[method-assign]
+        self._logger.addHandler(self._handler)
+        self._logger.propagate = False  # collected, not printed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self._handler)
+        self._logger.propagate = True
+        torch._logging.set_logs()
+
+    def summary(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        import re
+
+        reasons = [re.sub(r"\s+#.*", "", line.strip()) for msg in self.recompiles for line in msg.splitlines()
+                   if re.match(r"\s*- \d+/\d+: ", line)]
+        breaks = counters["graph_break"]
+        return {"graphs": counters["stats"]["unique_graphs"] - self._start["graphs"],
+                "graph_breaks": sum(breaks.values()) - self._start["breaks"],
+                "graph_break_reasons": [r[:160] for r, _ in breaks.most_common(3)],
+                "recompiles": len(self.recompiles), "recompile_reasons": list(dict.fromkeys(r[:200] for r in reasons))[:6]}
+
+
 def free_device_memory() -> None:
     """Collect dropped modules and return the device cache, so the next build starts from an empty GPU."""
     gc.collect()

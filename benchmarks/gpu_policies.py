@@ -10,6 +10,8 @@ eager run measured in the same call, with diffusers' own calls as peers where th
 - quant (FLUX.1-dev 1024²): ``quantization: fp8_dynamic`` eager and with regional compile, against bf16 eager;
   cosine of the first denoiser output against bf16; peer: torchao ``quantize_`` with the same config and
   ``compile_repeated_blocks`` on the diffusers pipeline.
+- fp8_block (one FLUX.1-dev single-stream block at 1024²): bf16 and fp8 per tensor / per row, eager and
+  compiled, ms per call, and the fp8 eager call's top CUDA kernels.
 - model_offload (FLUX.1-dev 1024²): peak memory, per-step and per-request (4 steps) time of ``offload: model``;
   peer ``enable_model_cpu_offload``.
 - wan_attention (Wan 14B attention shapes at 480x832x81, CFG; 8 of the 40 blocks, since only the ratio between
@@ -40,11 +42,16 @@ def _build(spec: str, mods: dict, overrides: list[str]):
                           overrides=["runtime.progress=false", *overrides])
 
 
-def _runner(pipe, request: dict):
+def _prompt(fresh: bool, taken=__import__("itertools").count()) -> str:
+    """The benchmark prompt; ``fresh`` makes it new on every call, so no prompt-embedding cache can hit."""
+    return f"a photo of a cat, take {next(taken)}" if fresh else "a photo of a cat"
+
+
+def _runner(pipe, request: dict, fresh: bool = False):
     from omnispec.spec.request import resolve_request
 
     def run(n: int):
-        pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **request), decode=False)
+        pipe.generate(resolve_request(pipe.spec, _prompt(fresh), 0, steps=n, **request), decode=False)
 
     return run
 
@@ -82,15 +89,29 @@ def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
     return seen[0], seconds
 
 
+def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a denoiser without the attention hooks an omnispec build put on it: a diffusers peer must
+    not carry them (a per-module hooked forward makes dynamo recompile each repeated block)."""
+    import copy
+
+    from omnispec.policies.attention import HOOK_NAME
+    from omnispec.policies.hooks import remove_hook
+
+    twin = copy.deepcopy(module)
+    for m in twin.modules():
+        remove_hook(m, HOOK_NAME)
+    return twin
+
+
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
-def _diffusers_runner(pipeline, w: dict):
+def _diffusers_runner(pipeline, w: dict, fresh: bool = False):
     pipeline.set_progress_bar_config(disable=True)
 
     def run(n: int):
-        pipeline("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+        pipeline(_prompt(fresh), num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
                  output_type="latent", **w["diffusers_kwargs"])
 
     return run
@@ -187,37 +208,49 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
 
 
 def compile_part(repeats: int, ceiling: float) -> list[dict]:
-    import copy
 
     import diffusers
 
     mods, w, _, flops, eager = _flux_plain("compile", "eager", repeats, ceiling)
     rows = [eager]
     # peer first, on a copy: compilation changes the module it is applied to
-    twin = copy.deepcopy(mods["transformer"])
+    twin = _plain_copy(mods["transformer"])
     twin.compile_repeated_blocks(fullgraph=True)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
-    rows.append({"part": "compile", "config": "diffusers compile_repeated_blocks", "first_call_s": _first_call_s(run_peer),
-                 **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
-    print(json.dumps(rows[-1]), flush=True)
+    rows.append(_compiled_row("compile", "diffusers compile_repeated_blocks", run_peer, flops, repeats, ceiling))
     twin = run_peer = None
     _release({})
     run = _runner(_build(w["spec"], mods, ["policies.compile.mode=regional"]), w["request"])
-    rows.append({"part": "compile", "config": "regional", "first_call_s": _first_call_s(run),
-                 **_measure(run, 2, 4, repeats, flops, ceiling)})
-    print(json.dumps(rows[-1]), flush=True)
+    rows.append(_compiled_row("compile", "regional", run, flops, repeats, ceiling))
     return rows
+
+
+def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceiling: float,
+                  module: torch.nn.Module | None = None, reference: torch.Tensor | None = None) -> dict:
+    """A compiled configuration's row: compilation time, what dynamo did (recompiles, graph breaks) over
+    compilation and the timed runs, steady per-step time, and the denoiser's cosine to ``reference``."""
+    with gi.CompileWatch() as watch:
+        if module is not None:
+            out, first = _first_output(run, module)
+            extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
+        else:
+            first, extra = _first_call_s(run), {}
+        measured = _measure(run, 2, 4, repeats, flops, ceiling)
+    row = {"part": part, "config": label, "first_call_s": first, **extra, **measured, "dynamo": watch.summary()}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def quant_part(repeats: int, ceiling: float) -> list[dict]:
     """fp8 dynamic quantization (+ regional compile) against bf16 eager, on copies of one set of weights."""
-    import copy
 
     import diffusers
 
     mods, w, run_plain, flops, eager = _flux_plain("quant", "bf16 eager", repeats, ceiling)
     reference, _ = _first_output(run_plain, mods["transformer"])
     rows = [eager]
+    run_plain = None
+    _release(mods, ("transformer",))  # the bf16 original waits on the host: peaks below are the twin's own
     method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
     granularity = QUANT_GRANULARITY[0] if method == "fp8_dynamic" else None
     policy = (f"policies.quantization={{transformer: {{method: {method}"
@@ -225,14 +258,10 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     modes = QUANT_COMPILE
     for label, extra in ((f"{method} + {m} compile" if m != "none" else f"{method} eager",
                           [f"policies.compile.mode={m}"]) for m in modes):
-        twin = copy.deepcopy(mods["transformer"])
+        twin = _plain_copy(mods["transformer"])
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
         run = _runner(pipe, w["request"])
-        out, first = _first_output(run, twin)  # also the compile warm-up
-        rows.append({"part": "quant", "config": label, "first_call_s": first,
-                     "denoiser_cosine_vs_bf16": _cosine(out, reference),
-                     **_measure(run, 2, 4, repeats, flops, ceiling)})
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
         pipe = run = twin = None
         _release({})
     # peer: the same torchao config through torchao's quantize_ and diffusers' compile_repeated_blocks
@@ -240,7 +269,7 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
 
     from omnispec.policies.quantization import torchao_config
 
-    twin = copy.deepcopy(mods["transformer"])
+    twin = _plain_copy(mods["transformer"]).to(gi.DEVICE)
     quantize_(twin, torchao_config(method, granularity))
     peer_mode = modes[-1]
     if peer_mode == "regional":
@@ -248,35 +277,117 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     elif peer_mode == "full":
         twin.compile(fullgraph=True)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
-    out, first = _first_output(run_peer, twin)
     peer_how = {"regional": " + compile_repeated_blocks", "full": " + torch.compile", "none": ""}[peer_mode]
-    rows.append({"part": "quant", "config": f"diffusers + torchao {method}{peer_how}",
-                 "first_call_s": first, "denoiser_cosine_vs_bf16": _cosine(out, reference),
-                 **_measure(run_peer, 2, 4, repeats, flops, ceiling)})
-    print(json.dumps(rows[-1]), flush=True)
+    rows.append(_compiled_row("quant", f"diffusers + torchao {method}{peer_how}", run_peer, flops, repeats, ceiling,
+                              twin, reference))
     return rows
 
 
-def model_offload_part(repeats: int, ceiling: float) -> list[dict]:
-    """Per-step time cancels the moves (they happen once per request), so whole 4-step requests are timed too."""
+def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
+    """One FLUX.1-dev single-stream block at 1024² (4096 image + 512 text tokens): bf16 and fp8 (per tensor,
+    per row) weights, eager and ``torch.compile``'d, ms per call; plus the top CUDA kernels of the fp8 eager
+    call. Separates what fp8 gains per block from what the whole-model runs add (recompiles, glue)."""
+    import copy
+
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+    from torchao.quantization import quantize_
+
+    from omnispec.policies.quantization import torchao_config
+
+    dim, tokens = (3072, 4608) if not gi.SMOKE else (64, 40)
+    heads = 24 if not gi.SMOKE else 2
+    with torch.device(gi.DEVICE):
+        block = FluxSingleTransformerBlock(dim, heads, dim // heads).to(torch.bfloat16).eval()
+        x = torch.randn(1, tokens, dim, dtype=torch.bfloat16)
+        temb = torch.randn(1, dim, dtype=torch.bfloat16)
+        rope = (torch.randn(tokens, dim // heads), torch.randn(tokens, dim // heads))
+    x_img, x_txt = x[:, 512 if not gi.SMOKE else 8:], x[:, :512 if not gi.SMOKE else 8]
+    flops_counter = __import__("torch.utils.flop_counter", fromlist=["FlopCounterMode"]).FlopCounterMode(display=False)
+
+    def call(b):
+        return b(hidden_states=x_img, encoder_hidden_states=x_txt, temb=temb, image_rotary_emb=rope)
+
+    with torch.no_grad(), flops_counter:
+        reference = torch.cat(call(block), dim=1).float().flatten()
+    flops = float(flops_counter.get_total_flops())
+
+    def timed(b) -> list[float]:
+        samples = []
+        for _ in range(max(repeats, 3) * 10):
+            gi._sync()
+            start = time.perf_counter()
+            call(b)
+            gi._sync()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return samples
+
+    method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"
+    variants = [("bf16", None)] + [(f"{method} {g}", g) for g in (("tensor", "row") if gi.DEVICE == "cuda" else (None,))]
+    rows = []
+    for name, granularity in variants:
+        for compiled in (False, True):
+            b = copy.deepcopy(block)
+            if granularity is not None or name != "bf16":
+                quantize_(b, torchao_config(method, granularity))
+            with gi.CompileWatch() as watch, torch.no_grad():
+                runner = torch.compile(b, fullgraph=True) if compiled else b
+                start = time.perf_counter()
+                out = torch.cat(call(runner), dim=1).float().flatten()
+                gi._sync()
+                first = time.perf_counter() - start
+                samples = timed(runner)
+            med = statistics.median(samples)
+            row = {"part": "fp8_block", "config": f"{name} {'compiled' if compiled else 'eager'}",
+                   "ms_per_call": med, "tflops": flops / med / 1e9, "mfu": flops / (med / 1e3) / ceiling,
+                   "first_call_s": first, "cosine_vs_bf16": _cosine(out, reference)}
+            if compiled:
+                row["dynamo"] = watch.summary()
+            if gi.DEVICE == "cuda" and name != "bf16" and not compiled:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+                    call(runner)
+                    gi._sync()
+                top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
+                row["top_kernels"] = [f"{e.key[:70]} x{e.count} {e.device_time_total / 1e3:.2f} ms" for e in top]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            b = runner = None
+            gi.free_device_memory()
+    return rows
+
+
+def model_offload_part(repeats: int, ceiling: float, per_step: bool = True) -> list[dict]:
+    """Per-step time cancels the moves (they happen once per request), so whole 4-step requests are timed
+    too: with the same prompt each time (omnispec's prompt-embedding cache then skips the encoders, so
+    nothing moves) and with a new prompt each time (the encoders run, so the denoiser moves out and back)."""
     import diffusers
 
-    mods, w, run_plain, flops, resident = _flux_plain("model_offload", "resident", repeats, ceiling)
-    rows = [resident | {"request_s": _request_s(run_plain, 4, repeats)}]
-    run_plain = None
+    w = gi.WORKLOADS["flux"]
+    if per_step:  # the resident row's per-step figures come from here
+        mods, w, _, flops, resident = _flux_plain("model_offload", "resident", repeats, ceiling)
+    else:
+        mods, flops, resident = gi.flux_components(), 0.0, {"part": "model_offload", "config": "resident"}
+
+    def row(base: dict, runner, measure: bool = per_step) -> dict:
+        measured = _measure(runner(False), 2, 4, repeats, flops, ceiling) if measure else {}
+        out = base | measured | {"request_s": _request_s(runner(False), 4, repeats),
+                                 "request_new_prompt_s": _request_s(runner(True), 4, repeats)}
+        print(json.dumps(out), flush=True)
+        return out
+
+    plain = _build(w["spec"], mods, [])
+    rows = [row(resident, lambda fresh: _runner(plain, w["request"], fresh), measure=False)]
+    plain = None
     _release(mods)
-    run = _runner(_build(w["spec"], mods, ["policies.offload.strategy=model"]), w["request"])
-    rows.append({"part": "model_offload", "config": "model", **_measure(run, 2, 4, repeats, flops, ceiling),
-                 "request_s": _request_s(run, 4, repeats)})
-    run = None
+    offloaded = _build(w["spec"], mods, ["policies.offload.strategy=model"])
+    rows.append(row({"part": "model_offload", "config": "model"}, lambda fresh: _runner(offloaded, w["request"], fresh)))
+    offloaded = None
     _release(mods)
     peer = diffusers.FluxPipeline(**mods)
     peer.enable_model_cpu_offload(device=gi.DEVICE)
-    run_peer = _diffusers_runner(peer, w)
-    rows.append({"part": "model_offload", "config": "diffusers enable_model_cpu_offload",
-                 **_measure(run_peer, 2, 4, repeats, flops, ceiling), "request_s": _request_s(run_peer, 4, repeats)})
-    for r in rows[1:]:
-        print(json.dumps(r), flush=True)
+    rows.append(row({"part": "model_offload", "config": "diffusers enable_model_cpu_offload"},
+                    lambda fresh: _diffusers_runner(peer, w, fresh)))
     return rows
 
 
@@ -333,8 +444,10 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
 QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measured with quantization
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
 
-PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part,
-         "model_offload": model_offload_part, "wan_attention": wan_attention_part, "layerwise": layerwise_part}
+PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
+         "model_offload": model_offload_part,
+         "offload_requests": lambda repeats, ceiling: model_offload_part(repeats, ceiling, per_step=False),
+         "wan_attention": wan_attention_part, "layerwise": layerwise_part}
 
 
 def main() -> None:
@@ -368,6 +481,11 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"| {r['part']} | {r.get('config', '')} | error: {r['error'][:80]} | | |")
+        elif "ms_per_step" not in r and "request_s" in r:
+            print(f"| {r['part']} | {r['config']} | request {r['request_s']:.2f} s, new prompt "
+                  f"{r['request_new_prompt_s']:.2f} s | | |")
+        elif "ms_per_call" in r:
+            print(f"| {r['part']} | {r['config']} | {r['ms_per_call']:.2f} per call | {r['mfu']:.0%} | |")
         else:
             print(f"| {r['part']} | {r['config']} | {r['ms_per_step']:.1f} | {r['mfu']:.0%} | {r['peak_gib']:.1f} |")
 

@@ -168,6 +168,24 @@ def breakdown(pipeline, run) -> dict:
     return spent | {"total_s": total, "other_s": total - sum(spent.values())}
 
 
+def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loop_s: float) -> dict:
+    """How far from the hardware the loop's denoiser already is: its FLOPs (counted on one CFG forward of one
+    sample), its achieved TFLOP/s in the breakdown, and the largest speed-up any bf16 rollout could reach on
+    this GPU, if its denoiser ran at the measured matmul ceiling and nothing else took time."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sample = base.sample(_prompts("flops", 1), seed=0)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        base._forward(sample["latents"][:, 0], sample["timesteps"][0], sample["pe"], sample["pooled"])
+    flops = float(counter.get_total_flops()) * images * steps
+    ceiling = gi.matmul_ceiling() if gi.DEVICE == "cuda" else 1e12
+    return {"config": "denoiser bound", "denoiser_tflop": flops / 1e12,
+            "loop_denoiser_tflops_per_s": flops / split["denoiser_s"] / 1e12, "matmul_ceiling_tflops": ceiling / 1e12,
+            "loop_denoiser_mfu": flops / split["denoiser_s"] / ceiling,
+            "max_speedup_over_loop_bf16": loop_s / (flops / ceiling)}
+
+
 def _prompts(tag: str, n: int) -> list[str]:
     subjects = ["a cat", "a red car", "a bowl of fruit", "a lighthouse", "a city at night", "a dog on a beach",
                 "a mountain lake", "a robot", "a forest path", "a teapot"]
@@ -186,6 +204,10 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure omnispec with policies.compile.mode=regional (after the eager runs)")
     parser.add_argument("--compile-repeats", type=int, default=2)
+    parser.add_argument("--details", action=argparse.BooleanOptionalAction, default=True,
+                        help="per-module breakdown, the denoiser bound, and replay timing")
+    parser.add_argument("--sdpa-variant", action="store_true",
+                        help="also time omnispec with attention forced to sdpa (auto's choice is in the breakdown)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -220,26 +242,45 @@ def main() -> None:
     def run_ours(tag: str, p=pipe):
         return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, **request)
 
-    sdpa = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
-                          overrides=[*overrides, "policies.attention.default=sdpa"])
+    sides = {"flow-grpo loop (diffusers)": lambda tag: run_base(tag), "omnispec rollout": run_ours}
+    if args.sdpa_variant:
+        sdpa = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
+                              overrides=[*overrides, "policies.attention.default=sdpa"])
+        sides["omnispec rollout, attention sdpa"] = lambda tag: run_ours(tag, sdpa)
     with torch.no_grad():  # warm-up: kernels, allocator, autotuning, auto attention's trials at the timed shapes
         base.sample(_prompts("w", 2), seed=0)
-        for p in (pipe, sdpa):
-            p.rollout(_prompts("w", 1), group_size=2, seed=0, **request)
-        run_ours("w")
-    times: dict[str, list[float]] = {"flow-grpo loop (diffusers)": [], "omnispec rollout": [],
-                                     "omnispec rollout, attention sdpa": []}
+        for label, side in sides.items():
+            side("w")
+    times: dict[str, list[float]] = {label: [] for label in sides}
     for r in range(args.repeats):  # interleaved, so drift hits every side alike
         with torch.no_grad():
-            times["flow-grpo loop (diffusers)"].append(_timed(run_base, f"b{r}")[0])
-            times["omnispec rollout"].append(_timed(run_ours, f"o{r}")[0])
-            times["omnispec rollout, attention sdpa"].append(_timed(run_ours, f"s{r}", sdpa)[0])
+            for i, (label, side) in enumerate(sides.items()):
+                times[label].append(_timed(side, f"{i}-{r}")[0])
     for label, samples in times.items():
         med = statistics.median(samples)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
+    if args.details:
+        details(args, pipe, base, mods, n, run_ours, run_base, save, statistics.median(times["flow-grpo loop (diffusers)"]))
+    if args.compile:
+        compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
+                                           overrides=[*overrides, "policies.compile.mode=regional"]),
+                      n, run_ours, run_base, save)
+    baseline = statistics.median(times["flow-grpo loop (diffusers)"])
+    print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")
+    for row in result["rows"]:
+        if "images_per_s" in row:
+            print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | {baseline / row['seconds']:.2f}x |")
+        elif "ms_per_step" in row:
+            print(f"| {row['config']} | {row['ms_per_step']:.1f} ms per step of {row['samples_per_replay']} samples | | |")
+
+
+def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) -> None:
+    """Where the time goes (per module), how far the loop's denoiser is from the hardware, and replay."""
     save({"config": "omnispec breakdown", **breakdown(pipe, lambda: run_ours("bd")),
           "auto_attention": pipe.explain()["attention"]})
-    save({"config": "baseline breakdown", **breakdown(base.pipe, lambda: run_base("bd"))})
+    base_split = breakdown(base.pipe, lambda: run_base("bd"))
+    save({"config": "baseline breakdown", **base_split})
+    save(denoiser_bound(base, n, args.steps, base_split, loop_s))
 
     # replay: one stored step of replay_batch samples, forward with gradients + backward, both sides
     with torch.no_grad():
@@ -258,22 +299,28 @@ def main() -> None:
     ratio = (pipe.log_prob(part, grad=False).log_probs.cpu() - part.log_probs).exp()
     save({"config": "replay ratio check", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
 
-    if args.compile:
-        compiled = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
-                                  overrides=[*overrides, "policies.compile.mode=regional"])
-        with torch.no_grad():
-            first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
-            samples = [_timed(run_ours, f"c{r}", compiled)[0] for r in range(args.compile_repeats)]
-        med = statistics.median(samples)
-        save({"config": "omnispec rollout + regional compile", "seconds": med, "images_per_s": n / med,
-              "samples_s": samples, "first_call_s": first})
-    baseline = statistics.median(times["flow-grpo loop (diffusers)"])
-    print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")
-    for row in result["rows"]:
-        if "images_per_s" in row:
-            print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | {baseline / row['seconds']:.2f}x |")
-        elif "ms_per_step" in row:
-            print(f"| {row['config']} | {row['ms_per_step']:.1f} ms per step of {row['samples_per_replay']} samples | | |")
+
+def compiled_rows(args, compiled, n, run_ours, run_base, save) -> None:
+    """omnispec with ``compile: regional``, and the loop over the same compiled blocks (regional compile is
+    diffusers' ``compile_repeated_blocks`` on the shared transformer, so the loop gets it too): how much of
+    the gain is compilation, which any loop could add, and how much is omnispec's batching."""
+    with torch.no_grad(), gi.CompileWatch() as watch:
+        first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
+        first_loop, _ = _timed(run_base, "cwb")
+        samples: dict[str, list[float]] = {"omnispec rollout + regional compile": [],
+                                           "flow-grpo loop + compile_repeated_blocks": []}
+        for r in range(args.compile_repeats):
+            samples["omnispec rollout + regional compile"].append(_timed(run_ours, f"c{r}", compiled)[0])
+            samples["flow-grpo loop + compile_repeated_blocks"].append(_timed(run_base, f"cb{r}")[0])
+        compiled_ro = run_ours("creplay", compiled)
+    for (label, times), first_s in zip(samples.items(), (first, first_loop)):
+        med = statistics.median(times)
+        save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first_s}
+             | ({"dynamo": watch.summary()} if label.startswith("omnispec") else {}))
+    # replay through the same compiled blocks (no grad: the inference graphs), other micro-batch
+    cpart = compiled_ro.select(range(args.replay_batch))
+    ratio = (compiled.log_prob(cpart, grad=False).log_probs.cpu() - cpart.log_probs).exp()
+    save({"config": "replay ratio check, compiled", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
 
 
 if __name__ == "__main__":

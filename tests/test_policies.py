@@ -204,3 +204,39 @@ def test_rebuilding_over_the_same_modules_drops_old_attention_hooks(flux_dir):
     attn = again.components["transformer"].transformer_blocks[0].attn
     hook = attn._diffusers_hook.get_hook(HOOK_NAME)
     assert hook is None or type(hook).__name__ == "AutoBackendHook"
+
+
+def test_block_offload_with_regional_compile_gives_the_plain_output(flux_dir, plain_flux):
+    _, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.offload={strategy: layerwise}",
+                 "policies.compile={mode: regional, backend: eager, fullgraph: false}")
+    assert np.abs(out - plain_flux).max() <= 1e-5
+
+
+def test_removing_the_last_hook_restores_the_plain_module():
+    """A hook left as an instance ``forward`` would make dynamo guard on it per module (see policies.hooks)."""
+    import torch
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from omnispec.policies.hooks import remove_hook
+
+    module = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    before = module(x)
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(ModelHook(), "a")
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(ModelHook(), "b")
+    remove_hook(module, "a")
+    assert module._diffusers_hook.get_hook("b") is not None  # another hook stays in place
+    remove_hook(module, "b")
+    assert "forward" not in module.__dict__ and not hasattr(module, "_diffusers_hook")
+    assert torch.equal(module(x), before)
+
+
+def test_rebuilding_without_offload_or_cache_leaves_no_hooks(flux_dir, plain_flux):
+    first, _ = run(flux_dir, "flux1-dev.yaml", "flux", "policies.offload={strategy: model}",
+                   "policies.cache={kind: first_block, threshold: 0.2}")
+    again = omnispec.build(SPECS / "flux1-dev.yaml", components=dict(first.components), device="cpu",
+                           overrides=[*TINY_OVERRIDES["flux"], "policies.attention.default=sdpa"])
+    hooked = [f"{name}.{sub}" for name, m in again.components.items() if hasattr(m, "named_modules")
+              for sub, child in m.named_modules() if hasattr(child, "_diffusers_hook")]
+    assert hooked == []
+    assert np.abs(again("a cat", seed=0).array - plain_flux).max() <= 1e-6

@@ -150,3 +150,15 @@ def test_segments_must_cover_the_whole_schedule():
 def test_explicit_attention_backend_with_compile_is_rejected():
     data = with_(FLUX, lambda d: d.update(policies={"attention": {"default": "sdpa_flash"}, "compile": {"mode": "regional"}}))
     fails(data, "policies.attention.default", "policies.compile.mode")
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "group"])
+def test_block_offload_with_fullgraph_regional_compile_is_rejected(strategy):
+    data = with_(FLUX, lambda d: d.update(policies={"offload": {"strategy": strategy}, "compile": {"mode": "regional"}}))
+    fails(data, "policies.compile.fullgraph", f"{strategy} offload (policies.offload.strategy)")
+
+
+@pytest.mark.parametrize("cache", [{"kind": "first_block"}, {"kind": "taylorseer"}, {"kind": "magcache", "calibrate": True}])
+def test_hooked_cache_with_fullgraph_compile_is_rejected(cache):
+    data = with_(FLUX, lambda d: d.update(policies={"cache": cache, "compile": {"mode": "full"}}))
+    fails(data, "policies.compile.fullgraph", f"the {cache['kind']} cache (policies.cache.kind)")

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
+from .hooks import remove_hook
 
 SDPA_KERNELS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -259,9 +260,7 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
     for dname, denoiser in denoisers.items():
         for role, modules in role_modules(family, denoiser).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
-                registry = getattr(module, "_diffusers_hook", None)
-                if isinstance(registry, HookRegistry) and registry.get_hook(HOOK_NAME) is not None:
-                    registry.remove_hook(HOOK_NAME, recurse=False)
+                remove_hook(module, HOOK_NAME)
             wanted = policy.per_role.get(role, policy.default)
             where = f"policies.attention.{'per_role.' + role if role in policy.per_role else 'default'}"
             heads, head_dim = _head_dim(modules[0][1])

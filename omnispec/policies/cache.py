@@ -17,6 +17,7 @@ import torch
 from diffusers.hooks import HookRegistry
 
 from ..spec import PipelineSpec
+from .hooks import remove_hook
 
 
 @dataclass
@@ -53,11 +54,25 @@ def cache_context(module: torch.nn.Module, name: str, **where: Any) -> Iterator[
         _set_cache_context(module, None)
 
 
+def _remove_cache_hooks(denoiser: torch.nn.Module) -> None:
+    """An earlier build's cache hooks on these modules end here, so rebuilding never stacks caches."""
+    from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
+    from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    for module in denoiser.modules():
+        for name in (_FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK, _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK,
+                     _TAYLORSEER_CACHE_HOOK):
+            remove_hook(module, name)
+
+
 def apply_cache(spec: PipelineSpec, components: dict[str, Any]) -> CacheRuntime | None:
     policy = spec.policies.cache
+    denoisers = [components[n] for n, c in spec.model.components.items() if c.role == "denoiser"]
+    for module in denoisers:
+        _remove_cache_hooks(module)
     if policy.kind == "none":
         return None
-    denoisers = [components[n] for n, c in spec.model.components.items() if c.role == "denoiser"]
     if policy.kind == "step_mask":
         return CacheRuntime("step_mask", denoisers, list(policy.mask))
     from diffusers.hooks import (

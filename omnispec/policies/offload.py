@@ -16,6 +16,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from ..spec import PipelineSpec
+from .hooks import remove_hook
 
 GROUPS = {"encoder": "encoders", "denoiser": "denoisers", "vae": "decoders", "upsampler": "decoders"}
 HOOK_NAME = "omnispec_model_offload"
@@ -63,6 +64,9 @@ def apply_offload(spec: PipelineSpec, components: dict[str, Any], device: torch.
     strategy = spec.policies.offload
     roles = {name: c.role for name, c in spec.model.components.items()}
     modules = {n: m for n, m in components.items() if isinstance(m, torch.nn.Module)}
+    for m in modules.values():  # an earlier build's model offload over these modules ends here
+        for target in (m, *m.children()):
+            remove_hook(target, HOOK_NAME)
     if strategy.strategy == "none":
         return "none: every component on " + str(device)
     if strategy.strategy == "model":

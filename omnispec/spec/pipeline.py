@@ -9,7 +9,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from .base import SpecModel
 from .model import ROLES, ModelSpec
-from .policies import PERTURBABLE_BACKENDS, Policies
+from .policies import HOOKED_CACHES, PERTURBABLE_BACKENDS, Policies
 from .recipe import LatentUpsample, PreviousInput, Recipe
 from .schedule import SchedulerSchedule, SegmentSchedule
 
@@ -153,6 +153,19 @@ def _policy_problems(spec: PipelineSpec):
             f"full-graph compile cannot trace through {policies.offload.strategy} offload's hooks "
             "(policies.offload.strategy); use compile mode 'regional'"
         )
+    if policies.compile.mode != "none" and policies.compile.fullgraph:
+        # diffusers' offload and cache hooks call compiler-disabled functions (onload, cache decisions) from
+        # inside the forwards being compiled: a full graph cannot contain them
+        hooked = {"layerwise": "offload", "group": "offload"}.get(policies.offload.strategy)
+        if hooked and policies.compile.mode == "regional":
+            yield ("policies", "compile", "fullgraph"), (
+                f"{policies.offload.strategy} offload (policies.offload.strategy) onloads each block from a hook "
+                "the compiler must not trace; set policies.compile.fullgraph: false (the block bodies still "
+                "compile, with a graph break at each onload)")
+        if policies.cache.kind in HOOKED_CACHES:
+            yield ("policies", "compile", "fullgraph"), (
+                f"the {policies.cache.kind} cache (policies.cache.kind) decides per step in hooks the compiler "
+                "must not trace; set policies.compile.fullgraph: false, or use cache kind step_mask")
     if policies.compile.mode != "none":
         chosen_backends = {("default",): policies.attention.default} | {
             ("per_role", r): b for r, b in policies.attention.per_role.items()}

@@ -130,6 +130,9 @@ class StepMaskCache(SpecModel):
         return mask
 
 
+# Caches applied as diffusers hooks on the denoiser's blocks (step_mask is read by the loop instead).
+HOOKED_CACHES = ("first_block", "taylorseer", "magcache")
+
 CachePolicy = Annotated[
     Union[NoCache, FirstBlockCache, TaylorSeerCache, MagCache, StepMaskCache], Field(discriminator="kind")
 ]

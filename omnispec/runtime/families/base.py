@@ -154,8 +154,10 @@ class Family:
         if skip is None:
             yield
             return
-        from diffusers.hooks import HookRegistry, LayerSkipConfig
+        from diffusers.hooks import LayerSkipConfig
         from diffusers.hooks.layer_skip import _apply_layer_skip_hook
+
+        from ...policies.hooks import remove_hook
 
         config = LayerSkipConfig(
             indices=list(skip.layers),
@@ -172,9 +174,7 @@ class Family:
             blocks = denoiser.get_submodule(config.fqn)
             for i in config.indices:
                 for module in blocks[i].modules():
-                    registry = getattr(module, "_diffusers_hook", None)
-                    if isinstance(registry, HookRegistry) and registry.get_hook(hook_name) is not None:
-                        registry.remove_hook(hook_name, recurse=False)
+                    remove_hook(module, hook_name)
 
 
 def decode_images(helper: Any, decoded: torch.Tensor) -> np.ndarray:

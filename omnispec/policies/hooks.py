@@ -1,11 +1,12 @@
 """Removing a diffusers hook so that the module is as it was before the hook came.
 
-diffusers' ``HookRegistry.remove_hook`` puts the original forward back as an instance attribute, and the
-registry stays on the module. Under ``torch.compile`` that instance ``forward`` is a distinct object per
-module, so dynamo's guards fail on every block of a regionally compiled stack: it recompiles block after
-block until its recompile limit, then runs the rest eager. Measured on FLUX.1-dev: a rebuild with compile
-over modules an earlier build had hooked (attention ``auto``) hit the limit. Once a module's last hook is
-gone, this removes the instance ``forward`` and the registry as well.
+A live hook replaces a module's ``forward`` with a closure of its own, so under ``torch.compile`` dynamo
+guards on that object per module and recompiles every block of a regionally compiled stack until its limit
+(measured on FLUX.1-dev: a compile peer that still carried an omnispec build's attention hooks hit
+``FailOnRecompileLimitHit``). Builds therefore remove the hooks an earlier build put on the same modules.
+diffusers' ``HookRegistry.remove_hook`` leaves the original bound ``forward`` as an instance attribute and the
+registry on the module; once the last hook is gone this removes both, so a module that had hooks is
+indistinguishable from one that never had.
 """
 
 from __future__ import annotations

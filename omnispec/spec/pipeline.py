@@ -156,8 +156,7 @@ def _policy_problems(spec: PipelineSpec):
     if policies.compile.mode != "none" and policies.compile.fullgraph:
         # diffusers' offload and cache hooks call compiler-disabled functions (onload, cache decisions) from
         # inside the forwards being compiled: a full graph cannot contain them
-        hooked = {"layerwise": "offload", "group": "offload"}.get(policies.offload.strategy)
-        if hooked and policies.compile.mode == "regional":
+        if policies.offload.strategy in ("layerwise", "group") and policies.compile.mode == "regional":
             yield ("policies", "compile", "fullgraph"), (
                 f"{policies.offload.strategy} offload (policies.offload.strategy) onloads each block from a hook "
                 "the compiler must not trace; set policies.compile.fullgraph: false (the block bodies still "

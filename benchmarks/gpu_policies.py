@@ -23,6 +23,7 @@ Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not d
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -42,9 +43,12 @@ def _build(spec: str, mods: dict, overrides: list[str]):
                           overrides=["runtime.progress=false", *overrides])
 
 
-def _prompt(fresh: bool, taken=__import__("itertools").count()) -> str:
+_TAKES = itertools.count()
+
+
+def _prompt(fresh: bool) -> str:
     """The benchmark prompt; ``fresh`` makes it new on every call, so no prompt-embedding cache can hit."""
-    return f"a photo of a cat, take {next(taken)}" if fresh else "a photo of a cat"
+    return f"a photo of a cat, take {next(_TAKES)}" if fresh else "a photo of a cat"
 
 
 def _runner(pipe, request: dict, fresh: bool = False):
@@ -290,19 +294,19 @@ def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
     import copy
 
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+    from torch.utils.flop_counter import FlopCounterMode
     from torchao.quantization import quantize_
 
     from omnispec.policies.quantization import torchao_config
 
-    dim, tokens = (3072, 4608) if not gi.SMOKE else (64, 40)
-    heads = 24 if not gi.SMOKE else 2
+    dim, heads, tokens, text = (64, 2, 40, 8) if gi.SMOKE else (3072, 24, 4608, 512)
     with torch.device(gi.DEVICE):
         block = FluxSingleTransformerBlock(dim, heads, dim // heads).to(torch.bfloat16).eval()
         x = torch.randn(1, tokens, dim, dtype=torch.bfloat16)
         temb = torch.randn(1, dim, dtype=torch.bfloat16)
         rope = (torch.randn(tokens, dim // heads), torch.randn(tokens, dim // heads))
-    x_img, x_txt = x[:, 512 if not gi.SMOKE else 8:], x[:, :512 if not gi.SMOKE else 8]
-    flops_counter = __import__("torch.utils.flop_counter", fromlist=["FlopCounterMode"]).FlopCounterMode(display=False)
+    x_img, x_txt = x[:, text:], x[:, :text]
+    flops_counter = FlopCounterMode(display=False)
 
     def call(b):
         return b(hidden_states=x_img, encoder_hidden_states=x_txt, temb=temb, image_rotary_emb=rope)
@@ -322,12 +326,13 @@ def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
         return samples
 
     method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"
-    variants = [("bf16", None)] + [(f"{method} {g}", g) for g in (("tensor", "row") if gi.DEVICE == "cuda" else (None,))]
+    variants = [("bf16", None)] + [(f"{method} {g}" if g else method, g)
+                                   for g in (("tensor", "row") if gi.DEVICE == "cuda" else (None,))]
     rows = []
     for name, granularity in variants:
         for compiled in (False, True):
             b = copy.deepcopy(block)
-            if granularity is not None or name != "bf16":
+            if name != "bf16":
                 quantize_(b, torchao_config(method, granularity))
             with gi.CompileWatch() as watch, torch.no_grad():
                 runner = torch.compile(b, fullgraph=True) if compiled else b

@@ -242,7 +242,7 @@ def main() -> None:
     def run_ours(tag: str, p=pipe):
         return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, **request)
 
-    sides = {"flow-grpo loop (diffusers)": lambda tag: run_base(tag), "omnispec rollout": run_ours}
+    sides = {"flow-grpo loop (diffusers)": run_base, "omnispec rollout": run_ours}
     if args.sdpa_variant:
         sdpa = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                               overrides=[*overrides, "policies.attention.default=sdpa"])

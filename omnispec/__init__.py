@@ -16,10 +16,11 @@ __version__ = "0.1.0"
 
 
 def build(*args: Any, **kwargs: Any) -> Pipeline:
-    """Build a runnable ``Pipeline`` from a spec; see ``omnispec.runtime.build``."""
+    """Build a runnable ``Pipeline`` (with RL rollouts and replay) from a spec; see ``omnispec.runtime.build``."""
+    from .rl.pipeline import RLPipeline
     from .runtime import build as _build
 
-    return _build(*args, **kwargs)
+    return _build(*args, pipeline_class=RLPipeline, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

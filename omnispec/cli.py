@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="show the resolved run without loading weights")
     p.add_argument("spec", metavar="SPEC")
+    p.add_argument("--source", help="checkpoint root whose config files (no weights) resolve the plan")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     _add_spec_options(p)
 
@@ -64,10 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(json_schema(), indent=2))
             return 0
         if args.command == "explain":
-            spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
-            info = explain_spec(spec, attention=_planned_attention(spec))
-            print(json.dumps(info, indent=2) if args.json else render_explain(info))
-            return 0
+            return _explain(args)
         if args.command == "run":
             from .run_command import run_command
 
@@ -80,6 +78,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _explain(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
+    sigmas = None
+    if args.source:
+        from .spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
+
+        configs = read_configs(spec, args.source)
+        problems = checkpoint_problems(spec, configs)
+        if problems:
+            raise SpecError(problems)
+        spec = follow_checkpoint(spec, configs)
+        from .runtime.phases import checkpoint_sigmas
+
+        sigmas = checkpoint_sigmas(spec, configs.schedulers, spec.recipe.defaults.steps)
+    info = explain_spec(spec, phase_sigmas=sigmas, attention=_planned_attention(spec))
+    print(json.dumps(info, indent=2) if args.json else render_explain(info))
+    return 0
 
 
 def _planned_attention(spec) -> dict[str, str]:

@@ -54,26 +54,26 @@ def test_vanishing_noise_recovers_the_euler_step(cls, params):
     sampler = cls(kind=cls.model_fields["kind"].annotation.__args__[0], **params)
     x, v = torch.randn(2, 1, 4, 4), torch.randn(2, 1, 4, 4)
     sigma, nxt = torch.full((2, 1, 1, 1), 0.6), torch.full((2, 1, 1, 1), 0.45)
-    out = stochastic_step(sampler, x, v, sigma, nxt, torch.tensor(0.9), noise=torch.zeros_like(x))
-    assert torch.allclose(out.mean, x + (nxt - sigma) * v, atol=1e-5)
+    _, _, mean, _ = stochastic_step(sampler, x, v, sigma, nxt, torch.tensor(0.9), noise=torch.zeros_like(x))
+    assert torch.allclose(mean, x + (nxt - sigma) * v, atol=1e-5)
 
 
 def test_log_prob_is_the_gaussian_density_averaged_over_pixels():
     sampler = SDESampler(kind="sde", noise_level=0.7)
     x, v, noise = torch.randn(3, 1, 4, 4), torch.randn(3, 1, 4, 4), torch.randn(3, 1, 4, 4)
     sigma, nxt = torch.full((3, 1, 1, 1), 0.5), torch.full((3, 1, 1, 1), 0.4)
-    out = stochastic_step(sampler, x, v, sigma, nxt, torch.tensor(0.9), noise=noise)
-    expected = torch.distributions.Normal(out.mean, out.std.view(-1, 1, 1, 1)).log_prob(out.next).mean((1, 2, 3))
-    assert torch.allclose(out.log_prob, expected, atol=1e-5)
+    sample, log_prob, mean, std = stochastic_step(sampler, x, v, sigma, nxt, torch.tensor(0.9), noise=noise)
+    expected = torch.distributions.Normal(mean, std.view(-1, 1, 1, 1)).log_prob(sample).mean((1, 2, 3))
+    assert torch.allclose(log_prob, expected, atol=1e-5)
     std_t = math.sqrt(0.5 / 0.5) * 0.7
-    assert out.std[0].item() == pytest.approx(std_t * math.sqrt(0.1), rel=1e-5)
+    assert std[0].item() == pytest.approx(std_t * math.sqrt(0.1), rel=1e-5)
 
 
 def test_flow_grpo_guard_at_sigma_one():
-    out = stochastic_step(SDESampler(kind="sde"), torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2),
-                          torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 0.9), torch.tensor(0.9),
-                          noise=torch.randn(1, 1, 2, 2))
-    assert torch.isfinite(out.log_prob).all() and torch.isfinite(out.next).all()
+    sample, log_prob, _, _ = stochastic_step(SDESampler(kind="sde"), torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2),
+                                             torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 0.9), torch.tensor(0.9),
+                                             noise=torch.randn(1, 1, 2, 2))
+    assert torch.isfinite(log_prob).all() and torch.isfinite(sample).all()
 
 
 def test_windows_by_scope():
@@ -148,9 +148,25 @@ def test_repeated_prompts_are_encoded_once(pipe):
     assert calls["n"] == second + 1  # a new prompt set: one batched encode, negative cached
 
 
-def test_sde_rollouts_need_flow_matching():
-    with pytest.raises(SpecError, match="flow_match"):
-        omnispec.load_spec(SPECS / "sd3.5-medium.yaml", ["recipe.phases.0.sampler={kind: sde}"])
+def test_sde_rollouts_refuse_multistep_schedulers(wan_dir):
+    from omnispec.testing import TINY_OVERRIDES
+
+    wan = omnispec.build(SPECS / "wan2.1-t2v-1.3b.yaml", source=str(wan_dir), overrides=TINY_OVERRIDES["wan"])
+    with pytest.raises(SpecError, match="UniPCMultistepScheduler is a multistep solver"):
+        wan.rollout("a cat", sampler={"kind": "sde"}, steps=2)
+
+
+def test_sd3_rollout_steps_the_checkpoint_scheduler_sigmas_and_replays_exactly(sd3_dir):
+    from omnispec.testing import TINY_OVERRIDES
+
+    sd3 = omnispec.build(SPECS / "sd3.5-medium.yaml", source=str(sd3_dir), overrides=TINY_OVERRIDES["sd3"])
+    scheduler = sd3.components["scheduler"]
+    scheduler.set_timesteps(3)
+    ro = sd3.rollout("a cat", group_size=2, sampler={"kind": "sde", "window": {"kind": "fixed", "start": 0,
+                                                                                "length": 2}})
+    assert torch.allclose(ro.sigmas[0], scheduler.sigmas[:2].float())
+    ratio = (sd3.log_prob(ro, grad=False, micro_batch=1).log_probs.cpu() - ro.log_probs).exp()
+    assert (ratio - 1).abs().max().item() <= 1e-6
 
 
 def test_weight_sync_full_weights_and_versions(pipe):

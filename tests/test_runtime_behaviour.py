@@ -95,7 +95,7 @@ def test_guidance_scale_one_runs_positive_only(sd3):
 def test_two_phase_upsample_and_renoise_runs_end_to_end(flux_dir):
     phases = (
         "recipe.phases=[{name: draft, denoiser: transformer, size_scale: 0.5, "
-        "schedule: {kind: flow_match, shift: 3.0, steps: 3}, guidance: {embedded: 3.5}}, "
+        "schedule: {kind: flow_match, shift: dynamic, steps: 3}, guidance: {embedded: 3.5}}, "
         "{name: refine, denoiser: transformer, schedule: {kind: flow_match, shift: 1.0, steps: 4}, "
         "guidance: {embedded: 3.5}, input: {kind: previous, transform: {kind: latent_upsample, scale: 2.0}, renoise: 0.6}}]"
     )
@@ -169,7 +169,7 @@ def test_torch_generator_semantics_match_diffusers(flux):
     geometry = flux.family.geometry(omnispec.spec.request.resolve_request(flux.spec, "x"), 1.0)
     ours = flux.family.initial_latents(geometry, [torch.Generator("cpu").manual_seed(9)])
     ref = randn_tensor((1, 4, 16, 16), generator=torch.Generator("cpu").manual_seed(9), dtype=torch.float32)
-    assert torch.equal(ours, flux.family.pack(ref, geometry))
+    assert torch.equal(ours["latents"], flux.family.pack("latents", ref, geometry))
 
 
 def test_adapter_slot_switches_on_for_its_phase_only(flux_dir, tmp_path):

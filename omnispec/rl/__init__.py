@@ -4,10 +4,11 @@
 actors (``pip install 'omnispec[ray]'``).
 """
 
+from .pipeline import RLPipeline
 from .rollout import Replay, Rollout, log_prob, rollout
 from .weights import reference, scale_lora, set_lora, update_weights
 
-__all__ = ["Replay", "Rollout", "RolloutPool", "log_prob", "reference", "rollout", "scale_lora", "set_lora",
+__all__ = ["RLPipeline", "Replay", "Rollout", "RolloutPool", "log_prob", "reference", "rollout", "scale_lora", "set_lora",
            "update_weights"]
 
 

@@ -70,14 +70,17 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
 
     return Rollout(
         prompts=[p for part in parts for p in part.prompts], group_ids=torch.cat(group_ids),
-        seeds=[s for part in parts for s in part.seeds], latents=torch.cat([p.latents for p in parts]),
-        log_probs=torch.cat([p.log_probs for p in parts]), sigmas=torch.cat([p.sigmas for p in parts]),
+        seeds=[s for part in parts for s in part.seeds],
+        states={k: torch.cat([p.states[k] for p in parts]) for k in first.states},
+        log_probs=torch.cat([p.log_probs for p in parts]),
+        stream_log_probs={k: torch.cat([p.stream_log_probs[k] for p in parts]) for k in first.stream_log_probs},
+        sigmas=torch.cat([p.sigmas for p in parts]),
         timesteps=torch.cat([p.timesteps for p in parts]), step_indices=torch.cat([p.step_indices for p in parts]),
         positive=cat_cond([p.positive for p in parts]), negative=cat_cond([p.negative for p in parts]),
         array=np.concatenate([p.array for p in parts]),
         request=first.request.model_copy(update={"prompts": [p for part in parts for p in part.prompts],
                                                   "seeds": [s for part in parts for s in part.seeds]}),
-        sampler=first.sampler, phase=first.phase, weight_version=first.weight_version,
+        sampler=first.sampler, weight_version=first.weight_version,
         extra={"shards": [len(p.prompts) for p in parts]},
     )
 

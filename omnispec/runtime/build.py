@@ -11,6 +11,7 @@ import torch
 from ..policies import apply_policies, check_policies, resolve_device
 from ..policies import quantization
 from ..spec import PipelineSpec, SpecError, load_spec
+from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs, unresolved
 from . import distributed
 from .components import check_source, load_adapter_slots, load_components
 from .families import family_class
@@ -26,6 +27,7 @@ def build(
     components: Mapping[str, Any] | None = None,
     process_group: Any = None,
     trust_code: bool = False,
+    pipeline_class: type[Pipeline] = Pipeline,
 ) -> Pipeline:
     """Build a runnable pipeline.
 
@@ -35,7 +37,8 @@ def build(
     presence) is checked before the first weight loads. ``components`` supplies already-built modules
     by name (an RL trainer's, or random weights for a benchmark); only the others are loaded. With
     ``policies.parallel`` degrees above 1, the pipeline joins the initialised default process group (or
-    ``process_group``), or initialises one from torchrun's environment.
+    ``process_group``), or initialises one from torchrun's environment. ``pipeline_class`` is what to
+    return (``omnispec.build`` asks for the ``RLPipeline``, which adds rollouts).
     """
     if isinstance(spec_or_path, PipelineSpec):
         spec = spec_or_path
@@ -68,7 +71,9 @@ def build(
     if unknown:
         raise SpecError.single(f"components {unknown} are not in the spec's profile", "components")
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
-    loaded = load_components(spec, check_source(spec, source, missing), only=missing) if missing else {}
+    root = check_source(spec, source, missing) if missing else None
+    spec = _against_checkpoint(spec, root)
+    loaded = load_components(spec, root, only=missing) if root is not None else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
     quantized = [note for name in given if (note := quantization.quantize_in_memory(
         spec, name, spec.model.components[name], given[name], target))]
@@ -80,4 +85,19 @@ def build(
         denoisers = {n: modules[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
         distributed.enable_sequence_parallel(parallel, family_cls, denoisers)
     family = family_cls(spec, modules, target)
-    return Pipeline(spec, family, modules, target, applied, parallel)
+    return pipeline_class(spec, family, modules, target, applied, parallel)
+
+
+def _against_checkpoint(spec: PipelineSpec, root: str | None) -> PipelineSpec:
+    """Refuse a spec that disagrees with the checkpoint's config files; resolve its ``from_checkpoint`` values."""
+    if root is None:
+        if unresolved(spec):
+            raise SpecError.single("the spec follows the checkpoint for some values (from_checkpoint), but every "
+                                   "component was given in memory: there is no checkpoint to read them from",
+                                   "model.source")
+        return spec
+    configs = read_configs(spec, root)
+    problems = checkpoint_problems(spec, configs)
+    if problems:
+        raise SpecError(problems)
+    return follow_checkpoint(spec, configs)

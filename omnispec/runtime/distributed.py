@@ -180,11 +180,21 @@ def _root_dtype(ctx: ParallelContext, local: torch.Tensor | None, like: torch.Te
     return _DTYPES[int(code.item())]
 
 
-def gather_passes(ctx: ParallelContext, names: list[str], local: dict[str, torch.Tensor], like: torch.Tensor
-                  ) -> dict[str, torch.Tensor]:
-    """All-gather the cfg group's pass predictions so every rank holds all of them, in the dtype the model
-    produced them in (sent as float32, which holds bf16/fp16 exactly), so the combine that follows is the
-    serial arithmetic on every rank, including a rank that had no pass to compute."""
+def gather_passes(ctx: ParallelContext, names: list[str], local: dict[str, dict[str, torch.Tensor]],
+                  like: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """All-gather the cfg group's pass predictions, stream by stream, so every rank holds all of them in the
+    dtype the model produced them in (sent as float32, which holds bf16/fp16 exactly): the combine that
+    follows is the serial arithmetic on every rank, including a rank that had no pass to compute."""
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    for stream, reference in like.items():
+        gathered = _gather_stream(ctx, names, {n: p[stream] for n, p in local.items()}, reference)
+        for name in names:
+            out[name][stream] = gathered[name]
+    return out
+
+
+def _gather_stream(ctx: ParallelContext, names: list[str], local: dict[str, torch.Tensor], like: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
     share = -(-len(names) // ctx.cfg)
     mine = names[ctx.cfg_index::ctx.cfg]
     dtype = _root_dtype(ctx, next(iter(local.values()), None), like)
@@ -196,12 +206,17 @@ def gather_passes(ctx: ParallelContext, names: list[str], local: dict[str, torch
     return {name: out[i % ctx.cfg][i // ctx.cfg].to(dtype) for i, name in enumerate(names)}
 
 
-def broadcast_pass(ctx: ParallelContext, pred: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    dtype = _root_dtype(ctx, pred, like)
-    buf = pred.to(torch.float32) if pred is not None else torch.empty(like.shape, dtype=torch.float32,
-                                                                         device=like.device)
-    dist.broadcast(buf, src=ctx.cfg_root, group=ctx.cfg_group)
-    return buf.to(dtype)
+def broadcast_pass(ctx: ParallelContext, pred: dict[str, torch.Tensor] | None, like: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    out = {}
+    for stream, reference in like.items():
+        mine = None if pred is None else pred[stream]
+        dtype = _root_dtype(ctx, mine, reference)
+        buf = mine.to(torch.float32) if mine is not None else torch.empty(reference.shape, dtype=torch.float32,
+                                                                           device=reference.device)
+        dist.broadcast(buf, src=ctx.cfg_root, group=ctx.cfg_group)
+        out[stream] = buf.to(dtype)
+    return out
 
 
 def data_slice(ctx: ParallelContext | None, count: int) -> range:

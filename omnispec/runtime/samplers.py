@@ -1,52 +1,69 @@
-"""Samplers: turn (x, prediction, step) into the next x. One object per phase run.
+"""Steppers: turn (state, prediction, step index) into the next state, for every latent stream.
 
-``EulerSampler`` is omnispec's flow-matching ODE step; ``SchedulerSampler`` defers to a diffusers
-scheduler's ``step`` (Wan's UniPC, or any scheduler a spec names). A sampler returns a ``StepResult``
-so that stochastic samplers can add the step's log-probability, mean and std.
+One stepper per walk. ``EulerStepper`` is omnispec's flow-matching ODE step; ``SchedulerStepper`` defers to
+a diffusers scheduler's ``step`` (one copy per stream: multistep schedulers keep per-stream history);
+``StochasticStepper`` runs a spec's SDE on the steps of its window and scores them. A stepper returns a
+``StepResult`` so that stochastic steps can add their log-probability, mean and std.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ..spec import SpecError
+from .families import Streams
 
 
 @dataclass
 class StepResult:
-    next: torch.Tensor
-    log_prob: torch.Tensor | None = None
-    mean: torch.Tensor | None = None
-    std: torch.Tensor | None = None
+    next: Streams
+    log_prob: torch.Tensor | None = None  # (B,) float32: the sum of the streams' log-probs
+    stream_log_probs: dict[str, torch.Tensor] | None = None  # (B,) per stream
+    mean: Streams | None = None  # float32
+    std: dict[str, torch.Tensor] | None = None  # (B,) per stream
 
 
-class Sampler(Protocol):
-    def step(self, x: torch.Tensor, pred: torch.Tensor, i: int) -> StepResult: ...
+class Stepper(Protocol):
+    def step(self, x: Streams, pred: Streams, i: int) -> StepResult: ...
 
 
-class EulerSampler:
-    """``x_next = x + (sigma_next - sigma) * v`` in float32, cast back to the latents' dtype (as diffusers)."""
+def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """``x + dt * v`` in float32 (diffusers' FlowMatchEulerDiscreteScheduler arithmetic)."""
+    return x.to(torch.float32) + dt * pred.to(torch.float32)
+
+
+class EulerStepper:
+    """``x_next = x + (sigma_next - sigma) * v`` per stream, cast back to the stream's dtype (as diffusers)."""
 
     def __init__(self, sigmas: torch.Tensor):
         self.sigmas = sigmas.to(torch.float32)
 
-    def step(self, x: torch.Tensor, pred: torch.Tensor, i: int) -> StepResult:
+    def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
         dt = self.sigmas[i + 1] - self.sigmas[i]
-        return StepResult((x.to(torch.float32) + dt * pred.to(torch.float32)).to(x.dtype))
+        return StepResult({s: euler(x[s], pred[s], dt).to(x[s].dtype) for s in x})
 
 
-class SchedulerSampler:
-    def __init__(self, scheduler: Any, timesteps: torch.Tensor):
-        self.scheduler = scheduler
+class SchedulerStepper:
+    """A diffusers scheduler's own ``step``, one scheduler state per stream."""
+
+    def __init__(self, scheduler: Any, timesteps: torch.Tensor, streams: Sequence[str]):
+        self.schedulers = {s: scheduler if k == 0 else copy.deepcopy(scheduler) for k, s in enumerate(streams)}
         self.timesteps = timesteps
 
-    def step(self, x: torch.Tensor, pred: torch.Tensor, i: int) -> StepResult:
-        out = self.scheduler.step(pred, self.timesteps[i], x, return_dict=False)[0]
-        return StepResult(out)
+    def start_at(self, begin: int) -> None:
+        for scheduler in self.schedulers.values():
+            if hasattr(scheduler, "set_begin_index"):
+                scheduler.set_begin_index(begin)
+
+    def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
+        return StepResult({s: self.schedulers[s].step(pred[s], self.timesteps[i], x[s], return_dict=False)[0]
+                           for s in x})
 
 
 # ---- stochastic steps (RL rollouts) --------------------------------------------------------------------
@@ -67,10 +84,11 @@ def stochastic_step(
     sigma_guard: torch.Tensor,
     noise: torch.Tensor | None = None,
     sample: torch.Tensor | None = None,
-) -> StepResult:
-    """One SDE step in float32: the mean and std of ``x_next`` given the prediction, then either a draw
-    (``noise``) or the log-prob of a given ``sample`` (replay). ``sigma``/``sigma_next`` are per-row
-    tensors shaped to broadcast; ``sigma_guard`` replaces sigma = 1 in Flow-GRPO's ``1 - sigma``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One SDE step of one stream in float32: ``(sample, log_prob, mean, std)``. The mean and std of ``x_next``
+    follow from the prediction; then either a draw (``noise``) or the log-prob of a given ``sample`` (replay).
+    ``sigma``/``sigma_next`` are per-row tensors shaped to broadcast; ``sigma_guard`` replaces sigma = 1 in
+    Flow-GRPO's ``1 - sigma``.
 
     - ``sde`` (Flow-GRPO): ``std_t = eta * sqrt(sigma / (1 - sigma))``, ``dt = sigma_next - sigma``,
       ``mean = x (1 + std_t^2 dt / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt``,
@@ -101,8 +119,7 @@ def stochastic_step(
     if sample is None:
         assert noise is not None
         sample = mean + std * noise.to(torch.float32)
-    return StepResult(sample.to(x.dtype) if noise is not None else sample, gaussian_log_prob(sample, mean, std),
-                      mean, std.flatten())
+    return sample, gaussian_log_prob(sample, mean, std), mean, std.flatten()
 
 
 # A sample's SDE noise comes from its seed plus this offset, so it never repeats its initial noise.
@@ -116,62 +133,88 @@ def sde_generators(seeds: list[int], device: torch.device | str) -> list[torch.G
     return [torch.Generator(device).manual_seed(s + SDE_SEED_OFFSET) for s in seeds]
 
 
-class StochasticSampler:
-    """Euler steps, except where ``mask[b, i]`` marks a stochastic step of sample ``b``: there the spec's
-    SDE runs with that sample's own generator, and the result carries log-prob, mean and std."""
+class StochasticStepper:
+    """Euler steps, except where ``mask[b, i]`` marks a stochastic step of sample ``b``: there the spec's SDE
+    runs with that sample's own generator (drawing each stream's noise in stream order), and the result
+    carries log-probs, means and stds. States stay float32, whatever the latents' dtype: a log-prob scores
+    exactly the sample that is stored and stepped on."""
 
     def __init__(self, sampler: Any, sigmas: torch.Tensor, mask: torch.Tensor, generators: list[torch.Generator]):
         self.spec, self.sigmas, self.mask, self.generators = sampler, sigmas.to(torch.float32), mask, generators
-        self.euler = EulerSampler(sigmas)
         self.guard = self.sigmas[1] if len(self.sigmas) > 2 else self.sigmas[0]
 
-    def step(self, x: torch.Tensor, pred: torch.Tensor, i: int) -> StepResult:
-        ode = self.euler.step(x, pred, i)
+    def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
+        dt = self.sigmas[i + 1] - self.sigmas[i]
+        ode = {s: euler(x[s], pred[s], dt) for s in x}
         rows = self.mask[:, i]
         if not bool(rows.any()):
-            return ode
+            return StepResult(ode)
         # Only samples in their window draw noise, each from its own generator: a sample's stream never
         # depends on its batch-mates' windows. Draws happen where the generators live (see sde_generators).
-        noise = torch.zeros(x.shape, dtype=torch.float32, device=self.generators[0].device)
-        for b in torch.nonzero(rows).flatten().tolist():
-            noise[b] = torch.randn(x.shape[1:], generator=self.generators[b], device=noise.device, dtype=torch.float32)
-        noise = noise.to(x.device)
-        shape = (-1, *[1] * (x.ndim - 1))
-        sigma = self.sigmas[i].expand(x.shape[0]).reshape(shape)
-        sigma_next = self.sigmas[i + 1].expand(x.shape[0]).reshape(shape)
-        sde = stochastic_step(self.spec, x, pred, sigma, sigma_next, self.guard, noise=noise)
-        keep = rows.to(x.device).reshape(shape)
-        return StepResult(torch.where(keep, sde.next, ode.next), sde.log_prob, sde.mean, sde.std)
+        picked = torch.nonzero(rows).flatten().tolist()
+        noise = {s: torch.zeros(x[s].shape, dtype=torch.float32, device=self.generators[0].device) for s in x}
+        for b in picked:
+            for s in x:
+                noise[s][b] = torch.randn(x[s].shape[1:], generator=self.generators[b], device=noise[s].device,
+                                          dtype=torch.float32)
+        sde = self._sde(x, pred, i, noise=noise)
+        for s in x:
+            keep = rows.to(x[s].device).reshape(-1, *[1] * (x[s].ndim - 1))
+            sde.next[s] = torch.where(keep, sde.next[s], ode[s])
+        return sde
+
+    def score(self, x: Streams, pred: Streams, i: int, sample: Streams) -> StepResult:
+        """The log-prob of given next states (replay): the same arithmetic as ``step``, no draw."""
+        return self._sde(x, pred, i, sample=sample)
+
+    def _sde(self, x: Streams, pred: Streams, i: int, *, noise: Mapping[str, torch.Tensor] | None = None,
+             sample: Streams | None = None) -> StepResult:
+        result = StepResult({}, stream_log_probs={}, mean={}, std={})
+        for s in x:
+            shape = (-1, *[1] * (x[s].ndim - 1))
+            device = x[s].device
+            sigma = self.sigmas[i].to(device).expand(x[s].shape[0]).reshape(shape)
+            sigma_next = self.sigmas[i + 1].to(device).expand(x[s].shape[0]).reshape(shape)
+            out, lp, mean, std = stochastic_step(
+                self.spec, x[s], pred[s], sigma, sigma_next, self.guard.to(device),
+                noise=None if noise is None else noise[s].to(device),
+                sample=None if sample is None else sample[s].to(device))
+            result.next[s] = out
+            result.stream_log_probs[s], result.mean[s], result.std[s] = lp, mean, std  # type: ignore[index]
+        result.log_prob = sum(result.stream_log_probs.values())  # type: ignore[union-attr, assignment]
+        return result
 
 
-def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int) -> torch.Tensor:
-    """(B, steps) bool: which steps are stochastic for each sample."""
+def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int, start: int = 0) -> torch.Tensor:
+    """(B, steps) bool: which steps are stochastic for each sample. Steps before ``start`` never run (a walk
+    that begins late: re-noising, image strength), so no window may use them."""
     b = len(group_ids)
     last = steps - 1 if sampler.kind == "cps" else steps  # CPS's final step has std 0: it stays deterministic
     window = sampler.window
     mask = torch.zeros(b, steps, dtype=torch.bool)
     if window.kind == "all":
-        mask[:, :last] = True
+        mask[:, start:last] = True
         return mask
-    if window.length > last:
-        raise SpecError.single(f"window length {window.length} exceeds the {last} usable steps", "sampler.window")
+    if window.length > last - start:
+        raise SpecError.single(f"window length {window.length} exceeds the {last - start} usable steps", "sampler.window")
     if window.kind == "fixed":
+        if window.start < start:
+            raise SpecError.single(f"window starts at step {window.start}, before step {start}, the first that runs",
+                                   "sampler.window")
         if window.start + window.length > last:
             raise SpecError.single(f"window {window.start}+{window.length} runs past step {last - 1}", "sampler.window")
         mask[:, window.start:window.start + window.length] = True
         return mask
-    high = min(window.high, last - window.length)
-    if window.low > high:
+    low, high = max(window.low, start), min(window.high, last - window.length)
+    if low > high:
         raise SpecError.single(f"no room for a {window.length}-step window in [{window.low}, {window.high}]",
                                "sampler.window")
     gen = torch.Generator().manual_seed(window.seed * 1_000_003 + seed)
     # ``group_ids`` are global ids (sample ids for scope "sample"), so a shard of a batch draws the same
     # windows its samples get in the whole batch: draws are a prefix-consistent sequence.
     draws = 1 if window.scope == "batch" else int(group_ids.max()) + 1
-    starts = torch.randint(window.low, high + 1, (draws,), generator=gen)
+    starts = torch.randint(low, high + 1, (draws,), generator=gen)
     for row in range(b):
-        start = int(starts[0 if window.scope == "batch" else int(group_ids[row])])
-        mask[row, start:start + window.length] = True
+        first = int(starts[0 if window.scope == "batch" else int(group_ids[row])])
+        mask[row, first:first + window.length] = True
     return mask
-
-

@@ -1,40 +1,57 @@
-"""Turn a phase's schedule into concrete steps: timesteps, sigmas and the sampler that walks them."""
+"""Turn a phase's schedule into concrete steps: timesteps, sigmas, and the stepper that walks them."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..spec import FlowMatchSchedule, SchedulerSchedule, flow_match_sigmas
+from ..spec import FlowMatchSchedule, SchedulerSchedule, SpecError, flow_match_sigmas
 from ..spec.schedule import dynamic_mu
-from .samplers import EulerSampler, Sampler, SchedulerSampler
+from .samplers import EulerStepper, SchedulerStepper, Stepper
+
+# Schedulers whose ``step`` is the plain Euler step on their own sigmas, so a stochastic sampler can take
+# any of their steps in its place without desynchronising the scheduler (multistep solvers keep history).
+EULER_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 
 
 @dataclass
 class Steps:
-    """A walk over a schedule: ``timesteps[i]`` in the denoiser's units (sigma * T for flow matching)."""
+    """A walk over a schedule: ``timesteps[i]`` in the denoiser's units (sigma * T for flow matching) and
+    ``sigmas`` (float32, terminal included, so ``len(sigmas) == len(timesteps) + 1``)."""
 
     timesteps: torch.Tensor
-    sigmas: list[float]  # one per step (the sigma the step starts from)
+    sigmas: torch.Tensor
     num_train_timesteps: int
-    sampler: Sampler
-    scheduler: Any | None = None
+    scheduler: Any | None = None  # a fresh copy for this walk (kind ``scheduler``), else None
 
     def __len__(self) -> int:
         return len(self.timesteps)
 
     @property
-    def euler_sigmas(self) -> torch.Tensor:
-        """The float32 sigmas (terminal included) an Euler walk steps through."""
-        return self.sampler.sigmas
+    def step_sigmas(self) -> list[float]:
+        """The sigma each step starts from."""
+        return self.sigmas[:-1].tolist()
 
-    def start_at(self, begin: int) -> None:
-        if self.scheduler is not None and hasattr(self.scheduler, "set_begin_index"):
-            self.scheduler.set_begin_index(begin)
+    def stepper(self, streams: Sequence[str], begin: int) -> Stepper:
+        """The deterministic stepper of this walk, positioned at step ``begin``."""
+        if self.scheduler is None:
+            return EulerStepper(self.sigmas)
+        stepper = SchedulerStepper(self.scheduler, self.timesteps, streams)
+        stepper.start_at(begin)
+        return stepper
+
+    def check_stochastic(self, where: str) -> None:
+        """Stochastic samplers replace steps with SDE steps on these sigmas: fine for Euler walks only."""
+        if self.scheduler is not None and type(self.scheduler).__name__ not in EULER_SCHEDULERS:
+            raise SpecError.single(
+                f"stochastic samplers step the schedule's sigmas with their own SDE; {type(self.scheduler).__name__}"
+                " is a multistep solver whose state the SDE steps would desynchronise (use a flow_match schedule "
+                f"or a {' / '.join(EULER_SCHEDULERS)})", where)
 
 
 def resolve_steps(
@@ -47,14 +64,14 @@ def resolve_steps(
     if isinstance(schedule, FlowMatchSchedule):
         n = len(schedule.sigmas) if schedule.sigmas is not None else (schedule.steps or steps)
         sigmas = torch.tensor(flow_match_sigmas(schedule, n, seq_len), dtype=torch.float32, device=device)
-        return Steps(sigmas[:-1] * 1000.0, sigmas[:-1].tolist(), 1000, EulerSampler(sigmas))
+        return Steps(sigmas[:-1] * 1000.0, sigmas, 1000)
     return _scheduler_steps(schedule, schedule.steps or steps, seq_len, components, device)
 
 
 def _scheduler_steps(
     schedule: SchedulerSchedule, steps: int, seq_len: int, components: dict[str, Any], device: torch.device
 ) -> Steps:
-    """A fresh copy of the scheduler component per request: schedulers keep state between steps."""
+    """A fresh copy of the scheduler component per walk: schedulers keep state between steps."""
     base = components[schedule.component]
     scheduler = base.__class__.from_config({**dict(base.config), **schedule.config}) if schedule.config else copy.deepcopy(base)
     kwargs: dict[str, Any] = {}
@@ -68,11 +85,10 @@ def _scheduler_steps(
         kwargs["mu"] = dynamic_mu(flow, seq_len)
     scheduler.set_timesteps(steps, device=device, **kwargs)
     timesteps = scheduler.timesteps
-    if hasattr(scheduler, "set_begin_index"):
-        scheduler.set_begin_index(0)
     T = int(config.get("num_train_timesteps", 1000))
-    if getattr(scheduler, "sigmas", None) is not None and len(scheduler.sigmas) >= len(timesteps):
-        sigmas = [float(s) for s in scheduler.sigmas[: len(timesteps)]]
+    own = getattr(scheduler, "sigmas", None)
+    if own is not None and len(own) > len(timesteps):
+        sigmas = own[: len(timesteps) + 1].to(device=device, dtype=torch.float32)
     else:
-        sigmas = [float(t) / T for t in timesteps]
-    return Steps(timesteps, sigmas, T, SchedulerSampler(scheduler, timesteps), scheduler)
+        sigmas = torch.cat([timesteps.to(device, torch.float32) / T, torch.zeros(1, device=device)])
+    return Steps(timesteps, sigmas, T, scheduler)

@@ -8,24 +8,32 @@ from typing import Any
 from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
 from .recipe import Phase
-from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, flow_match_sigmas
+from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, flow_match_sigmas
 
 
 def static_sigmas(spec: PipelineSpec, phase: Phase, steps: int) -> list[float] | None:
-    """Step sigmas (without the terminal 0) when they follow from the spec alone, else None."""
+    """Step sigmas (without the terminal 0) when they follow from the spec alone, else None. A segment gets
+    the steps of its shared schedule whose ``t/T`` (= sigma for flow matching) lies in its range."""
     schedule = phase.schedule
     if isinstance(schedule, SegmentSchedule):
-        return None
-    if isinstance(schedule, FlowMatchSchedule) and schedule.shift != "dynamic":
+        shared = spec.recipe.schedules.get(schedule.of)
+        if not schedule.resolved or not isinstance(shared, FlowMatchSchedule) or not _static(shared):
+            return None
+        return [s for s in flow_match_sigmas(shared, shared.steps or steps)[:-1] if schedule.contains(s)]
+    if isinstance(schedule, FlowMatchSchedule) and _static(schedule):
         return flow_match_sigmas(schedule, schedule.steps or steps)[:-1]
     return None
 
 
-def phase_step_count(spec: PipelineSpec, phase: Phase, steps: int) -> int:
+def _static(schedule: FlowMatchSchedule) -> bool:
+    return schedule.shift not in ("dynamic", FROM_CHECKPOINT)
+
+
+def phase_step_count(spec: PipelineSpec, phase: Phase, steps: int) -> int | None:
+    """A phase's step count, or None for a segment whose split only the checkpoint's scheduler knows."""
     schedule = phase.schedule
     if isinstance(schedule, SegmentSchedule):
-        shared = spec.recipe.schedules[schedule.of]
-        return shared.steps or steps
+        return None
     if isinstance(schedule, FlowMatchSchedule) and schedule.sigmas is not None:
         return len(schedule.sigmas)
     return schedule.steps or steps
@@ -49,7 +57,7 @@ def explain_spec(
         if sigmas is None:
             sigmas = static_sigmas(spec, phase, steps)
         n = len(sigmas) if sigmas is not None else phase_step_count(spec, phase, steps)
-        plans = _plan_or_none(phase, n, sigmas)
+        plans = _plan_or_none(phase, n, sigmas) if n else None
         entry: dict[str, Any] = {
             "name": phase.name,
             "denoiser": phase.denoiser,
@@ -63,6 +71,12 @@ def explain_spec(
             "passes": list(plans[0].passes) if plans else ["cond"],
             "plan": [_describe_run(first, last, plan) for first, last, plan in compress_plan(plans)] if plans else [],
         }
+        if n is None:
+            of = phase.schedule.of  # type: ignore[union-attr]
+            shared = spec.recipe.schedules[of]
+            entry["shared_steps"] = shared.steps or steps
+            entry["split"] = (f"unknown without the checkpoint: its scheduler decides which of the {entry['shared_steps']} "
+                              f"steps of {of!r} fall in this segment (omnispec explain --source DIR)")
         phases.append(entry)
     out: dict[str, Any] = {
         "name": spec.name,
@@ -90,13 +104,15 @@ def _plan_or_none(phase: Phase, n: int, sigmas: Sequence[float] | None) -> list[
 def _describe_schedule(spec: PipelineSpec, phase: Phase) -> str:
     s = phase.schedule
     if isinstance(s, FlowMatchSchedule):
-        shift = "dynamic shift" if s.shift == "dynamic" else f"shift {s.shift:g}"
+        shift = {"dynamic": "dynamic shift", FROM_CHECKPOINT: "shift from the checkpoint"}.get(
+            s.shift, f"shift {s.shift}")  # type: ignore[arg-type]
         return f"flow_match ({shift}{', explicit sigmas' if s.sigmas else ''})"
     if isinstance(s, SchedulerSchedule):
         return f"scheduler component {s.component!r}"
     shared = spec.recipe.schedules[s.of]
     inner = shared.kind if isinstance(shared, FlowMatchSchedule) else f"scheduler component {shared.component!r}"
-    return f"segment [{s.low:g}, {s.high:g}{']' if s.high == 1 else ')'} of {s.of!r} ({inner})"
+    low, high = (f"{b:g}" if isinstance(b, float) else "the checkpoint's boundary" for b in (s.low, s.high))
+    return f"segment [{low}, {high}{']' if s.high == 1 else ')'} of {s.of!r} ({inner})"
 
 
 def _describe_run(first: int, last: int, plan: StepPlan) -> dict[str, Any]:
@@ -117,12 +133,13 @@ def render_explain(info: Mapping[str, Any]) -> str:
     for phase in info["phases"]:
         sr = phase["sigma_range"]
         sigma_text = f"sigma {sr[0]:.4g} -> {sr[1]:.4g}" if sr else "sigmas from the checkpoint at run time"
-        count = f"{phase['steps']} steps" if sr or not phase["schedule"].startswith("segment") else (
-            f"its part of {phase['steps']} shared steps"
-        )
+        count = f"{phase['steps']} steps" if phase["steps"] is not None else (
+            f"its part of {phase['shared_steps']} shared steps (split unknown without --source)")
         lines.append(f"phase {phase['name']!r}: denoiser {phase['denoiser']}, {count}, {phase['schedule']}, {sigma_text}")
         lines.append(f"  input: {phase['input']['kind']}   adapter: {phase['adapter'] or '-'}   sampler: {phase['sampler']}")
-        if not phase["plan"]:
+        if not phase["plan"] and phase["steps"] is None:
+            lines.append("  guidance: planned per step once the split is known")
+        elif not phase["plan"]:
             lines.append("  guidance: resolved at run time (sigma-keyed)")
         for run in phase["plan"]:
             a, b = run["steps"]

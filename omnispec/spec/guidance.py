@@ -49,10 +49,20 @@ class ScaleSchedule(SpecModel):
 
 
 Scale = Union[float, ScaleSchedule]
+# A scale for every latent stream alike, or one per stream (``{video: 3.0, audio: 7.0}``): a term given per
+# stream guides only the streams it names.
+StreamScale = Union[float, ScaleSchedule, dict[str, Scale]]
 
 
 def scale_at(scale: Scale, fraction: float, sigma: float | None) -> float:
     return float(scale) if isinstance(scale, (int, float)) else scale.at(fraction, sigma)
+
+
+def stream_scale_at(scale: StreamScale, fraction: float, sigma: float | None) -> float | dict[str, float]:
+    """The value at one step: a float, or a float per named stream."""
+    if isinstance(scale, dict):
+        return {stream: scale_at(s, fraction, sigma) for stream, s in scale.items()}
+    return scale_at(scale, fraction, sigma)
 
 
 class Window(SpecModel):
@@ -85,14 +95,14 @@ class CFG(_Term):
     """Classifier-free guidance: ``uncond + scale * (cond - uncond)`` (coefficient ``scale - 1``)."""
 
     kind: Literal["cfg"]
-    scale: Scale = 5.0
+    scale: StreamScale = 5.0
 
 
 class TrueCFG(_Term):
     """CFG with a real negative-prompt pass on a guidance-distilled model (FLUX.1 ``true_cfg_scale``)."""
 
     kind: Literal["true_cfg"]
-    scale: Scale = 4.0
+    scale: StreamScale = 4.0
 
 
 class SkipLayer(_Term):
@@ -103,7 +113,7 @@ class SkipLayer(_Term):
     """
 
     kind: Literal["skip_layer"]
-    scale: Scale = 2.8
+    scale: StreamScale = 2.8
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     blocks: str | None = Field(default=None, description="Block list to index; the family's default if unset.")
     skip: Literal["block", "attention", "attention_scores", "ff"] = "block"
@@ -117,7 +127,7 @@ class Modality(_Term):
     """Modality-isolation guidance (LTX-2): ``+ (scale - 1) * (cond - cond_without_modality)``."""
 
     kind: Literal["modality"]
-    scale: Scale = 3.0
+    scale: StreamScale = 3.0
     modality: str = Field(description="Modality whose cross-attention is disabled in the extra pass.")
 
 
@@ -129,7 +139,7 @@ class APG(_Term):
     """
 
     kind: Literal["apg"]
-    scale: Scale = 5.0
+    scale: StreamScale = 5.0
     eta: float = 0.0
     norm_threshold: float = Field(default=0.0, ge=0.0)
     momentum: float = 0.0
@@ -140,7 +150,7 @@ class CFGZeroStar(_Term):
     ``s* = <cond, uncond> / |uncond|^2`` before CFG, and the first ``zero_init_steps`` steps output zero."""
 
     kind: Literal["cfg_zero_star"]
-    scale: Scale = 5.0
+    scale: StreamScale = 5.0
     zero_init_steps: int = Field(default=0, ge=0)
 
 
@@ -167,7 +177,7 @@ class GuidanceSpec(SpecModel):
         default=None, description="Distilled guidance fed to the denoiser as an input (FLUX.1-dev)."
     )
     terms: list[GuidanceTerm] = Field(default_factory=list)
-    rescale: Scale = Field(default=0.0, description="CFG rescale phi (Lin et al., 2023); 0 disables it.")
+    rescale: StreamScale = Field(default=0.0, description="CFG rescale phi (Lin et al., 2023); 0 disables it.")
 
     @model_validator(mode="after")
     def _one_negative_term_and_unique_passes(self) -> GuidanceSpec:
@@ -199,8 +209,23 @@ class GuidanceSpec(SpecModel):
         if primary == "embedded":
             return self.model_copy(update={"embedded": scale})
         terms = list(self.terms)
-        terms[int(primary)] = terms[int(primary)].model_copy(update={"scale": scale})
+        term = terms[int(primary)]
+        if isinstance(term.scale, dict):  # per stream: the request's scale is the first stream's (as diffusers'
+            first = next(iter(term.scale))  # guidance_scale sets LTX-2's video scale, not its audio one)
+            new_scale: StreamScale = {**term.scale, first: scale}
+        else:
+            new_scale = scale
+        terms[int(primary)] = term.model_copy(update={"scale": new_scale})
         return self.model_copy(update={"terms": terms})
+
+    @property
+    def streams(self) -> set[str]:
+        """Streams named by per-stream scales (checked against the family's streams at build)."""
+        named: set[str] = set()
+        for scale in (self.rescale, *(t.scale for t in self.terms)):
+            if isinstance(scale, dict):
+                named |= set(scale)
+        return named
 
     @property
     def perturbs_attention(self) -> bool:

@@ -64,6 +64,9 @@ class ModelSpec(SpecModel):
     dtype: DType = "bfloat16"
     components: dict[str, Component] = Field(min_length=1)
     adapters: dict[str, AdapterSlot] = Field(default_factory=dict)
+    check_checkpoint: bool = Field(default=True, description=(
+        "Compare the spec with the checkpoint's model_index.json and scheduler config at build (class names, "
+        "a two-expert boundary, the keys that set the sigmas) and refuse a mismatch."))
 
     @field_validator("family")
     @classmethod

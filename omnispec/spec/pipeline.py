@@ -10,8 +10,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 from .base import SpecModel
 from .model import ROLES, ModelSpec
 from .policies import HOOKED_CACHES, PERTURBABLE_BACKENDS, Policies
-from .recipe import LatentUpsample, PreviousInput, Recipe
-from .schedule import SchedulerSchedule, SegmentSchedule
+from .recipe import IMAGE_TASKS, ImageInput, LatentUpsample, PreviousInput, Recipe
+from .schedule import FROM_CHECKPOINT, SchedulerSchedule, SegmentSchedule
 
 Loc = tuple[str | int, ...]
 
@@ -78,13 +78,19 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
             if isinstance(transform, LatentUpsample) and transform.upsampler is not None:
                 if problem := role_problem(base + ("input", "transform", "upsampler"), transform.upsampler, "upsampler"):
                     yield problem
-        schedule = phase.schedule
-        shared = spec.recipe.schedules.get(schedule.of) if isinstance(schedule, SegmentSchedule) else None
-        if phase.sampler.kind != "ode" and isinstance(shared or schedule, SchedulerSchedule):
+        if isinstance(phase.input, ImageInput):
+            if i != 0:
+                yield base + ("input", "kind"), "only the first phase can start from the request's image"
+            if spec.recipe.task not in IMAGE_TASKS:
+                yield base + ("input", "kind"), f"task {spec.recipe.task!r} has no image to start from"
+            if spec.recipe.defaults.strength is None:
+                yield ("recipe", "defaults", "strength"), "an image input phase needs a default strength"
+        if phase.sampler.kind != "ode" and spec.policies.cache.kind in HOOKED_CACHES:
             yield base + ("sampler", "kind"), (
-                f"{phase.sampler.kind} steps flow-matching sigmas itself; this phase's schedule is a scheduler "
-                "component's (use schedule kind flow_match)"
-            )
+                f"the {spec.policies.cache.kind} cache (policies.cache.kind) decides per step from state a replay "
+                "cannot rebuild, so stochastic steps would not replay exactly; use cache kind step_mask (computing "
+                "every stochastic step) or none")
+        schedule = phase.schedule
         if isinstance(schedule, SchedulerSchedule):
             if problem := role_problem(base + ("schedule", "component"), schedule.component, "scheduler"):
                 yield problem
@@ -100,6 +106,9 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
             if problem := role_problem(("recipe", "schedules", name, "component"), shared.component, "scheduler"):
                 yield problem
 
+    if spec.recipe.defaults.strength is not None and not isinstance(phases[0].input, ImageInput):
+        yield ("recipe", "defaults", "strength"), "strength applies to an image input, and the first phase's input is " \
+            f"{phases[0].input.kind!r}"
     if spec.recipe.output_index() is None:
         yield ("recipe", "output", "phase"), f"{spec.recipe.output.phase!r} names no phase (have: {', '.join(names)})"
 
@@ -136,7 +145,11 @@ def _segment_problems(spec: PipelineSpec):
     for of, idx in seen.items():
         if idx != list(range(idx[0], idx[0] + len(idx))):
             yield ("recipe", "phases", idx[-1], "schedule", "of"), f"segments of {of!r} must be consecutive phases"
-        ranges = sorted((phases[i].schedule.low, phases[i].schedule.high, i) for i in idx)  # type: ignore[union-attr]
+        bounds = _segment_bounds([phases[i].schedule for i in idx])  # type: ignore[misc]
+        if isinstance(bounds, str):
+            yield ("recipe", "phases", idx[0], "schedule"), bounds
+            continue
+        ranges = sorted((lo, hi, i) for (lo, hi), i in zip(bounds, idx))
         for (_, hi_a, a), (lo_b, _, b) in zip(ranges, ranges[1:]):
             if lo_b < hi_a:
                 yield ("recipe", "phases", b, "schedule"), f"segment overlaps phase {phases[a].name!r} of {of!r}"
@@ -144,6 +157,24 @@ def _segment_problems(spec: PipelineSpec):
                 yield ("recipe", "phases", b, "schedule", "low"), f"gap [{hi_a:g}, {lo_b:g}) of {of!r} has no phase"
         if ranges[0][0] > 0.0 or ranges[-1][1] < 1.0:
             yield ("recipe", "phases", idx[0], "schedule"), f"the segments of {of!r} must cover [0, 1] together"
+
+
+def _segment_bounds(segments: list[SegmentSchedule]) -> list[tuple[float, float]] | str:
+    """Numeric bounds for the coverage checks: a ``from_checkpoint`` boundary must end one segment and start
+    the next, and stands for a value between their other bounds (whatever the checkpoint says)."""
+    ends = [k for k, s in enumerate(segments) if s.high == FROM_CHECKPOINT]
+    starts = [k for k, s in enumerate(segments) if s.low == FROM_CHECKPOINT]
+    if not ends and not starts:
+        return [(float(s.low), float(s.high)) for s in segments]  # type: ignore[arg-type]
+    if len(ends) != 1 or len(starts) != 1:
+        return "from_checkpoint must be the high bound of one segment and the low bound of one other"
+    below, above = segments[ends[0]].low, segments[starts[0]].high
+    assert isinstance(below, float) and isinstance(above, float)
+    if below >= above:
+        return f"the segments around the checkpoint's boundary leave no room for it ({below:g} .. {above:g})"
+    placeholder = (below + above) / 2
+    return [(placeholder if s.low == FROM_CHECKPOINT else float(s.low),  # type: ignore[arg-type]
+             placeholder if s.high == FROM_CHECKPOINT else float(s.high)) for s in segments]  # type: ignore[arg-type]
 
 
 def _policy_problems(spec: PipelineSpec):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .guidance import GuidanceSpec, pass_name, scale_at
+from .guidance import GuidanceSpec, pass_name, scale_at, stream_scale_at
 
 Rule = Literal["delta", "apg", "cfg_zero_star"]
 
@@ -14,11 +14,19 @@ Rule = Literal["delta", "apg", "cfg_zero_star"]
 _COEFFICIENT_OFFSET = {"cfg": 1.0, "true_cfg": 1.0, "apg": 1.0, "cfg_zero_star": 1.0, "modality": 1.0, "skip_layer": 0.0}
 
 
+# A value for every stream, or one per named stream (the others get 0: unguided by that term / no rescale).
+PerStream = float | dict[str, float]
+
+
+def for_stream(value: PerStream, stream: str) -> float:
+    return value.get(stream, 0.0) if isinstance(value, dict) else value
+
+
 @dataclass(frozen=True)
 class PlannedTerm:
     kind: str
     pass_name: str
-    coefficient: float
+    coefficient: PerStream
     rule: Rule
     index: int  # position of the term in ``GuidanceSpec.terms``
 
@@ -33,11 +41,11 @@ class StepPlan:
     passes: tuple[str, ...]
     terms: tuple[PlannedTerm, ...] = field(default=())
     embedded: float | None = None
-    rescale: float = 0.0
+    rescale: PerStream = 0.0
     zero: bool = False  # CFG-zero* zero-init: the step's prediction is 0 and no pass runs
 
     @property
-    def coefficients(self) -> dict[str, float]:
+    def coefficients(self) -> dict[str, PerStream]:
         return {t.pass_name: t.coefficient for t in self.terms}
 
 
@@ -63,13 +71,21 @@ def compile_plan(guidance: GuidanceSpec, steps: int, sigmas: Sequence[float] | N
             if term.kind == "cfg_zero_star" and i < term.zero_init_steps:
                 zero = True
                 continue
-            coefficient = scale_at(term.scale, fraction, sigma) - _COEFFICIENT_OFFSET[term.kind]
-            if coefficient == 0.0:
-                continue
+            offset = _COEFFICIENT_OFFSET[term.kind]
+            value = stream_scale_at(term.scale, fraction, sigma)
+            coefficient: PerStream
+            if isinstance(value, dict):
+                coefficient = {stream: v - offset for stream, v in value.items() if v - offset != 0.0}
+                if not coefficient:
+                    continue
+            else:
+                coefficient = value - offset
+                if coefficient == 0.0:
+                    continue
             rule: Rule = term.kind if term.kind in ("apg", "cfg_zero_star") else "delta"  # type: ignore[assignment]
             terms.append(PlannedTerm(term.kind, pass_name(term), coefficient, rule, index))
         embedded = None if guidance.embedded is None else scale_at(guidance.embedded, fraction, sigma)
-        rescale = scale_at(guidance.rescale, fraction, sigma)
+        rescale = stream_scale_at(guidance.rescale, fraction, sigma)
         if zero:
             plans.append(StepPlan(i, fraction, sigma, (), (), embedded, 0.0, zero=True))
             continue

@@ -12,8 +12,11 @@ from .schedule import Schedule, SharedSchedule
 
 Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image"]
 RequestField = Literal[
-    "negative_prompt", "height", "width", "frames", "fps", "steps", "guidance_scale", "max_sequence_length"
+    "negative_prompt", "height", "width", "frames", "fps", "steps", "guidance_scale", "max_sequence_length",
+    "strength",
 ]
+# Tasks whose requests must carry an image; the text-to-X tasks refuse one.
+IMAGE_TASKS = ("image-to-video", "image-to-image")
 REQUEST_FIELDS: tuple[str, ...] = RequestField.__args__  # type: ignore[attr-defined]
 
 
@@ -27,6 +30,9 @@ class RequestDefaults(SpecModel):
     steps: int = Field(default=28, ge=1)
     max_sequence_length: int | None = Field(default=None, ge=1)
     negative_prompt: str = ""
+    strength: Unit | None = Field(default=None, description=(
+        "How far an image input is re-noised (image-to-image): 1 starts from noise, 0 returns the image. "
+        "Needed by, and only by, recipes whose first phase takes input kind 'image'."))
 
 
 class Constraints(SpecModel):
@@ -91,6 +97,13 @@ class InitialInput(SpecModel):
     kind: Literal["initial"]
 
 
+class ImageInput(SpecModel):
+    """The request's image, encoded by the family and re-noised to the step where ``strength`` enters the
+    schedule (diffusers' image-to-image: ``strength x steps`` of the steps run)."""
+
+    kind: Literal["image"]
+
+
 class PreviousInput(SpecModel):
     """The previous phase's latents, optionally transformed, then optionally re-noised.
 
@@ -103,7 +116,7 @@ class PreviousInput(SpecModel):
     renoise: Unit | Literal["first"] | None = None
 
 
-PhaseInput = Annotated[Union[InitialInput, PreviousInput], Field(discriminator="kind")]
+PhaseInput = Annotated[Union[InitialInput, ImageInput, PreviousInput], Field(discriminator="kind")]
 
 
 class ODESampler(SpecModel):

@@ -14,6 +14,9 @@ from pydantic import Field, model_validator
 from .base import SpecModel, Unit
 
 ConfigValue = Union[bool, int, float, str, None]
+# A value the spec takes from the checkpoint's own config files at build (shown by ``explain --source``).
+FROM_CHECKPOINT = "from_checkpoint"
+FromCheckpoint = Literal["from_checkpoint"]
 
 
 class FlowMatchSchedule(SpecModel):
@@ -22,13 +25,14 @@ class FlowMatchSchedule(SpecModel):
     ``shift`` is a static shift ``s*x / (1 + (s-1)*x)`` or ``dynamic``: the exponential time shift
     with ``mu`` interpolated from the image sequence length between ``base_seq_len`` and
     ``max_seq_len`` (FLUX.1's ``calculate_shift``). ``shift_terminal`` stretches the schedule so the
-    last sigma equals it (LTX-style terminal stretch).
+    last sigma equals it (LTX-style terminal stretch). ``shift: from_checkpoint`` takes the shift, its
+    dynamic range and the terminal from the checkpoint's scheduler config at build.
     """
 
     kind: Literal["flow_match"]
     steps: int | None = Field(default=None, ge=1, description="Defaults to the request's steps.")
     sigmas: list[Unit] | None = Field(default=None, min_length=1)
-    shift: float | Literal["dynamic"] = 1.0
+    shift: float | Literal["dynamic"] | FromCheckpoint = 1.0
     base_shift: float = 0.5
     max_shift: float = 1.15
     base_seq_len: int = 256
@@ -37,7 +41,7 @@ class FlowMatchSchedule(SpecModel):
 
     @model_validator(mode="after")
     def _positive_shift(self) -> FlowMatchSchedule:
-        if self.shift != "dynamic" and self.shift <= 0:
+        if isinstance(self.shift, float) and self.shift <= 0:
             raise ValueError(f"shift must be positive or 'dynamic', got {self.shift}")
         if self.max_seq_len <= self.base_seq_len:
             raise ValueError("max_seq_len must exceed base_seq_len")
@@ -60,21 +64,29 @@ class SegmentSchedule(SpecModel):
     """The steps of a shared schedule whose normalised timestep ``t/T`` lies in ``[low, high)``.
 
     ``high == 1`` includes ``t/T == 1``. Wan2.2 A14B: the high-noise expert takes ``[0.875, 1]``, the
-    low-noise expert ``[0, 0.875)``; one scheduler state runs through both, as in diffusers.
+    low-noise expert ``[0, 0.875)``; one scheduler state runs through both, as in diffusers. A bound of
+    ``from_checkpoint`` is the checkpoint's ``boundary_ratio`` (``model_index.json``), resolved at build.
     """
 
     kind: Literal["segment"]
     of: str
-    low: Unit = 0.0
-    high: Unit = 1.0
+    low: Unit | FromCheckpoint = 0.0
+    high: Unit | FromCheckpoint = 1.0
 
     @model_validator(mode="after")
     def _ordered(self) -> SegmentSchedule:
-        if self.low >= self.high:
+        if self.low == self.high == FROM_CHECKPOINT:
+            raise ValueError("only one bound of a segment can be the checkpoint's boundary")
+        if isinstance(self.low, float) and isinstance(self.high, float) and self.low >= self.high:
             raise ValueError(f"segment low {self.low} must be below high {self.high}")
         return self
 
+    @property
+    def resolved(self) -> bool:
+        return FROM_CHECKPOINT not in (self.low, self.high)
+
     def contains(self, t_norm: float) -> bool:
+        assert isinstance(self.low, float) and isinstance(self.high, float), "resolve from_checkpoint bounds first"
         return self.low <= t_norm < self.high or (self.high == 1.0 and t_norm >= 1.0)
 
 
@@ -95,6 +107,8 @@ def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | No
         base = [float(s) for s in schedule.sigmas]
     else:
         base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
+    if schedule.shift == FROM_CHECKPOINT:
+        raise ValueError("shift: from_checkpoint is resolved from the checkpoint's scheduler config at build")
     if schedule.shift == "dynamic":
         if seq_len is None:
             raise ValueError("a dynamic shift needs the image sequence length")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from ...spec import BUILTIN_FAMILIES, SpecError
-from .base import Conditioning, Family, Geometry
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, batch_of, cat_streams, map_streams
 
 _BUILTIN = {
     "flux": "omnispec.runtime.families.flux:FluxFamily",
@@ -38,4 +38,5 @@ def family_class(name: str) -> type[Family]:
     return cls
 
 
-__all__ = ["Conditioning", "Family", "Geometry", "family_class", "import_ref"]
+__all__ = ["Conditioning", "Decoded", "Family", "Geometry", "Perturbation", "Streams", "batch_of", "cat_streams",
+           "family_class", "import_ref", "map_streams"]

@@ -9,20 +9,38 @@ encoding, packing and VAE normalisation equal diffusers' by construction.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 import numpy as np
 import torch
 
-from ...spec import PipelineSpec, SkipLayer, SpecError
+from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.request import Request
+
+
+# The state a phase denoises: named latent streams (``latents`` for image and video models; ``video`` and
+# ``audio`` for LTX-2), each with its own shape and packing, batch first.
+Streams = dict[str, torch.Tensor]
+
+
+def map_streams(fn: Callable[[torch.Tensor], torch.Tensor], streams: Mapping[str, torch.Tensor]) -> Streams:
+    return {name: fn(x) for name, x in streams.items()}
+
+
+def cat_streams(parts: Sequence[Mapping[str, torch.Tensor]]) -> Streams:
+    return {name: torch.cat([p[name] for p in parts]) if len(parts) > 1 else parts[0][name] for name in parts[0]}
+
+
+def batch_of(streams: Mapping[str, torch.Tensor]) -> int:
+    return next(iter(streams.values())).shape[0]
 
 
 @dataclass
 class Conditioning:
-    """Encoded prompts: ``batched`` tensors have one row per sample; ``shared`` ones serve every sample."""
+    """What a pass conditions on besides the latents: encoded prompts and, for image-conditioned families,
+    the encoded images. ``batched`` tensors have one row per sample; ``shared`` ones serve every sample."""
 
     batched: dict[str, torch.Tensor]
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -32,7 +50,15 @@ class Conditioning:
         return next(iter(self.batched.values())).shape[0]
 
     def rows(self, index: torch.Tensor | slice | Sequence[int]) -> Conditioning:
+        if isinstance(index, torch.Tensor):
+            index = index.to(next(iter(self.batched.values())).device)
         return Conditioning({k: v[index] for k, v in self.batched.items()}, self.shared)
+
+    def with_(self, other: Conditioning | None) -> Conditioning:
+        """This conditioning plus ``other``'s entries (image conditioning joined to prompt encodings)."""
+        if other is None:
+            return self
+        return Conditioning({**self.batched, **other.batched}, {**self.shared, **other.shared})
 
     @staticmethod
     def cat(parts: Sequence[Conditioning]) -> Conditioning:
@@ -44,26 +70,54 @@ class Conditioning:
 
 @dataclass
 class Geometry:
-    """Pixel size of a phase's output and anything a family needs to (un)pack its latents."""
+    """Pixel size of a phase's output and anything a family needs to (un)pack its latents; ``extra`` holds
+    what a family derives once per phase (position ids, masks) so steps don't rebuild it."""
 
     height: int
     width: int
     frames: int | None = None
+    fps: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Decoded:
+    """A decoded output: ``array`` float32 in [0, 1], channels last, batch first; ``audio`` (B, channels,
+    samples) float32 at ``sample_rate`` for families with a sound track."""
+
+    array: np.ndarray
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
+
+
+Perturbation = Union[SkipLayer, Modality]
+
+
 class Family:
-    """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks."""
+    """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks.
+
+    Every hook works on ``Streams``; a single-stream family reads and returns its one stream, ``latents``.
+    """
 
     name: ClassVar[str]
     pipeline_class: ClassVar[type | None] = None
+    # The latent streams this family denoises, in the order noise is drawn and decoded; the first is primary.
+    streams: ClassVar[tuple[str, ...]] = ("latents",)
+    # Streams a phase transform (latent upsample, resize) rescales; the others pass through unchanged.
+    spatial_streams: ClassVar[tuple[str, ...]] = ("latents",)
     # Block lists that policies (offload, compile, cache, layer skip) may address, in forward order.
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # Attention roles of this family's denoiser: role -> fnmatch patterns of attention module names.
     attention_roles: ClassVar[Mapping[str, tuple[str, ...]]] = {"self": ("*attn*",)}
     # Which component names the helper pipeline expects, with the role each must have.
     required: ClassVar[Mapping[str, str]] = {}
-    supports_modality: ClassVar[bool] = False
+    # Modalities a ``modality`` guidance term may isolate (switch off the cross-attention into).
+    modalities: ClassVar[tuple[str, ...]] = ()
+    # How many request images the family conditions on (0: text only).
+    max_images: ClassVar[int] = 0
+    # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
+    # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
+    prediction_space: ClassVar[str] = "velocity"
     # Whether the denoiser has a diffusers context-parallel plan (``_cp_plan``) for ulysses / ring.
     context_parallel: ClassVar[bool] = False
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
@@ -88,10 +142,23 @@ class Family:
                 problems.append(f"family {cls.name!r} needs {name!r} to have role {role!r}")
         for phase in spec.recipe.phases:
             for term in phase.guidance.terms:
-                if term.kind == "modality" and not cls.supports_modality:
-                    problems.append(f"family {cls.name!r} has no modalities to isolate (phase {phase.name!r})")
+                if isinstance(term, Modality) and term.modality not in cls.modalities:
+                    have = ", ".join(cls.modalities) or "none"
+                    problems.append(f"family {cls.name!r} has no modality {term.modality!r} to isolate in phase "
+                                    f"{phase.name!r} (modalities: {have})")
+            unknown = sorted(phase.guidance.streams - set(cls.streams))
+            if unknown:
+                problems.append(f"phase {phase.name!r} scales streams {unknown}; family {cls.name!r} has "
+                                f"{', '.join(cls.streams)}")
         if problems:
             raise SpecError.single("; ".join(problems), "model.family")
+
+    @classmethod
+    def check_request(cls, request: Request) -> None:
+        """Refuse what this family cannot condition on, before any work."""
+        if len(request.images) > cls.max_images:
+            raise SpecError.single(f"family {cls.name!r} conditions on at most {cls.max_images} image(s), got "
+                                   f"{len(request.images)}", "request.image")
 
     def make_helper(self, components: dict[str, Any]) -> Any:
         assert self.pipeline_class is not None
@@ -104,43 +171,62 @@ class Family:
     # ---- the protocol --------------------------------------------------------------------------------
 
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        """Prompt encodings, one row per prompt (the runtime caches them per prompts and images)."""
         raise NotImplementedError
 
     def geometry(self, request: Request, size_scale: float) -> Geometry:
         h = int(round(request.height * size_scale)) if request.height else 0
         w = int(round(request.width * size_scale)) if request.width else 0
-        return Geometry(h, w, request.frames)
+        return Geometry(h, w, request.frames, request.fps)
 
-    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+    def tokens(self, geometry: Geometry) -> int:
+        """Image tokens per sample of the primary stream (dynamic shift, rows per forward, sequence split)."""
+        raise NotImplementedError
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
         """Pure noise in the denoiser's layout, one generator per sample (as diffusers' ``randn_tensor``)."""
         raise NotImplementedError
 
-    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
-        """Image tokens per sample (for a dynamic schedule shift)."""
-        raise NotImplementedError
+    def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
+                      ) -> Conditioning | None:
+        """The request's images as the denoiser takes them at this phase's size, one row per sample; joined to
+        every pass's prompt conditioning. Called after the phase's starting latents are drawn."""
+        return None
+
+    def image_latents(self, request: Request, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        """The request's image as latents to re-noise (phase input kind ``image``: image-to-image)."""
+        raise SpecError.single(f"family {self.name!r} cannot start from an image", "recipe.phases.0.input")
 
     def predict(
         self,
         denoiser: torch.nn.Module,
-        latents: torch.Tensor,
+        latents: Streams,
         timestep: torch.Tensor,
         cond: Conditioning,
         geometry: Geometry,
         *,
         embedded: float | None = None,
-        skip: SkipLayer | None = None,
-    ) -> torch.Tensor:
+        perturbation: Perturbation | None = None,
+    ) -> Streams:
         raise NotImplementedError
 
-    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
-        """float32 in [0, 1], channels last: (B, H, W, C) for images, (B, F, H, W, C) for videos."""
-        raise NotImplementedError
+    def constrain(self, guided: Streams, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
+        """Impose conditioning on the guided prediction (in ``prediction_space``) before the step: LTX-2's image
+        conditions fix the clean-sample estimate on their tokens."""
+        return guided
 
-    # Spatial view of the latents for phase transforms (identity unless the family packs them).
-    def unpack(self, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
+        """Put conditioning back after a step where the model needs it (first-frame latents of image-to-video)."""
         return latents
 
-    def pack(self, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
+        raise NotImplementedError
+
+    # Spatial view of a stream for phase transforms (identity unless the family packs it).
+    def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        return latents
+
+    def pack(self, stream: str, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         return spatial
 
     def latent_dtype(self, denoiser: torch.nn.Module) -> torch.dtype:
@@ -149,11 +235,13 @@ class Family:
     # ---- shared helpers -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def layer_skip(self, denoiser: torch.nn.Module, skip: SkipLayer | None) -> Iterator[None]:
+    def layer_skip(self, denoiser: torch.nn.Module, skip: Perturbation | None) -> Iterator[None]:
         """Apply a skip-layer perturbation with diffusers' layer-skip hooks for one forward, then remove it."""
         if skip is None:
             yield
             return
+        if not isinstance(skip, SkipLayer):
+            raise SpecError.single(f"family {self.name!r} cannot run a {skip.kind} perturbation", "guidance")
         from diffusers.hooks import LayerSkipConfig
         from diffusers.hooks.layer_skip import _apply_layer_skip_hook
 

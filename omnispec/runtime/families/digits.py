@@ -6,9 +6,8 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...spec import SkipLayer
 from ...spec.request import Request
-from .base import Conditioning, Family, Geometry
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
 
 
 class DigitsFamily(Family):
@@ -24,21 +23,24 @@ class DigitsFamily(Family):
         pooled = encoder(enc.input_ids.to(self.device), enc.attention_mask.to(self.device))
         return Conditioning({"text_embeds": pooled})
 
-    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
         shape = (len(generators), 1, geometry.height, geometry.width)
-        return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+        return {"latents": randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)}
 
     def latent_dtype(self, denoiser) -> torch.dtype:
         return torch.float32
 
-    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
-        return latents.shape[-2] * latents.shape[-1] // 64
+    def tokens(self, geometry: Geometry) -> int:
+        return geometry.height * geometry.width // 64
 
-    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
-        with self.layer_skip(denoiser, skip):
-            return denoiser(hidden_states=latents.to(denoiser.dtype), timestep=timestep.expand(latents.shape[0]),
-                            text_embeds=cond.batched["text_embeds"])[0].to(latents.dtype)
+    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
+                perturbation: Perturbation | None = None) -> Streams:
+        x = latents["latents"]
+        with self.layer_skip(denoiser, perturbation):
+            return {"latents": denoiser(hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
+                                        text_embeds=cond.batched["text_embeds"])[0].to(torch.float32)}
 
-    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         """Pixels in [-1, 1] -> float32 (B, H, W, 1) in [0, 1]: white ink on black, as in the data set."""
-        return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 1).cpu().numpy()
+        x = latents["latents"]
+        return Decoded(((x.float() + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 1).cpu().numpy())

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-
-
-import numpy as np
 import torch
 from diffusers import FluxPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...spec import SkipLayer
 from ...spec.request import Request
-from .base import Conditioning, Family, Geometry, decode_images
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, decode_images
 
 
 class FluxFamily(Family):
@@ -42,27 +38,33 @@ class FluxFamily(Family):
     def _channels(self) -> int:
         return self.helper.vae.config.latent_channels
 
-    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
         h, w = self._latent_hw(geometry)
         shape = (len(generators), self._channels(), h, w)
         noise = randn_tensor(shape, generator=generators, device=self.device, dtype=self.latent_dtype(None))
-        return self.pack(noise, geometry)
+        return {"latents": self.pack("latents", noise, geometry)}
 
     def latent_dtype(self, denoiser: torch.nn.Module) -> torch.dtype:
         # FluxPipeline keeps latents in the text embeddings' dtype (the T5 encoder's).
         return self.helper.text_encoder_2.dtype
 
-    def pack(self, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    def pack(self, stream: str, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         b, c, h, w = spatial.shape
         return FluxPipeline._pack_latents(spatial, b, c, h, w)
 
-    def unpack(self, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         return FluxPipeline._unpack_latents(latents, geometry.height, geometry.width, self.helper.vae_scale_factor)
 
-    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
-        return latents.shape[1]
+    def tokens(self, geometry: Geometry) -> int:
+        h, w = self._latent_hw(geometry)
+        return (h // 2) * (w // 2)
 
-    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
+    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
+                perturbation: Perturbation | None = None) -> Streams:
+        x = latents["latents"].to(self.latent_dtype(denoiser))
+        return {"latents": self._forward(denoiser, x, timestep, cond, geometry, embedded, perturbation)}
+
+    def _forward(self, denoiser, latents, timestep, cond, geometry, embedded, perturbation):
         b = latents.shape[0]
         key = ("img_ids", latents.device, latents.dtype)
         if key not in geometry.extra:  # built once per phase: a host->device copy per step would stall the GPU
@@ -73,7 +75,7 @@ class FluxFamily(Family):
         if denoiser.config.guidance_embeds:
             guidance = torch.full([b], 3.5 if embedded is None else embedded, device=latents.device, dtype=torch.float32)
         t = timestep.expand(b).to(latents.dtype)
-        with self.layer_skip(denoiser, skip):
+        with self.layer_skip(denoiser, perturbation):
             return denoiser(
                 hidden_states=latents, timestep=t / 1000, guidance=guidance,
                 pooled_projections=cond.batched["pooled_projections"],
@@ -81,10 +83,10 @@ class FluxFamily(Family):
                 txt_ids=cond.shared["txt_ids"], img_ids=img_ids, return_dict=False,
             )[0]
 
-    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         vae = self.helper.vae
-        spatial = self.unpack(latents, geometry)
+        spatial = self.unpack("latents", latents["latents"], geometry)
         spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
-        return decode_images(self.helper, vae.decode(spatial.to(vae.dtype), return_dict=False)[0])
+        return Decoded(decode_images(self.helper, vae.decode(spatial.to(vae.dtype), return_dict=False)[0]))
 
 

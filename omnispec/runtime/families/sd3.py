@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec import SkipLayer
 from ...spec.request import Request
-from .base import Conditioning, Family, Geometry, decode_images
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, decode_images
 
 
 class SD3Family(Family):
@@ -34,33 +33,36 @@ class SD3Family(Family):
         )
         return Conditioning({"encoder_hidden_states": embeds, "pooled_projections": pooled})
 
-    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
         f = self.helper.vae_scale_factor
         shape = (len(generators), self.helper.vae.config.latent_channels, geometry.height // f, geometry.width // f)
-        return randn_tensor(shape, generator=generators, device=self.device, dtype=self.latent_dtype(None))
+        return {"latents": randn_tensor(shape, generator=generators, device=self.device, dtype=self.latent_dtype(None))}
 
     def latent_dtype(self, denoiser) -> torch.dtype:
         # StableDiffusion3Pipeline keeps latents in the prompt embeddings' dtype.
         enc = self.helper.text_encoder_3 or self.helper.text_encoder
         return enc.dtype
 
-    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
-        p = self.helper.patch_size
-        return (latents.shape[-2] // p) * (latents.shape[-1] // p)
+    def tokens(self, geometry: Geometry) -> int:
+        f, p = self.helper.vae_scale_factor, self.helper.patch_size
+        return (geometry.height // f // p) * (geometry.width // f // p)
 
-    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
+    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
+                perturbation: Perturbation | None = None) -> Streams:
+        x = latents["latents"].to(self.latent_dtype(denoiser))
         kwargs = {}
-        if skip is not None and skip.skip == "block" and skip.blocks in (None, "transformer_blocks"):
+        skip = perturbation
+        if isinstance(skip, SkipLayer) and skip.skip == "block" and skip.blocks in (None, "transformer_blocks"):
             kwargs["skip_layers"] = list(skip.layers)  # the model's own block skipping, as diffusers' SLG uses
             skip = None
         with self.layer_skip(denoiser, skip):
-            return denoiser(
-                hidden_states=latents, timestep=timestep.expand(latents.shape[0]),
+            return {"latents": denoiser(
+                hidden_states=x, timestep=timestep.expand(x.shape[0]),
                 encoder_hidden_states=cond.batched["encoder_hidden_states"],
                 pooled_projections=cond.batched["pooled_projections"], return_dict=False, **kwargs,
-            )[0]
+            )[0]}
 
-    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         vae = self.helper.vae
-        spatial = latents / vae.config.scaling_factor + vae.config.shift_factor
-        return decode_images(self.helper, vae.decode(spatial.to(vae.dtype), return_dict=False)[0])
+        spatial = latents["latents"] / vae.config.scaling_factor + vae.config.shift_factor
+        return Decoded(decode_images(self.helper, vae.decode(spatial.to(vae.dtype), return_dict=False)[0]))

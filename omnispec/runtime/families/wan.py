@@ -7,9 +7,8 @@ import torch
 from diffusers import WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...spec import SkipLayer
 from ...spec.request import Request
-from .base import Conditioning, Family, Geometry
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
 
 
 class WanFamily(Family):
@@ -34,36 +33,40 @@ class WanFamily(Family):
         )
         return Conditioning({"encoder_hidden_states": embeds})
 
-    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> torch.Tensor:
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int, int]:
         h = self.helper
         frames = geometry.frames or 1
-        shape = (
-            len(generators), self.helper.transformer.config.in_channels,
-            (frames - 1) // h.vae_scale_factor_temporal + 1,
-            geometry.height // h.vae_scale_factor_spatial, geometry.width // h.vae_scale_factor_spatial,
-        )
-        return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+        return ((frames - 1) // h.vae_scale_factor_temporal + 1, geometry.height // h.vae_scale_factor_spatial,
+                geometry.width // h.vae_scale_factor_spatial)
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        channels = self.helper.vae.config.z_dim
+        shape = (len(generators), channels, *self.latent_shape(geometry))
+        return {"latents": randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)}
 
     def latent_dtype(self, denoiser) -> torch.dtype:
         return torch.float32  # WanPipeline steps float32 latents and casts only the model input
 
-    def seq_len(self, latents: torch.Tensor, geometry: Geometry) -> int:
+    def tokens(self, geometry: Geometry) -> int:
         p = self.helper.transformer.config.patch_size
-        return latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
+        f, h, w = self.latent_shape(geometry)
+        return f // p[0] * (h // p[1]) * (w // p[2])
 
-    def predict(self, denoiser, latents, timestep, cond, geometry, *, embedded=None, skip: SkipLayer | None = None):
-        with self.layer_skip(denoiser, skip):
-            return denoiser(
-                hidden_states=latents.to(denoiser.dtype), timestep=timestep.expand(latents.shape[0]),
+    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
+                perturbation: Perturbation | None = None) -> Streams:
+        x = latents["latents"]
+        with self.layer_skip(denoiser, perturbation):
+            return {"latents": denoiser(
+                hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
                 encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype), return_dict=False,
-            )[0]
+            )[0]}
 
-    def decode(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         vae = self.helper.vae
+        x = latents["latents"]
         z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
-        x = latents.to(vae.dtype) / inv_std + mean
-        video = vae.decode(x, return_dict=False)[0]
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x.device, vae.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(x.device, vae.dtype)
+        video = vae.decode(x.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
         frames = self.helper.video_processor.postprocess_video(video, output_type="np")
-        return np.asarray(frames, dtype=np.float32)
+        return Decoded(np.asarray(frames, dtype=np.float32))

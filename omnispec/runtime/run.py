@@ -1,0 +1,315 @@
+"""``Run``: one request's execution, the one path that generate, rollout and replay share.
+
+A ``Run`` owns what every step needs (family, components, device, cache and parallel context, the
+request-adjusted spec, per-sample generators, prompt encodings, rows per forward) and plans the request's
+walks once. ``execute`` runs them; ``prediction`` is the step body (passes, batched as the row limit allows,
+then the guidance combine) that replay calls for single stored steps.
+
+A walk is a group of phases stepping one schedule: one phase, or the consecutive segments of a shared
+schedule (Wan2.2's two experts). Steps are counted per walk; ``Walk.offset`` places them in the request's
+whole sequence (RL windows count over it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from ..policies.cache import cache_context
+from ..spec import Phase, SkipLayer, StepPlan, compile_plan
+from ..spec.guidance import NEGATIVE_TERMS, pass_name
+from ..spec.recipe import ImageInput, PreviousInput
+from ..spec.request import Request
+from .distributed import broadcast_pass, check_sequence, gather_passes
+from .families import Conditioning, Geometry, Perturbation, Streams, batch_of, cat_streams
+from .guidance import GuidanceState, combine
+from .phases import first_step, group_steps, phase_groups, renoise, set_adapter, transform_latents
+from .samplers import StepResult, Stepper, StochasticStepper, sde_generators, window_mask
+from .schedule import Steps
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+
+@dataclass
+class Passes:
+    """What each pass name runs: which conditioning, and which perturbation (None = plain forward)."""
+
+    conditions: dict[str, Conditioning]
+    perturbations: dict[str, Perturbation | None]
+
+
+@dataclass
+class PhaseRun:
+    """One phase's share of a walk: its step indices, its compiled plan per step, and its pass inputs."""
+
+    phase: Phase
+    denoiser: torch.nn.Module
+    indices: list[int]
+    plans: dict[int, StepPlan]
+    passes: Passes | None = None  # set once the walk's image conditioning is known
+    state: GuidanceState = field(default_factory=GuidanceState)
+
+
+@dataclass
+class Walk:
+    phases: list[PhaseRun]
+    steps: Steps
+    geometry: Geometry
+    begin: int
+    offset: int
+    max_rows: int | None
+    images: Conditioning | None = None
+
+    def owner(self, i: int) -> PhaseRun:
+        return next(run for run in self.phases if i in run.plans)
+
+    @property
+    def first(self) -> Phase:
+        return self.phases[0].phase
+
+
+@dataclass
+class PhaseResult:
+    latents: Streams
+    geometry: Geometry
+
+
+# Called after every step with (walk, step index, state before the step, the step's result).
+StepObserver = Callable[[Walk, int, Streams, StepResult], None]
+# Gives a walk its stepper (rollouts: stochastic on their window), or None for the walk's own.
+StepperFactory = Callable[[Walk], Stepper | None]
+
+
+class Run:
+    def __init__(self, pipe: Pipeline, request: Request, *, encodings: tuple[Conditioning, Conditioning | None]
+                 | None = None, stepper_for: StepperFactory | None = None):
+        self.pipe = pipe
+        self.family, self.components, self.device = pipe.family, pipe.components, pipe.device
+        self.cache, self.parallel = pipe.policies.cache, pipe.parallel
+        self.spec = pipe.spec_for(request)
+        self.request = request
+        self.generators = [torch.Generator("cpu").manual_seed(s) for s in request.seeds]
+        self.positive, self.negative = encodings if encodings is not None else pipe.encode(request)
+        self.stepper_for = stepper_for
+        self.walks = self._plan_walks()
+
+    # ---- planning -----------------------------------------------------------------------------------------
+
+    def _plan_walks(self) -> list[Walk]:
+        walks, offset = [], 0
+        for group in phase_groups(self.spec):
+            first = self.spec.recipe.phases[group[0]]
+            geometry = self.family.geometry(self.request, first.size_scale)
+            tokens = self.family.tokens(geometry)
+            steps, owned = group_steps(self.spec, group, self.request.steps, tokens, self.components, self.device)
+            begin = first_step(first, steps, self.request.strength)
+            runs = []
+            for k, idx in enumerate(group):
+                phase = self.spec.recipe.phases[idx]
+                mine = [i for i in owned[k] if i >= begin]
+                plans = compile_plan(phase.guidance, len(mine), [steps.step_sigmas[i] for i in mine]) if mine else []
+                runs.append(PhaseRun(phase, self.components[phase.denoiser], mine, dict(zip(mine, plans))))
+            walks.append(Walk(runs, steps, geometry, begin, offset, self._max_rows(tokens)))
+            offset += len(steps)
+        return walks
+
+    def _max_rows(self, tokens: int) -> int | None:
+        runtime = self.spec.runtime
+        limits = [runtime.max_batch] if runtime.max_batch else []
+        if runtime.max_tokens_per_forward:
+            limits.append(max(1, runtime.max_tokens_per_forward // max(1, tokens)))
+        return min(limits) if limits else None
+
+    def steps_per_denoiser(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for walk in self.walks:
+            for run in walk.phases:
+                counts[run.phase.denoiser] = counts.get(run.phase.denoiser, 0) + len(run.indices)
+        return counts
+
+    def condition(self, walk: Walk) -> None:
+        """Encode the request's images for this walk's size and give every phase its pass inputs."""
+        walk.images = self.family.encode_images(self.request, walk.geometry, self.generators)
+        positive = self.positive.with_(walk.images)
+        negative = self.negative.with_(walk.images) if self.negative is not None else None
+        for run in walk.phases:
+            run.passes = phase_passes(run.phase, positive, negative)
+
+    # ---- execution ----------------------------------------------------------------------------------------
+
+    def execute(self, observer: StepObserver | None = None) -> list[PhaseResult]:
+        """Every phase's final latents, in phase order."""
+        if self.cache is not None:
+            self.cache.begin(self.steps_per_denoiser())
+        results: list[PhaseResult] = []
+        prev: PhaseResult | None = None
+        for walk in self.walks:
+            x = self._start(walk, prev)
+            x = self._denoise(walk, x, observer)
+            prev = PhaseResult(x, walk.geometry)
+            results += [prev] * len(walk.phases)
+        return results
+
+    def _start(self, walk: Walk, prev: PhaseResult | None) -> Streams:
+        """The walk's starting state (noise, the image re-noised, or the previous phase's latents transformed
+        and re-noised), then its image conditioning."""
+        phase, geometry = walk.first, walk.geometry
+        if self.parallel is not None:
+            check_sequence(self.parallel, self.family.tokens(geometry), f"phase {phase.name!r}'s image")
+            check_sequence(self.parallel, self.request.max_sequence_length or 0, "the prompt (max_sequence_length)")
+        if isinstance(phase.input, PreviousInput):
+            assert prev is not None
+            x = transform_latents(self.family, phase, prev.latents, prev.geometry, geometry, self.components)
+            needs_noise = phase.input.renoise is not None
+        elif isinstance(phase.input, ImageInput):
+            x = self.family.image_latents(self.request, geometry, self.generators)
+            needs_noise = True
+        else:
+            x = self.family.initial_latents(geometry, self.generators)
+            needs_noise = False
+        if needs_noise and walk.begin < len(walk.steps):
+            x = renoise(x, walk.steps.step_sigmas[walk.begin], self.generators)
+        self.condition(walk)
+        return self.family.reimpose(x, walk.images, geometry)
+
+    def _stepper(self, walk: Walk) -> Stepper:
+        custom = self.stepper_for(walk) if self.stepper_for is not None else None
+        if custom is not None:
+            return custom
+        sampler = walk.first.sampler
+        if sampler.kind == "ode":
+            return walk.steps.stepper(self.family.streams, walk.begin)
+        walk.steps.check_stochastic(f"recipe.phases.{self.spec.recipe.phases.index(walk.first)}.sampler")
+        seeds = list(self.request.seeds)
+        mask = window_mask(sampler, len(walk.steps), torch.arange(len(seeds)), seeds[0])
+        return StochasticStepper(sampler, walk.steps.sigmas, mask, sde_generators(seeds, self.device))
+
+    def _denoise(self, walk: Walk, x: Streams, observer: StepObserver | None) -> Streams:
+        stepper = self._stepper(walk)
+        label = "+".join(run.phase.name for run in walk.phases)
+        progress = self.spec.runtime.progress and (self.parallel is None or self.parallel.is_main)
+        starts = {run.indices[0]: run for run in walk.phases if run.indices}
+        last: Streams | None = None
+        for i in tqdm(range(walk.begin, len(walk.steps)), desc=label, disable=not progress, leave=False):
+            if i in starts:
+                set_adapter(self.spec, starts[i].phase, self.components)
+            if self.cache is not None and not self.cache.computes(i) and last is not None:
+                pred = last  # step_mask: reuse the previous step's combined prediction
+            else:
+                pred = self.prediction(walk, i, x)
+            last = pred
+            result = stepper.step(x, pred, i)
+            if observer is not None:
+                observer(walk, i, x, result)
+            x = self.family.reimpose(result.next, walk.images, walk.geometry)
+        return x
+
+    # ---- the step body ------------------------------------------------------------------------------------
+
+    def prediction(self, walk: Walk, i: int, x: Streams, rows: Sequence[int] | None = None) -> Streams:
+        """The guided prediction at step ``i`` of ``walk`` for state ``x``, whose rows are the request's samples
+        ``rows`` (all of them when None)."""
+        run = walk.owner(i)
+        plan = run.plans[i]
+        if plan.zero:
+            return {s: torch.zeros_like(v) for s, v in x.items()}
+        preds = self._passes(walk, run, i, x, rows)
+        images = walk.images if rows is None or walk.images is None else _rows(walk.images, rows)
+        if self.family.prediction_space == "velocity":
+            guided = combine(plan, preds, run.phase.guidance, run.state)
+            return self.family.constrain(guided, x, images, walk.geometry)
+        sigma = walk.steps.sigmas[i]
+        x0 = {name: {s: x[s].float() - sigma * v.float() for s, v in p.items()} for name, p in preds.items()}
+        guided = self.family.constrain(combine(plan, x0, run.phase.guidance, run.state), x, images, walk.geometry)
+        return {s: (x[s].float() - guided[s]) / sigma for s in guided}
+
+    def _passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
+                ) -> dict[str, Streams]:
+        """Predictions for every pass of a step. Under a scoped cache one forward per (pass, sample); under
+        CFG-parallel each rank computes its round-robin share and the shares are gathered."""
+        names = list(run.plans[i].passes)
+        if self.cache is not None and self.cache.scoped:
+            return self._scoped_passes(walk, run, i, x, rows)
+        ctx = self.parallel
+        if ctx is not None and ctx.cfg > 1:
+            if len(names) == 1:
+                mine = self._local_passes(walk, run, i, names, x, rows) if ctx.cfg_index == 0 else {}
+                return {names[0]: broadcast_pass(ctx, mine.get(names[0]), x)}
+            local = self._local_passes(walk, run, i, names[ctx.cfg_index::ctx.cfg], x, rows)
+            return gather_passes(ctx, names, local, x)
+        return self._local_passes(walk, run, i, names, x, rows)
+
+    def _local_passes(self, walk: Walk, run: PhaseRun, i: int, names: list[str], x: Streams,
+                      rows: Sequence[int] | None) -> dict[str, Streams]:
+        """Unperturbed passes in one batched forward (at most ``max_rows`` rows each), perturbed ones alone."""
+        assert run.passes is not None
+        passes = run.passes
+        plain = [p for p in names if passes.perturbations.get(p) is None]
+        groups: list[tuple[list[str], Perturbation | None]] = [(plain, None)] if plain else []
+        groups += [([p], passes.perturbations[p]) for p in names if passes.perturbations.get(p) is not None]
+        plan, t = run.plans[i], walk.steps.timesteps[i]
+        b = batch_of(x)
+        preds: dict[str, Streams] = {}
+        for group, perturbation in groups:
+            cond = Conditioning.cat([_rows(passes.conditions[n], rows) for n in group])
+            total = len(group) * b
+            chunk = total if walk.max_rows is None else max(1, min(walk.max_rows, total))
+            xs = cat_streams([x] * len(group))
+            outs = []
+            for start in range(0, total, chunk):
+                sl = slice(start, min(total, start + chunk))
+                outs.append(self.family.predict(run.denoiser, {s: v[sl] for s, v in xs.items()}, t, cond.rows(sl),
+                                                walk.geometry, embedded=plan.embedded, perturbation=perturbation))
+            out = cat_streams(outs)
+            for k, name in enumerate(group):
+                preds[name] = {s: v[k * b:(k + 1) * b] for s, v in out.items()}
+        return preds
+
+    def _scoped_passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
+                       ) -> dict[str, Streams]:
+        """One forward per (pass, sample), each under its own cache context named by the pass and the sample's
+        index in the request: what a step cache sees for "uncond:1" never depends on which other passes or
+        samples ran beside it."""
+        assert run.passes is not None
+        plan, t = run.plans[i], walk.steps.timesteps[i]
+        samples = list(range(batch_of(x))) if rows is None else list(rows)
+        preds: dict[str, Streams] = {}
+        for name in plan.passes:
+            cond = _rows(run.passes.conditions[name], rows)
+            perturbation = run.passes.perturbations.get(name)
+            outs = []
+            for row, sample in enumerate(samples):
+                where = {"step_index": plan.step, "num_inference_steps": len(run.plans), "timestep": t,
+                         "sigma": plan.sigma}
+                with cache_context(run.denoiser, f"{name}:{sample}", **where):
+                    outs.append(self.family.predict(
+                        run.denoiser, {s: v[row:row + 1] for s, v in x.items()}, t, cond.rows(slice(row, row + 1)),
+                        walk.geometry, embedded=plan.embedded, perturbation=perturbation))
+            preds[name] = cat_streams(outs)
+        return preds
+
+
+def _rows(cond: Conditioning, rows: Sequence[int] | None) -> Conditioning:
+    return cond if rows is None else cond.rows(torch.as_tensor(list(rows), dtype=torch.long))
+
+
+def phase_passes(phase: Phase, positive: Conditioning, negative: Conditioning | None) -> Passes:
+    conditions = {"cond": positive}
+    perturbations: dict[str, Perturbation | None] = {"cond": None}
+    for term in phase.guidance.terms:
+        name = pass_name(term)
+        if term.kind in NEGATIVE_TERMS:
+            assert negative is not None, "encode() gives a negative encoding whenever a phase has a negative term"
+            conditions[name], perturbations[name] = negative, None
+        else:
+            assert isinstance(term, (SkipLayer,)) or term.kind == "modality"
+            conditions[name], perturbations[name] = positive, term  # type: ignore[assignment]
+    return Passes(conditions, perturbations)
+
+
+__all__ = ["PhaseResult", "PhaseRun", "Run", "StepObserver", "Walk", "phase_passes"]

@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--guidance-scale", type=float, help="primary guidance scale of every phase")
     p.add_argument("--max-sequence-length", type=int)
+    p.add_argument("--image", action="append", metavar="PATH[@FRAME]",
+                   help="conditioning image (image-to-image, image-to-video, editing); repeat with @FRAME to place "
+                        "images at frames of a video (e.g. --image first.png --image last.png@-1)")
+    p.add_argument("--strength", type=float, help="image-to-image: how far the image is re-noised (0..1)")
+    p.add_argument("--fps", type=int, help="frame rate of a video request")
     p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i gets seed + i (default: runtime.seed)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: the spec's runtime.device)")
     p.add_argument("--output", required=True, help="output file: .png, .gif, .mp4 or .npy")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .quiet import quiet_libraries
 from .spec import SpecError, load_spec
@@ -16,6 +17,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise SpecError.single("give at least one --prompt", "--prompt")
     fields = request_fields(vars(args))
+    fields.update(image_fields(args.image or []))
     request = resolve_request(spec, args.prompt, args.seed, **fields)  # checked before any weight loads
 
     quiet_libraries()
@@ -34,4 +36,19 @@ def run_command(args: argparse.Namespace) -> int:
         for path in output.save(output_path):
             print(path)
     return 0
+
+
+def image_fields(values: list[str]) -> dict[str, Any]:
+    """``--image PATH`` once is the request's image; several, or any with ``@FRAME``, are conditions at frames."""
+    placed = []
+    for value in values:
+        path, at, frame = value.rpartition("@") if "@" in value else (value, "", "0")
+        if at and not frame.lstrip("-").isdigit():
+            path, frame = value, "0"  # an '@' inside the file name
+        placed.append({"image": path, "frame": int(frame)})
+    if not placed:
+        return {}
+    if len(placed) == 1 and "@" not in values[0]:
+        return {"image": placed[0]["image"]}
+    return {"conditions": placed}
 

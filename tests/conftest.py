@@ -55,3 +55,28 @@ def wan22_dir(tmp_path_factory):
     from omnispec.testing import tiny_wan
 
     return tiny_wan(tmp_path_factory.mktemp("wan22"), two_experts=True)
+
+
+@pytest.fixture(scope="session")
+def wan_i2v_dir(tmp_path_factory):
+    from omnispec.testing import tiny_wan_i2v
+
+    return tiny_wan_i2v(tmp_path_factory.mktemp("wan_i2v"))
+
+
+@pytest.fixture(scope="session")
+def wan22_i2v_dir(tmp_path_factory):
+    from omnispec.testing import tiny_wan_i2v
+
+    return tiny_wan_i2v(tmp_path_factory.mktemp("wan22_i2v"), two_experts=True)
+
+
+@pytest.fixture(scope="session")
+def photo(tmp_path_factory):
+    """A small non-square RGB image on disk (so resizing and aspect handling are exercised)."""
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("images") / "photo.png"
+    Image.fromarray((np.random.RandomState(0).rand(40, 24, 3) * 255).astype(np.uint8)).save(path)
+    return path

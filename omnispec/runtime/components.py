@@ -19,7 +19,7 @@ from ..policies import quantization
 from .families import import_ref
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_WEIGHTLESS = ("tokenizer", "scheduler")
+from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
 
 
 def component_class(component: Component) -> type:

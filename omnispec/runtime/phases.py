@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers.utils.torch_utils import randn_tensor
 
 from ..spec import Phase, PipelineSpec, SegmentSchedule
 from ..spec.recipe import ImageInput, LatentUpsample, PreviousInput, Resize
@@ -124,14 +123,12 @@ def _transform_stream(family: Family, phase: Phase, stream: str, latents: torch.
     return family.pack(stream, out, new)
 
 
-def renoise(latents: Streams, sigma: float, generators: list[torch.Generator]) -> Streams:
+def renoise(family: Family, latents: Streams, sigma: float, geometry: Geometry, generators: list[torch.Generator]
+            ) -> Streams:
     """Flow-matching forward process to ``sigma``: ``sigma * noise + (1 - sigma) * x`` (diffusers'
-    ``scale_noise``), per-sample noise drawn for each stream in stream order."""
-    out = {}
-    for name, x in latents.items():
-        noise = randn_tensor(tuple(x.shape), generator=generators, device=x.device, dtype=x.dtype)
-        out[name] = sigma * noise + (1.0 - sigma) * x
-    return out
+    ``scale_noise``), with noise drawn by the family per sample, stream by stream."""
+    noise = family.noise(latents, geometry, generators)
+    return {name: sigma * noise[name] + (1.0 - sigma) * x for name, x in latents.items()}
 
 
 def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any]) -> None:

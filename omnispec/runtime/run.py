@@ -173,7 +173,7 @@ class Run:
             x = self.family.initial_latents(geometry, self.generators)
             needs_noise = False
         if needs_noise and walk.begin < len(walk.steps):
-            x = renoise(x, walk.steps.step_sigmas[walk.begin], self.generators)
+            x = renoise(self.family, x, walk.steps.step_sigmas[walk.begin], geometry, self.generators)
         self.condition(walk)
         return self.family.reimpose(x, walk.images, geometry)
 

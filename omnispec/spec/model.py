@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator
 
 from .base import DType, SpecModel
 
-Role = Literal["denoiser", "encoder", "tokenizer", "vae", "scheduler", "resident", "upsampler", "other"]
+Role = Literal["denoiser", "encoder", "tokenizer", "processor", "vae", "scheduler", "resident", "upsampler", "other"]
 ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
+# Roles whose components hold no weights (tokenizers, image processors, schedulers): no dtype, no placement.
+WEIGHTLESS_ROLES = ("tokenizer", "processor", "scheduler")
+OptionValue = Union[bool, int, float, str, None]
 
 # Built-in family adapters (omnispec.runtime.families registers the same names; a test keeps them equal).
-BUILTIN_FAMILIES = ("flux", "sd3", "wan", "digits")
+BUILTIN_FAMILIES = ("flux", "flux_kontext", "sd3", "wan", "wan_i2v", "digits")
 # Packages whose classes a spec may name without --trust-code: importing them runs only their own code.
 TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec", "src_models")
 
@@ -64,6 +67,9 @@ class ModelSpec(SpecModel):
     dtype: DType = "bfloat16"
     components: dict[str, Component] = Field(min_length=1)
     adapters: dict[str, AdapterSlot] = Field(default_factory=dict)
+    options: dict[str, OptionValue] = Field(default_factory=dict, description=(
+        "Settings the family adapter reads (each family lists its own, e.g. flux_kontext's max_area); unknown "
+        "names are refused at build."))
     check_checkpoint: bool = Field(default=True, description=(
         "Compare the spec with the checkpoint's model_index.json and scheduler config at build (class names, "
         "a two-expert boundary, the keys that set the sigmas) and refuse a mismatch."))

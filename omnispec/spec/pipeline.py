@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from .base import SpecModel
-from .model import ROLES, ModelSpec
+from .model import ROLES, WEIGHTLESS_ROLES, ModelSpec
 from .policies import HOOKED_CACHES, PERTURBABLE_BACKENDS, Policies
 from .recipe import IMAGE_TASKS, ImageInput, LatentUpsample, PreviousInput, Recipe
 from .schedule import FROM_CHECKPOINT, SchedulerSchedule, SegmentSchedule
@@ -222,7 +222,7 @@ def _policy_problems(spec: PipelineSpec):
     for key in policies.quantization:
         if key not in known:
             yield ("policies", "quantization", key), "names neither a component nor a role"
-        elif key in ("tokenizer", "scheduler") or (
-            key in spec.model.components and spec.model.components[key].role in ("tokenizer", "scheduler")
+        elif key in WEIGHTLESS_ROLES or (
+            key in spec.model.components and spec.model.components[key].role in WEIGHTLESS_ROLES
         ):
             yield ("policies", "quantization", key), "tokenizers and schedulers hold no weights to quantize"

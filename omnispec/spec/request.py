@@ -187,5 +187,6 @@ def image_condition(image: Any, frame: int, where: str) -> ImageCondition:
 
 
 def request_fields(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """The request fields present (not None) in a mapping such as parsed CLI options."""
-    return {k: v for k, v in mapping.items() if k in _KEYWORDS and v is not None}
+    """The scalar request fields present (not None) in a mapping such as parsed CLI options (images are
+    passed as ``image``/``conditions`` by the caller)."""
+    return {k: v for k, v in mapping.items() if k in _KEYWORDS and k not in ("image", "conditions") and v is not None}

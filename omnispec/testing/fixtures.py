@@ -92,31 +92,67 @@ def tiny_sd3(root: str | Path, seed: int = 0) -> Path:
     return Path(root)
 
 
-def _wan_transformer():
+def _wan_transformer(in_channels: int = 16, **extra):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=16,
         text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra,
     ).eval()
+
+
+def _wan_vae():
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True]).eval()
+
+
+def _unipc():
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                   num_train_timesteps=1000)
 
 
 def tiny_wan(root: str | Path, seed: int = 0, two_experts: bool = False) -> Path:
     """Wan2.1 T2V layout with the UniPC flow scheduler real checkpoints use; ``two_experts`` adds
     ``transformer_2`` and ``boundary_ratio`` 0.875 (Wan2.2 A14B)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import WanPipeline
 
     _seeded(seed)
     pipe = WanPipeline(
-        tokenizer=t5_tokenizer(), text_encoder=_t5("UMT5EncoderModel"),
-        vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                             temperal_downsample=[False, True, True]).eval(),
-        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-                                          num_train_timesteps=1000),
+        tokenizer=t5_tokenizer(), text_encoder=_t5("UMT5EncoderModel"), vae=_wan_vae(), scheduler=_unipc(),
         transformer=_wan_transformer(),
         transformer_2=_wan_transformer() if two_experts else None,
         boundary_ratio=0.875 if two_experts else None,
+    )
+    pipe.save_pretrained(root)
+    return Path(root)
+
+
+def tiny_wan_i2v(root: str | Path, seed: int = 0, two_experts: bool = False) -> Path:
+    """``WanImageToVideoPipeline`` layout with 36-channel transformers. One expert (Wan2.1 I2V): a CLIP vision
+    encoder and processor, and image cross-attention with its own key/value projections (``added_kv_proj_dim``,
+    which splits image from text tokens assuming 512 text tokens, as the real model: run it with
+    ``max_sequence_length`` 512). ``two_experts`` (Wan2.2 I2V A14B): no image encoder, ``boundary_ratio`` 0.9."""
+    import transformers
+    from diffusers import WanImageToVideoPipeline
+
+    _seeded(seed)
+    encoder = processor = None
+    extra: dict = {}
+    if not two_experts:
+        encoder = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+            hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            patch_size=4, projection_dim=8)).eval()
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        extra = {"image_dim": 8, "added_kv_proj_dim": 24}
+    pipe = WanImageToVideoPipeline(
+        tokenizer=t5_tokenizer(), text_encoder=_t5("UMT5EncoderModel"), vae=_wan_vae(), scheduler=_unipc(),
+        image_processor=processor, image_encoder=encoder, transformer=_wan_transformer(36, **extra),
+        transformer_2=_wan_transformer(36) if two_experts else None, boundary_ratio=0.9 if two_experts else None,
     )
     pipe.save_pretrained(root)
     return Path(root)
@@ -132,3 +168,7 @@ TINY_OVERRIDES = {
             "recipe.defaults.frames=5", "recipe.defaults.steps=4", "recipe.defaults.max_sequence_length=16",
             "runtime.progress=false"],
 }
+# Wan2.1 I2V splits its cross-attention context assuming 512 text tokens.
+TINY_OVERRIDES["wan_i2v"] = [*TINY_OVERRIDES["wan"], "recipe.defaults.max_sequence_length=512",
+                             "model.components.image_encoder.dtype=float32"]
+TINY_OVERRIDES["wan22_i2v"] = TINY_OVERRIDES["wan"]

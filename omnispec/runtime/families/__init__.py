@@ -9,8 +9,10 @@ from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
 
 _BUILTIN = {
     "flux": "omnispec.runtime.families.flux:FluxFamily",
+    "flux_kontext": "omnispec.runtime.families.flux_kontext:FluxKontextFamily",
     "sd3": "omnispec.runtime.families.sd3:SD3Family",
     "wan": "omnispec.runtime.families.wan:WanFamily",
+    "wan_i2v": "omnispec.runtime.families.wan_i2v:WanImageToVideoFamily",
     "digits": "omnispec.runtime.families.digits:DigitsFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"

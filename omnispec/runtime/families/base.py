@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 import torch
+from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.request import Request
@@ -122,11 +123,14 @@ class Family:
     context_parallel: ClassVar[bool] = False
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
     cache_limits: ClassVar[Mapping[str, str]] = {}
+    # ``model.options`` this family reads, with their defaults.
+    options: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, spec: PipelineSpec, components: dict[str, Any], device: torch.device):
         self.spec = spec
         self.components = components
         self.device = device
+        self.settings = {**self.options, **spec.model.options}
         self.helper = self.make_helper(components) if self.pipeline_class is not None else None
 
     # ---- checks before any weight loads -------------------------------------------------------------
@@ -150,6 +154,10 @@ class Family:
             if unknown:
                 problems.append(f"phase {phase.name!r} scales streams {unknown}; family {cls.name!r} has "
                                 f"{', '.join(cls.streams)}")
+        unknown_options = sorted(set(spec.model.options) - set(cls.options))
+        if unknown_options:
+            have = ", ".join(cls.options) or "none"
+            problems.append(f"family {cls.name!r} has no option(s) {unknown_options} (options: {have})")
         if problems:
             raise SpecError.single("; ".join(problems), "model.family")
 
@@ -214,6 +222,11 @@ class Family:
         """Impose conditioning on the guided prediction (in ``prediction_space``) before the step: LTX-2's image
         conditions fix the clean-sample estimate on their tokens."""
         return guided
+
+    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        """Fresh noise shaped like ``latents``, drawn per sample in the layout diffusers draws it (re-noising)."""
+        return {name: randn_tensor(tuple(x.shape), generator=generators, device=x.device, dtype=x.dtype)
+                for name, x in latents.items()}
 
     def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
         """Put conditioning back after a step where the model needs it (first-frame latents of image-to-video)."""

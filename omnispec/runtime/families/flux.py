@@ -1,9 +1,12 @@
-"""FLUX.1 (dev, schnell): packed 2x2 latent patches, embedded guidance, optional true CFG."""
+"""FLUX.1 (dev, schnell): packed 2x2 latent patches, embedded guidance, optional true CFG; image-to-image
+(``FluxImg2ImgPipeline``) through an ``image`` phase input."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from diffusers import FluxPipeline
+from diffusers import FluxImg2ImgPipeline, FluxPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec.request import Request
@@ -20,6 +23,7 @@ class FluxFamily(Family):
         "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
         "tokenizer_2": "tokenizer", "vae": "vae",
     }
+    max_images = 1  # image-to-image
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")
@@ -44,6 +48,23 @@ class FluxFamily(Family):
         noise = randn_tensor(shape, generator=generators, device=self.device, dtype=self.latent_dtype(None))
         return {"latents": self.pack("latents", noise, geometry)}
 
+    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        return self.initial_latents(geometry, generators)  # drawn unpacked, then packed, as FluxImg2ImgPipeline
+
+    @functools.cached_property
+    def img2img_helper(self) -> FluxImg2ImgPipeline:
+        return FluxImg2ImgPipeline(**{name: self.components.get(name) for name in self.helper_components()})
+
+    def image_latents(self, request: Request, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        """FluxImg2ImgPipeline's image latents: the image stretched to the output size, then each sample's
+        VAE posterior drawn from its own generator (before its noise, as diffusers draws them)."""
+        img2img = self.img2img_helper
+        dtype = self.latent_dtype(None)
+        image = img2img.image_processor.preprocess(request.images[0].image, height=geometry.height,
+                                                   width=geometry.width).to(self.device, torch.float32)
+        spatial = torch.cat([img2img._encode_vae_image(image.to(dtype), generator=g) for g in generators])
+        return {"latents": self.pack("latents", spatial, geometry)}
+
     def latent_dtype(self, denoiser: torch.nn.Module) -> torch.dtype:
         # FluxPipeline keeps latents in the text embeddings' dtype (the T5 encoder's).
         return self.helper.text_encoder_2.dtype
@@ -64,12 +85,14 @@ class FluxFamily(Family):
         x = latents["latents"].to(self.latent_dtype(denoiser))
         return {"latents": self._forward(denoiser, x, timestep, cond, geometry, embedded, perturbation)}
 
-    def _forward(self, denoiser, latents, timestep, cond, geometry, embedded, perturbation):
+    def _forward(self, denoiser, latents, timestep, cond, geometry, embedded, perturbation, extra_ids=None):
+        """One transformer call; ``extra_ids`` are position ids of tokens appended after the noise tokens."""
         b = latents.shape[0]
         key = ("img_ids", latents.device, latents.dtype)
         if key not in geometry.extra:  # built once per phase: a host->device copy per step would stall the GPU
             h, w = self._latent_hw(geometry)
-            geometry.extra[key] = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+            ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+            geometry.extra[key] = ids if extra_ids is None else torch.cat([ids, extra_ids.to(ids)])
         img_ids = geometry.extra[key]
         guidance = None
         if denoiser.config.guidance_embeds:

@@ -91,6 +91,92 @@ def wan_components() -> dict:
                                                   flow_shift=3.0, num_train_timesteps=1000))
 
 
+def _on_device(mods: dict, names: tuple[str, ...]) -> dict:
+    for k in names:
+        mods[k] = mods[k].to(DEVICE, torch.bfloat16).eval()
+    return mods
+
+
+def qwen_image_components() -> dict:
+    """Qwen-Image's transformer at its real config (20B); a one-layer Qwen2.5-VL text encoder of its width."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.fixtures import QWEN_SCHEDULER
+
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                                           "<|video_pad|>"])
+    with torch.device(DEVICE):
+        transformer = QwenImageTransformer2DModel(num_layers=1 if SMOKE else 60).to(torch.bfloat16)
+    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 3584, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 28,
+                     "num_key_value_heads": 4, "vocab_size": 512,
+                     "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 3584},
+        vocab_size=512, vision_start_token_id=ids[0], vision_end_token_id=ids[1], vision_token_id=ids[2],
+        image_token_id=ids[3], video_token_id=ids[4]))
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=AutoencoderKLQwenImage(),
+                scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+def z_image_components() -> dict:
+    """Z-Image-Turbo's transformer at its real config (6B); a one-layer Qwen3 text encoder of its width."""
+    import transformers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.tokenizers import QWEN3_CHAT_TEMPLATE
+
+    with torch.device(DEVICE):
+        transformer = ZImageTransformer2DModel(
+            axes_lens=[1536, 512, 512], **(dict(n_layers=1, n_refiner_layers=1) if SMOKE else {})).to(torch.bfloat16)
+        with torch.no_grad():  # created with torch.empty
+            transformer.x_pad_token.normal_()
+            transformer.cap_pad_token.normal_()
+    text_encoder = transformers.Qwen3Model(transformers.Qwen3Config(
+        hidden_size=2560, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=512))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=2, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(QWEN3_CHAT_TEMPLATE),
+                vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+def hunyuan_video15_components() -> dict:
+    """HunyuanVideo-1.5's transformer at its real config (8.3B, 480p text-to-video); small Qwen2.5-VL (two layers:
+    the pipeline reads the third hidden state from the end) and ByT5 text encoders of their widths."""
+    import transformers
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+
+    from omnispec.testing import qwen_tokenizer
+
+    with torch.device(DEVICE):
+        transformer = HunyuanVideo15Transformer3DModel(
+            task_type="t2v", **(dict(num_layers=1, num_refiner_layers=1) if SMOKE else {})).to(torch.bfloat16)
+    text_encoder = transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(
+        hidden_size=3584, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=512, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}))
+    glyphs = transformers.T5EncoderModel(transformers.T5Config(
+        d_model=1472, d_kv=64, d_ff=1024, num_layers=1, num_heads=6, vocab_size=384, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1))
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(), text_encoder_2=glyphs,
+                tokenizer_2=transformers.ByT5Tokenizer(), vae=AutoencoderKLHunyuanVideo15(),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    return _on_device(mods, ("text_encoder", "text_encoder_2", "vae"))
+
+
+def hunyuan_video15_guider() -> dict:
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    return {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}  # the 480p checkpoint's; the spec's cfg 6.0
+
+
 WORKLOADS = {
     "flux": dict(spec="flux1-dev.yaml", components=flux_components, pipeline="FluxPipeline",
                  request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
@@ -99,6 +185,19 @@ WORKLOADS = {
                 request=dict(height=480, width=832, frames=81, max_sequence_length=512), steps=(1, 3),
                 diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
                                       max_sequence_length=512)),
+    # true CFG with its per-token renorm on both sides (the spec's negative prompt " " is the model card's)
+    "qwen_image": dict(spec="qwen-image.yaml", components=qwen_image_components, pipeline="QwenImagePipeline",
+                       request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                       diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0, negative_prompt=" ",
+                                             max_sequence_length=512)),
+    "z_image": dict(spec="z-image-turbo.yaml", components=z_image_components, pipeline="ZImagePipeline",
+                    request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                    diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=0.0, max_sequence_length=512)),
+    # 480x848x121: 49290 video tokens, so cond and uncond run as separate forwards on both sides
+    "hunyuan_video15": dict(spec="hunyuanvideo-1.5-t2v.yaml", components=hunyuan_video15_components,
+                            pipeline="HunyuanVideo15Pipeline", diffusers_only=hunyuan_video15_guider,
+                            request=dict(height=480, width=848, frames=121), steps=(1, 3),
+                            diffusers_kwargs=dict(height=480, width=848, num_frames=121)),
 }
 
 
@@ -112,15 +211,15 @@ def enable_smoke() -> None:
             {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
 
 
-def flops_per_step(run) -> float:
-    """FLOPs of one denoise step (plus the tiny text encoders), counted on a 1-step run."""
+def flops_per_step(run, steps: int = 1) -> float:
+    """FLOPs of a ``steps``-step run (plus the tiny text encoders): one denoise step's with the default."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.no_grad():
-        run(1)  # warm-up: first-use work (auto attention trials, compilation) must not be counted
+        run(steps)  # warm-up: first-use work (auto attention trials, compilation) must not be counted
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        run(1)
+        run(steps)
     return float(counter.get_total_flops())
 
 
@@ -202,7 +301,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     mods = w["components"]()
     pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=DEVICE,
                           overrides=["runtime.progress=false", *overrides])
-    ref = getattr(diffusers, w["pipeline"])(**{k: v for k, v in mods.items()})
+    ref = getattr(diffusers, w["pipeline"])(**mods, **w.get("diffusers_only", dict)())  # e.g. HunyuanVideo's guider
     ref.set_progress_bar_config(disable=True)
 
     def run_ours(n):
@@ -222,7 +321,8 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         results[label] = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
                           "mfu": flops / med / ceiling}
     # Equality of the two runs' latents (same seed), bf16.
-    a = pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=lo, **w["request"]), decode=False).latents
+    a = pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=lo, **w["request"]),
+                      decode=False).latents["latents"]
     b = ref("a photo of a cat", num_inference_steps=lo, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **w["diffusers_kwargs"])
     b = (b.images if hasattr(b, "images") else b.frames)

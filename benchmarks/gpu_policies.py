@@ -176,7 +176,7 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
             continue
         row = {"part": "attention", "config": backend, **_measure(_runner(pipe, w["request"]), 2, 4, repeats, flops, ceiling)}
         if backend == "auto":
-            row["explain"] = pipe.explain()["attention"]
+            row["explain"] = pipe.explain(as_dict=True)["attention"]
             from omnispec.policies.attention import AUTO_CHOICES
 
             row["auto_choices"] = {str(k): v for k, v in AUTO_CHOICES.items()}
@@ -411,7 +411,7 @@ def wan_attention_part(repeats: int, ceiling: float) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - an unusable backend is a result, not a crash
             row = {"part": "wan_attention", "config": backend, "error": str(exc).splitlines()[0][:200]}
         if backend == "auto" and "error" not in row:
-            row["explain"] = pipe.explain()["attention"]
+            row["explain"] = pipe.explain(as_dict=True)["attention"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

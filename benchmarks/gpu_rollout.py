@@ -1,22 +1,28 @@
 """RL rollout throughput at SD3.5-medium size: omnispec's batched ``rollout`` against a Flow-GRPO-style
 loop around the diffusers pipeline, in the same call; and replay (log-prob with gradients) time per step.
 
-``python -m benchmarks.gpu_rollout [--prompts 16 --group 8 --steps 10 --size 512] [--json FILE]``
-(``--smoke``: tiny models on the CPU, to check the script only.)
+``python -m benchmarks.gpu_rollout [--prompts 16 --group 8 --steps 10 --size 512 --window 3 --window-start 0
+--outside-every 2] [--json FILE]`` (``--smoke``: tiny models on the CPU, to check the script only.)
 
 Random bf16 weights at SD3.5-medium's sizes (MMDiT-X 24 blocks, CLIP-L, CLIP-G, T5-XXL encoders, the
-16-channel VAE), a rank-32 LoRA on the attention projections as in Flow-GRPO's SD3 runs, CFG 4.5, the
-Flow-GRPO SDE (noise level 0.7) on every step, prompts up to 128 T5 tokens, outputs decoded. The baseline
-is what Flow-GRPO's trainer does: it calls its copy of the pipeline's loop on ``--baseline-batch`` samples at
-a time (their ``sample.batch_size``, 8), encoding every sample's prompt, CFG as one concatenated forward.
-Each repeat uses fresh prompts, so neither side reuses an encoding across repeats. Images/s include prompt
-encoding and decoding. Replay: one stored step of ``--replay-batch`` samples, forward with gradients and
-backward of the summed log-prob, per step.
+16-channel VAE), a rank-32 LoRA on the attention projections as in Flow-GRPO's SD3 runs, CFG 4.5, prompts up
+to 128 T5 tokens, outputs decoded. Both sides step the sigmas of the checkpoint's FlowMatchEulerDiscreteScheduler
+(shift 3), as Flow-GRPO does: omnispec through the bundled spec's ``kind: scheduler`` schedule, the loop through
+``scheduler.sigmas``. As in Flow-GRPO's fast trainer, the Flow-GRPO SDE (noise level 0.7) runs on a window of
+``--window`` steps from ``--window-start`` (0: every step but the last) and the other steps are Euler steps.
+The baseline is what Flow-GRPO's trainer does: it calls its copy of the pipeline's loop on ``--baseline-batch``
+samples at a time (their ``sample.batch_size``, 8), encoding every sample's prompt, CFG as one concatenated
+forward. "window-aware" rows give omnispec's sampler ``outside_window: {compute_every: K}``: outside the window
+one deterministic step in K computes, the others reuse the last prediction; window steps stay exact. Each repeat
+uses fresh prompts, so neither side reuses an encoding across repeats. Images/s include prompt encoding and
+decoding. Replay: one stored step of ``--replay-batch`` samples, forward with gradients and backward of the
+summed log-prob, per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -85,14 +91,15 @@ def _sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.
 
 class FlowGRPOLoop:
     """Flow-GRPO's sampling pattern around ``StableDiffusion3Pipeline``: per batch of samples, encode the
-    prompts, then per step one CFG forward of the concatenated batch and an SDE step with its log-prob."""
+    prompts, then per step one CFG forward of the concatenated batch and, on the window's steps, an SDE step
+    with its log-prob (an Euler step elsewhere, as their fast trainer's ``noise_level=0``)."""
 
-    def __init__(self, mods: dict, size: int, steps: int) -> None:
+    def __init__(self, mods: dict, size: int, steps: int, window: range) -> None:
         import diffusers
 
         self.pipe = diffusers.StableDiffusion3Pipeline(**mods)
         self.pipe.set_progress_bar_config(disable=True)
-        self.size, self.steps = size, steps
+        self.size, self.steps, self.window = size, steps, window
         self.neg = self._encode([""])
 
     def _encode(self, prompts: list[str]):
@@ -119,10 +126,13 @@ class FlowGRPOLoop:
         states, lps = [x], []
         for k, t in enumerate(pipe.scheduler.timesteps):
             v = self._forward(x, t, pe, pooled)
-            x, lp = _sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1], noise=torch.randn(x.shape, generator=gen,
-                                                                                           device=gi.DEVICE))
+            if k in self.window:
+                x, lp = _sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
+                                  noise=torch.randn(x.shape, generator=gen, device=gi.DEVICE))
+                lps.append(lp)
+            else:
+                x = x + (sigmas[k + 1] - sigmas[k]) * v
             states.append(x)
-            lps.append(lp)
         vae = pipe.vae
         images = vae.decode((x / vae.config.scaling_factor + vae.config.shift_factor).to(vae.dtype), return_dict=False)[0]
         images = pipe.image_processor.postprocess(images, output_type="pt")
@@ -134,6 +144,17 @@ class FlowGRPOLoop:
         v = self._forward(batch["latents"][:, k], batch["timesteps"][k], batch["pe"], batch["pooled"])
         _, lp = _sde_step(v, batch["latents"][:, k], sig[k], sig[k + 1], sig[1], prev=batch["latents"][:, k + 1])
         return lp
+
+
+def check_sigmas(pipe, base: FlowGRPOLoop, steps: int, request: dict) -> None:
+    """Both sides step the checkpoint scheduler's sigmas (Flow-GRPO's), bit for bit."""
+    from omnispec.runtime.run import Run
+
+    ours = Run(pipe, pipe.request("probe", **request)).walks[0].steps.sigmas.cpu()
+    scheduler = copy.deepcopy(base.pipe.scheduler)
+    scheduler.set_timesteps(steps)
+    if not torch.equal(ours, scheduler.sigmas.float().cpu()):
+        raise SystemExit(f"omnispec steps sigmas {ours.tolist()}, the loop {scheduler.sigmas.tolist()}")
 
 
 def _timed(fn, *args) -> tuple[float, object]:
@@ -198,6 +219,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--window", type=int, default=3,
+                        help="stochastic steps (Flow-GRPO fast's sde_window_size; 0: every step but the last)")
+    parser.add_argument("--window-start", type=int, default=0)
+    parser.add_argument("--outside-every", type=int, default=2,
+                        help="window-aware rows: compute one step in K outside the window (1: no such rows)")
     parser.add_argument("--baseline-batch", type=int, default=8)
     parser.add_argument("--replay-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -217,14 +243,20 @@ def main() -> None:
     import omnispec
 
     mods = sd3_components()
-    overrides = ["runtime.progress=false", "recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]",
-                 "recipe.phases.0.schedule={kind: flow_match, shift: 3.0}",
-                 f"recipe.phases.0.sampler={{kind: sde, noise_level: {NOISE_LEVEL}}}"]
+    length = args.window or args.steps - 1
+    window = range(args.window_start, args.window_start + length)
+    sampler = {"kind": "sde", "noise_level": NOISE_LEVEL,
+               "window": {"kind": "fixed", "start": args.window_start, "length": length}}
+    fast_sampler = sampler | {"outside_window": {"compute_every": args.outside_every}}
+    # The bundled spec's schedule is the checkpoint scheduler's own (kind: scheduler), as Flow-GRPO steps it.
+    overrides = ["runtime.progress=false", "recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]"]
     request = dict(height=args.size, width=args.size, steps=args.steps, max_sequence_length=MAX_TOKENS)
     pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE, overrides=overrides)
-    base = FlowGRPOLoop(mods, args.size, args.steps)
+    base = FlowGRPOLoop(mods, args.size, args.steps, window)
+    check_sigmas(pipe, base, args.steps, request)
     n = args.prompts * args.group
-    result: dict = {"setup": {k: v for k, v in vars(args).items() if k != "json"} | {"images": n}, "rows": []}
+    result: dict = {"setup": {k: v for k, v in vars(args).items() if k != "json"} | {"images": n, "window_steps":
+                                                                                     list(window)}, "rows": []}
 
     def save(row: dict) -> None:
         result["rows"].append(row)
@@ -239,10 +271,12 @@ def main() -> None:
             out = base.sample(rows[i:i + args.baseline_batch], seed=i)
         return out
 
-    def run_ours(tag: str, p=pipe):
-        return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, **request)
+    def run_ours(tag: str, p=pipe, s=sampler):
+        return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, sampler=s, **request)
 
     sides = {"flow-grpo loop (diffusers)": run_base, "omnispec rollout": run_ours}
+    if args.outside_every > 1:
+        sides[f"omnispec rollout, window-aware (every {args.outside_every})"] = lambda tag: run_ours(tag, s=fast_sampler)
     if args.sdpa_variant:
         sdpa = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                               overrides=[*overrides, "policies.attention.default=sdpa"])
@@ -264,7 +298,7 @@ def main() -> None:
     if args.compile:
         compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                                            overrides=[*overrides, "policies.compile.mode=regional"]),
-                      n, run_ours, run_base, save)
+                      n, run_ours, run_base, save, fast_sampler)
     baseline = statistics.median(times["flow-grpo loop (diffusers)"])
     print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")
     for row in result["rows"]:
@@ -277,7 +311,7 @@ def main() -> None:
 def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) -> None:
     """Where the time goes (per module), how far the loop's denoiser is from the hardware, and replay."""
     save({"config": "omnispec breakdown", **breakdown(pipe, lambda: run_ours("bd")),
-          "auto_attention": pipe.explain()["attention"]})
+          "auto_attention": pipe.explain(as_dict=True)["attention"]})
     base_split = breakdown(base.pipe, lambda: run_base("bd"))
     save({"config": "baseline breakdown", **base_split})
     save(denoiser_bound(base, n, args.steps, base_split, loop_s))
@@ -287,10 +321,12 @@ def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) 
         ro = run_ours("replay")
         ref = base.sample(_prompts("replay", 1) * args.replay_batch, seed=0)
     part = ro.select(range(args.replay_batch))
+    first = base.window.start
     for label, step in (("omnispec log_prob", lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs),
-                        ("flow-grpo replay (diffusers)", lambda k: base.replay_step(ref, k))):
+                        ("flow-grpo replay (diffusers)", lambda k: base.replay_step(ref, first + k))):
         samples = []
-        for k in [0, args.steps // 2, args.steps - 1, 0, args.steps // 2, args.steps - 1]:
+        w = len(base.window)
+        for k in [0, w // 2, w - 1, 0, w // 2, w - 1]:  # positions in the window
             samples.append(_timed(lambda fn, at: fn(at).sum().backward(), step, k)[0])
         med = statistics.median(samples[1:])  # the first includes autograd warm-up
         save({"config": label, "ms_per_step": med * 1e3, "samples_per_replay": args.replay_batch,
@@ -300,27 +336,41 @@ def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) 
     save({"config": "replay ratio check", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
 
 
-def compiled_rows(args, compiled, n, run_ours, run_base, save) -> None:
+def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> None:
     """omnispec with ``compile: regional``, and the loop over the same compiled blocks (regional compile is
     diffusers' ``compile_repeated_blocks`` on the shared transformer, so the loop gets it too): how much of
-    the gain is compilation, which any loop could add, and how much is omnispec's batching."""
+    the gain is compilation, which any loop could add, and how much is omnispec's batching; then omnispec
+    compiled and window-aware."""
+    aware = f"omnispec rollout + regional compile, window-aware (every {args.outside_every})"
     with torch.no_grad(), gi.CompileWatch() as watch:
         first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
         first_loop, _ = _timed(run_base, "cwb")
         samples: dict[str, list[float]] = {"omnispec rollout + regional compile": [],
                                            "flow-grpo loop + compile_repeated_blocks": []}
+        if args.outside_every > 1:
+            samples[aware] = []
         for r in range(args.compile_repeats):
             samples["omnispec rollout + regional compile"].append(_timed(run_ours, f"c{r}", compiled)[0])
             samples["flow-grpo loop + compile_repeated_blocks"].append(_timed(run_base, f"cb{r}")[0])
+            if args.outside_every > 1:
+                samples[aware].append(_timed(run_ours, f"ca{r}", compiled, fast_sampler)[0])
         compiled_ro = run_ours("creplay", compiled)
-    for (label, times), first_s in zip(samples.items(), (first, first_loop)):
+        aware_ro = run_ours("careplay", compiled, fast_sampler) if args.outside_every > 1 else None
+    firsts = (first, first_loop, None)
+    for (label, times), first_s in zip(samples.items(), firsts):
         med = statistics.median(times)
-        save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first_s}
+        save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times}
+             | ({"first_call_s": first_s} if first_s is not None else {})
              | ({"dynamo": watch.summary()} if label.startswith("omnispec") else {}))
     # replay through the same compiled blocks (no grad: the inference graphs), other micro-batch
     cpart = compiled_ro.select(range(args.replay_batch))
     ratio = (compiled.log_prob(cpart, grad=False).log_probs.cpu() - cpart.log_probs).exp()
     save({"config": "replay ratio check, compiled", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
+    if aware_ro is not None:
+        apart = aware_ro.select(range(args.replay_batch))
+        ratio = (compiled.log_prob(apart, grad=False).log_probs.cpu() - apart.log_probs).exp()
+        save({"config": "replay ratio check, compiled, window-aware",
+              "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ Reward: the probability a digit classifier (an SVC trained on scikit-learn's dig
 samples with Flow-GRPO's SDE on the first ``window`` steps (the rest stay deterministic, which is where
 the class is decided anyway; see BENCHMARKS.md), group-normalised advantages, then a clipped-ratio
 policy-gradient step over the stored steps, replayed through ``Pipeline.log_prob`` with gradients, plus an
-optional KL to the reference model (the same DiT with the LoRA switched off). Guidance is off so that the
-starting policy has room to improve.
+optional KL to the reference model (the same DiT with the LoRA switched off), ``omnispec.rl.kl``: Flow-GRPO's
+KL term. Guidance is off so that the starting policy has room to improve. ``--outside-every K`` computes only
+one deterministic step in K outside the window (the sampler's ``outside_window``; window steps stay exact).
 """
 
 from __future__ import annotations
@@ -45,18 +46,23 @@ def reward_model():
     return reward
 
 
+def overrides(steps: int, noise_level: float, window: int | None, outside_every: int) -> list[str]:
+    """The digits spec, guidance off, with Flow-GRPO's SDE on the first ``window`` steps (None: all but the last)."""
+    where = "{kind: all}" if window is None else f"{{kind: fixed, start: 0, length: {window}}}"
+    return ["runtime.progress=false", f"recipe.defaults.steps={steps}", "recipe.phases.0.guidance.terms=[]",
+            f"recipe.phases.0.sampler={{kind: sde, noise_level: {noise_level}, "
+            f"outside_window: {{compute_every: {outside_every}}}, window: {where}}}"]
+
+
 def train(iterations: int = 60, prompts_per_iter: int = 5, group: int = 8, steps: int = 10, lr: float = 1e-3,
           clip: float = 0.2, kl: float = 0.0, seed: int = 0, updates_per_iter: int = 2, noise_level: float = 0.7,
-          window: int | None = 4, log=print) -> list[dict]:
+          window: int | None = 4, outside_every: int = 1, log=print) -> list[dict]:
     import omnispec
     from peft import LoraConfig
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    pipe = omnispec.build(ROOT / "specs" / "digits.yaml", overrides=[
-        "runtime.progress=false", f"recipe.defaults.steps={steps}", "recipe.phases.0.guidance.terms=[]",
-        f"recipe.phases.0.sampler={{kind: sde, noise_level: {noise_level}, window: "
-        + ("{kind: all}}" if window is None else f"{{kind: fixed, start: 0, length: {window}}}}}")])
+    pipe = omnispec.build(ROOT / "specs" / "digits.yaml", overrides=overrides(steps, noise_level, window, outside_every))
     dit = pipe.components["transformer"]
     dit.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]),
                     adapter_name="grpo")
@@ -68,6 +74,7 @@ def train(iterations: int = 60, prompts_per_iter: int = 5, group: int = 8, steps
         start = time.time()
         digits = rng.sample(range(10), prompts_per_iter)
         ro = pipe.rollout([WORDS[d] for d in digits], group_size=group, seed=seed * 100_000 + it * 1000)
+        rollout_s = time.time() - start
         r = reward(ro.array, [digits[int(g)] for g in ro.group_ids])
         grouped = r.view(prompts_per_iter, group)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
@@ -85,8 +92,7 @@ def train(iterations: int = 60, prompts_per_iter: int = 5, group: int = 8, steps
                 if kl:
                     with torch.no_grad(), omnispec.rl.reference(pipe):
                         ref = pipe.log_prob(part, steps=[k], grad=False)
-                    diff = (new.means[:, 0] - ref.means[:, 0]).flatten(1)
-                    step_kl = (diff**2).mean(1) / (2 * new.stds[:, 0] ** 2)
+                    step_kl = omnispec.rl.kl(new, ref)[:, 0]  # Flow-GRPO's KL term for this step
                     loss = loss + kl * step_kl.mean()
                     kls.append(step_kl.mean().item())
                 (loss / part.window).backward()
@@ -96,10 +102,47 @@ def train(iterations: int = 60, prompts_per_iter: int = 5, group: int = 8, steps
             pipe.weight_version += 1
         row = {"iteration": it, "reward": r.mean().item(), "ratio_mean": torch.cat(ratios).mean().item(),
                "ratio_max_dev": (torch.cat(ratios) - 1).abs().max().item(), "clip_fraction": float(np.mean(clipped)),
-               "kl": float(np.mean(kls)) if kls else 0.0, "seconds": round(time.time() - start, 2)}
+               "kl": float(np.mean(kls)) if kls else 0.0, "rollout_seconds": round(rollout_s, 3),
+               "seconds": round(time.time() - start, 2)}
         history.append(row)
         log(json.dumps(row))
     return history
+
+
+def compare_outside(every: int, seeds: list[int], out: Path | None, log=print, **kwargs) -> dict:
+    """The reward curve of exact rollouts against ``outside_window: {compute_every: every}``, same iterations and
+    seeds, then the rollout time of both, interleaved in this process (one rollout batch of the training size)."""
+    import statistics
+
+    import omnispec
+
+    runs: dict[str, list[list[dict]]] = {"exact": [], f"every {every}": []}
+    for seed in seeds:
+        for label, k in (("exact", 1), (f"every {every}", every)):
+            history = train(seed=seed, outside_every=k, log=lambda s: None, **kwargs)
+            runs[label].append(history)
+            if out:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"seed{seed}_every{k}.json").write_text(json.dumps({"kwargs": kwargs, "history": history}))
+    pipes = {k: omnispec.build(ROOT / "specs" / "digits.yaml", overrides=overrides(
+        kwargs.get("steps", 10), kwargs.get("noise_level", 0.7), kwargs.get("window", 4), k)) for k in (1, every)}
+    times: dict[int, list[float]] = {1: [], every: []}
+    prompts = WORDS[: kwargs.get("prompts_per_iter", 5)]
+    for r in range(12):
+        for k, pipe in pipes.items():
+            start = time.perf_counter()
+            pipe.rollout(prompts, group_size=kwargs.get("group", 8), seed=r)
+            times[k].append(time.perf_counter() - start)
+    summary = {"rollout_seconds": {f"every {k}": statistics.median(v[2:]) for k, v in times.items()}}
+    for label, histories in runs.items():
+        rewards = np.array([[h["reward"] for h in history] for history in histories])
+        blocks = [rewards[:, b:b + 10].mean(1) for b in range(0, rewards.shape[1], 10)]
+        summary[label] = {"blocks_of_10": [[float(x.mean()), float(x.min()), float(x.max())] for x in blocks],
+                          "first_5": rewards[:, :5].mean(1).tolist(), "last_10": rewards[:, -10:].mean(1).tolist()}
+    log(json.dumps(summary))
+    if out:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def plot(history: list[dict], path: Path) -> None:
@@ -128,15 +171,25 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--window", type=int, default=4, help="stochastic steps (the first N); 0 = all")
+    parser.add_argument("--window", type=int, default=4, help="stochastic steps (the first N); 0 = all but the last")
+    parser.add_argument("--outside-every", type=int, default=1,
+                        help="compute one deterministic step in K outside the window, reuse the prediction between")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--kl", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="the history as JSON (with --compare-outside: a directory)")
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--compare-outside", type=int, metavar="K",
+                        help="train exact and with --outside-every K for each of --seeds, then time both rollouts")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
+    if args.compare_outside:
+        compare_outside(args.compare_outside, args.seeds, args.out, iterations=args.iterations,
+                        prompts_per_iter=args.prompts, group=args.group, steps=args.steps, lr=args.lr, kl=args.kl,
+                        window=args.window or None)
+        return
     history = train(args.iterations, args.prompts, args.group, args.steps, args.lr, kl=args.kl, seed=args.seed,
-                    window=args.window or None)
+                    window=args.window or None, outside_every=args.outside_every)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "history": history},
                                        indent=1))

@@ -1,4 +1,4 @@
-"""``omnispec validate | schema | explain | run``.
+"""``omnispec run | explain | list | init | validate | schema``.
 
 Exit codes: 0 ok, 2 bad input (spec, override, request, missing file or checkpoint), 1 a failure while
 running. A user's mistake prints one line per problem, never a traceback.
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import __version__
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
 
 
@@ -22,24 +24,49 @@ def _add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="allow 'package.module:Class' references outside diffusers/transformers/omnispec")
 
 
+def _add_verbosity(p: argparse.ArgumentParser, default: object) -> None:
+    """``-v``/``-q`` on the main parser and on every command (so they may come after the command too)."""
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="more detail: -v the libraries' info messages, -vv debug")
+    p.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="errors only: no progress bars or progress lines")
+
+
+def lora_argument(value: str) -> dict[str, object]:
+    """``PATH_OR_ID[:WEIGHT_NAME][@SCALE]`` as an adapter slot (an existing path wins over splitting it)."""
+    path, scale = value, 1.0
+    if "@" in value and not Path(value).exists():
+        head, _, tail = value.rpartition("@")
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r}: the part after '@' is the scale, a number (got "
+                                             f"{tail!r})") from None
+    weight_name = None
+    if ":" in path and not Path(path).exists():
+        path, _, weight_name = path.rpartition(":")
+    if not path or weight_name == "":
+        raise argparse.ArgumentTypeError(f"{value!r}: expected PATH_OR_ID[:WEIGHT_NAME][@SCALE]")
+    return {"path": path, **({"weight_name": weight_name} if weight_name else {}), "scale": scale, "always": True}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnispec", description="Run diffusion models described by one typed spec.")
+    parser.add_argument("--version", action="version", version=f"omnispec {__version__}")
+    _add_verbosity(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {}
 
-    p = sub.add_parser("validate", help="check specs; exit 0 when all are valid")
-    p.add_argument("specs", nargs="+", metavar="SPEC")
-    _add_spec_options(p)
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        commands[name] = p = sub.add_parser(name, help=help)
+        _add_verbosity(p, argparse.SUPPRESS)
+        return p
 
-    sub.add_parser("schema", help="print the JSON Schema of a spec")
-
-    p = sub.add_parser("explain", help="show the resolved run without loading weights")
-    p.add_argument("spec", metavar="SPEC")
-    p.add_argument("--source", help="checkpoint root whose config files (no weights) resolve the plan")
-    p.add_argument("--json", action="store_true", help="print a JSON object")
-    _add_spec_options(p)
-
-    p = sub.add_parser("run", help="run a spec and write its outputs")
-    p.add_argument("spec", metavar="SPEC")
+    p = command("run", "run a spec and write its outputs")
+    p.add_argument("spec", metavar="SPEC", nargs="?", help="a spec file or a bundled spec's name (omnispec list)")
+    p.add_argument("--from", dest="from_output", metavar="OUTPUT",
+                   help="make OUTPUT again from what it records (spec, request, checkpoint); request options and "
+                        "--set given here change it")
     p.add_argument("--source", help="checkpoint root (local directory or Hub id) replacing model.source")
     p.add_argument("--prompt", action="append", help="prompt (repeat for a batch)")
     p.add_argument("--negative-prompt")
@@ -55,14 +82,50 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strength", type=float, help="image-to-image: how far the image is re-noised (0..1)")
     p.add_argument("--fps", type=int, help="frame rate of a video request")
     p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i gets seed + i (default: runtime.seed)")
+    p.add_argument("--lora", action="append", type=lora_argument, metavar="PATH_OR_ID[:WEIGHT_NAME][@SCALE]",
+                   help="add a LoRA (a file, a folder or a Hub id; diffusers, kohya/ComfyUI or XLabs layout) to the "
+                        "first phase's denoiser, on in every phase (repeatable); e.g. style.safetensors@0.8, "
+                        "owner/repo:lora.safetensors")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: the spec's runtime.device)")
-    p.add_argument("--output", required=True, help="output file: .png, .gif, .mp4 or .npy")
+    p.add_argument("--output", required=True, help="output file: .png (.jpg, .webp) for images, .gif, .mp4 or .png "
+                   "for videos, .npy for the decoded array")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file (refused otherwise)")
     _add_spec_options(p)
+
+    p = command("explain", "show the resolved run without loading weights, or what made an output")
+    p.add_argument("spec", metavar="SPEC_OR_OUTPUT",
+                   help="a spec file, a bundled spec's name, or an output omnispec wrote (.png, .mp4, .npy ...)")
+    p.add_argument("--source", help="checkpoint root whose config files (no weights) resolve the plan")
+    p.add_argument("--estimate", action="store_true",
+                   help="estimate parameter bytes (safetensors headers), FLOPs per denoiser forward, peak device memory "
+                        "and time per step, before loading anything")
+    p.add_argument("--device", help="the device the estimate is for (cpu, cuda, cuda:N; default runtime.device)")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    _add_spec_options(p)
+
+    command("list", "list the bundled specs (name, family, task, source)")
+
+    p = command("init", "draft a spec from a checkpoint's model_index.json")
+    p.add_argument("source", metavar="SOURCE", help="a local checkpoint directory or a Hub id")
+    p.add_argument("-o", "--output", help="write the spec here (default: print it)")
+    p.add_argument("--family", help="the family adapter to use when the checkpoint's pipeline class names another "
+                                    "(e.g. flux_kontext, ltx2_condition)")
+    p.add_argument("--name", help="the spec's name (default: the checkpoint's folder or repository name)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+
+    p = command("validate", "check specs; exit 0 when all are valid")
+    p.add_argument("specs", nargs="+", metavar="SPEC")
+    _add_spec_options(p)
+
+    command("schema", "print the JSON Schema of a spec")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from .log import configure
+
+    configure(-1 if args.quiet else (args.verbose or 0))
     try:
         if args.command == "validate":
             return _validate(args)
@@ -71,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "explain":
             return _explain(args)
+        if args.command == "list":
+            return _list()
+        if args.command == "init":
+            return _init(args)
         if args.command == "run":
             from .run_command import run_command
 
@@ -82,15 +149,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader stopped early (omnispec list | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     raise AssertionError(f"unhandled command {args.command}")
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from . import provenance
+
+    if provenance.is_output(args.spec) and Path(args.spec).is_file():
+        made_by = provenance.read(args.spec)
+        print(json.dumps(made_by, indent=2) if args.json else provenance.render(made_by, args.spec))
+        return 0
     spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
     sigmas = None
+    configs = None
     if args.source:
         from .spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
 
+        _check_hub(args.source)
         configs = read_configs(spec, args.source)
         problems = checkpoint_problems(spec, configs)
         if problems:
@@ -100,19 +178,35 @@ def _explain(args: argparse.Namespace) -> int:
 
         sigmas = checkpoint_sigmas(spec, configs.schedulers, spec.recipe.defaults.steps)
     info = explain_spec(spec, phase_sigmas=sigmas, attention=_planned_attention(spec))
-    print(json.dumps(info, indent=2) if args.json else render_explain(info))
+    text = None if args.json else render_explain(info)
+    if args.estimate:
+        from .estimate import estimate, render_estimate
+
+        found = estimate(spec, source=args.source, device=args.device)
+        info["estimate"] = found.as_dict()
+        text = None if args.json else f"{text}\n{render_estimate(found)}"
+    print(json.dumps(info, indent=2) if args.json else text)
     return 0
+
+
+def _check_hub(source: str) -> None:
+    """A Hub id while the Hub is unreachable: say so at once (reading its config files would retry for minutes)."""
+    from .runtime.components import hub_offline, hub_unreachable
+
+    if Path(source).expanduser().exists() or source.count("/") != 1 or hub_offline():
+        return
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise SpecError.single(f"{source!r} is a Hub id, and the Hugging Face Hub is unreachable from here "
+                               f"({unreachable}): give a local checkpoint directory, or set HF_HUB_OFFLINE=1 to read "
+                               "it from the local cache", "--source")
 
 
 def _planned_attention(spec) -> dict[str, str]:
     """Per attention role of the family: the backend the policy asks for and how it will be chosen (the
     checks against this machine happen at build; ``Pipeline.explain()`` shows their outcome)."""
-    from .quiet import quiet_libraries
-
-    quiet_libraries()
-    from .runtime.families import family_class
-
     from .policies.attention import auto_as_sdpa
+    from .runtime.families import family_class
 
     policy = spec.policies.attention
     forced = auto_as_sdpa(spec)
@@ -128,6 +222,39 @@ def _planned_attention(spec) -> dict[str, str]:
             why += ", falls back to sdpa if unusable)" if policy.allow_fallback else ")"
         out[role] = why
     return out
+
+
+def _list() -> int:
+    from .spec.catalog import catalog
+
+    entries = catalog()
+    width = max(len(e.name) for e in entries)
+    family = max(len(e.family) for e in entries)
+    task = max(len(e.task) for e in entries)
+    print(f"{'name':<{width}}  {'family':<{family}}  {'task':<{task}}  source")
+    for e in entries:
+        source = "(bundled weights)" if e.source and Path(e.source).is_dir() else e.source or "-"
+        print(f"{e.name:<{width}}  {e.family:<{family}}  {e.task:<{task}}  {source}")
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    from .draft import draft_spec
+
+    text = draft_spec(args.source, family=args.family, name=args.name)
+    if not args.output:
+        print(text, end="")
+        return 0
+    from .runtime.media import write_files
+
+    target = Path(args.output)
+    if target.is_dir():
+        raise SpecError.single(f"{target} is a directory; give a file name such as {target / 'spec.yaml'}", "--output")
+    if target.exists() and not args.overwrite:
+        raise SpecError.single(f"{target} exists; pass --overwrite to replace it", "--output")
+    write_files([(target, lambda t: t.write_text(text, encoding="utf-8"))], overwrite=args.overwrite)
+    print(target)
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -1,41 +1,140 @@
-"""``omnispec run``: validate spec, request and output path, then load, generate and write."""
+"""``omnispec run``: validate spec, request, output path and device, then load, generate and write."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from .quiet import quiet_libraries
-from .spec import SpecError, load_spec
+from .log import progress_bars_disabled
+from .spec import Problem, SpecError, load_spec
 from .spec.request import request_fields, resolve_request
 
 
 def run_command(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
-    if not args.prompt:
-        raise SpecError.single("give at least one --prompt", "--prompt")
-    fields = request_fields(vars(args))
-    fields.update(image_fields(args.image or []))
-    request = resolve_request(spec, args.prompt, args.seed, **fields)  # checked before any weight loads
+    """Every argument is checked, and every problem reported, before the first weight loads."""
+    overrides = list(args.overrides) + lora_overrides(args.lora or [])
+    if progress_bars_disabled():
+        overrides.append("runtime.progress=false")
+    problems: list[Problem] = []
+    select = None  # --from a file holding one sample of a request: the request runs whole, that sample is written
+    if args.from_output is not None:
+        spec, prompts, seeds, fields, source, select = _from_output(args, overrides)
+    else:
+        if args.spec is None:
+            raise SpecError.single("give a SPEC (a file or a bundled spec's name; omnispec list) or --from OUTPUT",
+                                   "spec")
+        spec = load_spec(args.spec, overrides, trust_code=args.trust_code)
+        prompts, seeds, fields, source = args.prompt, args.seed, {}, args.source
+        if not prompts:
+            problems.append(Problem("--prompt", "give at least one --prompt"))
+    fields.update(request_fields(vars(args)))
+    if args.image:
+        fields.pop("image", None)
+        fields.pop("conditions", None)
+        fields.update(image_fields(args.image))
+    request = _collect(problems, lambda: resolve_request(spec, prompts, seeds, **fields)) if prompts else None
+    problems += lora_problems(args.lora or [])
 
-    quiet_libraries()
     from .runtime import build
+    from .runtime.build import check_device
     from .runtime.media import check_output_path
 
+    if progress_bars_disabled():
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()
     output_path = Path(args.output)
-    check_output_path(output_path, spec.recipe.task.endswith("video"))
-    pipe = build(spec, source=args.source, device=args.device, trust_code=args.trust_code)
+    video = spec.recipe.task.endswith("video")
+    samples = 1 if select is not None else len(prompts or ()) or 1
+    audio = "audio" in _family_streams(spec)
+    _collect(problems, lambda: check_output_path(output_path, video, samples, overwrite=args.overwrite, audio=audio))
+    given = args.device is not None
+    _collect(problems, lambda: check_device(args.device if given else spec.runtime.device,
+                                            "--device" if given else "runtime.device"))
+    if problems:
+        raise SpecError(problems)
+    pipe = build(spec, source=source, device=args.device, trust_code=args.trust_code)
     try:
         output = pipe.generate(request)
     except (RuntimeError, MemoryError) as exc:
         print(f"error: generation failed: {exc}", file=sys.stderr)
         return 1
+    if select is not None:
+        from .provenance import select_sample
+
+        output = select_sample(output, select)
     if pipe.parallel is None or pipe.parallel.is_main:  # one writer under torchrun
-        for path in output.save(output_path):
+        try:
+            written = output.save(output_path, overwrite=args.overwrite)
+        except OSError as exc:
+            print(f"error: cannot write {output_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        for path in written:
             print(path)
     return 0
+
+
+def _from_output(args: argparse.Namespace, overrides: list[str]
+                 ) -> tuple[Any, list[str], Any, dict[str, Any], str | None, int | None]:
+    """``--from OUTPUT``: the spec, request and checkpoint it records (a SPEC may not be given too); request options
+    and ``--set`` given on the command line change them. Returns the sample to keep when the file holds one sample
+    of a request and the prompts and seeds stay as recorded."""
+    from . import provenance
+
+    if args.spec is not None:
+        raise SpecError.single("give either a SPEC or --from OUTPUT, not both (--set changes the recorded spec)",
+                               "spec")
+    made_by = provenance.read(args.from_output)
+    source = args.source if args.source is not None else (made_by.get("checkpoint") or {}).get("source")
+    problems = provenance.replay_problems(made_by, args.source)
+    if problems:
+        raise SpecError(problems)
+    spec = provenance.replay_spec(made_by, overrides, trust_code=args.trust_code)
+    prompts, seeds, fields = provenance.request_arguments(made_by, spec, images=not args.image)
+    select = made_by.get("sample")
+    if args.prompt is not None or args.seed is not None:  # a new request: from the file's own sample, if it has one
+        if select is not None:
+            prompts, seeds = [prompts[select]], [seeds[select]]
+        select = None
+        prompts = args.prompt if args.prompt is not None else prompts
+        seeds = args.seed if args.seed is not None else seeds[0]
+    return spec, prompts, seeds, fields, source, select
+
+
+def lora_overrides(loras: list[dict[str, Any]]) -> list[str]:
+    """``--lora`` values as adapter slots ``lora_0``, ``lora_1`` ..., on in every phase (recorded in the spec)."""
+    return [f"model.adapters.lora_{i}={json.dumps(slot)}" for i, slot in enumerate(loras)]
+
+
+def lora_problems(loras: list[dict[str, Any]]) -> list[Problem]:
+    """A ``--lora`` that is neither an existing file or folder nor a Hub id (owner/name)."""
+    problems = []
+    for slot in loras:
+        path = str(slot["path"])
+        if not Path(path).expanduser().exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+            problems.append(Problem("--lora", f"{path}: no such file or folder, and not a Hub id (owner/name)"))
+    return problems
+
+
+def _family_streams(spec: Any) -> tuple[str, ...]:
+    from .runtime.families import family_class
+
+    try:
+        return family_class(spec.model.family).streams
+    except SpecError:
+        return ()
+
+
+def _collect(problems: list[Problem], check: Any) -> Any:
+    """Run one check, adding its problems to ``problems`` instead of stopping at the first."""
+    try:
+        return check()
+    except SpecError as exc:
+        problems.extend(exc.problems)
+        return None
 
 
 def image_fields(values: list[str]) -> dict[str, Any]:
@@ -51,4 +150,3 @@ def image_fields(values: list[str]) -> dict[str, Any]:
     if len(placed) == 1 and "@" not in values[0]:
         return {"image": placed[0]["image"]}
     return {"conditions": placed}
-

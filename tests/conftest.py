@@ -29,46 +29,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Tiny checkpoints, built once per test session and shared by every test file.
-@pytest.fixture(scope="session")
-def flux_dir(tmp_path_factory):
-    from omnispec.testing import tiny_flux
+def _checkpoint(builder: str, folder: str, **kwargs):
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory):
+        import omnispec.testing
 
-    return tiny_flux(tmp_path_factory.mktemp("flux"))
+        return getattr(omnispec.testing, builder)(tmp_path_factory.mktemp(folder), **kwargs)
 
-
-@pytest.fixture(scope="session")
-def sd3_dir(tmp_path_factory):
-    from omnispec.testing import tiny_sd3
-
-    return tiny_sd3(tmp_path_factory.mktemp("sd3"))
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def wan_dir(tmp_path_factory):
-    from omnispec.testing import tiny_wan
-
-    return tiny_wan(tmp_path_factory.mktemp("wan"))
-
-
-@pytest.fixture(scope="session")
-def wan22_dir(tmp_path_factory):
-    from omnispec.testing import tiny_wan
-
-    return tiny_wan(tmp_path_factory.mktemp("wan22"), two_experts=True)
-
-
-@pytest.fixture(scope="session")
-def wan_i2v_dir(tmp_path_factory):
-    from omnispec.testing import tiny_wan_i2v
-
-    return tiny_wan_i2v(tmp_path_factory.mktemp("wan_i2v"))
-
-
-@pytest.fixture(scope="session")
-def wan22_i2v_dir(tmp_path_factory):
-    from omnispec.testing import tiny_wan_i2v
-
-    return tiny_wan_i2v(tmp_path_factory.mktemp("wan22_i2v"), two_experts=True)
+flux_dir = _checkpoint("tiny_flux", "flux")
+sd3_dir = _checkpoint("tiny_sd3", "sd3")
+wan_dir = _checkpoint("tiny_wan", "wan")
+wan22_dir = _checkpoint("tiny_wan", "wan22", two_experts=True)
+wan_i2v_dir = _checkpoint("tiny_wan_i2v", "wan_i2v")
+wan22_i2v_dir = _checkpoint("tiny_wan_i2v", "wan22_i2v", two_experts=True)
+ltx2_dir = _checkpoint("tiny_ltx2", "ltx2")
+ltx20_dir = _checkpoint("tiny_ltx2", "ltx20", version="2.0")
+qwen_image_dir = _checkpoint("tiny_qwen_image", "qwen_image")
+qwen_edit_dir = _checkpoint("tiny_qwen_image", "qwen_edit", edit=True)
+z_image_dir = _checkpoint("tiny_z_image", "z_image")
+hunyuan_video15_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15")
+hunyuan_video15_i2v_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15_i2v", i2v=True)
 
 
 @pytest.fixture(scope="session")

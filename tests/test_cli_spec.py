@@ -39,7 +39,8 @@ def test_explain_json_has_the_contract_keys(capsys):
     assert info["components"]["transformer_2"] == "denoiser"
     assert [(p["name"], p["denoiser"], p["passes"]) for p in info["phases"]] == [
         ("high_noise", "transformer", ["cond", "uncond"]), ("low_noise", "transformer_2", ["cond", "uncond"])]
-    assert all(isinstance(p["steps"], int) for p in info["phases"])
+    # how the checkpoint's scheduler splits the shared steps is unknown without --source
+    assert all(p["steps"] is None and p["shared_steps"] == 40 for p in info["phases"])
 
 
 def test_explain_text_compresses_repeated_steps(capsys):

@@ -101,6 +101,9 @@ SEQUENCE_CASES = {
     "wan-ring2-ulysses2": ("wan", "wan2.1-t2v-1.3b.yaml", "wan_dir", {"ring": 2, "ulysses": 2}, []),
     "flux-cfg2-ulysses2": ("flux", "flux1-dev.yaml", "flux_dir", {"cfg": 2, "ulysses": 2},
                            ["--set", "recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 2.0}]"]),
+    # CFG-parallel spreads LTX-2's whole plan (cond, uncond, STG, modality) and gathers video and audio
+    "ltx2-cfg2": ("ltx2", "ltx2-t2v.yaml", "ltx2_dir", {"cfg": 2},
+                  ["--set", "recipe.phases.0.guidance.terms.1.layers=[1]"]),
 }
 
 
@@ -120,4 +123,4 @@ def test_sequence_parallel_equals_single_process(request, tmp_path, case):
 
 def test_families_without_a_context_parallel_plan_are_refused(sd3_dir, tmp_path):
     res = single(sd3_args(sd3_dir, tmp_path / "x.npy", "--set", "policies.parallel={ulysses: 2}"))
-    assert res.returncode == 2 and "family 'sd3' has no context-parallel plan" in res.stderr
+    assert res.returncode == 2 and "family 'sd3' cannot run ulysses/ring: no context-parallel plan" in res.stderr

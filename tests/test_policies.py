@@ -32,13 +32,13 @@ def plain_sd3(sd3_dir):
 def test_attention_backends_match_the_plain_run(flux_dir, plain_flux, backend):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.attention.default={backend}")
     assert np.abs(out - plain_flux).max() <= 1e-4
-    assert set(pipe.explain()["attention"]) == {"joint", "single"}
+    assert set(pipe.explain(as_dict=True)["attention"]) == {"joint", "single"}
 
 
 def test_attention_per_role_reaches_sd3_processors(sd3_dir, plain_sd3):
     pipe, out = run(sd3_dir, "sd3.5-medium.yaml", "sd3", "policies.attention.per_role={joint: sdpa_math}")
     assert np.abs(out - plain_sd3).max() <= 1e-4
-    assert pipe.explain()["attention"]["joint"].startswith("sdpa_math (explicit")
+    assert pipe.explain(as_dict=True)["attention"]["joint"].startswith("sdpa_math (explicit")
 
 
 def test_unusable_backend_is_a_build_error_with_reason(flux_dir):
@@ -49,7 +49,7 @@ def test_unusable_backend_is_a_build_error_with_reason(flux_dir):
 def test_unusable_backend_falls_back_when_allowed(flux_dir, plain_flux):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention={default: sage, allow_fallback: true}")
     assert np.abs(out - plain_flux).max() <= 1e-6
-    assert "fallback" in pipe.explain()["attention"]["joint"]
+    assert "fallback" in pipe.explain(as_dict=True)["attention"]["joint"]
 
 
 def test_unknown_attention_role_is_rejected(flux_dir):
@@ -86,7 +86,7 @@ def test_in_memory_components_are_quantized_like_loaded_ones(flux_dir):
                           overrides=[*TINY_OVERRIDES["flux"], policy])
     assert type(given.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
     assert type(given.proj_out.weight).__name__ == "Parameter" or not hasattr(given.proj_out.weight, "qdata")
-    assert "in memory" in pipe.explain()["applied"]["quantization"]
+    assert "in memory" in pipe.explain(as_dict=True)["applied"]["quantization"]
     assert np.abs(pipe("a cat", seed=0).array - out_loaded).max() <= 1e-6
 
 
@@ -190,7 +190,7 @@ def test_redirected_attention_accepts_keyword_calls():
 
 def test_auto_under_compile_resolves_to_sdpa(flux_dir, plain_flux):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.compile={mode: regional, backend: eager}")
-    assert pipe.explain()["attention"]["joint"].startswith("sdpa (auto under compile")
+    assert pipe.explain(as_dict=True)["attention"]["joint"].startswith("sdpa (auto under compile")
     assert np.abs(out - plain_flux).max() <= 1e-5
 
 

@@ -78,7 +78,7 @@ def test_generate_and_a_rollouts_deterministic_steps_share_one_step_body():
     """A rollout whose window is empty of noise (tiny eta) walks the same states as generate."""
     pipe = omnispec.build(SPECS / "digits.yaml", overrides=DIGITS)
     plain = pipe("three", seed=4).latents["latents"]
-    ro = pipe.rollout("three", seed=4, sampler={"kind": "dance_sde", "eta": 1e-12,
+    ro = pipe.rollout("three", seed=4, sampler={"kind": "dance_sde", "eta": 1e-12, "include_last": True,
                                                   "window": {"kind": "fixed", "start": 5, "length": 1}})
     assert torch.allclose(ro.latents[0, 1], plain[0].float(), atol=1e-5)
 

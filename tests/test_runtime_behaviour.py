@@ -109,7 +109,7 @@ def test_two_phase_upsample_and_renoise_runs_end_to_end(flux_dir):
     assert out.array.shape == (1, 64, 64, 3) and np.isfinite(out.array).all()
     # draft: 3 steps; refine keeps the 2 of 4 steps with sigma <= 0.6 (0.5, 0.25)
     assert counter["forwards"] == 3 + 2
-    info = pipe.explain()
+    info = pipe.explain(as_dict=True)
     assert [p["name"] for p in info["phases"]] == ["draft", "refine"]
 
 
@@ -125,7 +125,7 @@ def test_bad_requests_fail_before_any_work(flux):
 
 
 def test_pipeline_explain_reports_real_sigmas(flux):
-    info = flux.explain()
+    info = flux.explain(as_dict=True)
     phase = info["phases"][0]
     assert phase["steps"] == 3 and phase["sigma_range"][0] == pytest.approx(1.0)
     assert phase["passes"] == ["cond"] and phase["embedded_guidance"] == 3.5

@@ -43,11 +43,12 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
     p = spec.policies
     problems: list[Problem] = list(quantization.check(spec, device))
     dtype = _DTYPES[spec.model.dtype]
+    categories = set(getattr(family, "attention_categories", {}).values())
     for role, backend in p.attention.per_role.items():
-        if role not in family.attention_roles:
+        if role not in family.attention_roles and role not in categories:
+            known = ", ".join([*family.attention_roles, *sorted(categories)])
             problems.append(Problem(f"policies.attention.per_role.{role}",
-                                    f"family {family.name!r} has no attention role {role!r} "
-                                    f"(roles: {', '.join(family.attention_roles)})"))
+                                    f"family {family.name!r} has no attention role {role!r} (roles: {known})"))
     limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
     if limit:
         problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))

@@ -233,6 +233,15 @@ def auto_as_sdpa(spec: PipelineSpec) -> str | None:
     return None
 
 
+def role_key(family: Any, role: str, per_role: Mapping[str, str]) -> str | None:
+    """The ``per_role`` entry that decides a role: the role itself, else its category (LTX-2's ``video_self``
+    falls back to ``self``), else None (the default decides)."""
+    if role in per_role:
+        return role
+    category = getattr(family, "attention_categories", {}).get(role)
+    return category if category in per_role else None
+
+
 def role_modules(family: Any, denoiser: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
     for name, module in denoiser.named_modules():
@@ -261,8 +270,9 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
         for role, modules in role_modules(family, denoiser).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
                 remove_hook(module, HOOK_NAME)
-            wanted = policy.per_role.get(role, policy.default)
-            where = f"policies.attention.{'per_role.' + role if role in policy.per_role else 'default'}"
+            key = role_key(family, role, policy.per_role)
+            wanted = policy.per_role[key] if key else policy.default
+            where = f"policies.attention.{'per_role.' + key if key else 'default'}"
             heads, head_dim = _head_dim(modules[0][1])
             dtype = denoiser.dtype
             forced = auto_as_sdpa(spec) if wanted == "auto" else None

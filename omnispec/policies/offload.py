@@ -4,12 +4,19 @@
 ``resident`` and ``other`` roles stay put. Written here as a diffusers ``ModelHook`` on each component
 and its direct children (so ``vae.decode``, which never calls ``vae.forward``, still triggers it), because
 diffusers' own model offload is a pipeline method and omnispec applies policies to modules.
+On an accelerator each plain weight and buffer keeps one host copy for the pipeline's life, page-locked the
+first time it goes to the device: moving a group out copies into that copy (no new host memory, no page
+faults, DMA speed) and moving it in copies from it without blocking the host. ``Module.to`` (what diffusers'
+``enable_model_cpu_offload`` does through accelerate) instead allocates fresh pageable host memory for every
+tensor on every move out and stages every move in through the driver's pageable path. Tensor subclasses
+(torchao, bitsandbytes weights) still move with ``Module.to``.
 ``layerwise``/``group``: diffusers' ``apply_group_offloading`` on each denoiser (block level, N blocks per
 group, side-stream prefetch on CUDA).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,11 +39,36 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class _Placement:
-    """Which group is on the device now; moving one group in moves the others out."""
+def _slots(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """(owner, "param" | "buffer", name, tensor) of every plain tensor of ``module``, each tensor once (tied
+    weights are one Parameter object)."""
+    seen: set[int] = set()
+    for owner in module.modules():
+        for kind, table in (("param", owner._parameters), ("buffer", owner._buffers)):
+            for name, t in table.items():
+                if t is None or id(t) in seen or type(t) not in (torch.Tensor, torch.nn.Parameter) \
+                        or type(t.data) is not torch.Tensor:
+                    continue
+                seen.add(id(t))
+                yield owner, kind, name, t
 
-    def __init__(self, groups: dict[str, list[torch.nn.Module]], device: torch.device):
+
+def _put(owner: torch.nn.Module, kind: str, name: str, t: torch.Tensor, new: torch.Tensor) -> None:
+    if kind == "param":
+        t.data = new  # as Module.to does: the Parameter object (and any tie to it) stays
+    else:
+        owner._buffers[name] = new
+
+
+class _Placement:
+    """Which group is on the device now; moving one group in moves the others out. With ``copies`` (the
+    default off the CPU) tensors move through one persistent host copy each (``host``), page-locked on CUDA."""
+
+    def __init__(self, groups: dict[str, list[torch.nn.Module]], device: torch.device, copies: bool | None = None):
         self.groups, self.device, self.current = groups, device, None
+        self.copies = device.type != "cpu" if copies is None else copies
+        self.pin = device.type == "cuda"
+        self.host: dict[tuple[int, str, str], torch.Tensor] = {}
 
     def bring(self, group: str) -> None:
         if self.current == group:
@@ -44,10 +76,48 @@ class _Placement:
         for name, modules in self.groups.items():
             if name != group:
                 for m in modules:
-                    m.to("cpu")
+                    self._out(m)
         for m in self.groups[group]:
-            m.to(self.device)
+            self._in(m)
         self.current = group
+
+    def _on_host(self, key: tuple[int, str, str], t: torch.Tensor) -> bool:
+        if t.device.type != "cpu":
+            return False
+        if self.device.type != "cpu":
+            return True
+        host = self.host.get(key)  # the device is the CPU (tests): tell the two copies apart by storage
+        return host is None or t.data_ptr() == host.data_ptr()
+
+    def _out(self, module: torch.nn.Module) -> None:
+        if self.copies:
+            for owner, kind, name, t in _slots(module):
+                key = (id(owner), kind, name)
+                if self._on_host(key, t):
+                    continue
+                host = self.host.get(key)
+                if host is not None and host.shape == t.shape and host.dtype == t.dtype and host.stride() == t.stride():
+                    host.copy_(t.detach())  # into the kept copy, so changes made on the device come back
+                else:  # first seen on the device, or replaced there by a tensor of another shape or dtype
+                    host = self.host[key] = t.detach().to("cpu")
+                _put(owner, kind, name, t, host)
+        module.to("cpu")  # tensor subclasses; plain tensors already on the host stay as they are
+
+    def _in(self, module: torch.nn.Module) -> None:
+        if self.copies:
+            for owner, kind, name, t in _slots(module):
+                key = (id(owner), kind, name)
+                if not self._on_host(key, t):
+                    continue
+                host = t.detach()
+                if self.pin and not host.is_pinned():
+                    try:
+                        host = host.pin_memory()
+                    except RuntimeError:  # not enough page-locked memory: keep the pageable copy
+                        pass
+                self.host[key] = host
+                _put(owner, kind, name, t, host.to(self.device, non_blocking=host.is_pinned(), copy=True))
+        module.to(self.device)
 
 
 class _BringGroupHook(ModelHook):
@@ -78,7 +148,7 @@ def apply_offload(spec: PipelineSpec, components: dict[str, Any], device: torch.
                 continue
             m.to("cpu")
             groups.setdefault(group, []).append(m)
-        placement = _Placement(groups, device)
+        placement = _Placement(groups, device, copies=None if strategy.pin_memory else False)
         for group, members in groups.items():
             for m in members:
                 for target in (m, *m.children()):

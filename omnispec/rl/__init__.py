@@ -1,15 +1,15 @@
 """RL for flow models: SDE rollouts with per-step log-probs, exact replay with gradients, weight sync.
 
-``Pipeline.rollout`` / ``Pipeline.log_prob`` are the entry points; ``RolloutPool`` spreads rollouts over Ray
-actors (``pip install 'omnispec[ray]'``).
+``Pipeline.rollout`` / ``Pipeline.log_prob`` are the entry points; ``kl`` is Flow-GRPO's KL term on two
+replays; ``RolloutPool`` spreads rollouts over Ray actors (``pip install 'omnispec[ray]'``).
 """
 
 from .pipeline import RLPipeline
-from .rollout import Replay, Rollout, log_prob, rollout
+from .rollout import Replay, Rollout, kl, log_prob, rollout
 from .weights import reference, scale_lora, set_lora, update_weights
 
-__all__ = ["RLPipeline", "Replay", "Rollout", "RolloutPool", "log_prob", "reference", "rollout", "scale_lora", "set_lora",
-           "update_weights"]
+__all__ = ["RLPipeline", "Replay", "Rollout", "RolloutPool", "kl", "log_prob", "reference", "rollout", "scale_lora",
+           "set_lora", "update_weights"]
 
 
 def __getattr__(name: str):

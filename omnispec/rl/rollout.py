@@ -14,13 +14,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..runtime.families import Conditioning, Streams
-from ..runtime.run import Run, Walk
-from ..runtime.samplers import StepResult, StochasticStepper, sde_generators, window_mask
 from ..runtime.phases import set_adapter
-from ..spec import APG, SpecError
+from ..runtime.run import Run, Walk
+from ..runtime.samplers import (
+    SDE_SEED_OFFSET,
+    StepResult,
+    StochasticStepper,
+    sde_generators,
+    stochastic_stepper,
+    window_mask,
+)
+from ..spec import APG, SpecError, SpecTypeError
+from ..spec.base import SEED_MAX, SEED_MIN
+from ..spec.errors import Problem, from_validation_error
 from ..spec.policies import HOOKED_CACHES
 from ..spec.recipe import STOCHASTIC_SAMPLERS, Sampler
 from ..spec.request import Request
@@ -82,27 +91,72 @@ class Rollout:
 
 @dataclass
 class Replay:
-    log_probs: torch.Tensor  # (B, K), summed over streams
-    stream_log_probs: dict[str, torch.Tensor]  # per stream (B, K)
-    means: dict[str, torch.Tensor]  # per stream (B, K, ...) float32
-    stds: dict[str, torch.Tensor]  # per stream (B, K)
+    """Replayed transitions ``states[:, k] -> states[:, k + 1]`` for the K requested window positions, on the
+    pipeline's device, float32. Per-stream values are dicts keyed by stream name."""
 
+    log_probs: torch.Tensor  # (B, K): the streams' log-probs summed (each averaged over its elements)
+    stream_log_probs: dict[str, torch.Tensor]  # (B, K) per stream
+    transition_means: dict[str, torch.Tensor]  # (B, K, ...) per stream: the mean of each transition
+    transition_stds: dict[str, torch.Tensor]  # (B, K) per stream: the std of each transition
+    # (B, K) per stream: Flow-GRPO's std_dev_t, what its KL divides by: the noise scale before the
+    # sqrt(sigma - sigma_next) factor (sde: noise_level sqrt(sigma / (1 - sigma)); dance_sde: eta); for cps the
+    # transition std itself
+    std_t: dict[str, torch.Tensor]
+
+
+def kl(policy: Replay, reference: Replay, *, normalize: bool = True) -> torch.Tensor:
+    """Flow-GRPO's KL term per sample and replayed step, ``(B, K)``: for each stream the mean over its elements
+    of ``(mean - mean_ref)^2``, divided by ``2 std_t^2`` (the policy's ``std_t``, without the ``sqrt(-dt)``
+    factor, as Flow-GRPO's trainer divides), summed over streams. ``kl(new, ref).mean()`` over one replayed
+    step is Flow-GRPO's ``kl_loss`` for it. ``normalize=False`` leaves out the division (Flow-CPS's trainer).
+
+    ``policy`` is a replay with the trained weights (``pipe.log_prob(ro, grad=True)``), ``reference`` the same
+    transitions under the reference weights (inside ``omnispec.rl.reference(pipe)``)."""
+    for name, value in (("policy", policy), ("reference", reference)):
+        if not isinstance(value, Replay):
+            raise SpecTypeError.single(f"expected an omnispec.rl.Replay (what Pipeline.log_prob returns), got "
+                                       f"{type(value).__name__}", name)
+    if set(policy.transition_means) != set(reference.transition_means):
+        raise SpecError.single(f"streams {sorted(reference.transition_means)} differ from the policy's "
+                               f"{sorted(policy.transition_means)}", "reference")
+    total = None
+    for s, mean in policy.transition_means.items():
+        ref = reference.transition_means[s]
+        if ref.shape != mean.shape:
+            raise SpecError.single(f"stream {s!r}: means of shape {tuple(ref.shape)}, the policy's are "
+                                   f"{tuple(mean.shape)}", "reference")
+        per_step = ((mean - ref.to(mean.device)) ** 2).mean(dim=tuple(range(2, mean.ndim)))
+        if normalize:
+            per_step = per_step / (2 * policy.std_t[s] ** 2)
+        total = per_step if total is None else total + per_step
+    assert total is not None
+    return total
+
+
+# ---- argument checks ------------------------------------------------------------------------------------
 
 def resolve_sampler(pipe: Pipeline, sampler: Any | None) -> Any:
+    """The sampler a rollout uses: the first phase's (None), a dict validated as a sampler spec, or a sampler
+    model; a rollout needs a stochastic one (``sde``, ``cps``, ``dance_sde``)."""
     if sampler is None:
-        return pipe.spec.recipe.phases[0].sampler
-    if isinstance(sampler, Mapping):
+        sampler = pipe.spec.recipe.phases[0].sampler
+    elif isinstance(sampler, Mapping):
         try:
-            return _SAMPLER.validate_python(dict(sampler))
-        except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError, reported as a spec error
-            raise SpecError.single(f"bad sampler: {exc}".splitlines()[0], "sampler") from None
-    return sampler
-
-
-def _check_rollout(pipe: Pipeline, sampler: Any) -> None:
+            sampler = _SAMPLER.validate_python(dict(sampler))
+        except ValidationError as exc:
+            found = from_validation_error(exc, dict(sampler)).problems
+            raise SpecError([Problem(f"sampler.{p.path}" if p.path else "sampler", p.message) for p in found]) from None
+    elif not isinstance(sampler, BaseModel) or getattr(sampler, "kind", None) not in (*STOCHASTIC_SAMPLERS, "ode"):
+        raise SpecTypeError.single(f"expected a sampler spec (a dict such as {{'kind': 'sde'}}) or None, got "
+                                   f"{type(sampler).__name__}", "sampler")
     if sampler.kind not in STOCHASTIC_SAMPLERS:
         raise SpecError.single(f"rollouts need a stochastic sampler (one of {STOCHASTIC_SAMPLERS}), got "
                                f"{sampler.kind!r}; set recipe.phases.0.sampler or pass sampler=", "sampler")
+    return sampler
+
+
+def _check_pipeline(pipe: Pipeline) -> None:
+    """What a pipeline must satisfy for its rollouts to replay exactly."""
     for i, phase in enumerate(pipe.spec.recipe.phases):
         if any(isinstance(t, APG) and t.momentum for t in phase.guidance.terms):
             raise SpecError.single("APG momentum carries state across steps, so single steps can't be replayed",
@@ -111,10 +165,41 @@ def _check_rollout(pipe: Pipeline, sampler: Any) -> None:
     if cache is not None and cache.kind in HOOKED_CACHES:
         raise SpecError.single(f"the {cache.kind} cache decides per step from state a replay cannot rebuild, so a "
                                "cached rollout would not replay exactly; use cache kind step_mask (computing every "
-                               "stochastic step) or none", "policies.cache.kind")
+                               "stochastic step), the sampler's outside_window, or none", "policies.cache.kind")
     if pipe.parallel is not None and pipe.parallel.data > 1:
         raise SpecError.single("rollouts split samples over processes with RolloutPool, not policies.parallel.data",
                                "policies.parallel.data")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_rollout_args(prompts: Any, group_size: Any, seed: Any, shared_noise: Any, sample_offset: Any
+                        ) -> list[str]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
+        got = type(prompts).__name__ if not isinstance(prompts, Sequence) else \
+            f"a sequence holding {type(next(p for p in prompts if not isinstance(p, str))).__name__}"
+        raise SpecTypeError.single(f"expected a prompt string or a sequence of them, got {got}", "prompts")
+    if not prompts:
+        raise SpecError.single("expected at least one prompt", "prompts")
+    for name, value in (("group_size", group_size), ("seed", seed), ("sample_offset", sample_offset)):
+        if not _is_int(value):
+            raise SpecTypeError.single(f"expected an int, got {type(value).__name__}", name)
+    if not isinstance(shared_noise, bool):
+        raise SpecTypeError.single(f"expected a bool, got {type(shared_noise).__name__}", "shared_noise")
+    if group_size < 1:
+        raise SpecError.single(f"expected at least 1 sample per prompt, got {group_size}", "group_size")
+    if sample_offset < 0 or sample_offset % group_size:
+        raise SpecError.single(f"expected a multiple of group_size ({group_size}) >= 0, got {sample_offset}",
+                               "sample_offset")
+    last = seed + sample_offset + len(prompts) * group_size - 1 + SDE_SEED_OFFSET
+    if seed < SEED_MIN or last > SEED_MAX:
+        raise SpecError.single(f"seed {seed} puts a sample's SDE-noise seed (seed + sample + 2**31, up to {last}) "
+                               f"outside torch's seed range [{SEED_MIN}, {SEED_MAX}]", "seed")
+    return list(prompts)
 
 
 def _window_walk(run: Run, mask: torch.Tensor) -> Walk:
@@ -131,6 +216,8 @@ def _window_walk(run: Run, mask: torch.Tensor) -> Walk:
     return next(iter(walks.values()))
 
 
+# ---- rollout --------------------------------------------------------------------------------------------
+
 def rollout(
     pipe: Pipeline,
     prompts: str | Sequence[str],
@@ -141,27 +228,36 @@ def rollout(
     sample_offset: int = 0,
     **request: Any,
 ) -> Rollout:
-    """Roll out ``prompts x group_size`` samples. Sample ``b`` (counting from ``sample_offset``, the position
-    of this batch in a larger sharded one) starts from seed ``seed + b`` (``seed + group`` with
-    ``shared_noise``) and draws its SDE noise on the pipeline's device from seed ``seed + b + 2**31``.
-    The window counts steps over the whole request and must lie within one walk."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if sample_offset % group_size:
-        raise ValueError("sample_offset must be a multiple of group_size")
+    """Roll out ``prompts x group_size`` samples with a stochastic sampler and record its window.
+
+    Sample ``b`` (counting from ``sample_offset``, the position of this batch in a larger sharded one) starts
+    from seed ``seed + b`` (``seed + group`` with ``shared_noise``) and draws its SDE noise on the pipeline's
+    device from seed ``seed + b + 2**31``. The window counts steps over the whole request and must lie within
+    one walk; by default it leaves out the walk's last step (``include_last``). States are stored in float32
+    whatever the model's dtype, and each log-prob scores exactly the stored sample.
+
+    Arguments are checked before any forward: ``prompts`` a string or a non-empty sequence of strings,
+    ``group_size`` an int >= 1, ``seed`` an int (every SDE seed within torch's range), ``sampler`` None (the
+    first phase's), a dict validated as a sampler spec, or a sampler model, and stochastic; ``shared_noise`` a
+    bool; ``sample_offset`` a multiple of ``group_size`` >= 0. A wrong type raises ``SpecTypeError`` (a
+    ``TypeError``), a wrong value ``SpecError`` (a ``ValueError``), each naming the argument; ``request``
+    fields are checked as ``Pipeline.request`` checks them.
+    """
+    prompts = _check_rollout_args(prompts, group_size, seed, shared_noise, sample_offset)
     sampler = resolve_sampler(pipe, sampler)
-    _check_rollout(pipe, sampler)
+    _check_pipeline(pipe)
     expanded = [p for p in prompts for _ in range(group_size)]
     first_group = sample_offset // group_size
     group_ids = torch.arange(first_group, first_group + len(prompts)).repeat_interleave(group_size)
     seeds = [seed + (int(g) if shared_noise else sample_offset + b) for b, g in enumerate(group_ids)]
     req = pipe.request(expanded, seeds, **request)
-    noise = sde_generators([seed + sample_offset + b for b in range(len(expanded))], pipe.device)
 
     run = Run(pipe, req)
     total = run.walks[-1].offset + len(run.walks[-1].steps)
     ids = torch.arange(sample_offset, sample_offset + len(expanded)) if sampler.window.kind == "random" and \
         sampler.window.scope == "sample" else group_ids
-    mask = window_mask(sampler, total, ids, seed, start=run.walks[0].begin if len(run.walks) == 1 else 0)
+    spans = [(w.offset + w.begin, w.offset + len(w.steps)) for w in run.walks]
+    mask = window_mask(sampler, total, ids, seed, walks=spans)
     walk = _window_walk(run, mask)
     local = mask[:, walk.offset:walk.offset + len(walk.steps)]
     if pipe.policies.cache is not None and pipe.policies.cache.step_mask is not None:
@@ -169,25 +265,33 @@ def rollout(
         if reused:
             raise SpecError.single(f"policies.cache.mask reuses stochastic step(s) {reused}; replay computes every "
                                    "step it scores, so the window's steps must compute", "policies.cache.mask")
+    noise = sde_generators([seed + sample_offset + b for b in range(len(expanded))], pipe.device)
 
     def stepper_for(w: Walk) -> StochasticStepper | None:
         if w is not walk:
             return None
-        w.steps.check_stochastic("sampler")
-        return StochasticStepper(sampler, w.steps.sigmas, local, noise)
+        return stochastic_stepper(sampler, w.steps, local, noise, where="sampler", begin=w.begin,
+                                  phase_starts=w.phase_starts)
 
     states: list[tuple[int, Streams, Streams, StepResult]] = []
+    clean: dict[str, Streams] = {}
 
     def observe(w: Walk, i: int, x_in: Streams, result: StepResult) -> None:
         if w is walk and bool(local[:, i].any()):
             states.append((i, {s: v.detach().float() for s, v in x_in.items()},
                            {s: v.detach().float() for s, v in result.next.items()}, result))
+        if w is walk and result.x0 is not None:
+            clean["x0"] = result.x0
 
     run.stepper_for = stepper_for
     with torch.no_grad():
         results = run.execute(observe)
         out = results[pipe.spec.recipe.output_index() or 0]
-        decoded = pipe.family.decode(out.latents, out.geometry)
+        latents = out.latents
+        output_phase = pipe.spec.recipe.phases[pipe.spec.recipe.output_index() or 0].name
+        if "x0" in clean and any(r.phase.name == output_phase for r in walk.phases):
+            latents = pipe.family.reimpose(clean["x0"], walk.images, walk.geometry)  # DanceGRPO: decode x0
+        decoded = pipe.family.decode(latents, out.geometry)
     return _record(run, walk, local, states, prompts=expanded, group_ids=group_ids - first_group, seeds=seeds,
                    array=decoded.array, sampler=sampler, weight_version=pipe.weight_version)
 
@@ -223,6 +327,99 @@ def _record(run: Run, walk: Walk, mask: torch.Tensor, states: list[tuple[int, St
     )
 
 
+# ---- replay ---------------------------------------------------------------------------------------------
+
+def _check_replay_args(steps: Any, grad: Any, micro_batch: Any, window: int) -> list[int]:
+    if not isinstance(grad, bool):
+        raise SpecTypeError.single(f"expected a bool, got {type(grad).__name__}", "grad")
+    if micro_batch is not None:
+        if not _is_int(micro_batch):
+            raise SpecTypeError.single(f"expected an int or None, got {type(micro_batch).__name__}", "micro_batch")
+        if micro_batch < 1:
+            raise SpecError.single(f"expected at least 1 sample per forward, got {micro_batch}", "micro_batch")
+    if steps is None:
+        return list(range(window))
+    if isinstance(steps, (str, bytes)) or not isinstance(steps, Sequence) or not all(_is_int(k) for k in steps):
+        raise SpecTypeError.single("expected a sequence of window positions (ints) or None, got "
+                                   f"{type(steps).__name__}", "steps")
+    if not steps:
+        raise SpecError.single("expected at least one window position", "steps")
+    bad = [int(k) for k in steps if not 0 <= k < window]
+    if bad:
+        raise SpecError.single(f"positions {bad} are outside the rollout's window of {window} steps "
+                               f"(0-{window - 1})", "steps")
+    return [int(k) for k in steps]
+
+
+def _shape(t: Any) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_rollout_fits(pipe: Pipeline, ro: Rollout, run: Run) -> None:
+    """That ``ro`` is intact and was made by a pipeline like this one for this request: its batch, streams,
+    shapes, dtypes, window and steps; raised before any forward, naming the field."""
+    tensors = {"group_ids": ro.group_ids, "log_probs": ro.log_probs, "sigmas": ro.sigmas, "timesteps": ro.timesteps,
+               "step_indices": ro.step_indices}
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise SpecTypeError.single(f"expected a tensor, got {type(value).__name__}", f"rollout.{name}")
+    if not isinstance(ro.states, Mapping) or not all(isinstance(v, torch.Tensor) for v in ro.states.values()):
+        raise SpecTypeError.single("expected a dict of stream name -> tensor", "rollout.states")
+    if not isinstance(ro.request, Request) or not isinstance(ro.positive, Conditioning):
+        raise SpecTypeError.single("the rollout's request and encodings are not what Pipeline.rollout stores",
+                                   "rollout.request" if not isinstance(ro.request, Request) else "rollout.positive")
+    if not isinstance(ro.prompts, list) or not all(isinstance(p, str) for p in ro.prompts):
+        raise SpecTypeError.single("expected a list of prompt strings", "rollout.prompts")
+    b = len(ro.prompts)
+    if ro.log_probs.ndim != 2 or ro.log_probs.shape[0] != b or ro.log_probs.shape[1] < 1:
+        raise SpecError.single(f"expected shape ({b}, W) with W >= 1 (one row per prompt x group sample), got "
+                               f"{_shape(ro.log_probs)}", "rollout.log_probs")
+    w = ro.window
+    for name in ("sigmas", "timesteps", "step_indices"):
+        if tuple(tensors[name].shape) != (b, w):
+            raise SpecError.single(f"expected shape {(b, w)}, got {_shape(tensors[name])}", f"rollout.{name}")
+    if tuple(ro.group_ids.shape) != (b,) or len(ro.seeds) != b or len(ro.request.prompts) != b:
+        raise SpecError.single(f"{b} prompts, but {len(ro.group_ids)} group ids, {len(ro.seeds)} seeds and "
+                               f"{len(ro.request.prompts)} request prompts", "rollout")
+    if ro.positive.batch_size != b or (ro.negative is not None and ro.negative.batch_size != b):
+        raise SpecError.single(f"encodings for {ro.positive.batch_size} samples, the rollout has {b}",
+                               "rollout.positive")
+    for name in ("log_probs", "sigmas", "timesteps"):
+        if tensors[name].dtype != torch.float32:
+            raise SpecError.single(f"expected float32, got {tensors[name].dtype}", f"rollout.{name}")
+    if ro.step_indices.dtype not in (torch.int64, torch.int32):
+        raise SpecError.single(f"expected an integer tensor, got {ro.step_indices.dtype}", "rollout.step_indices")
+    streams = list(pipe.family.streams)
+    if sorted(ro.states) != sorted(streams):
+        raise SpecError.single(f"streams {sorted(ro.states)}, but family {pipe.family.name!r} denoises {streams}",
+                               "rollout.states")
+    idx = ro.step_indices.long()
+    if w > 1 and bool((idx[:, 1:] != idx[:, :-1] + 1).any()):
+        raise SpecError.single("each sample's steps must be consecutive (one window per sample)",
+                               "rollout.step_indices")
+    for row_first, row_last in {(int(a), int(z)) for a, z in zip(idx[:, 0], idx[:, -1])}:
+        walk = next((x for x in run.walks if x.offset + x.begin <= row_first and row_last < x.offset + len(x.steps)),
+                    None)
+        if walk is None:
+            spans = ", ".join(f"{x.offset + x.begin}-{x.offset + len(x.steps) - 1}" for x in run.walks)
+            raise SpecError.single(f"steps {row_first}-{row_last} do not lie within one walk of this pipeline's "
+                                   f"plan for the request (steps {spans})", "rollout.step_indices")
+    expected_sigmas = torch.cat([x.steps.sigmas.cpu()[:-1] for x in run.walks])
+    if not torch.equal(expected_sigmas[idx], ro.sigmas.cpu()):
+        raise SpecError.single("the stored sigmas are not the ones this pipeline steps at those steps (a rollout "
+                               "of another schedule, step count or pipeline)", "rollout.sigmas")
+    window_walk = next(x for x in run.walks if x.offset <= int(idx[0, 0]) < x.offset + len(x.steps))
+    expected = pipe.family.initial_latents(window_walk.geometry, [torch.Generator("cpu").manual_seed(0)])
+    for s in streams:
+        state = ro.states[s]
+        want = (b, w + 1, *expected[s].shape[1:])
+        if tuple(state.shape) != want:
+            raise SpecError.single(f"expected shape {want} (samples, window + 1, the stream's latent shape), got "
+                                   f"{tuple(state.shape)}", f"rollout.states.{s}")
+        if state.dtype != torch.float32:
+            raise SpecError.single(f"expected float32 states, got {state.dtype}", f"rollout.states.{s}")
+
+
 def log_prob(
     pipe: Pipeline,
     ro: Rollout,
@@ -233,15 +430,38 @@ def log_prob(
     """Recompute the log-prob of each stored transition ``states[:, k] -> states[:, k + 1]``.
 
     ``steps`` are positions in the window (default: all). Samples are replayed grouped by the step they
-    were at, ``micro_batch`` samples per forward, through the same step body and stepper as the rollout.
+    were at, ``micro_batch`` samples per forward, through the same step body and stepper as the rollout; a
+    step of a multi-phase walk (Wan2.2's two experts) runs through the phase, denoiser and adapter that made it.
+
+    Before any forward, ``ro`` must be a ``Rollout`` that fits this pipeline: its batch (prompts, group ids,
+    seeds, encodings, log-probs), stream names and shapes ``(B, W + 1, ...)`` for the request's geometry,
+    float32 states, consecutive step indices within one walk of this pipeline's plan for the request, and the
+    sigmas this pipeline steps there; ``steps`` a sequence of positions in ``[0, W)``, ``grad`` a bool,
+    ``micro_batch`` None or an int >= 1. A wrong type raises ``SpecTypeError`` (a ``TypeError``), a misfit
+    ``SpecError`` (a ``ValueError``), each naming the argument or field.
     """
-    _check_rollout(pipe, ro.sampler)
+    if not isinstance(ro, Rollout):
+        raise SpecTypeError.single(f"expected an omnispec.rl.Rollout (what Pipeline.rollout returns), got "
+                                   f"{type(ro).__name__}", "rollout")
+    if not isinstance(ro.log_probs, torch.Tensor) or ro.log_probs.ndim != 2:
+        raise SpecError.single(f"expected shape (B, W), got {_shape(ro.log_probs)}", "rollout.log_probs")
+    ks = _check_replay_args(steps, grad, micro_batch, ro.window)
+    if not isinstance(ro.sampler, BaseModel):
+        raise SpecTypeError.single(f"expected the sampler spec the rollout ran, got {type(ro.sampler).__name__}",
+                                   "rollout.sampler")
+    sampler = resolve_sampler(pipe, ro.sampler)
+    _check_pipeline(pipe)
+    if not isinstance(ro.request, Request):
+        raise SpecTypeError.single(f"expected the Request the rollout ran, got {type(ro.request).__name__}",
+                                   "rollout.request")
     run = Run(pipe, ro.request, encodings=(ro.positive, ro.negative))
-    ks = list(range(ro.window)) if steps is None else list(steps)
+    _check_rollout_fits(pipe, ro, run)
     b = len(ro.prompts)
     streams = list(ro.states)
-    out_lp = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=pipe.device) for s in streams}
-    out_std = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=pipe.device) for s in streams}
+    dev = pipe.device
+    out_lp = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=dev) for s in streams}
+    out_std = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=dev) for s in streams}
+    out_std_t = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=dev) for s in streams}
     means: dict[str, list[list[torch.Tensor | None]]] = {s: [[None] * len(ks) for _ in range(b)] for s in streams}
     conditioned: set[int] = set()
     context = torch.enable_grad() if grad else torch.no_grad()
@@ -257,20 +477,21 @@ def log_prob(
                     run.condition(walk)
                     conditioned.add(id(walk))
                 set_adapter(run.spec, walk.owner(i).phase, run.components)
-                scorer = StochasticStepper(ro.sampler, walk.steps.sigmas, torch.zeros(0, 0, dtype=torch.bool), [])
+                scorer = StochasticStepper(sampler, walk.steps.sigmas, torch.zeros(0, 0, dtype=torch.bool), [])
                 chunk = micro_batch or len(rows)
                 for start in range(0, len(rows), chunk):
                     sel = rows[start:start + chunk]
                     index = torch.tensor(sel)
                     images = walk.images.rows(index) if walk.images is not None else None
-                    x = pipe.family.reimpose({s: ro.states[s][index, k].to(pipe.device) for s in streams}, images,
+                    x = pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images,
                                              walk.geometry)
                     pred = run.prediction(walk, i, x, rows=sel)
-                    result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(pipe.device) for s in streams})
+                    result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(dev) for s in streams})
                     for s in streams:
                         out_lp[s][index, col] = result.stream_log_probs[s]  # type: ignore[index]
                         out_std[s][index, col] = result.std[s]  # type: ignore[index]
+                        out_std_t[s][index, col] = result.std_t[s]  # type: ignore[index]
                         for j, row in enumerate(sel):
                             means[s][row][col] = result.mean[s][j]  # type: ignore[index]
     stacked = {s: torch.stack([torch.stack(m) for m in means[s]]) for s in streams}  # type: ignore[arg-type]
-    return Replay(sum(out_lp.values()), out_lp, stacked, out_std)  # type: ignore[arg-type]
+    return Replay(sum(out_lp.values()), out_lp, stacked, out_std, out_std_t)  # type: ignore[arg-type]

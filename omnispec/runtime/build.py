@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -9,8 +11,10 @@ from typing import Any
 import torch
 
 from ..policies import apply_policies, check_policies, resolve_device
+from ..provenance import checkpoint_record
 from ..policies import quantization
-from ..spec import PipelineSpec, SpecError, load_spec
+from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
+from ..spec.base import DEVICE_PATTERN
 from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs, unresolved
 from . import distributed
 from .components import check_source, load_adapter_slots, load_components
@@ -39,7 +43,16 @@ def build(
     ``policies.parallel`` degrees above 1, the pipeline joins the initialised default process group (or
     ``process_group``), or initialises one from torchrun's environment. ``pipeline_class`` is what to
     return (``omnispec.build`` asks for the ``RLPipeline``, which adds rollouts).
+
+    Arguments are checked first: ``spec_or_path`` a ``PipelineSpec``, path or mapping; ``source`` a path or
+    None; ``overrides`` an iterable of ``"key=value"`` strings (not one string); ``device`` ``auto``, ``cpu``,
+    ``mps``, ``cuda`` or ``cuda:N`` (a string or ``torch.device``) that exists here; ``components`` a mapping
+    of component names; ``trust_code`` a bool. A wrong type raises ``SpecTypeError`` (a ``TypeError``), a
+    wrong value ``SpecError`` (a ``ValueError``), naming the argument.
     """
+    overrides = _check_arguments(spec_or_path, source, overrides, components, trust_code)
+    if device is not None:
+        check_device(device)
     if isinstance(spec_or_path, PipelineSpec):
         spec = spec_or_path
         if overrides:
@@ -51,12 +64,15 @@ def build(
         spec = load_spec(spec_or_path, overrides, trust_code=trust_code)
     family_cls = family_class(spec.model.family)
     family_cls.check_spec(spec)
+    if device is None:
+        check_device(spec.runtime.device, "runtime.device")
     target = resolve_device(device or spec.runtime.device)
     check_policies(spec, family_cls, target)
     par = spec.policies.parallel
     if par.ring * par.ulysses > 1:
         if not family_cls.context_parallel:
-            raise SpecError.single(f"family {family_cls.name!r} has no context-parallel plan for ulysses/ring",
+            raise SpecError.single(f"family {family_cls.name!r} cannot run ulysses/ring: "
+                                   f"{family_cls.context_parallel_refusal}",
                                    "policies.parallel")
         attention = spec.policies.attention
         for backend in (attention.default, *attention.per_role.values()):
@@ -77,7 +93,7 @@ def build(
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
     quantized = [note for name in given if (note := quantization.quantize_in_memory(
         spec, name, spec.model.components[name], given[name], target))]
-    load_adapter_slots(spec, modules)
+    load_adapter_slots(spec, modules, family_cls.pipeline_class)
     applied = apply_policies(spec, family_cls, modules, target)
     if quantized:
         applied.notes["quantization"] = "; ".join(quantized)
@@ -85,7 +101,54 @@ def build(
         denoisers = {n: modules[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
         distributed.enable_sequence_parallel(parallel, family_cls, denoisers)
     family = family_cls(spec, modules, target)
-    return pipeline_class(spec, family, modules, target, applied, parallel)
+    pipe = pipeline_class(spec, family, modules, target, applied, parallel)
+    pipe.checkpoint = checkpoint_record(spec, root, given)  # what outputs record as their checkpoint
+    return pipe
+
+
+def _check_arguments(spec_or_path: Any, source: Any, overrides: Any, components: Any, trust_code: Any) -> list[str]:
+    if not isinstance(spec_or_path, (PipelineSpec, str, os.PathLike, Mapping)):
+        raise SpecTypeError.single(f"expected a PipelineSpec, a spec file path or a mapping, got "
+                                   f"{type(spec_or_path).__name__}", "spec_or_path")
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise SpecTypeError.single(f"expected a checkpoint directory or Hub id, got {type(source).__name__}", "source")
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Iterable):
+        raise SpecTypeError.single(f"expected a list of 'key=value' strings, got {type(overrides).__name__}"
+                                   + (f" {overrides!r} (wrap one override in a list)" if isinstance(overrides, str)
+                                      else ""), "overrides")
+    overrides = list(overrides)
+    for i, item in enumerate(overrides):
+        if not isinstance(item, str):
+            raise SpecTypeError.single(f"expected a 'key=value' string, got {type(item).__name__}", f"overrides.{i}")
+    if components is not None:
+        if not isinstance(components, Mapping):
+            raise SpecTypeError.single(f"expected a mapping of component name to module, got "
+                                       f"{type(components).__name__}", "components")
+        for name in components:
+            if not isinstance(name, str):
+                raise SpecTypeError.single(f"component names are strings, got {type(name).__name__}", "components")
+    if not isinstance(trust_code, bool):
+        raise SpecTypeError.single(f"expected True or False, got {type(trust_code).__name__}", "trust_code")
+    return overrides
+
+
+def check_device(device: Any, where: str = "device") -> None:
+    """``device`` names a device this machine has: ``auto``, ``cpu``, ``mps``, ``cuda`` or ``cuda:N``."""
+    if isinstance(device, torch.device):
+        device = f"cuda:{device.index}" if device.type == "cuda" and device.index is not None else device.type
+    if not isinstance(device, str):
+        raise SpecTypeError.single(f"expected a device name or torch.device, got {type(device).__name__}", where)
+    if not re.fullmatch(DEVICE_PATTERN, device):
+        raise SpecError.single(f"unknown device {device!r}; expected auto, cpu, mps, cuda or cuda:N", where)
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SpecError.single(f"device {device!r} requested but CUDA is not available here", where)
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise SpecError.single(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                                   f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}", where)
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise SpecError.single("device 'mps' requested but MPS is not available here", where)
 
 
 def _against_checkpoint(spec: PipelineSpec, root: str | None) -> PipelineSpec:

@@ -16,6 +16,7 @@ from diffusers.guiders.classifier_free_zero_star_guidance import cfg_zero_star_s
 from diffusers.guiders.guider_utils import rescale_noise_cfg
 
 from ..spec import APG, GuidanceSpec, StepPlan
+from ..spec.guidance import Renorm
 from ..spec.plan import for_stream
 from .families import Streams
 
@@ -28,7 +29,8 @@ class GuidanceState:
 
 
 def combine(plan: StepPlan, preds: Mapping[str, Streams], guidance: GuidanceSpec, state: GuidanceState) -> Streams:
-    """Per stream: ``cond + sum_i c_i * (cond - pass_i)`` with APG / CFG-zero* rules for their pass, then rescale."""
+    """Per stream: ``cond + sum_i c_i * (cond - pass_i)`` with APG / CFG-zero* rules for their pass, then rescale
+    and renorm."""
     return {stream: _combine_stream(plan, {name: p[stream] for name, p in preds.items()}, guidance, state, stream)
             for stream in preds["cond"]}
 
@@ -60,4 +62,17 @@ def _combine_stream(plan: StepPlan, preds: dict[str, torch.Tensor], guidance: Gu
     rescale = for_stream(plan.rescale, stream)
     if rescale:
         pred = rescale_noise_cfg(pred, cond, rescale)
+    if plan.renorm is not None:
+        pred = _renorm(pred, cond, plan.renorm)
     return pred
+
+
+def _renorm(pred: torch.Tensor, cond: torch.Tensor, renorm: Renorm) -> torch.Tensor:
+    """``pred`` scaled by ``|cond| / |pred|`` per token or per sample, or only where it exceeds ``max_ratio``."""
+    dims = -1 if renorm.over == "token" else tuple(range(1, pred.ndim))
+    target = torch.linalg.vector_norm(cond, dim=dims, keepdim=True)
+    norm = torch.linalg.vector_norm(pred, dim=dims, keepdim=True)
+    if renorm.max_ratio is None:
+        return pred * (target / norm)
+    cap = target * renorm.max_ratio
+    return torch.where(norm > cap, pred * (cap / norm), pred)

@@ -132,7 +132,7 @@ def renoise(family: Family, latents: Streams, sigma: float, geometry: Geometry, 
 
 
 def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any]) -> None:
-    """Switch on the phase's adapter slot on its target and every other slot off."""
+    """Switch on the phase's adapter slot and the ``always`` slots on their targets, every other slot off."""
     if not spec.model.adapters:
         return
     from .components import adapter_target
@@ -142,8 +142,9 @@ def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any]) ->
         by_target.setdefault(adapter_target(spec, slot), []).append(slot)
     for target, slots in by_target.items():
         module = components[target]
-        if phase.adapter in slots:
+        active = [s for s in slots if s == phase.adapter or spec.model.adapters[s].always]
+        if active:
             module.enable_adapters()
-            module.set_adapters([phase.adapter], weights=[spec.model.adapters[phase.adapter].scale])
+            module.set_adapters(active, weights=[spec.model.adapters[s].scale for s in active])
         else:
             module.disable_adapters()

@@ -3,6 +3,9 @@ walks the phases and the output phase is decoded."""
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,10 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import provenance
+from ..log import timed
 from ..policies import AppliedPolicies
-from ..spec import PipelineSpec, explain_spec
+from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
 from ..spec.guidance import NEGATIVE_TERMS
-from ..spec.request import Request, resolve_request
+from ..spec.request import Request, request_problems, resolve_request
 from .distributed import ParallelContext, data_slice, gather_samples
 from .families import Conditioning, Decoded, Family, Streams
 from .run import Run
@@ -23,7 +28,8 @@ from .run import Run
 class Output:
     """``array``: decoded float32 in [0, 1], channels last, batch first; ``images`` (PIL) for image tasks,
     ``frames`` (one F x H x W x 3 array per sample) for video tasks; ``audio`` (B, channels, samples) float32
-    at ``sample_rate`` for families with a sound track. ``latents``: the output phase's streams."""
+    at ``sample_rate`` for families with a sound track. ``latents``: the output phase's streams. ``provenance``:
+    what made it (spec, request, checkpoint, versions), written into every saved file (``omnispec.provenance``)."""
 
     array: np.ndarray
     latents: Streams
@@ -32,11 +38,22 @@ class Output:
     frames: list[np.ndarray] = field(default_factory=list)
     audio: np.ndarray | None = None
     sample_rate: int | None = None
+    provenance: dict[str, Any] | None = None
 
-    def save(self, path: str | Path) -> list[Path]:
-        from .media import save_output
+    def save(self, path: str | Path, *, overwrite: bool = False) -> list[Path]:
+        """Write the outputs (``.png``/``.jpg``/``.webp`` per image, ``.gif``/``.mp4``/``.png`` per video, ``.npy``
+        for the array; several as ``name-0.png`` ...), each through a temporary file renamed into place. An
+        existing file is replaced only with ``overwrite=True``; a path that can't be written raises ``SpecError``
+        naming it."""
+        from .media import check_output_path, save_output
 
-        return save_output(self, Path(path))
+        if not isinstance(path, (str, os.PathLike)):
+            raise SpecTypeError.single(f"expected a file path, got {type(path).__name__}", "path")
+        path = Path(path)
+        samples = len(self.images) or len(self.frames) or 1
+        check_output_path(path, bool(self.frames), samples, overwrite=overwrite, where="path",
+                          audio=self.audio is not None)
+        return save_output(self, path, overwrite=overwrite)
 
 
 class Pipeline:
@@ -48,24 +65,49 @@ class Pipeline:
         self.device = device
         self.policies = policies or AppliedPolicies()
         self.parallel = parallel
-        self.weight_version = 0  # bumped by every weight update; keys the prompt-embedding cache
-        self._encodings: dict[tuple, Conditioning] = {}
+        self.weight_version = 0  # bumped by every weight update; the prompt-embedding cache is emptied on a change
+        self.checkpoint: dict[str, Any] | None = None  # where the weights came from (build sets it; outputs record it)
+        limit = spec.runtime.encoding_cache_bytes
+        self._encodings = EncodingCache(default_cache_bytes(device) if limit is None else limit)
+        self._encodings_version = 0
 
     # ---- requests -------------------------------------------------------------------------------------
 
     def __call__(self, prompt: str | list[str], seed: int | list[int] | None = None, **request: Any) -> Output:
+        """Generate: ``pipe(prompt, seed, **fields)`` is ``pipe.generate(pipe.request(prompt, seed, **fields))``;
+        the arguments are checked as ``request`` checks them, before any work."""
         return self.generate(self.request(prompt, seed, **request))
 
     def request(self, prompt: str | list[str], seed: int | list[int] | None = None, **fields: Any) -> Request:
-        """A request resolved against the recipe's defaults and checked against the recipe and the family."""
+        """A request resolved against the recipe's defaults and checked against the recipe and the family.
+
+        ``prompt``: a string or a non-empty list of strings. ``seed``: an int ``S`` (prompt ``i`` gets ``S + i``),
+        a list with one int per prompt, or None (``runtime.seed``); every seed must lie in torch's ``manual_seed``
+        range ``[-2**63, 2**64 - 1]``. ``fields``: ``negative_prompt``, ``height``, ``width``, ``frames``, ``fps``,
+        ``steps``, ``guidance_scale``, ``max_sequence_length``, ``strength``, ``image``, ``conditions``, each
+        within the recipe's constraints and README's limits; numbers must be finite and not ``bool``/``str``.
+        Raises ``SpecTypeError`` (a ``TypeError``) for an argument of the wrong type or an unknown field and
+        ``SpecError`` (a ``ValueError``) for a wrong value, each naming the argument and what was expected.
+        """
         req = resolve_request(self.spec, prompt, seed, **fields)
         self.family.check_request(req)
         return req
 
     @torch.no_grad()
     def generate(self, request: Request, decode: bool = True) -> Output:
-        """Run a resolved request; ``decode=False`` skips the VAE and leaves ``array`` empty. Under data
-        parallelism each data group runs its share of the samples and every rank gets the whole output."""
+        """Run a resolved request (from ``request``); ``decode=False`` skips the VAE and leaves ``array`` empty.
+        Under data parallelism each data group runs its share of the samples and every rank gets the whole
+        output. A request that isn't a ``Request``, or breaks this recipe's constraints (one resolved by another
+        pipeline), raises ``SpecTypeError``/``SpecError`` before any work."""
+        if not isinstance(request, Request):
+            raise SpecTypeError.single(f"expected a Request (from pipe.request(...)), got {type(request).__name__}; "
+                                       "call pipe(prompt, ...) to generate from a prompt", "request")
+        if not isinstance(decode, bool):
+            raise SpecTypeError.single(f"expected True or False, got {type(decode).__name__}", "decode")
+        problems = request_problems(self.spec, request)
+        if problems:
+            raise SpecError(problems)
+        self.family.check_request(request)
         ctx = self.parallel
         if ctx is not None and ctx.data > 1:
             share = list(data_slice(ctx, len(request.prompts)))
@@ -85,12 +127,16 @@ class Pipeline:
         run = Run(self, request)
         results = run.execute()
         out = results[self.spec.recipe.output_index() or 0]
-        decoded = self.family.decode(out.latents, out.geometry) if decode else Decoded(np.empty((0,), np.float32))
+        if decode:
+            with timed(f"decoding {len(request.prompts)} sample(s)"):
+                decoded = self.family.decode(out.latents, out.geometry)
+        else:
+            decoded = Decoded(np.empty((0,), np.float32))
         return self._output(request, decoded, out.latents, decode)
 
     def _output(self, request: Request, decoded: Decoded, latents: Streams, decode: bool) -> Output:
         output = Output(array=decoded.array, latents=latents, request=request, audio=decoded.audio,
-                        sample_rate=decoded.sample_rate)
+                        sample_rate=decoded.sample_rate, provenance=provenance.record(self, request))
         if not decode:
             return output
         if self.spec.recipe.task.endswith("video"):
@@ -113,13 +159,15 @@ class Pipeline:
         return positive, negative
 
     def _encode_rows(self, prompts: list[str], request: Request) -> Conditioning:
+        if self._encodings_version != self.weight_version:  # encodings of older weights are never used again
+            self._encodings.clear()
+            self._encodings_version = self.weight_version
         unique = list(dict.fromkeys(prompts))
-        key = (tuple(unique), request.max_sequence_length, request.image_digests, self.weight_version)
-        if key not in self._encodings:
-            if len(self._encodings) >= 64:
-                self._encodings.pop(next(iter(self._encodings)))
-            self._encodings[key] = self.family.encode(unique, request)
-        encoded = self._encodings[key]
+        key = (tuple(unique), request.max_sequence_length, request.image_digests)
+        encoded = self._encodings.get(key)
+        if encoded is None:
+            encoded = self.family.encode(unique, request)
+            self._encodings.put(key, encoded, extra_bytes=sum(len(p) for p in unique))
         if unique == prompts:
             return encoded
         return encoded.rows(torch.tensor([unique.index(p) for p in prompts]))
@@ -134,8 +182,10 @@ class Pipeline:
 
     # ---- introspection ----------------------------------------------------------------------------------
 
-    def explain(self, **request: Any) -> dict[str, Any]:
-        """The resolved plan (as ``omnispec explain``), with the sigmas this checkpoint actually walks."""
+    def explain(self, *, as_dict: bool = False, **request: Any) -> str | dict[str, Any]:
+        """The resolved plan as ``omnispec explain`` prints it, with the sigmas this checkpoint actually walks and
+        the policies as applied here; ``as_dict=True`` gives the same as a JSON-ready dict (``--json``).
+        ``request`` fields (``steps``, ``height`` ...) plan a request other than the recipe's defaults."""
         req = resolve_request(self.spec, "", None, planning=True, **request)
         run = Run(self, req, encodings=(Conditioning({}), None))
         sigmas: dict[str, list[float]] = {}
@@ -145,7 +195,60 @@ class Pipeline:
         attention = {role: note for role, note in self.policies.attention.notes.items()}
         info = explain_spec(run.spec, req.steps, sigmas, attention=attention or None)
         info["applied"] = dict(self.policies.notes)
-        return info
+        return info if as_dict else render_explain(info)
+
+
+class EncodingCache:
+    """Prompt encodings by key, bounded in bytes (every tensor of an entry, plus its prompts' length); the least
+    recently used entry goes first, and an entry larger than the whole bound is not kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[Hashable, tuple[Conditioning, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable) -> Conditioning | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: Hashable, value: Conditioning, extra_bytes: int = 0) -> None:
+        size = conditioning_bytes(value) + extra_bytes
+        if key in self._entries:
+            self.nbytes -= self._entries.pop(key)[1]
+        if size > self.max_bytes:
+            return
+        while self._entries and self.nbytes + size > self.max_bytes:
+            self.nbytes -= self._entries.popitem(last=False)[1][1]
+        self._entries[key] = (value, size)
+        self.nbytes += size
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+
+def conditioning_bytes(value: Conditioning) -> int:
+    tensors = {id(t): t for t in (*value.batched.values(), *value.shared.values()) if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def default_cache_bytes(device: torch.device) -> int:
+    """1% of the device's memory (the host's for a CPU); 256 MiB where it can't be read."""
+    total = None
+    try:
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        elif device.type == "cpu":
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        total = None
+    return total // 100 if total else 256 << 20
 
 
 def to_uint8(a: np.ndarray) -> np.ndarray:

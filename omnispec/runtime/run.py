@@ -28,7 +28,7 @@ from .distributed import broadcast_pass, check_sequence, gather_passes
 from .families import Conditioning, Geometry, Perturbation, Streams, batch_of, cat_streams
 from .guidance import GuidanceState, combine
 from .phases import first_step, group_steps, phase_groups, renoise, set_adapter, transform_latents
-from .samplers import StepResult, Stepper, StochasticStepper, sde_generators, window_mask
+from .samplers import StepResult, Stepper, StochasticStepper, sde_generators, stochastic_stepper, window_mask
 from .schedule import Steps
 
 if TYPE_CHECKING:
@@ -64,6 +64,11 @@ class Walk:
     offset: int
     max_rows: int | None
     images: Conditioning | None = None
+
+    @property
+    def phase_starts(self) -> list[int]:
+        """The first step each phase of the walk runs."""
+        return [run.indices[0] for run in self.phases if run.indices]
 
     def owner(self, i: int) -> PhaseRun:
         return next(run for run in self.phases if i in run.plans)
@@ -175,7 +180,7 @@ class Run:
         if needs_noise and walk.begin < len(walk.steps):
             x = renoise(self.family, x, walk.steps.step_sigmas[walk.begin], geometry, self.generators)
         self.condition(walk)
-        return self.family.reimpose(x, walk.images, geometry)
+        return self.family.start(x, walk.images, geometry)
 
     def _stepper(self, walk: Walk) -> Stepper:
         custom = self.stepper_for(walk) if self.stepper_for is not None else None
@@ -184,10 +189,11 @@ class Run:
         sampler = walk.first.sampler
         if sampler.kind == "ode":
             return walk.steps.stepper(self.family.streams, walk.begin)
-        walk.steps.check_stochastic(f"recipe.phases.{self.spec.recipe.phases.index(walk.first)}.sampler")
         seeds = list(self.request.seeds)
-        mask = window_mask(sampler, len(walk.steps), torch.arange(len(seeds)), seeds[0])
-        return StochasticStepper(sampler, walk.steps.sigmas, mask, sde_generators(seeds, self.device))
+        mask = window_mask(sampler, len(walk.steps), torch.arange(len(seeds)), seeds[0], start=walk.begin)
+        return stochastic_stepper(sampler, walk.steps, mask, sde_generators(seeds, self.device),
+                                  where=f"recipe.phases.{self.spec.recipe.phases.index(walk.first)}.sampler",
+                                  begin=walk.begin, phase_starts=walk.phase_starts)
 
     def _denoise(self, walk: Walk, x: Streams, observer: StepObserver | None) -> Streams:
         stepper = self._stepper(walk)
@@ -198,8 +204,10 @@ class Run:
         for i in tqdm(range(walk.begin, len(walk.steps)), desc=label, disable=not progress, leave=False):
             if i in starts:
                 set_adapter(self.spec, starts[i].phase, self.components)
-            if self.cache is not None and not self.cache.computes(i) and last is not None:
-                pred = last  # step_mask: reuse the previous step's combined prediction
+            # step_mask, or a stochastic stepper's cheaper steps outside its window: reuse the last prediction
+            reuse = isinstance(stepper, StochasticStepper) and stepper.reuses(i)
+            if (reuse or self.cache is not None and not self.cache.computes(i)) and last is not None:
+                pred = last
             else:
                 pred = self.prediction(walk, i, x)
             last = pred
@@ -246,23 +254,30 @@ class Run:
 
     def _local_passes(self, walk: Walk, run: PhaseRun, i: int, names: list[str], x: Streams,
                       rows: Sequence[int] | None) -> dict[str, Streams]:
-        """Unperturbed passes in one batched forward (at most ``max_rows`` rows each), perturbed ones alone."""
+        """Unperturbed passes, and those whose perturbation the family applies per row, in one batched forward
+        (at most ``max_rows`` rows each); other perturbed passes alone."""
         assert run.passes is not None
         passes = run.passes
-        plain = [p for p in names if passes.perturbations.get(p) is None]
-        groups: list[tuple[list[str], Perturbation | None]] = [(plain, None)] if plain else []
-        groups += [([p], passes.perturbations[p]) for p in names if passes.perturbations.get(p) is not None]
+        perturbation_of = passes.perturbations.get
+        shared = [p for p in names if perturbation_of(p) is None or perturbation_of(p).kind in
+                  self.family.row_perturbations]
+        groups = [shared] if shared else []
+        groups += [[p] for p in names if p not in shared]
         plan, t = run.plans[i], walk.steps.timesteps[i]
         b = batch_of(x)
         preds: dict[str, Streams] = {}
-        for group, perturbation in groups:
+        for group in groups:
             cond = Conditioning.cat([_rows(passes.conditions[n], rows) for n in group])
+            per_row = [perturbation_of(n) for n in group for _ in range(b)]
             total = len(group) * b
             chunk = total if walk.max_rows is None else max(1, min(walk.max_rows, total))
             xs = cat_streams([x] * len(group))
             outs = []
             for start in range(0, total, chunk):
                 sl = slice(start, min(total, start + chunk))
+                mixed = per_row[sl]
+                perturbation: Perturbation | list[Perturbation | None] | None = (
+                    mixed[0] if all(p is mixed[0] for p in mixed) else mixed)
                 outs.append(self.family.predict(run.denoiser, {s: v[sl] for s, v in xs.items()}, t, cond.rows(sl),
                                                 walk.geometry, embedded=plan.embedded, perturbation=perturbation))
             out = cat_streams(outs)

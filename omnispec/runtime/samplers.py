@@ -25,8 +25,10 @@ class StepResult:
     next: Streams
     log_prob: torch.Tensor | None = None  # (B,) float32: the sum of the streams' log-probs
     stream_log_probs: dict[str, torch.Tensor] | None = None  # (B,) per stream
-    mean: Streams | None = None  # float32
-    std: dict[str, torch.Tensor] | None = None  # (B,) per stream
+    mean: Streams | None = None  # float32: the mean of the transition to ``next``
+    std: dict[str, torch.Tensor] | None = None  # (B,) per stream: the std of the transition
+    std_t: dict[str, torch.Tensor] | None = None  # (B,) per stream: Flow-GRPO's std_dev_t (see ``Transition``)
+    x0: Streams | None = None  # float32 clean-sample estimate ``x - sigma v`` (a walk's last step, on request)
 
 
 class Stepper(Protocol):
@@ -68,10 +70,40 @@ class SchedulerStepper:
 
 # ---- stochastic steps (RL rollouts) --------------------------------------------------------------------
 
+# log N(x; mu, s^2) = -(x - mu)^2 / (2 s^2) - log s - HALF_LOG_2PI (the float32 value of log sqrt(2 pi))
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class Transition:
+    """One stochastic step of one stream, all float32 and ``(B,)`` for the per-row values.
+
+    ``std`` is the std of the transition ``x -> sample``; ``std_t`` is the coefficient Flow-GRPO returns as
+    ``std_dev_t`` and divides its KL term by: for ``sde`` the noise scale before the ``sqrt(sigma -
+    sigma_next)`` factor, ``noise_level * sqrt(sigma / (1 - sigma))``; for ``dance_sde`` likewise, ``eta``;
+    for ``cps``, which has no such factor, the transition std itself."""
+
+    sample: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    std_t: torch.Tensor
+
+
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """log N(sample; mean, std^2) per element, averaged over every non-batch dimension (float32)."""
     std = std.to(torch.float32)
-    lp = -((sample.detach().float() - mean.float()) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    # contiguous operands: the reduction order (so the last bit of the mean) must not depend on whether the
+    # sample is a slice of a stored rollout or a fresh draw
+    lp = -((sample.detach().float().contiguous() - mean.float().contiguous()) ** 2) / (2 * std**2) - torch.log(std) \
+        - HALF_LOG_2PI
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def squared_error_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``-(sample - mean)^2`` averaged over every non-batch dimension: the Gaussian log-density with every
+    constant removed, as Flow-GRPO and Flow-CPS score CPS steps (finite where the std is 0)."""
+    lp = -((sample.detach().float().contiguous() - mean.float().contiguous()) ** 2)
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
@@ -84,19 +116,22 @@ def stochastic_step(
     sigma_guard: torch.Tensor,
     noise: torch.Tensor | None = None,
     sample: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One SDE step of one stream in float32: ``(sample, log_prob, mean, std)``. The mean and std of ``x_next``
-    follow from the prediction; then either a draw (``noise``) or the log-prob of a given ``sample`` (replay).
-    ``sigma``/``sigma_next`` are per-row tensors shaped to broadcast; ``sigma_guard`` replaces sigma = 1 in
-    Flow-GRPO's ``1 - sigma``.
+) -> Transition:
+    """One SDE step of one stream in float32. The transition's mean and std follow from the prediction
+    ``v``; then either a draw (``noise``) or the log-prob of a given ``sample`` (replay). ``sigma`` and
+    ``sigma_next`` are per-row tensors shaped to broadcast; ``sigma_guard`` replaces sigma = 1 in ``1 - sigma``
+    (Flow-GRPO takes the schedule's second sigma: 0 for a one-step schedule). With ``dt = sigma_next - sigma``:
 
-    - ``sde`` (Flow-GRPO): ``std_t = eta * sqrt(sigma / (1 - sigma))``, ``dt = sigma_next - sigma``,
+    - ``sde`` (Flow-GRPO): ``std_t = eta sqrt(sigma / (1 - sigma))``,
       ``mean = x (1 + std_t^2 dt / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt``,
-      ``std = std_t sqrt(-dt)``.
-    - ``cps``: ``x0 = x - sigma v``, ``x1 = x + (1 - sigma) v``, ``std = sigma_next sin(eta pi / 2)``,
-      ``mean = (1 - sigma_next) x0 + sqrt(sigma_next^2 - std^2) x1``.
-    - ``dance_sde``: ``std = eta sqrt(sigma - sigma_next)``, ``mean = x + v dt - eta^2 / 2 * score * dt``
-      with ``score = -(x - (1 - sigma) x0) / sigma^2``.
+      ``std = std_t sqrt(-dt)``; Gaussian log-prob.
+    - ``cps`` (Flow-CPS): ``x0 = x - sigma v``, ``x1 = x + (1 - sigma) v``, ``std = sigma_next sin(eta pi / 2)``,
+      ``mean = (1 - sigma_next) x0 + sqrt(sigma_next^2 - std^2) x1``; log-prob ``-(sample - mean)^2`` (or the
+      Gaussian with ``log_prob: gaussian``).
+    - ``dance_sde`` (DanceGRPO): ``std = eta sqrt(-dt)``, ``mean = x + v dt - eta^2 / 2 * score * dt`` with
+      ``score = -(x - (1 - sigma) x0) / sigma^2``; Gaussian log-prob.
+
+    Log-probs are averaged over every non-batch element, as both trainers do.
     """
     x32, v = x.to(torch.float32), pred.to(torch.float32)
     dt = sigma_next - sigma
@@ -105,21 +140,29 @@ def stochastic_step(
         mean = x32 * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
         std = std_t * torch.sqrt(-dt)
     elif sampler.kind == "cps":
-        std = sigma_next * math.sin(sampler.noise_level * math.pi / 2)
+        std = std_t = sigma_next * math.sin(sampler.noise_level * math.pi / 2)
         x0, x1 = x32 - sigma * v, x32 + (1 - sigma) * v
         mean = x0 * (1 - sigma_next) + x1 * torch.sqrt(sigma_next**2 - std**2)
     elif sampler.kind == "dance_sde":
         std = sampler.eta * torch.sqrt(-dt)
+        std_t = torch.full_like(std, sampler.eta)
         x0 = x32 - sigma * v
         score = -(x32 - x0 * (1 - sigma)) / sigma**2
         mean = x32 + dt * v - 0.5 * sampler.eta**2 * score * dt
     else:
         raise ValueError(f"not a stochastic sampler: {sampler.kind!r}")
-    std = torch.as_tensor(std, dtype=torch.float32, device=mean.device).expand(mean.shape[0], *[1] * (mean.ndim - 1))
+    rows = (mean.shape[0], *[1] * (mean.ndim - 1))
+    std = torch.as_tensor(std, dtype=torch.float32, device=mean.device).expand(rows)
+    std_t = torch.as_tensor(std_t, dtype=torch.float32, device=mean.device).expand(rows)
     if sample is None:
-        assert noise is not None
+        if noise is None:
+            raise ValueError("stochastic_step needs the noise to draw with, or the sample to score")
         sample = mean + std * noise.to(torch.float32)
-    return sample, gaussian_log_prob(sample, mean, std), mean, std.flatten()
+    if sampler.kind == "cps" and sampler.log_prob == "squared_error":
+        log_prob = squared_error_log_prob(sample, mean)
+    else:
+        log_prob = gaussian_log_prob(sample, mean, std)
+    return Transition(sample, log_prob, mean, std.flatten(), std_t.flatten())
 
 
 # A sample's SDE noise comes from its seed plus this offset, so it never repeats its initial noise.
@@ -127,28 +170,61 @@ SDE_SEED_OFFSET = 1 << 31
 
 
 def sde_generators(seeds: list[int], device: torch.device | str) -> list[torch.Generator]:
-    """One SDE-noise generator per sample, on the device the latents live on: drawing on the host was the
-    largest host-side cost of a GPU rollout (8.4 M normals per step at 128 x 512²). Streams therefore differ
-    between devices; replay never redraws noise, so log-prob ratios don't depend on it."""
+    """One SDE-noise generator per sample, on the device the latents live on (a draw on the host per step
+    and sample costs more than the step on a GPU). Streams therefore differ between devices; replay never
+    redraws noise, so log-prob ratios don't depend on it."""
     return [torch.Generator(device).manual_seed(s + SDE_SEED_OFFSET) for s in seeds]
+
+
+def reused_steps(sampler: Any, window: torch.Tensor, begin: int = 0, phase_starts: Sequence[int] = ()) -> set[int]:
+    """The steps outside the window (``window[i]``: some sample is stochastic at step ``i``) that reuse the last
+    computed prediction under ``sampler.outside_window.compute_every = k``: in each run of outside steps (a run
+    restarts after a window step, at ``begin`` and at every phase start), the first step and every k-th after
+    it compute; the others reuse."""
+    k = sampler.outside_window.compute_every
+    reused: set[int] = set()
+    if k == 1:
+        return reused
+    position = 0
+    for i in range(begin, len(window)):
+        fresh = i == begin or i in phase_starts or bool(window[i]) or bool(window[i - 1])
+        position = 0 if fresh else position + 1
+        if not bool(window[i]) and position % k:
+            reused.add(i)
+    return reused
 
 
 class StochasticStepper:
     """Euler steps, except where ``mask[b, i]`` marks a stochastic step of sample ``b``: there the spec's SDE
     runs with that sample's own generator (drawing each stream's noise in stream order), and the result
     carries log-probs, means and stds. States stay float32, whatever the latents' dtype: a log-prob scores
-    exactly the sample that is stored and stepped on."""
+    exactly the sample that is stored and stepped on.
 
-    def __init__(self, sampler: Any, sigmas: torch.Tensor, mask: torch.Tensor, generators: list[torch.Generator]):
+    ``reuses(i)`` tells the loop which steps outside the window may reuse the last prediction (the sampler's
+    ``outside_window``); on the walk's last step the result carries the clean-sample estimate ``x0`` when the
+    sampler decodes it."""
+
+    def __init__(self, sampler: Any, sigmas: torch.Tensor, mask: torch.Tensor, generators: list[torch.Generator],
+                 *, begin: int = 0, phase_starts: Sequence[int] = ()):
         self.spec, self.sigmas, self.mask, self.generators = sampler, sigmas.to(torch.float32), mask, generators
-        self.guard = self.sigmas[1] if len(self.sigmas) > 2 else self.sigmas[0]
+        # Flow-GRPO's guard for sigma = 1: the schedule's second sigma (the terminal 0 for a one-step schedule).
+        self.guard = self.sigmas[1]
+        window = mask.any(0) if mask.numel() else torch.zeros(len(self.sigmas) - 1, dtype=torch.bool)
+        self.reused = reused_steps(sampler, window, begin, phase_starts)
+        self.x0_at = len(self.sigmas) - 2 if sampler.decode == "x0" else None
+
+    def reuses(self, i: int) -> bool:
+        """Whether step ``i`` (outside the window) may reuse the last computed prediction."""
+        return i in self.reused
 
     def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
         dt = self.sigmas[i + 1] - self.sigmas[i]
         ode = {s: euler(x[s], pred[s], dt) for s in x}
+        x0 = {s: x[s].float() - self.sigmas[i].to(x[s].device) * pred[s].float() for s in x} \
+            if i == self.x0_at else None
         rows = self.mask[:, i]
         if not bool(rows.any()):
-            return StepResult(ode)
+            return StepResult(ode, x0=x0)
         # Only samples in their window draw noise, each from its own generator: a sample's stream never
         # depends on its batch-mates' windows. Draws happen where the generators live (see sde_generators).
         picked = torch.nonzero(rows).flatten().tolist()
@@ -161,6 +237,7 @@ class StochasticStepper:
         for s in x:
             keep = rows.to(x[s].device).reshape(-1, *[1] * (x[s].ndim - 1))
             sde.next[s] = torch.where(keep, sde.next[s], ode[s])
+        sde.x0 = x0
         return sde
 
     def score(self, x: Streams, pred: Streams, i: int, sample: Streams) -> StepResult:
@@ -169,52 +246,93 @@ class StochasticStepper:
 
     def _sde(self, x: Streams, pred: Streams, i: int, *, noise: Mapping[str, torch.Tensor] | None = None,
              sample: Streams | None = None) -> StepResult:
-        result = StepResult({}, stream_log_probs={}, mean={}, std={})
+        result = StepResult({}, stream_log_probs={}, mean={}, std={}, std_t={})
         for s in x:
             shape = (-1, *[1] * (x[s].ndim - 1))
             device = x[s].device
             sigma = self.sigmas[i].to(device).expand(x[s].shape[0]).reshape(shape)
             sigma_next = self.sigmas[i + 1].to(device).expand(x[s].shape[0]).reshape(shape)
-            out, lp, mean, std = stochastic_step(
-                self.spec, x[s], pred[s], sigma, sigma_next, self.guard.to(device),
-                noise=None if noise is None else noise[s].to(device),
-                sample=None if sample is None else sample[s].to(device))
-            result.next[s] = out
-            result.stream_log_probs[s], result.mean[s], result.std[s] = lp, mean, std  # type: ignore[index]
+            t = stochastic_step(self.spec, x[s], pred[s], sigma, sigma_next, self.guard.to(device),
+                                noise=None if noise is None else noise[s].to(device),
+                                sample=None if sample is None else sample[s].to(device))
+            result.next[s] = t.sample
+            result.stream_log_probs[s], result.mean[s] = t.log_prob, t.mean  # type: ignore[index]
+            result.std[s], result.std_t[s] = t.std, t.std_t  # type: ignore[index]
         result.log_prob = sum(result.stream_log_probs.values())  # type: ignore[union-attr, assignment]
         return result
 
 
-def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int, start: int = 0) -> torch.Tensor:
-    """(B, steps) bool: which steps are stochastic for each sample. Steps before ``start`` never run (a walk
-    that begins late: re-noising, image strength), so no window may use them."""
-    b = len(group_ids)
-    last = steps - 1 if sampler.kind == "cps" else steps  # CPS's final step has std 0: it stays deterministic
-    window = sampler.window
+def stochastic_stepper(sampler: Any, steps: Any, mask: torch.Tensor, generators: list[torch.Generator], *,
+                       where: str, begin: int = 0, phase_starts: Sequence[int] = ()) -> StochasticStepper:
+    """The stochastic stepper of a walk over ``steps`` (a ``schedule.Steps``). A multistep solver's schedule is
+    refused unless the sampler asks for Euler steps on it (``multistep: euler``)."""
+    if sampler.multistep == "refuse":
+        try:
+            steps.check_stochastic(where)
+        except SpecError as exc:
+            raise SpecError.single(f"{exc.problems[0].message}; or set multistep: euler to take Euler and SDE steps "
+                                   "on its sigmas, as Flow-GRPO's Wan pipeline does", where) from None
+    return StochasticStepper(sampler, steps.sigmas, mask, generators, begin=begin, phase_starts=phase_starts)
+
+
+def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int, start: int = 0,
+                walks: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """(B, steps) bool: which steps are stochastic for each sample. ``walks`` are the ``[first, end)`` step
+    ranges the request's walks run (default: ``[start, steps)``; steps before a walk's first never run:
+    re-noising, image strength). A window lies in one walk, and a walk's last step is left out unless the
+    sampler's ``include_last`` is set (both official trainers leave it out)."""
+    spans = list(walks) if walks is not None else [(start, steps)]
+    cut = 0 if sampler.include_last else 1
+    usable = torch.zeros(steps, dtype=torch.bool)
+    for first, end in spans:
+        usable[first:max(first, end - cut)] = True
+    if not bool(usable.any()):
+        raise SpecError.single(
+            "no step is left for the window: " + ", ".join(f"steps {a}-{b - 1}" for a, b in spans) + " run, and a "
+            "walk's last step is deterministic unless the sampler sets include_last: true", "sampler.window")
+    b, window = len(group_ids), sampler.window
     mask = torch.zeros(b, steps, dtype=torch.bool)
     if window.kind == "all":
-        mask[:, start:last] = True
+        mask[:, usable] = True
         return mask
-    if window.length > last - start:
-        raise SpecError.single(f"window length {window.length} exceeds the {last - start} usable steps", "sampler.window")
+
+    def fits(first: int) -> bool:
+        end = first + window.length
+        return end <= steps and bool(usable[first:end].all()) and any(a <= first and end <= z for a, z in spans)
+
     if window.kind == "fixed":
-        if window.start < start:
-            raise SpecError.single(f"window starts at step {window.start}, before step {start}, the first that runs",
-                                   "sampler.window")
-        if window.start + window.length > last:
-            raise SpecError.single(f"window {window.start}+{window.length} runs past step {last - 1}", "sampler.window")
+        if not fits(window.start):
+            raise SpecError.single(
+                f"window {window.start}+{window.length} (steps {window.start}-{window.start + window.length - 1}) "
+                f"does not fit the usable steps {_ranges(usable)} of one walk (a walk's last step is usable only "
+                "with include_last: true)", "sampler.window")
         mask[:, window.start:window.start + window.length] = True
         return mask
-    low, high = max(window.low, start), min(window.high, last - window.length)
-    if low > high:
-        raise SpecError.single(f"no room for a {window.length}-step window in [{window.low}, {window.high}]",
-                               "sampler.window")
-    gen = torch.Generator().manual_seed(window.seed * 1_000_003 + seed)
+    candidates = [s for s in range(window.low, window.high + 1) if fits(s)]
+    if not candidates:
+        raise SpecError.single(f"no room for a {window.length}-step window starting in [{window.low}, {window.high}] "
+                               f"within the usable steps {_ranges(usable)} of one walk", "sampler.window")
+    gen = torch.Generator().manual_seed((window.seed * 1_000_003 + seed) % (1 << 64))  # as torch wraps negatives
     # ``group_ids`` are global ids (sample ids for scope "sample"), so a shard of a batch draws the same
     # windows its samples get in the whole batch: draws are a prefix-consistent sequence.
     draws = 1 if window.scope == "batch" else int(group_ids.max()) + 1
-    starts = torch.randint(low, high + 1, (draws,), generator=gen)
+    picks = torch.randint(0, len(candidates), (draws,), generator=gen)
     for row in range(b):
-        first = int(starts[0 if window.scope == "batch" else int(group_ids[row])])
+        first = candidates[int(picks[0 if window.scope == "batch" else int(group_ids[row])])]
         mask[row, first:first + window.length] = True
     return mask
+
+
+def _ranges(usable: torch.Tensor) -> str:
+    """``usable``'s true runs as "a-b, c-d"."""
+    out, i, n = [], 0, len(usable)
+    while i < n:
+        if bool(usable[i]):
+            j = i
+            while j + 1 < n and bool(usable[j + 1]):
+                j += 1
+            out.append(f"{i}-{j}")
+            i = j + 1
+        else:
+            i += 1
+    return ", ".join(out) or "none"

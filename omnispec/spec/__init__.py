@@ -1,6 +1,6 @@
 """The omnispec spec layer: pure data (pydantic v2), its loader and pure helpers. Never imports torch."""
 
-from .errors import Problem, SpecError
+from .errors import Problem, SpecError, SpecTypeError
 from .explain import explain_spec, render_explain
 from .guidance import (
     APG,
@@ -34,7 +34,7 @@ __all__ = [
     "APG", "CFG", "CFGZeroStar", "AdapterSlot", "BUILTIN_FAMILIES", "Component", "Constraints", "GuidanceSpec",
     "FlowMatchSchedule", "Modality", "ModelSpec", "Phase", "PipelineSpec", "PlannedTerm", "Policies", "Problem",
     "Recipe", "RequestDefaults", "RuntimeSpec", "ScaleSchedule", "SchedulerSchedule", "SegmentSchedule",
-    "SkipLayer", "SpecError", "StepPlan", "TrueCFG", "Window", "apply_override", "compile_plan", "compress_plan",
+    "SkipLayer", "SpecError", "SpecTypeError", "StepPlan", "TrueCFG", "Window", "apply_override", "compile_plan", "compress_plan",
     "deep_merge", "dump_spec", "explain_spec", "flow_match_sigmas", "json_schema", "load_spec", "render_explain",
     "resolve_spec_data", "validate_spec",
 ]

@@ -1,4 +1,8 @@
-"""Shared base for every spec model: closed (unknown keys are errors) and immutable."""
+"""Shared base for every spec model: closed (unknown keys are errors), immutable, finite; and the limits.
+
+The limits are far above what any real run needs; they exist so that a mistyped or hostile value is refused
+at read time with its field path, instead of running out of memory later (README, "Limits and errors").
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,36 @@ DType = Literal["float32", "float16", "bfloat16"]
 # A value in [0, 1]: step fractions, normalised timesteps, sigmas.
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 
+# ---- limits ----------------------------------------------------------------------------------------------
+MAX_SPEC_BYTES = 1 << 20  # one spec file (the bundled ones are 1-3 KB)
+MAX_SPEC_DEPTH = 32  # nesting of mappings and lists, aliases expanded (a valid spec nests 12 deep at most)
+MAX_SPEC_NODES = 100_000  # values in one file, aliases expanded
+MAX_EXTENDS = 16  # files in one extends chain
+MAX_STEPS = 10_000  # denoise steps of a phase or a request
+MAX_SIZE = 16_384  # pixels per side (height, width)
+MAX_FRAMES = 10_000
+MAX_FPS = 1_000
+MAX_SEQUENCE_LENGTH = 65_536  # prompt tokens
+# Devices a spec or a caller may name (``runtime.device``, ``--device``, ``build(device=)``).
+DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d{1,4})?)$"
+# ``torch.Generator.manual_seed`` takes exactly this range; every per-sample seed (seed + i) must lie in it.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
+Frames = Annotated[int, Field(ge=1, le=MAX_FRAMES)]
+Fps = Annotated[int, Field(ge=1, le=MAX_FPS)]
+SequenceLength = Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+
 
 class SpecModel(BaseModel):
     """Base of all spec models.
 
     ``extra="forbid"`` turns a misspelled key into an error that names its path instead of a silently
-    ignored setting; ``frozen`` lets a built pipeline hold its spec without defensive copies.
+    ignored setting; ``frozen`` lets a built pipeline hold its spec without defensive copies;
+    ``allow_inf_nan=False`` refuses NaN and infinity in every float field (a NaN scale would validate and
+    then turn every output into NaN).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)

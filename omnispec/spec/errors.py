@@ -35,6 +35,15 @@ class SpecError(ValueError):
         return cls([Problem(path, message, file)])
 
 
+class SpecTypeError(SpecError, TypeError):
+    """An argument of the wrong type (``prompt=123``, ``seed="abc"``): a ``TypeError`` and a ``SpecError``, so
+    both ``except TypeError`` and the CLI's handling of bad input catch it."""
+
+
+# How pydantic names the branches of a plain union in an error's location.
+_BRANCH_PREFIXES = ("function-", "tuple[", "list[", "dict[", "literal[")
+
+
 def _strip_union_tags(loc: tuple[Any, ...], data: Any) -> list[str]:
     parts: list[str] = []
     node = data
@@ -48,7 +57,7 @@ def _strip_union_tags(loc: tuple[Any, ...], data: Any) -> list[str]:
                 node = None
         elif isinstance(node, list) and isinstance(segment, int) and 0 <= segment < len(node):
             node = node[segment]
-        elif isinstance(segment, str) and (segment.startswith(("function-", "tuple[", "list[")) or segment in (
+        elif isinstance(segment, str) and (segment.startswith(_BRANCH_PREFIXES) or segment in (
             "float", "int", "str", "bool", "ScaleSchedule", "literal['dynamic']", "literal['first']", "none"
         )):
             continue  # a branch name of a plain (non-discriminated) union
@@ -80,8 +89,14 @@ def _describe(err: dict[str, Any], data: Any) -> tuple[str, str]:
 
 
 def from_validation_error(exc: ValidationError, data: Any, file: str | None = None) -> SpecError:
+    errors = exc.errors()
+    # A non-finite number in a union field (``float | 'dynamic'``) fails every branch; the finite-number error
+    # is the one that says what is wrong.
+    non_finite = {tuple(_strip_union_tags(e["loc"], data)) for e in errors if e["type"] == "finite_number"}
     problems: list[Problem] = []
-    for err in exc.errors():
+    for err in errors:
+        if err["type"] != "finite_number" and tuple(_strip_union_tags(err["loc"], data)) in non_finite:
+            continue
         path, message = _describe(err, data)
         problem = Problem(path, message, file)
         if problem not in problems:

@@ -68,7 +68,8 @@ def explain_spec(
             "adapter": phase.adapter,
             "sampler": phase.sampler.kind,
             "embedded_guidance": plans[0].embedded if plans else None,
-            "passes": list(plans[0].passes) if plans else ["cond"],
+            "renorm": phase.guidance.renorm.model_dump(exclude_none=True) if phase.guidance.renorm else None,
+            "passes": list(plans[0].passes) if plans else _first_passes(phase),
             "plan": [_describe_run(first, last, plan) for first, last, plan in compress_plan(plans)] if plans else [],
         }
         if n is None:
@@ -92,6 +93,12 @@ def explain_spec(
     if attention is not None:
         out["attention"] = dict(attention)
     return out
+
+
+def _first_passes(phase: Phase) -> list[str]:
+    """The passes a phase starts with when its step count is unknown (a segment without the checkpoint)."""
+    plan = _plan_or_none(phase, 1, None)
+    return list(plan[0].passes) if plan else ["cond"]
 
 
 def _plan_or_none(phase: Phase, n: int, sigmas: Sequence[float] | None) -> list[StepPlan] | None:
@@ -126,6 +133,13 @@ def _describe_run(first: int, last: int, plan: StepPlan) -> dict[str, Any]:
     }
 
 
+def _per_stream(value: float | Mapping[str, float]) -> str:
+    """``2`` or ``{video 2, audio 6}``: a value for every stream, or one per named stream."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{stream} {v:g}" for stream, v in value.items()) + "}"
+    return f"{value:g}"
+
+
 def render_explain(info: Mapping[str, Any]) -> str:
     lines = [f"{info['name']}  (family {info['family']}, task {info['task']}, source {info['source']})"]
     lines.append("components:")
@@ -137,6 +151,10 @@ def render_explain(info: Mapping[str, Any]) -> str:
             f"its part of {phase['shared_steps']} shared steps (split unknown without --source)")
         lines.append(f"phase {phase['name']!r}: denoiser {phase['denoiser']}, {count}, {phase['schedule']}, {sigma_text}")
         lines.append(f"  input: {phase['input']['kind']}   adapter: {phase['adapter'] or '-'}   sampler: {phase['sampler']}")
+        if phase.get("renorm"):
+            cap = phase["renorm"].get("max_ratio")
+            lines.append(f"  renorm: guided prediction scaled to the cond pass's norm per {phase['renorm']['over']}"
+                         + (f", when above {cap:g} times it" if cap else ""))
         if not phase["plan"] and phase["steps"] is None:
             lines.append("  guidance: planned per step once the split is known")
         elif not phase["plan"]:
@@ -144,10 +162,10 @@ def render_explain(info: Mapping[str, Any]) -> str:
         for run in phase["plan"]:
             a, b = run["steps"]
             span = f"step {a}" if a == b else f"steps {a}-{b}"
-            coef = ", ".join(f"{k} x{v:g}" for k, v in run["coefficients"].items())
+            coef = ", ".join(f"{k} x{_per_stream(v)}" for k, v in run["coefficients"].items())
             extra = "".join(
                 [f"; embedded {run['embedded']:g}" if "embedded" in run else "",
-                 f"; rescale {run['rescale']:g}" if "rescale" in run else "",
+                 f"; rescale {_per_stream(run['rescale'])}" if "rescale" in run else "",
                  "; zero prediction" if run.get("zero") else ""]
             )
             lines.append(f"  {span:<12} passes [{', '.join(run['passes'])}]{' ' + coef if coef else ''}{extra}")
@@ -166,4 +184,7 @@ def render_explain(info: Mapping[str, Any]) -> str:
     if "attention" in info:
         lines.append("attention per role:")
         lines += [f"  {role:<12} {why}" for role, why in info["attention"].items()]
+    if info.get("applied"):
+        lines.append("applied here:")
+        lines += [f"  {key:<12} {note}" for key, note in info["applied"].items()]
     return "\n".join(lines)

@@ -92,10 +92,13 @@ class _Term(SpecModel):
 
 
 class CFG(_Term):
-    """Classifier-free guidance: ``uncond + scale * (cond - uncond)`` (coefficient ``scale - 1``)."""
+    """Classifier-free guidance: ``uncond + scale * (cond - uncond)`` (coefficient ``scale - 1``); with
+    ``formulation: original``, ``cond + scale * (cond - uncond)`` (coefficient ``scale``, as diffusers'
+    ``use_original_formulation`` and Z-Image's ``guidance_scale``)."""
 
     kind: Literal["cfg"]
     scale: StreamScale = 5.0
+    formulation: Literal["standard", "original"] = "standard"
 
 
 class TrueCFG(_Term):
@@ -170,6 +173,17 @@ DEFAULT_PASS_NAMES = {
 }
 
 
+class Renorm(SpecModel):
+    """Rescale the guided prediction by the ``cond`` pass's L2 norm over its own: after the terms and ``rescale``,
+    on steps where a term runs. ``over: token`` takes norms over the last dimension (each packed token's channels:
+    Qwen-Image's true CFG), ``sample`` over all but the batch dimension. Without ``max_ratio`` the norm becomes the
+    cond's; with ``max_ratio: k`` a norm above ``k`` times the cond's is scaled down to it (Z-Image's
+    ``cfg_normalization``)."""
+
+    over: Literal["token", "sample"]
+    max_ratio: float | None = Field(default=None, gt=0)
+
+
 class GuidanceSpec(SpecModel):
     """A phase's guidance plan."""
 
@@ -178,6 +192,7 @@ class GuidanceSpec(SpecModel):
     )
     terms: list[GuidanceTerm] = Field(default_factory=list)
     rescale: StreamScale = Field(default=0.0, description="CFG rescale phi (Lin et al., 2023); 0 disables it.")
+    renorm: Renorm | None = None
 
     @model_validator(mode="after")
     def _one_negative_term_and_unique_passes(self) -> GuidanceSpec:

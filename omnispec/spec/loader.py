@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import ValidationError
 
-from .errors import SpecError, from_validation_error
+from .base import MAX_EXTENDS, MAX_SPEC_BYTES, MAX_SPEC_DEPTH, MAX_SPEC_NODES
+from .catalog import bundled_path, resolve_spec_path
+from .errors import SpecError, SpecTypeError, from_validation_error
 from .pipeline import PipelineSpec
 
 SpecSource = str | Path | Mapping[str, Any]
@@ -22,12 +25,22 @@ def load_spec(
 ) -> PipelineSpec:
     """Load and validate a spec.
 
-    ``source`` is a path to a ``.yaml``/``.yml``/``.json`` file or an already-parsed mapping.
+    ``source`` is a path to a ``.yaml``/``.yml``/``.json`` file, a bundled spec's name (``flux1-dev``; an existing
+    file of that name wins) or an already-parsed mapping. ``extends`` names a file relative to the spec's own,
+    or a bundled spec.
     ``overrides`` are ``dotted.path=value`` strings (``recipe.phases.0.schedule.steps=8``); values are
-    parsed as YAML scalars or lists. Raises ``SpecError`` naming the file and field path of each problem.
+    parsed as YAML scalars or lists. Raises ``SpecError`` naming the file and field path of each problem
+    (``SpecTypeError``, also a ``TypeError``, for an argument of the wrong type). Files are read within the
+    limits of README's "Limits and errors" (size, nesting, values with aliases expanded, extends chain).
     """
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Iterable):
+        raise SpecTypeError.single(f"overrides is a list of 'key=value' strings, got {type(overrides).__name__}",
+                                   "overrides")
     data, file = resolve_spec_data(source)
     for override in overrides:
+        if not isinstance(override, str):
+            raise SpecTypeError.single(f"an override is a 'key=value' string, got {type(override).__name__}",
+                                       "overrides")
         apply_override(data, override, file)
     return validate_spec(data, file, trust_code=trust_code)
 
@@ -35,14 +48,33 @@ def load_spec(
 def resolve_spec_data(source: SpecSource) -> tuple[dict[str, Any], str | None]:
     """The spec's merged data (``extends`` resolved) and the file it came from, before validation."""
     if isinstance(source, Mapping):
+        check_bounds(source)
         data = copy.deepcopy(dict(source))
-        if data.get("extends") is not None:
-            raise SpecError.single("a spec given as a dict cannot use 'extends' (paths are relative to a file)", "extends")
-        return data, None
+        base_ref = data.pop("extends", None)
+        if base_ref is None:
+            return data, None
+        if not isinstance(base_ref, str) or bundled_path(base_ref) is None:
+            raise SpecError.single(f"a spec given as a dict can extend a bundled spec by name, got {base_ref!r} (a "
+                                   "file path is relative to a spec file)", "extends")
+        base = bundled_path(base_ref)
+        assert base is not None
+        return deep_merge(_read_with_extends(base, ()), data), None
     if not isinstance(source, (str, Path)):
-        raise SpecError.single(f"a spec must be a mapping or a file path, got {type(source).__name__}")
+        raise SpecTypeError.single(f"a spec must be a mapping or a file path, got {type(source).__name__}")
+    if "\0" in str(source):
+        raise SpecError.single(f"a file path cannot contain a NUL character: {str(source)!r}")
     path = Path(source)
+    if not _present(path):
+        path = resolve_spec_path(source)
     return _read_with_extends(path, ()), str(path)
+
+
+def _present(path: Path) -> bool:
+    """Whether ``path`` names something on disk (a name the OS refuses, too long: yes, so reading it says why)."""
+    try:
+        return path.exists() or path.is_symlink()
+    except OSError:
+        return True
 
 
 def validate_spec(data: Mapping[str, Any], file: str | None = None, *, trust_code: bool = False) -> PipelineSpec:
@@ -53,13 +85,8 @@ def validate_spec(data: Mapping[str, Any], file: str | None = None, *, trust_cod
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise SpecError.single(f"no such spec file: {path}")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise SpecError.single(f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}".replace("\n", " "), file=str(path)) from None
+    text = read_text(path)
+    data = parse_json(text, str(path)) if path.suffix.lower() == ".json" else parse_yaml(text, str(path))
     if not isinstance(data, dict):
         raise SpecError.single(f"a spec must be a mapping at the top level, got {type(data).__name__}", file=str(path))
     return data
@@ -70,25 +97,179 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if resolved in chain:
         cycle = " -> ".join(str(p) for p in (*chain, resolved))
         raise SpecError.single(f"cyclic extends: {cycle}", "extends", str(path))
+    if len(chain) >= MAX_EXTENDS:
+        raise SpecError.single(f"more than {MAX_EXTENDS} files in one extends chain, the limit for a spec", "extends",
+                               str(path))
     data = _read_file(path)
     _anchor_local_source(data, path)
     base_ref = data.pop("extends", None)
     if base_ref is None:
         return data
-    if not isinstance(base_ref, str):
-        raise SpecError.single(f"extends must be a path, got {base_ref!r}", "extends", str(path))
-    base_path = (path.parent / base_ref)
-    if not base_path.is_file():
-        raise SpecError.single(f"extends {base_ref!r}: no such file {base_path}", "extends", str(path))
+    if not isinstance(base_ref, str) or not base_ref or "\0" in base_ref:
+        raise SpecError.single(f"extends must be a file path or a bundled spec's name, got {base_ref!r}", "extends",
+                               str(path))
+    base_path = resolve_spec_path(base_ref, path.parent, "extends", str(path))
     return deep_merge(_read_with_extends(base_path, (*chain, resolved)), data)
+
+
+# ---- reading within limits ---------------------------------------------------------------------------------
+
+def read_text(path: Path, limit: int = MAX_SPEC_BYTES) -> str:
+    """A spec file's text: UTF-8 (a BOM is allowed), at most ``limit`` bytes (no more is ever read)."""
+    try:
+        if not path.is_file():
+            problem = f"no such spec file: {path}" if not path.exists() else f"{path} is not a regular file"
+            raise SpecError.single(problem)
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:  # permissions, a file that vanished
+        raise SpecError.single(f"cannot read the spec file: {exc.strerror or exc}", file=str(path)) from None
+    if len(raw) > limit:
+        raise SpecError.single(f"not read: larger than {limit:,} bytes, the limit for a spec file", file=str(path))
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise SpecError.single(f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (save the file "
+                               "as UTF-8)", file=str(path)) from None
+
+
+class _LimitExceeded(Exception):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with the node graph bounded while it is composed (nesting depth, node count) and,
+    aliases expanded, before anything is constructed: an alias bomb or 10,000 nested lists is refused after
+    reading a few hundred nodes."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        self._nodes += 1
+        try:
+            if self._depth > MAX_SPEC_DEPTH:
+                raise _LimitExceeded(f"nested deeper than {MAX_SPEC_DEPTH} levels")
+            if self._nodes > MAX_SPEC_NODES:
+                raise _LimitExceeded(f"more than {MAX_SPEC_NODES:,} values")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _yaml_children(node: Any) -> list[Any] | None:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return None
+
+
+def parse_yaml(text: str, file: str | None = None) -> Any:
+    """YAML text to plain data (safe tags only); what exceeds a limit is refused naming the limit."""
+    try:
+        loader = _BoundedLoader(text)  # refuses unprintable characters at once
+    except yaml.YAMLError as exc:
+        raise SpecError.single(f"not valid YAML: {exc}".replace("\n", " "), file=file) from None
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _measure(node, _yaml_children)
+        return loader.construct_document(node)
+    except _LimitExceeded as exc:
+        raise SpecError.single(f"not read: {exc} (aliases expanded), the limit for a spec", file=file) from None
+    except yaml.YAMLError as exc:
+        raise SpecError.single(f"not valid YAML: {exc}".replace("\n", " "), file=file) from None
+    finally:
+        loader.dispose()
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def parse_json(text: str, file: str | None = None) -> Any:
+    """JSON text to data; its nesting is measured on the text first, so deep input never reaches the
+    recursive decoder."""
+    depth = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if match.group() in "[{" else -1
+        if depth > MAX_SPEC_DEPTH:
+            raise SpecError.single(f"not read: nested deeper than {MAX_SPEC_DEPTH} levels, the limit for a spec",
+                                   file=file)
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise SpecError.single(f"not valid JSON: {exc}".replace("\n", " "), file=file) from None
+    check_bounds(data, file)
+    return data
+
+
+def _data_children(value: Any) -> list[Any] | None:
+    if isinstance(value, Mapping):
+        return [part for pair in value.items() for part in pair]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return None
+
+
+def check_bounds(data: Any, file: str | None = None) -> None:
+    """Refuse data (a spec given as a dict, a parsed JSON file) nested deeper than the limit, holding more
+    values than the limit, or containing itself."""
+    try:
+        _measure(data, _data_children)
+    except _LimitExceeded as exc:
+        raise SpecError.single(f"not read: {exc}, the limit for a spec", file=file) from None
+
+
+def _measure(root: Any, children: Callable[[Any], list[Any] | None]) -> None:
+    """Count the values under ``root``, a shared part (a YAML alias) once per use, and its depth. Each
+    container is visited once, so measuring an alias bomb costs what reading it cost."""
+    sizes: dict[int, tuple[int, int]] = {}  # id -> (values, height)
+    open_ids: set[int] = set()
+
+    def visit(node: Any, depth: int) -> tuple[int, int]:
+        kids = children(node)
+        if kids is None:
+            return 1, 1
+        key = id(node)
+        if key in open_ids:
+            raise _LimitExceeded("a value that contains itself (a recursive alias)")
+        if key not in sizes:
+            if depth > MAX_SPEC_DEPTH:
+                raise _LimitExceeded(f"nested deeper than {MAX_SPEC_DEPTH} levels")
+            open_ids.add(key)
+            count, height = 1, 1
+            for kid in kids:
+                c, h = visit(kid, depth + 1)
+                count, height = count + c, max(height, h + 1)
+                if count > MAX_SPEC_NODES:
+                    raise _LimitExceeded(f"more than {MAX_SPEC_NODES:,} values")
+            open_ids.discard(key)
+            sizes[key] = (count, height)
+        count, height = sizes[key]
+        if depth + height - 1 > MAX_SPEC_DEPTH:
+            raise _LimitExceeded(f"nested deeper than {MAX_SPEC_DEPTH} levels")
+        return count, height
+
+    visit(root, 1)
 
 
 def _anchor_local_source(data: dict[str, Any], path: Path) -> None:
     """A ``model.source`` written as ``./x`` or ``../x`` is relative to the spec file, not the shell."""
     model = data.get("model")
-    source = model.get("source") if isinstance(model, dict) else None
-    if isinstance(source, str) and source.startswith(("./", "../")):
-        model["source"] = str((path.parent / source).resolve())
+    if not isinstance(model, dict):
+        return
+    holders = [model, *[c for c in (model.get("components") or {}).values() if isinstance(c, dict)]] \
+        if isinstance(model.get("components", {}), dict) else [model]
+    for holder in holders:
+        source = holder.get("source")
+        if isinstance(source, str) and source.startswith(("./", "../")):
+            holder["source"] = str((path.parent / source).resolve())
 
 
 def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,10 +290,15 @@ def apply_override(data: dict[str, Any], override: str, file: str | None = None)
     if not sep or not key:
         raise SpecError.single(f"override {override!r} must look like dotted.path=value", file=file)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = parse_yaml(raw, file) if raw.strip() else ""
+    except SpecError as exc:
+        if exc.problems[0].message.startswith("not read:"):
+            raise SpecError.single(exc.problems[0].message, key, file) from None
+        value = raw  # not YAML: the text itself
     parts = key.split(".")
+    if len(parts) > MAX_SPEC_DEPTH:
+        raise SpecError.single(f"override: a path of more than {MAX_SPEC_DEPTH} parts, the limit for a spec",
+                               ".".join(parts[:3]) + "...", file)
     node: Any = data
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1

@@ -16,9 +16,12 @@ WEIGHTLESS_ROLES = ("tokenizer", "processor", "scheduler")
 OptionValue = Union[bool, int, float, str, None]
 
 # Built-in family adapters (omnispec.runtime.families registers the same names; a test keeps them equal).
-BUILTIN_FAMILIES = ("flux", "flux_kontext", "sd3", "wan", "wan_i2v", "digits")
-# Packages whose classes a spec may name without --trust-code: importing them runs only their own code.
-TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec", "src_models")
+BUILTIN_FAMILIES = ("flux", "flux_kontext", "sd3", "wan", "wan_i2v", "ltx2", "ltx2_condition", "digits",
+                    "qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "z_image", "hunyuan_video15",
+                    "hunyuan_video15_i2v")
+# Packages whose classes a spec may name without --trust-code: importing them runs only their own code. The
+# embedded model is omnispec.src_models, so no other distribution's top-level package is trusted by name.
+TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec")
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _CLASS_REF = re.compile(rf"^{_DOTTED}(:{_DOTTED})?$")
@@ -42,8 +45,13 @@ class Component(SpecModel):
     role: Role
     class_: str = Field(alias="class", description="'diffusers.Name', 'transformers.Name' or 'pkg.module:Name'.")
     subfolder: str | None = None
+    source: str | None = Field(default=None, description=(
+        "This component's checkpoint root (Hub id or local dir) when it is not model.source's."))
     dtype: DType | None = Field(default=None, description="Overrides model.dtype for this component.")
     file: str | None = Field(default=None, description="A single weights file inside the subfolder.")
+    config: dict[str, OptionValue | list[OptionValue]] = Field(default_factory=dict, description=(
+        "Entries of the component's own config replaced at load (from_pretrained's config overrides), e.g. "
+        "LTX-2.0's transformer perturbed_attn: true to make spatio-temporal guidance act as Lightricks' code does."))
 
     @field_validator("class_")
     @classmethod
@@ -52,12 +60,15 @@ class Component(SpecModel):
 
 
 class AdapterSlot(SpecModel):
-    """A LoRA that can be switched on for a phase (``recipe.phases[].adapter``)."""
+    """A LoRA that can be switched on for a phase (``recipe.phases[].adapter``), or on in every phase (``always``:
+    a LoRA the user adds to the model, as ``omnispec run --lora`` does)."""
 
     path: str = Field(description="Local directory/file or Hub id of the LoRA weights.")
     weight_name: str | None = None
     scale: float = 1.0
     target: str | None = Field(default=None, description="Component to load into; the phase's denoiser if unset.")
+    always: bool = Field(default=False, description=(
+        "Active in every phase whose denoiser is its target, beside the phase's own slot."))
 
 
 class ModelSpec(SpecModel):

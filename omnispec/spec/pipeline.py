@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
-from .base import SpecModel
+from .base import DEVICE_PATTERN, Seed, SpecModel
 from .model import ROLES, WEIGHTLESS_ROLES, ModelSpec
 from .policies import HOOKED_CACHES, PERTURBABLE_BACKENDS, Policies
 from .recipe import IMAGE_TASKS, ImageInput, LatentUpsample, PreviousInput, Recipe
@@ -17,8 +17,8 @@ Loc = tuple[str | int, ...]
 
 
 class RuntimeSpec(SpecModel):
-    device: str = Field(default="auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    seed: int = 0
+    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
+    seed: Seed = 0
     max_batch: int | None = Field(default=None, ge=1, description="Most samples x passes in one denoiser forward.")
     max_tokens_per_forward: int | None = Field(
         default=32768, ge=1,
@@ -26,6 +26,9 @@ class RuntimeSpec(SpecModel):
         "on an H200, two Wan-14B 480p passes (2 x 32760 tokens) ran 1.9% slower batched than one by one.",
     )
     progress: bool = True
+    encoding_cache_bytes: int | None = Field(default=None, ge=0, description=(
+        "Most bytes of prompt encodings a pipeline keeps for reuse (least recently used dropped first); 0 keeps "
+        "none. Unset: 1% of the device's memory (of the host's on a CPU)."))
 
 
 class PipelineSpec(SpecModel):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .guidance import GuidanceSpec, pass_name, scale_at, stream_scale_at
+from .guidance import CFG, GuidanceSpec, Renorm, pass_name, scale_at, stream_scale_at
 
 Rule = Literal["delta", "apg", "cfg_zero_star"]
 
@@ -42,6 +42,7 @@ class StepPlan:
     terms: tuple[PlannedTerm, ...] = field(default=())
     embedded: float | None = None
     rescale: PerStream = 0.0
+    renorm: Renorm | None = None
     zero: bool = False  # CFG-zero* zero-init: the step's prediction is 0 and no pass runs
 
     @property
@@ -71,7 +72,8 @@ def compile_plan(guidance: GuidanceSpec, steps: int, sigmas: Sequence[float] | N
             if term.kind == "cfg_zero_star" and i < term.zero_init_steps:
                 zero = True
                 continue
-            offset = _COEFFICIENT_OFFSET[term.kind]
+            original = isinstance(term, CFG) and term.formulation == "original"
+            offset = 0.0 if original else _COEFFICIENT_OFFSET[term.kind]
             value = stream_scale_at(term.scale, fraction, sigma)
             coefficient: PerStream
             if isinstance(value, dict):
@@ -90,7 +92,8 @@ def compile_plan(guidance: GuidanceSpec, steps: int, sigmas: Sequence[float] | N
             plans.append(StepPlan(i, fraction, sigma, (), (), embedded, 0.0, zero=True))
             continue
         passes = ("cond", *(t.pass_name for t in terms))
-        plans.append(StepPlan(i, fraction, sigma, passes, tuple(terms), embedded, rescale if terms else 0.0))
+        plans.append(StepPlan(i, fraction, sigma, passes, tuple(terms), embedded, rescale if terms else 0.0,
+                              guidance.renorm if terms else None))
     return plans
 
 

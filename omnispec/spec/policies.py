@@ -37,6 +37,9 @@ class ModelOffload(SpecModel):
     """Only the running role-group (encoders, then denoisers, then the VAE) sits on the device."""
 
     strategy: Literal["model"]
+    pin_memory: bool = Field(default=True, description=(
+        "Keep one page-locked host copy of every weight, so moves neither allocate host memory nor block; "
+        "false moves with Module.to as diffusers' enable_model_cpu_offload does (less pinned host memory)."))
 
 
 class LayerwiseOffload(SpecModel):

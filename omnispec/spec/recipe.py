@@ -6,7 +6,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from .base import SpecModel, Unit
+from .base import MAX_FRAMES, MAX_SEQUENCE_LENGTH, MAX_SIZE, Fps, Frames, SequenceLength, Size, SpecModel, Steps, Unit
+from .base import MAX_STEPS
 from .guidance import GuidanceSpec
 from .schedule import Schedule, SharedSchedule
 
@@ -23,12 +24,12 @@ REQUEST_FIELDS: tuple[str, ...] = RequestField.__args__  # type: ignore[attr-def
 class RequestDefaults(SpecModel):
     """Values a request gets when it does not set them (a closed set: every field here is a request field)."""
 
-    height: int | None = Field(default=None, ge=1)
-    width: int | None = Field(default=None, ge=1)
-    frames: int | None = Field(default=None, ge=1)
-    fps: int | None = Field(default=None, ge=1)
-    steps: int = Field(default=28, ge=1)
-    max_sequence_length: int | None = Field(default=None, ge=1)
+    height: Size | None = None
+    width: Size | None = None
+    frames: Frames | None = None
+    fps: Fps | None = None
+    steps: Steps = 28
+    max_sequence_length: SequenceLength | None = None
     negative_prompt: str = ""
     strength: Unit | None = Field(default=None, description=(
         "How far an image input is re-noised (image-to-image): 1 starts from noise, 0 returns the image. "
@@ -36,14 +37,16 @@ class RequestDefaults(SpecModel):
 
 
 class Constraints(SpecModel):
-    size_multiple_of: int = Field(default=8, ge=1)
-    min_size: int = Field(default=16, ge=1)
-    max_size: int | None = Field(default=None, ge=1)
-    frames_multiple_of: int = Field(default=1, ge=1, description="frames must equal k * multiple + offset.")
-    frames_offset: int = Field(default=0, ge=0)
-    max_frames: int | None = Field(default=None, ge=1)
-    max_sequence_length: int | None = Field(default=None, ge=1, description="Upper bound for the request field.")
+    size_multiple_of: int = Field(default=8, ge=1, le=MAX_SIZE)
+    min_size: Size = 16
+    max_size: Size | None = None
+    frames_multiple_of: int = Field(default=1, ge=1, le=MAX_FRAMES, description="frames must equal k * multiple + offset.")
+    frames_offset: int = Field(default=0, ge=0, le=MAX_FRAMES)
+    max_frames: Frames | None = None
+    max_sequence_length: int | None = Field(default=None, ge=1, le=MAX_SEQUENCE_LENGTH,
+                                            description="Upper bound for the request field.")
     refuse: list[RequestField] = Field(default_factory=list, description="Request fields this recipe rejects.")
+    refuse_reason: str | None = Field(default=None, description="Why, shown when a request sets a refused field.")
 
     def size_problems(self, height: int | None, width: int | None) -> list[str]:
         problems = []
@@ -126,6 +129,8 @@ class ODESampler(SpecModel):
 
 
 class AllSteps(SpecModel):
+    """Every step of the walk that runs (the last one only with the sampler's ``include_last``)."""
+
     kind: Literal["all"]
 
 
@@ -133,8 +138,8 @@ class FixedWindow(SpecModel):
     """Steps ``start .. start + length - 1`` are stochastic."""
 
     kind: Literal["fixed"]
-    start: int = Field(default=0, ge=0)
-    length: int = Field(ge=1)
+    start: int = Field(default=0, ge=0, le=MAX_STEPS)
+    length: int = Field(ge=1, le=MAX_STEPS)
 
 
 class RandomWindow(SpecModel):
@@ -142,9 +147,9 @@ class RandomWindow(SpecModel):
     rollout batch, per group or per sample (``scope``) from ``seed`` (MixGRPO-style sliding windows)."""
 
     kind: Literal["random"]
-    length: int = Field(ge=1)
-    low: int = Field(default=0, ge=0)
-    high: int = Field(ge=0)
+    length: int = Field(ge=1, le=MAX_STEPS)
+    low: int = Field(default=0, ge=0, le=MAX_STEPS)
+    high: int = Field(ge=0, le=MAX_STEPS)
     scope: Literal["batch", "group", "sample"] = "group"
     seed: int = 0
 
@@ -158,29 +163,61 @@ class RandomWindow(SpecModel):
 StochasticWindow = Annotated[Union[AllSteps, FixedWindow, RandomWindow], Field(discriminator="kind")]
 
 
+class OutsideWindow(SpecModel):
+    """How the deterministic steps outside the stochastic window run. They carry no log-prob and are never
+    replayed, so they may be cheaper than the window's exact steps without moving a replay ratio off 1."""
+
+    compute_every: int = Field(default=1, ge=1, le=MAX_STEPS, description=(
+        "Compute the prediction on one outside step in every compute_every (the first of each run of outside "
+        "steps, and of each phase, always computes) and reuse the last computed prediction on the others: "
+        "an Euler step over several sigmas at once. 1 computes every step."))
+
+
 class _Stochastic(SpecModel):
     window: StochasticWindow = Field(default_factory=lambda: AllSteps(kind="all"))
+    include_last: bool = Field(default=False, description=(
+        "Let the window use the walk's last step. Flow-GRPO and DanceGRPO leave it out (its std is tiny and "
+        "its log-prob an outlier), so by default it stays a deterministic Euler step."))
+    decode: Literal["final", "x0"] = Field(default="final", description=(
+        "What a rollout decodes: the final state, or the clean-sample estimate x - sigma * v of the last step "
+        "(DanceGRPO). They differ only when the last step is stochastic (include_last)."))
+    multistep: Literal["refuse", "euler"] = Field(default="refuse", description=(
+        "On a multistep solver's schedule (Wan's UniPC): refuse it, or take every step of the window's walk as "
+        "an Euler step (the window's as the SDE) on the solver's own sigmas and timesteps, as Flow-GRPO's Wan "
+        "pipeline does. The deterministic steps then differ from what generation with the solver gives."))
+    outside_window: OutsideWindow = Field(default_factory=OutsideWindow)
 
 
 class SDESampler(_Stochastic):
-    """Flow-GRPO's SDE (Liu et al., 2025, arXiv:2505.05470): std ``noise_level * sqrt(sigma / (1 - sigma))``
-    (sigma = 1 replaced by the next-largest sigma), a drift corrected so the marginals match the ODE's."""
+    """Flow-GRPO's SDE (Liu et al., 2025, arXiv:2505.05470): ``std_t = noise_level * sqrt(sigma / (1 - sigma))``
+    (sigma = 1 replaced by the schedule's second sigma), transition std ``std_t * sqrt(sigma - sigma_next)``,
+    a drift corrected so the marginals match the ODE's; Gaussian log-prob."""
 
     kind: Literal["sde"]
     noise_level: float = Field(default=0.7, gt=0)
 
 
 class CPSSampler(_Stochastic):
-    """Coefficient-preserving sampling (Wang & Yu, 2025, arXiv:2509.05952): ``std = sigma_next *
+    """Coefficient-preserving sampling (Wang & Yu, 2025, arXiv:2509.05952): transition std ``sigma_next *
     sin(noise_level * pi / 2)``; the step keeps the noise coefficient at ``sigma_next`` exactly."""
 
     kind: Literal["cps"]
     noise_level: float = Field(default=0.8, gt=0, le=1)
+    log_prob: Literal["squared_error", "gaussian"] = Field(default="squared_error", description=(
+        "squared_error: -mean((x_next - mean)^2) with every constant removed, as Flow-GRPO and Flow-CPS score "
+        "CPS steps; gaussian: the full Gaussian log-density (its log-ratio is squared_error's over 2 std^2)."))
+
+    @model_validator(mode="after")
+    def _last_step_has_no_density(self) -> CPSSampler:
+        if self.include_last and self.log_prob == "gaussian":
+            raise ValueError("CPS's last step has std 0 (sigma_next = 0), where a Gaussian log-prob is undefined; "
+                             "use log_prob: squared_error or include_last: false")
+        return self
 
 
 class DanceSDESampler(_Stochastic):
-    """DanceGRPO's SDE (Xue et al., 2025, arXiv:2505.07818): constant ``eta``, std ``eta * sqrt(sigma -
-    sigma_next)``, drift ``v dt - eta^2 / 2 * score dt``."""
+    """DanceGRPO's SDE (Xue et al., 2025, arXiv:2505.07818): constant ``eta``, transition std ``eta *
+    sqrt(sigma - sigma_next)``, drift ``v dt - eta^2 / 2 * score dt``; Gaussian log-prob."""
 
     kind: Literal["dance_sde"]
     eta: float = Field(default=0.3, gt=0)

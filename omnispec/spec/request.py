@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError
+from pydantic import BeforeValidator, Field, ValidationError
 
-from .base import SpecModel
-from .errors import Problem, SpecError, from_validation_error
+from .base import SEED_MAX, SEED_MIN, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
+from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS
 
@@ -29,18 +30,30 @@ class ImageCondition(SpecModel):
     path: str | None = None
 
 
+def _number(value: Any) -> Any:
+    """A request number is a number: ``True`` or ``"8"`` is a caller's mistake, not 1 or 8."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"expected a number, got {type(value).__name__} {value!r}")
+    return value
+
+
+Number = BeforeValidator(_number)
+
+
 class Request(SpecModel):
+    """A resolved request (``Pipeline.request``); its fields carry the limits of README's "Limits and errors"."""
+
     prompts: list[str] = Field(min_length=1)
-    seeds: list[int]
+    seeds: list[Seed]
     negative_prompt: str = ""
-    height: int | None = None
-    width: int | None = None
-    frames: int | None = None
-    fps: int | None = None
-    steps: int = Field(ge=1)
-    guidance_scale: float | None = None
-    max_sequence_length: int | None = None
-    strength: float | None = Field(default=None, ge=0.0, le=1.0)
+    height: Annotated[Size, Number] | None = None
+    width: Annotated[Size, Number] | None = None
+    frames: Annotated[Frames, Number] | None = None
+    fps: Annotated[Fps, Number] | None = None
+    steps: Annotated[Steps, Number]
+    guidance_scale: Annotated[float, Number] | None = None
+    max_sequence_length: Annotated[SequenceLength, Number] | None = None
+    strength: Annotated[Unit, Number] | None = None
     images: list[ImageCondition] = Field(default_factory=list)
 
     @property
@@ -64,24 +77,17 @@ def resolve_request(
     ``conditions`` a list of ``{image, frame}`` for video models that place images at frames. ``planning``
     skips the image checks (a plan such as ``explain`` shows needs no image).
     """
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise SpecError.single("prompt must be a string or a non-empty list of strings", "prompt")
-    if isinstance(seed, list):
-        if len(seed) != len(prompts):
-            raise SpecError.single(f"got {len(seed)} seeds for {len(prompts)} prompts", "seed")
-        seeds = [int(s) for s in seed]
-    else:
-        base = spec.runtime.seed if seed is None else int(seed)
-        seeds = [base + i for i in range(len(prompts))]
+    prompts = request_prompts(prompt)
+    seeds = request_seeds(seed, len(prompts), spec.runtime.seed)
 
     recipe = spec.recipe
     unknown = sorted(set(fields) - set(_KEYWORDS))
     if unknown:
-        raise SpecError.single(f"unknown request field(s) {unknown}; known: {sorted(_KEYWORDS)}", "request")
+        raise SpecTypeError.single(f"unknown request field(s) {unknown}; known: {sorted(_KEYWORDS)}", "request")
     refused = [name for name, value in fields.items() if value is not None and name in recipe.constraints.refuse]
     if refused:
-        raise SpecError.single(f"recipe {spec.name!r} refuses request field(s) {refused}", "request")
+        why = f": {recipe.constraints.refuse_reason}" if recipe.constraints.refuse_reason else ""
+        raise SpecError.single(f"recipe {spec.name!r} refuses request field(s) {refused}{why}", "request")
     if fields.get("frames") is not None and not recipe.task.endswith("video"):
         raise SpecError.single(f"frames is for video tasks; this recipe's task is {recipe.task!r}", "request.frames")
     if fields.get("guidance_scale") is not None and all(p.guidance.primary is None for p in recipe.phases):
@@ -100,6 +106,63 @@ def resolve_request(
     except ValidationError as exc:
         raise from_validation_error(exc, values) from None
 
+    problems = request_problems(spec, request, planning=planning)
+    if problems:
+        raise SpecError(problems)
+    return request
+
+
+def request_prompts(prompt: Any) -> list[str]:
+    """``prompt`` as a list: a string, or a non-empty list or tuple of strings."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, (list, tuple)):
+        raise SpecTypeError.single(f"expected a string or a non-empty list of strings, got {_kind(prompt)}", "prompt")
+    if not prompt:
+        raise SpecError.single("expected a string or a non-empty list of strings, got an empty list", "prompt")
+    for i, p in enumerate(prompt):
+        if not isinstance(p, str):
+            raise SpecTypeError.single(f"expected a string, got {_kind(p)}", f"prompt.{i}")
+    return list(prompt)
+
+
+def request_seeds(seed: Any, count: int, default: int = 0) -> list[int]:
+    """One seed per prompt: ``seed`` as a list gives each; an int ``S`` gives prompt ``i`` seed ``S + i``;
+    ``None`` starts at ``default``. Every seed must lie in torch's ``manual_seed`` range ``[-2**63, 2**64 - 1]``."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != count:
+            raise SpecError.single(f"got {len(seed)} seeds for {count} prompts", "seed")
+        seeds = [_integer(s, f"seed.{i}") for i, s in enumerate(seed)]
+        where = [f"seed.{i}" for i in range(count)]
+    else:
+        base = default if seed is None else _integer(seed, "seed")
+        seeds = [base + i for i in range(count)]
+        where = ["seed"] * count
+    for i, (s, at) in enumerate(zip(seeds, where)):
+        if not SEED_MIN <= s <= SEED_MAX:
+            of = f" (prompt {i} gets seed + {i})" if at == "seed" and i else ""
+            raise SpecError.single(f"seed {s}{of} is outside [-2**63, 2**64 - 1], the range torch's manual_seed takes",
+                                   at)
+    return seeds
+
+
+def _integer(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise SpecTypeError.single(f"expected an integer, got {value!r}", where)
+    try:
+        return operator.index(value)  # ints and numpy integers, never floats or strings
+    except TypeError:
+        raise SpecTypeError.single(f"expected an integer, got {_kind(value)}", where) from None
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def request_problems(spec: PipelineSpec, request: Request, planning: bool = False) -> list[Problem]:
+    """What a resolved request breaks of the recipe's constraints (and, unless ``planning``, of its task's images)."""
+    recipe = spec.recipe
     problems = [Problem("request", m) for m in recipe.constraints.size_problems(request.height, request.width)]
     problems += [Problem("request.frames", m) for m in recipe.constraints.frames_problems(request.frames)]
     cap = recipe.constraints.max_sequence_length
@@ -107,9 +170,7 @@ def resolve_request(
         problems.append(Problem("request.max_sequence_length", f"{request.max_sequence_length} is above {cap}"))
     if not planning:
         problems += _image_problems(spec, request)
-    if problems:
-        raise SpecError(problems)
-    return request
+    return problems
 
 
 def _image_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
@@ -137,6 +198,9 @@ def _conditions(image: Any, conditions: Sequence[Any] | None) -> list[ImageCondi
                                "not both", "request.image")
     if image is not None:
         return [image_condition(image, 0, "request.image")]
+    if conditions is not None and not isinstance(conditions, (list, tuple)):
+        raise SpecTypeError.single(f"conditions is a list of {{image, frame}}, got {_kind(conditions)}",
+                                   "request.conditions")
     out = []
     for k, item in enumerate(conditions or ()):
         where = f"request.conditions.{k}"
@@ -177,8 +241,8 @@ def image_condition(image: Any, frame: int, where: str) -> ImageCondition:
     elif isinstance(image, np.ndarray):
         pixels = image
     else:
-        raise SpecError.single(f"an image is a PIL image, numpy array, torch tensor or path, got "
-                               f"{type(image).__name__}", where)
+        raise SpecTypeError.single(f"an image is a PIL image, numpy array, torch tensor or path, got "
+                                   f"{type(image).__name__}", where)
     if pixels.ndim not in (2, 3, 4) or pixels.size == 0:
         raise SpecError.single(f"an image has 2 to 4 dimensions, got shape {pixels.shape}", where)
     pixels = np.ascontiguousarray(pixels)

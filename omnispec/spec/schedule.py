@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from .base import SpecModel, Unit
+from .base import MAX_STEPS, SpecModel, Steps, Unit
 
 ConfigValue = Union[bool, int, float, str, None]
 # A value the spec takes from the checkpoint's own config files at build (shown by ``explain --source``).
@@ -30,8 +30,8 @@ class FlowMatchSchedule(SpecModel):
     """
 
     kind: Literal["flow_match"]
-    steps: int | None = Field(default=None, ge=1, description="Defaults to the request's steps.")
-    sigmas: list[Unit] | None = Field(default=None, min_length=1)
+    steps: Steps | None = Field(default=None, description="Defaults to the request's steps.")
+    sigmas: list[Unit] | None = Field(default=None, min_length=1, max_length=MAX_STEPS)
     shift: float | Literal["dynamic"] | FromCheckpoint = 1.0
     base_shift: float = 0.5
     max_shift: float = 1.15
@@ -56,7 +56,7 @@ class SchedulerSchedule(SpecModel):
 
     kind: Literal["scheduler"]
     component: str = "scheduler"
-    steps: int | None = Field(default=None, ge=1, description="Defaults to the request's steps.")
+    steps: Steps | None = Field(default=None, description="Defaults to the request's steps.")
     config: dict[str, ConfigValue] = Field(default_factory=dict)
 
 
@@ -117,7 +117,7 @@ def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | No
     else:
         k = float(schedule.shift)
         shifted = [k * s / (1.0 + (k - 1.0) * s) for s in base]
-    if schedule.shift_terminal is not None:
+    if schedule.shift_terminal is not None and shifted[-1] < 1.0:  # a lone sigma of 1 has nothing to stretch
         one_minus = [1.0 - s for s in shifted]
         factor = one_minus[-1] / (1.0 - schedule.shift_terminal)
         shifted = [1.0 - z / factor for z in one_minus]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .tokenizers import clip_tokenizer, t5_tokenizer
+from .tokenizers import clip_tokenizer, gemma_tokenizer, t5_tokenizer
 
 TEXT_DIM = 32
 
@@ -158,6 +158,99 @@ def tiny_wan_i2v(root: str | Path, seed: int = 0, two_experts: bool = False) -> 
     return Path(root)
 
 
+def _gemma3(vocab_size: int):
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config={"vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                     "max_position_embeddings": 256, "sliding_window": 64, "query_pre_attn_scalar": 16},
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
+        image_token_index=vocab_size - 1,
+    )
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def tiny_ltx2(root: str | Path, seed: int = 0, version: str = "2.3") -> Path:
+    """``LTX2Pipeline`` layout plus ``latent_upsampler/``. ``version`` "2.3" has LTX-2.3's gated attention,
+    prompt AdaLN, per-modality connectors and the perturbable self-attention that makes STG act; "2.0" has
+    LTX-2.0's (where diffusers' STG pass equals the plain one). The VAE compresses 2x in space and time, so
+    32x32x5 frames are 3x16x16 latents; the scheduler is the real checkpoint's (dynamic shift, terminal 0.1)."""
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel, LTX2Pipeline
+
+    pipe = LTX2Pipeline(**ltx2_components(seed, version))
+    pipe.save_pretrained(root)
+    _seeded(seed)
+    LTX2LatentUpsamplerModel(in_channels=4, mid_channels=32, num_blocks_per_stage=1).save_pretrained(
+        Path(root) / "latent_upsampler")
+    return Path(root)
+
+
+def ltx2_components(seed: int = 0, version: str = "2.3") -> dict:
+    """The tiny LTX-2 modules of ``tiny_ltx2``, in memory (benchmarks' smoke mode uses them too)."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    if version not in ("2.0", "2.3"):
+        raise ValueError(f"version is '2.0' or '2.3', got {version!r}")
+    v23 = version == "2.3"
+    tokenizer = gemma_tokenizer()
+    _seeded(seed)
+    text_encoder = _gemma3(len(tokenizer))
+    text = text_encoder.config.text_config
+    _seeded(seed)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=text.hidden_size, rope_double_precision=False, rope_type="split", perturbed_attn=v23,
+        **({"gated_attn": True, "cross_attn_mod": True, "audio_gated_attn": True, "audio_cross_attn_mod": True,
+            "use_prompt_embeddings": False} if v23 else {}),
+    ).eval()
+    _seeded(seed)
+    heads = ({"per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8, "proj_bias": True,
+              "video_gated_attn": True, "audio_gated_attn": True, "video_connector_num_attention_heads": 2,
+              "video_connector_attention_head_dim": 8, "audio_connector_num_attention_heads": 2,
+              "audio_connector_attention_head_dim": 4} if v23 else
+             {"video_connector_num_attention_heads": 4, "video_connector_attention_head_dim": 8,
+              "audio_connector_num_attention_heads": 4, "audio_connector_attention_head_dim": 8})
+    connectors = LTX2TextConnectors(
+        caption_channels=text.hidden_size, text_proj_in_factor=text.num_hidden_layers + 1,
+        video_connector_num_layers=1, video_connector_num_learnable_registers=None, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_theta=10000.0,
+        rope_double_precision=False, causal_temporal_positioning=False, rope_type="split", **heads,
+    ).eval()
+    _seeded(seed)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
+        encoder_causal=True, decoder_causal=False,
+    ).eval()
+    _seeded(seed)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
+    ).eval()
+    _seeded(seed)
+    vocoder = LTX2Vocoder(
+        in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32, out_channels=2,
+        upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
+    ).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096,
+        shift_terminal=0.1)
+    return dict(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                connectors=connectors, transformer=transformer, vocoder=vocoder)
+
+
 # Overrides that fit the bundled specs to the tiny checkpoints (float32 on CPU, small sizes, few steps).
 TINY_OVERRIDES = {
     "flux": ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=32",
@@ -172,3 +265,169 @@ TINY_OVERRIDES = {
 TINY_OVERRIDES["wan_i2v"] = [*TINY_OVERRIDES["wan"], "recipe.defaults.max_sequence_length=512",
                              "model.components.image_encoder.dtype=float32"]
 TINY_OVERRIDES["wan22_i2v"] = TINY_OVERRIDES["wan"]
+TINY_OVERRIDES["ltx2"] = ["model.dtype=float32", "recipe.constraints.frames_multiple_of=4",
+                          "recipe.constraints.size_multiple_of=16",
+                          "recipe.defaults.height=32", "recipe.defaults.width=32",
+                          "recipe.defaults.frames=5", "recipe.defaults.fps=25", "recipe.defaults.steps=3",
+                          "recipe.defaults.max_sequence_length=16", "runtime.progress=false"]
+
+
+# ---- Qwen-Image, Z-Image, HunyuanVideo-1.5 ----------------------------------------------------------------
+
+# The real checkpoints' scheduler configs, so the bundled specs' schedules pass the checkpoint checks unchanged.
+QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                      shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
+
+
+def qwen_image_components(seed: int = 0, edit: bool = False) -> dict:
+    """Tiny ``QwenImagePipeline`` modules: a Qwen2.5-VL text encoder (with its vision tower, which editing feeds)
+    and a 4-channel Qwen VAE at scale 16 (so an editing reference, always about 1024x1024 pixels, is 1024 tokens)
+    with non-trivial latent mean/std; ``edit`` adds the ``Qwen2VLProcessor`` (``QwenImageEditPipeline`` and
+    ``QwenImageEditPlusPipeline`` take the same modules)."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    from .tokenizers import qwen_tokenizer, qwen_vl_processor
+
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                                           "<|video_pad|>", "<|endoftext|>"])
+    _seeded(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4)).eval()
+    _seeded(seed)
+    vae = AutoencoderKLQwenImage(base_dim=2, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                 latents_std=[1.5, 2.0, 0.5, 1.0]).eval()
+    _seeded(seed)
+    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 2, "rope_theta": 1000000.0, "vocab_size": 512, "bos_token_id": ids[5],
+                     "eos_token_id": ids[5],
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+        hidden_size=16, vocab_size=512, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+        vision_token_id=ids[2], image_token_id=ids[3], video_token_id=ids[4], bos_token_id=ids[5],
+        eos_token_id=ids[5])).eval()
+    modules = dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                   scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
+    if edit:
+        modules["processor"] = qwen_vl_processor(tokenizer)
+    return modules
+
+
+def tiny_qwen_image(root: str | Path, seed: int = 0, edit: bool = False) -> Path:
+    """``QwenImagePipeline`` layout; ``edit`` gives the editing pipelines' (``processor/`` added). The processor is
+    saved as its image processor and tokenizer (load it with ``omnispec.testing.qwen_vl_processor(root /
+    "processor")``: transformers loads a ``Qwen2VLProcessor`` only with torchvision installed)."""
+    import json
+
+    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+
+    modules = qwen_image_components(seed, edit)
+    processor = modules.pop("processor", None)
+    (QwenImageEditPipeline(processor=None, **modules) if edit else QwenImagePipeline(**modules)).save_pretrained(root)
+    if processor is not None:
+        processor.image_processor.save_pretrained(Path(root) / "processor")
+        processor.tokenizer.save_pretrained(Path(root) / "processor")
+        index = Path(root) / "model_index.json"
+        index.write_text(json.dumps({**json.loads(index.read_text()),
+                                     "processor": ["transformers", "Qwen2VLProcessor"]}, indent=2))
+    return Path(root)
+
+
+def z_image_components(seed: int = 0) -> dict:
+    """Tiny ``ZImagePipeline`` modules: a Qwen3 text encoder, FLUX's VAE layout at scale 2 (16 latent channels),
+    and Z-Image-Turbo's scheduler (static shift 3)."""
+    import transformers
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+
+    from .tokenizers import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
+
+    _seeded(seed)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0,
+        axes_dims=[8, 4, 4], axes_lens=[256, 32, 32]).eval()
+    with torch.no_grad():  # created with torch.empty: give the pad tokens values
+        transformer.x_pad_token.copy_(torch.ones_like(transformer.x_pad_token))
+        transformer.cap_pad_token.copy_(torch.ones_like(transformer.cap_pad_token))
+    _seeded(seed)
+    text_encoder = transformers.Qwen3Model(transformers.Qwen3Config(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, head_dim=8)).eval()
+    return dict(transformer=transformer, vae=_image_vae(16, scaling_factor=0.3611, shift_factor=0.1159),
+                text_encoder=text_encoder, tokenizer=qwen_tokenizer(QWEN3_CHAT_TEMPLATE),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def tiny_z_image(root: str | Path, seed: int = 0) -> Path:
+    from diffusers import ZImagePipeline
+
+    ZImagePipeline(**z_image_components(seed)).save_pretrained(root)
+    return Path(root)
+
+
+def hunyuan_video15_components(seed: int = 0, i2v: bool = False) -> dict:
+    """Tiny ``HunyuanVideo15Pipeline`` modules (``i2v``: the image-to-video pipeline's, with a SigLIP image encoder
+    and its processor): a Qwen2.5-VL text model, a ByT5 glyph encoder, a VAE compressing 4x in space and 2x in time,
+    the 480p checkpoints' scheduler (shift 5) and their guider (CFG 6)."""
+    import transformers
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from .tokenizers import qwen_tokenizer
+
+    _seeded(seed)
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_refiner_layers=1,
+        mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4), target_size=16, task_type="i2v" if i2v else "t2v").eval()
+    _seeded(seed)
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16), layers_per_block=1,
+        spatial_compression_ratio=4, temporal_compression_ratio=2, downsample_match_channel=False,
+        upsample_match_channel=False).eval()
+    tokenizer = qwen_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    _seeded(seed)
+    text_encoder = transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        rope_theta=1000000.0, vocab_size=512, bos_token_id=end, eos_token_id=end,
+        rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"})).eval()
+    _seeded(seed)
+    glyph_encoder = transformers.T5EncoderModel(transformers.T5Config(  # ByT5: 3 specials, 256 bytes, 125 extra ids
+        d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, vocab_size=384, relative_attention_num_buckets=8,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+    modules = dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                   text_encoder_2=glyph_encoder, tokenizer_2=transformers.ByT5Tokenizer(),
+                   scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), guider=ClassifierFreeGuidance(guidance_scale=6.0))
+    if i2v:
+        _seeded(seed)
+        modules["image_encoder"] = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+            hidden_size=12, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+            patch_size=8)).eval()
+        modules["feature_extractor"] = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
+    return modules
+
+
+def tiny_hunyuan_video15(root: str | Path, seed: int = 0, i2v: bool = False) -> Path:
+    """``HunyuanVideo15Pipeline`` layout (``i2v``: ``HunyuanVideo15ImageToVideoPipeline``'s); ``target_size`` 16, so
+    text-to-video's default size is 12x20 and images are bucketed near 16x16 pixels."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+
+    cls = HunyuanVideo15ImageToVideoPipeline if i2v else HunyuanVideo15Pipeline
+    cls(**hunyuan_video15_components(seed, i2v)).save_pretrained(root)
+    return Path(root)
+
+
+TINY_OVERRIDES["qwen_image"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=64",
+                                "recipe.defaults.steps=3", "runtime.progress=false"]
+TINY_OVERRIDES["qwen_image_edit"] = ["model.dtype=float32", "recipe.defaults.steps=2", "runtime.progress=false"]
+TINY_OVERRIDES["z_image"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=48",
+                             "recipe.defaults.steps=4", "recipe.defaults.max_sequence_length=64", "runtime.progress=false"]
+TINY_OVERRIDES["hunyuan_video15"] = ["model.dtype=float32", "recipe.defaults.height=16", "recipe.defaults.width=32",
+                                     "recipe.defaults.frames=9", "recipe.defaults.steps=2", "runtime.progress=false"]
+TINY_OVERRIDES["hunyuan_video15_i2v"] = ["model.dtype=float32", "recipe.defaults.frames=9", "recipe.defaults.steps=2",
+                                         "runtime.progress=false"]

@@ -13,7 +13,15 @@ _BUILTIN = {
     "sd3": "omnispec.runtime.families.sd3:SD3Family",
     "wan": "omnispec.runtime.families.wan:WanFamily",
     "wan_i2v": "omnispec.runtime.families.wan_i2v:WanImageToVideoFamily",
+    "ltx2": "omnispec.runtime.families.ltx2:LTX2Family",
+    "ltx2_condition": "omnispec.runtime.families.ltx2:LTX2ConditionFamily",
     "digits": "omnispec.runtime.families.digits:DigitsFamily",
+    "qwen_image": "omnispec.runtime.families.qwen_image:QwenImageFamily",
+    "qwen_image_edit": "omnispec.runtime.families.qwen_image:QwenImageEditFamily",
+    "qwen_image_edit_plus": "omnispec.runtime.families.qwen_image:QwenImageEditPlusFamily",
+    "z_image": "omnispec.runtime.families.z_image:ZImageFamily",
+    "hunyuan_video15": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15Family",
+    "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

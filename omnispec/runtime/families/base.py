@@ -41,10 +41,14 @@ def batch_of(streams: Mapping[str, torch.Tensor]) -> int:
 @dataclass
 class Conditioning:
     """What a pass conditions on besides the latents: encoded prompts and, for image-conditioned families,
-    the encoded images. ``batched`` tensors have one row per sample; ``shared`` ones serve every sample."""
+    the encoded images. ``batched`` tensors have one row per sample; ``shared`` ones serve every sample.
+    ``ragged`` names batched entries whose length (dim 1) may differ between conditionings (prompt encodings
+    padded to their own call's longest prompt): ``cat`` zero-pads them to the longest, so their masks, listed
+    too, mark the padding 0."""
 
     batched: dict[str, torch.Tensor]
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    ragged: frozenset[str] = frozenset()
 
     @property
     def batch_size(self) -> int:
@@ -53,20 +57,29 @@ class Conditioning:
     def rows(self, index: torch.Tensor | slice | Sequence[int]) -> Conditioning:
         if isinstance(index, torch.Tensor):
             index = index.to(next(iter(self.batched.values())).device)
-        return Conditioning({k: v[index] for k, v in self.batched.items()}, self.shared)
+        return Conditioning({k: v[index] for k, v in self.batched.items()}, self.shared, self.ragged)
 
     def with_(self, other: Conditioning | None) -> Conditioning:
         """This conditioning plus ``other``'s entries (image conditioning joined to prompt encodings)."""
         if other is None:
             return self
-        return Conditioning({**self.batched, **other.batched}, {**self.shared, **other.shared})
+        return Conditioning({**self.batched, **other.batched}, {**self.shared, **other.shared},
+                            self.ragged | other.ragged)
 
     @staticmethod
     def cat(parts: Sequence[Conditioning]) -> Conditioning:
         if len(parts) == 1:
             return parts[0]
-        keys = parts[0].batched
-        return Conditioning({k: torch.cat([p.batched[k] for p in parts]) for k in keys}, parts[0].shared)
+        ragged = parts[0].ragged
+        return Conditioning({k: torch.cat(_padded([p.batched[k] for p in parts]) if k in ragged else
+                                          [p.batched[k] for p in parts]) for k in parts[0].batched},
+                            parts[0].shared, ragged)
+
+
+def _padded(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero-pad each tensor's dim 1 to the longest's."""
+    n = max(t.shape[1] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, n - t.shape[1])) for t in tensors]
 
 
 @dataclass
@@ -110,19 +123,29 @@ class Family:
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # Attention roles of this family's denoiser: role -> fnmatch patterns of attention module names.
     attention_roles: ClassVar[Mapping[str, tuple[str, ...]]] = {"self": ("*attn*",)}
+    # Role -> category (``self``, ``cross``): a role not named in ``policies.attention.per_role`` takes its
+    # category's entry there, then the default.
+    attention_categories: ClassVar[Mapping[str, str]] = {}
     # Which component names the helper pipeline expects, with the role each must have.
     required: ClassVar[Mapping[str, str]] = {}
     # Modalities a ``modality`` guidance term may isolate (switch off the cross-attention into).
     modalities: ClassVar[tuple[str, ...]] = ()
     # How many request images the family conditions on (0: text only).
     max_images: ClassVar[int] = 0
+    # Perturbation kinds the denoiser applies to chosen rows of a batch, so their passes share a forward with the
+    # unperturbed ones; ``predict`` then gets a list with one perturbation (or None) per row.
+    row_perturbations: ClassVar[tuple[str, ...]] = ()
     # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
     # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
     prediction_space: ClassVar[str] = "velocity"
-    # Whether the denoiser has a diffusers context-parallel plan (``_cp_plan``) for ulysses / ring.
+    # Whether the denoiser has a diffusers context-parallel plan (``_cp_plan``) for ulysses / ring, and if not,
+    # why sequence parallelism is refused.
     context_parallel: ClassVar[bool] = False
+    context_parallel_refusal: ClassVar[str] = "no context-parallel plan for ulysses/ring"
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
     cache_limits: ClassVar[Mapping[str, str]] = {}
+    # Why ``skip_layer`` guidance terms cannot run on this family's denoiser, or None when they can.
+    skip_layer_refusal: ClassVar[str | None] = None
     # ``model.options`` this family reads, with their defaults.
     options: ClassVar[Mapping[str, Any]] = {}
 
@@ -146,6 +169,9 @@ class Family:
                 problems.append(f"family {cls.name!r} needs {name!r} to have role {role!r}")
         for phase in spec.recipe.phases:
             for term in phase.guidance.terms:
+                if isinstance(term, SkipLayer) and cls.skip_layer_refusal:
+                    problems.append(f"skip_layer guidance cannot run on family {cls.name!r} (phase {phase.name!r}): "
+                                    f"{cls.skip_layer_refusal}")
                 if isinstance(term, Modality) and term.modality not in cls.modalities:
                     have = ", ".join(cls.modalities) or "none"
                     problems.append(f"family {cls.name!r} has no modality {term.modality!r} to isolate in phase "
@@ -214,8 +240,10 @@ class Family:
         geometry: Geometry,
         *,
         embedded: float | None = None,
-        perturbation: Perturbation | None = None,
+        perturbation: Perturbation | Sequence[Perturbation | None] | None = None,
     ) -> Streams:
+        """The denoiser's prediction for a batch of rows (passes x samples). ``perturbation`` applies to every
+        row, or (for kinds in ``row_perturbations``) is a list with one entry per row."""
         raise NotImplementedError
 
     def constrain(self, guided: Streams, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
@@ -227,6 +255,11 @@ class Family:
         """Fresh noise shaped like ``latents``, drawn per sample in the layout diffusers draws it (re-noising)."""
         return {name: randn_tensor(tuple(x.shape), generator=generators, device=x.device, dtype=x.dtype)
                 for name, x in latents.items()}
+
+    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
+        """A walk's first state with its conditioning in place (LTX-2 mixes the clean image tokens into the
+        noise by their mask); by default the same as ``reimpose``."""
+        return self.reimpose(latents, images, geometry)
 
     def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
         """Put conditioning back after a step where the model needs it (first-frame latents of image-to-video)."""
@@ -276,6 +309,21 @@ class Family:
             for i in config.indices:
                 for module in blocks[i].modules():
                     remove_hook(module, hook_name)
+
+
+class PackedLatents:
+    """Mixin for families that pack 2x2 latent patches into tokens (FLUX, Qwen-Image, Z-Image): the latent grid
+    (even on both sides, as their pipelines round it) and the token count the schedule's shift reads."""
+
+    helper: Any
+
+    def _latent_hw(self, geometry: Geometry) -> tuple[int, int]:
+        f = self.helper.vae_scale_factor
+        return 2 * (geometry.height // (f * 2)), 2 * (geometry.width // (f * 2))
+
+    def tokens(self, geometry: Geometry) -> int:
+        h, w = self._latent_hw(geometry)
+        return (h // 2) * (w // 2)
 
 
 def decode_images(helper: Any, decoded: torch.Tensor) -> np.ndarray:

@@ -10,10 +10,10 @@ from diffusers import FluxImg2ImgPipeline, FluxPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, decode_images
+from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
 
 
-class FluxFamily(Family):
+class FluxFamily(PackedLatents, Family):
     name = "flux"
     context_parallel = True
     pipeline_class = FluxPipeline
@@ -34,10 +34,6 @@ class FluxFamily(Family):
             max_sequence_length=request.max_sequence_length or 512,
         )
         return Conditioning({"encoder_hidden_states": embeds, "pooled_projections": pooled}, {"txt_ids": text_ids})
-
-    def _latent_hw(self, geometry: Geometry) -> tuple[int, int]:
-        f = self.helper.vae_scale_factor
-        return 2 * (geometry.height // (f * 2)), 2 * (geometry.width // (f * 2))
 
     def _channels(self) -> int:
         return self.helper.vae.config.latent_channels
@@ -75,10 +71,6 @@ class FluxFamily(Family):
 
     def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         return FluxPipeline._unpack_latents(latents, geometry.height, geometry.width, self.helper.vae_scale_factor)
-
-    def tokens(self, geometry: Geometry) -> int:
-        h, w = self._latent_hw(geometry)
-        return (h // 2) * (w // 2)
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:

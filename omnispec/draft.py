@@ -1,0 +1,278 @@
+"""``omnispec init SOURCE``: draft a spec from a checkpoint's own files.
+
+The family comes from the pipeline class in ``model_index.json`` (or ``--family``); the components, their classes
+and folders from the same file, with roles; the recipe from the bundled spec of that family whose components match
+the checkpoint best, with the checkpoint's scheduler (``shift: from_checkpoint``, a two-expert boundary from
+``boundary_ratio``, or the scheduler itself when it is not a flow-matching Euler one) and diffusers' defaults (the
+pipeline's own ``__call__`` defaults: steps, sizes, frames, sequence length, guidance scale). A checkpoint folder
+without ``model_index.json`` (the embedded digits model) is matched by its denoiser's class instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .spec import SpecError, load_spec, resolve_spec_data
+from .spec.catalog import bundled_names, bundled_path
+from .spec.model import BUILTIN_FAMILIES
+
+FLOW_MATCH_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+# Roles of components a template does not name, by the start of the component's name.
+_ROLE_BY_NAME = (("transformer", "denoiser"), ("unet", "denoiser"), ("text_encoder", "encoder"),
+                 ("image_encoder", "encoder"), ("connectors", "encoder"), ("tokenizer", "tokenizer"),
+                 ("vae", "vae"), ("audio_vae", "vae"), ("vocoder", "vae"), ("scheduler", "scheduler"),
+                 ("image_processor", "processor"), ("feature_extractor", "processor"), ("processor", "processor"),
+                 ("latent_upsampler", "upsampler"))
+# diffusers' __call__ argument -> the recipe default it sets.
+_DEFAULTS = {"num_inference_steps": "steps", "height": "height", "width": "width", "num_frames": "frames",
+             "max_sequence_length": "max_sequence_length", "frame_rate": "fps", "fps": "fps"}
+
+
+def draft_spec(source: str, family: str | None = None, name: str | None = None) -> str:
+    """The drafted spec as YAML text (validated), with a header saying where each part came from."""
+    index = read_model_index(source)
+    family = family or _family_of(source, index)
+    if family not in BUILTIN_FAMILIES:
+        raise SpecError.single(f"unknown family {family!r}; built in: {', '.join(BUILTIN_FAMILIES)}", "--family")
+    template_name, template = _template(family, index, source)
+    data, notes = _draft(source, family, index, template, name)
+    load_spec(data, trust_code=True)  # validated as written (a class outside the trusted packages needs the flag)
+    found = "its model_index.json" if index is not None else "the bundled spec's, for the folders it has"
+    header = [f"# Drafted by `omnispec init {source}` from the bundled spec {template_name!r} (family {family}).",
+              f"# Components and classes: {found}; schedule: its scheduler config; defaults: diffusers'",
+              "# pipeline defaults. Check them against the model card before relying on them.",
+              *[f"# {note}" for note in notes]]
+    body = yaml.safe_dump({"omnispec": 1, **{k: v for k, v in data.items() if k != "omnispec"}}, sort_keys=False,
+                          default_flow_style=None, width=120)
+    return "\n".join(header) + "\n" + body
+
+
+def read_model_index(source: str) -> dict[str, Any] | None:
+    """The checkpoint's ``model_index.json`` (a local folder, or a Hub id through the cache or the Hub)."""
+    local = Path(source).expanduser()
+    if local.is_dir():
+        path = local / "model_index.json"
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if local.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
+        raise SpecError.single(f"{source!r} is neither a checkpoint folder nor a Hub id (owner/name)", "SOURCE")
+    from .cli import _check_hub
+    from .spec.checkpoint import _hub_file
+
+    _check_hub(source)
+    path = _hub_file(source, "model_index.json", None)
+    if path is None:
+        raise SpecError.single(f"Hub checkpoint {source!r} has no model_index.json (or it is not in the cache)",
+                               "SOURCE")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _family_of(source: str, index: dict[str, Any] | None) -> str:
+    from .runtime.families import family_class
+
+    if index is None:
+        return _family_by_denoiser(source)
+    pipeline = str(index.get("_class_name", ""))
+    by_pipeline = {}
+    for name in BUILTIN_FAMILIES:
+        cls = family_class(name).pipeline_class
+        if cls is not None:
+            by_pipeline.setdefault(cls.__name__, name)
+    if pipeline not in by_pipeline:
+        raise SpecError.single(f"model_index.json names pipeline {pipeline!r}, which no built-in family runs (they run "
+                               f"{', '.join(sorted(by_pipeline))}); pass --family to choose one", "SOURCE")
+    return by_pipeline[pipeline]
+
+
+def _family_by_denoiser(source: str) -> str:
+    """A folder without model_index.json: the bundled spec whose denoiser class its ``transformer`` folder holds."""
+    config = Path(source).expanduser() / "transformer" / "config.json"
+    theirs = json.loads(config.read_text(encoding="utf-8")).get("_class_name") if config.is_file() else None
+    for name in bundled_names():
+        data, _ = resolve_spec_data(bundled_path(name))
+        for component in data["model"]["components"].values():
+            if component.get("role") == "denoiser" and _class_tail(component["class"]) == theirs:
+                return data["model"]["family"]
+    raise SpecError.single(f"{source} has no model_index.json and no transformer/config.json whose class a bundled "
+                           "spec uses; pass --family", "SOURCE")
+
+
+def _template(family: str, index: dict[str, Any] | None, source: str) -> tuple[str, dict[str, Any]]:
+    """The bundled spec of ``family`` whose components best match the checkpoint's; ties go to the plainest (no
+    adapters, fewest phases, a text-to-X task), then by name."""
+    have = _checkpoint_components(index, source)
+    candidates = []
+    for name in bundled_names():
+        data, _ = resolve_spec_data(bundled_path(name))
+        if data["model"]["family"] != family:
+            continue
+        theirs = set(data["model"]["components"])
+        overlap = len(have & theirs) / max(1, len(have | theirs))
+        phases = data["recipe"]["phases"]
+        plain = (bool(data["model"].get("adapters")), len(phases), not data["recipe"]["task"].startswith("text"))
+        candidates.append((-overlap, plain, name, data))
+    if not candidates:
+        raise SpecError.single(f"no bundled spec of family {family!r} to draft from", "--family")
+    _, _, name, data = min(candidates, key=lambda c: c[:3])
+    return name, data
+
+
+def _checkpoint_components(index: dict[str, Any] | None, source: str) -> set[str]:
+    if index is not None:
+        return {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[-1] is not None}
+    local = Path(source).expanduser()
+    return {p.name for p in local.iterdir() if p.is_dir()} if local.is_dir() else set()
+
+
+def _draft(source: str, family: str, index: dict[str, Any] | None, template: dict[str, Any], name: str | None
+           ) -> tuple[dict[str, Any], list[str]]:
+    notes: list[str] = []
+    data = json.loads(json.dumps(template))  # a deep copy of plain data
+    local = Path(source).expanduser()
+    data["name"] = name or (local.resolve().name if local.is_dir() else source.split("/")[-1]).lower()
+    data["model"]["family"] = family
+    data["model"]["source"] = str(local.resolve()) if local.is_dir() else source
+    data["model"]["components"], dropped = _components(index, template["model"]["components"], source)
+    if dropped:
+        notes.append(f"left out (no role omnispec gives them): {', '.join(dropped)}")
+    components = data["model"]["components"]
+    scheduler = next((n for n, c in components.items() if c["role"] == "scheduler"), None)
+    scheduler_class = _class_tail(components[scheduler]["class"]) if scheduler else None
+    two_experts = index is not None and index.get("boundary_ratio") is not None
+    recipe = data["recipe"]
+    for phase in recipe["phases"]:
+        phase["schedule"] = _schedule(phase["schedule"], scheduler, scheduler_class, two_experts)
+    for key, shared in list(recipe.get("schedules", {}).items()):
+        recipe["schedules"][key] = _schedule(shared, scheduler, scheduler_class, two_experts)
+    data["recipe"]["phases"] = [p for p in recipe["phases"] if p["denoiser"] in components]
+    pipeline_cls = _pipeline_class(family, index)
+    if pipeline_cls is not None:
+        notes += _diffusers_defaults(data, pipeline_cls)
+    return data, notes
+
+
+def _components(index: dict[str, Any] | None, template: dict[str, Any], source: str
+                ) -> tuple[dict[str, Any], list[str]]:
+    """Each component of the checkpoint with its role and class; the template's entry where the class agrees (it may
+    name a module path, a dtype)."""
+    if index is None:  # no model_index.json: the template's components whose folders are there
+        local = Path(source).expanduser()
+        return {n: c for n, c in template.items() if (local / (c.get("subfolder") or n)).is_dir()}, []
+    out, dropped = {}, []
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
+            continue
+        library, cls = entry
+        ours = template.get(name)
+        if ours is not None and _same_class(ours["class"], cls):
+            out[name] = {**ours, "subfolder": name}
+            continue
+        role = ours["role"] if ours is not None else _role(name)
+        if role is None:
+            dropped.append(f"{name} ({library}.{cls})")
+            continue
+        ref = f"{library}.{cls}" if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}:{cls}"
+        out[name] = {"role": role, "class": ref, "subfolder": name}
+    return out, dropped
+
+
+def _same_class(ref: str, theirs: str) -> bool:
+    ours = _class_tail(ref)
+    return ours == theirs or ours.startswith("Auto") or ours.removesuffix("Fast") == theirs.removesuffix("Fast")
+
+
+def _class_tail(ref: str) -> str:
+    return ref.replace(":", ".").split(".")[-1]
+
+
+def _role(name: str) -> str | None:
+    for start, role in _ROLE_BY_NAME:
+        if name.startswith(start):
+            return role
+    return None
+
+
+def _schedule(schedule: dict[str, Any], scheduler: str | None, scheduler_class: str | None, two_experts: bool
+              ) -> dict[str, Any]:
+    """The template's schedule following the checkpoint: flow matching with the scheduler's shift, the scheduler
+    itself when it is another kind, a segment split at the checkpoint's boundary."""
+    kind = schedule.get("kind", "flow_match")
+    if kind == "segment":
+        out = dict(schedule)
+        for bound in ("low", "high"):
+            if two_experts and out.get(bound) not in (0, 0.0, 1, 1.0, None):
+                out[bound] = "from_checkpoint"
+        return out
+    if kind == "flow_match" and schedule.get("sigmas") is None:
+        if scheduler_class == FLOW_MATCH_SCHEDULER:
+            return {"kind": "flow_match", "shift": "from_checkpoint",
+                    **{k: v for k, v in schedule.items() if k in ("steps",)}}
+        if scheduler is not None:
+            return {"kind": "scheduler", "component": scheduler}
+    if kind == "scheduler" and scheduler is not None:
+        return {**schedule, "component": scheduler}
+    return schedule
+
+
+def _pipeline_class(family: str, index: dict[str, Any] | None) -> type | None:
+    import diffusers
+
+    from .runtime.families import family_class
+
+    named = getattr(diffusers, str((index or {}).get("_class_name", "")), None)
+    return named if isinstance(named, type) else family_class(family).pipeline_class
+
+
+def _diffusers_defaults(data: dict[str, Any], pipeline_cls: type) -> list[str]:
+    """The recipe's defaults and primary guidance scale from the pipeline's ``__call__`` defaults (those it gives
+    as numbers; a size it derives from the checkpoint keeps the template's), except fields the recipe refuses."""
+    parameters = inspect.signature(pipeline_cls.__call__).parameters
+    recipe = data["recipe"]
+    refused = set((recipe.get("constraints") or {}).get("refuse", []))
+    defaults = recipe.setdefault("defaults", {})
+    taken = []
+    for argument, field in _DEFAULTS.items():
+        value = parameters[argument].default if argument in parameters else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and field not in refused:
+            defaults[field] = int(value)
+            taken.append(f"{field} {int(value)}")
+    for phase in recipe["phases"]:
+        guidance = phase.setdefault("guidance", {})
+        scale, argument = _primary_scale(guidance, parameters)
+        if scale is not None:
+            _set_primary(guidance, scale)
+            taken.append(f"{argument} {scale:g} ({phase['name']})")
+    return [f"from {pipeline_cls.__name__}'s defaults: {', '.join(taken)}"] if taken else []
+
+
+def _primary_scale(guidance: dict[str, Any], parameters: Any) -> tuple[float | None, str]:
+    """diffusers' default for what a request's guidance_scale sets in this phase (embedded guidance or CFG:
+    ``guidance_scale``; true CFG: ``true_cfg_scale``), when it is one number for every stream."""
+    if guidance.get("embedded") is not None:
+        argument = "guidance_scale"
+    else:
+        term = next((t for t in guidance.get("terms", []) if t.get("kind") in ("cfg", "true_cfg")), None)
+        if term is None or isinstance(term.get("scale"), dict):
+            return None, ""
+        argument = "true_cfg_scale" if term["kind"] == "true_cfg" else "guidance_scale"
+    value = parameters[argument].default if argument in parameters else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value), argument
+    return None, argument
+
+
+def _set_primary(guidance: dict[str, Any], scale: float) -> None:
+    if guidance.get("embedded") is not None:
+        guidance["embedded"] = scale
+        return
+    for term in guidance.get("terms", []):
+        if term.get("kind") in ("cfg", "true_cfg"):
+            term["scale"] = scale
+            return
+
+
+__all__ = ["draft_spec", "read_model_index"]

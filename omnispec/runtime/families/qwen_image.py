@@ -1,0 +1,204 @@
+"""Qwen-Image text-to-image (``QwenImagePipeline``) and editing (``QwenImageEditPipeline``,
+``QwenImageEditPlusPipeline``).
+
+Latents are packed 2x2 patches in the prompt embeddings' dtype. Prompts are Qwen2.5-VL hidden states after a fixed
+template, padded only to their own call's longest prompt, so they are ``ragged`` with a mask (passed as None when
+nothing is padded, as diffusers does). True CFG rescales the guided prediction to the cond pass's norm per token
+(``renorm: {over: token}``). Editing feeds the image to the text encoder with the prompt, appends the image's packed
+VAE latents (its mode: no generator draw) to the noise tokens of every forward, and keeps the noise tokens of the
+prediction; Edit-Plus does so for each of several images.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+from ...spec import PipelineSpec, SpecError
+from ...spec.request import Request
+from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
+
+PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_hidden_states_mask"})
+IMAGE_AREA = 1024 * 1024  # the editing pipelines size the reference image (and the default output) to this area
+
+
+class QwenImageFamily(PackedLatents, Family):
+    name = "qwen_image"
+    pipeline_class = QwenImagePipeline
+    context_parallel = True
+    block_lists = ("transformer_blocks",)
+    attention_roles = {"joint": ("transformer_blocks.*.attn",)}
+    required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
+
+    @classmethod
+    def check_spec(cls, spec: PipelineSpec) -> None:
+        super().check_spec(spec)
+        if spec.policies.parallel.ring > 1:
+            raise SpecError.single("ring attention runs diffusers' _native_flash kernel, which takes no attention mask, "
+                                   "and Qwen-Image masks its padded prompt tokens (use ulysses)", "policies.parallel.ring")
+
+    def helper_components(self):
+        return (*self.required, "scheduler", "transformer")
+
+    def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        embeds, mask = self.helper.encode_prompt(list(prompts), device=self.device,
+                                                 max_sequence_length=request.max_sequence_length or 512)
+        return _prompt_conditioning(embeds, mask)
+
+    def latent_dtype(self, denoiser) -> torch.dtype:
+        return self.helper.text_encoder.dtype  # QwenImagePipeline keeps latents in the prompt embeddings' dtype
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        helper = self.helper
+        return {"latents": helper.prepare_latents(len(generators), helper.transformer.config.in_channels // 4,
+                                                  geometry.height, geometry.width, self.latent_dtype(None),
+                                                  self.device, generators)}
+
+    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        return self.initial_latents(geometry, generators)  # drawn unpacked, then packed
+
+    def pack(self, stream: str, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        b, c, h, w = spatial.shape
+        return QwenImagePipeline._pack_latents(spatial, b, c, h, w)
+
+    def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        spatial = QwenImagePipeline._unpack_latents(latents, geometry.height, geometry.width,
+                                                    self.helper.vae_scale_factor)
+        return spatial.squeeze(2)
+
+    def image_shapes(self, geometry: Geometry) -> list[tuple[int, int, int]]:
+        """RoPE shapes of the noise tokens, then of each reference image's tokens (``encode_images``)."""
+        h, w = self._latent_hw(geometry)
+        return [(1, h // 2, w // 2), *geometry.extra.get("qwen_reference_shapes", [])]
+
+    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
+                perturbation: Perturbation | None = None) -> Streams:
+        x = latents["latents"].to(self.latent_dtype(denoiser))
+        tokens = x.shape[1]
+        reference = cond.batched.get("image_latents")
+        hidden = x if reference is None else torch.cat([x, reference.to(x.dtype)], dim=1)
+        embeds, mask = self._sequence_padded(cond.batched["encoder_hidden_states"],
+                                             cond.batched["encoder_hidden_states_mask"])
+        b = x.shape[0]
+        with self.layer_skip(denoiser, perturbation):
+            out = denoiser(
+                hidden_states=hidden, timestep=timestep.expand(b).to(x.dtype) / 1000, guidance=None,
+                encoder_hidden_states=embeds, encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                img_shapes=[self.image_shapes(geometry)] * b, attention_kwargs={}, return_dict=False,
+            )[0]
+        return {"latents": out[:, :tokens]}
+
+    def _sequence_padded(self, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under ulysses the text splits over the sequence ranks: pad it (masked) to a multiple of their count."""
+        parallel = self.spec.policies.parallel
+        extra = -embeds.shape[1] % (parallel.ulysses * parallel.ring)
+        if not extra:
+            return embeds, mask
+        return (torch.nn.functional.pad(embeds, (0, 0, 0, extra)), torch.nn.functional.pad(mask, (0, extra)))
+
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
+        helper, vae = self.helper, self.helper.vae
+        x = QwenImagePipeline._unpack_latents(latents["latents"], geometry.height, geometry.width,
+                                              helper.vae_scale_factor).to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(x)
+        image = vae.decode(x / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return Decoded(decode_images(helper, image))
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    name = "qwen_image_edit"
+    pipeline_class = QwenImageEditPipeline
+    required = {**QwenImageFamily.required, "processor": "processor"}
+    max_images = 1
+    # The reference image's size for the text encoder (the editing pipeline uses the VAE's size for both).
+    condition_area = IMAGE_AREA
+    sizing = staticmethod(pipeline_qwenimage_edit.calculate_dimensions)  # the pipeline's own sizing rule
+
+    def helper_components(self):
+        return (*self.required, "scheduler", "transformer")
+
+    def fitted(self, image, area: int) -> tuple[int, int]:
+        """(width, height) of ``image``'s aspect at ``area`` pixels, in multiples of 32."""
+        width, height = self.sizing(area, image.size[0] / image.size[1])[:2]
+        return int(width), int(height)
+
+    def images(self, request: Request) -> list:
+        images = [c.image for c in request.images]
+        if not all(hasattr(image, "size") and hasattr(image, "convert") for image in images):
+            raise SpecError.single(f"family {self.name!r} sizes its reference images as PIL images: pass a PIL image "
+                                   "or a path", "request.image")
+        return images
+
+    def geometry(self, request: Request, size_scale: float) -> Geometry:
+        """The request's size, or the last image's aspect at 1024x1024 pixels (1024x1024 with no image, when
+        planning), floored to a multiple of 16."""
+        width, height = self.fitted(self.images(request)[-1], IMAGE_AREA) if request.images else (1024, 1024)
+        multiple = self.helper.vae_scale_factor * 2
+        height = int((request.height or height) * size_scale) // multiple * multiple
+        width = int((request.width or width) * size_scale) // multiple * multiple
+        return Geometry(height, width, request.frames, request.fps)
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        helper = self.helper  # with no image, the editing pipelines' prepare_latents draws the noise alone
+        latents, _ = helper.prepare_latents(None, len(generators), helper.transformer.config.in_channels // 4,
+                                            geometry.height, geometry.width, self.latent_dtype(None), self.device,
+                                            generators)
+        return {"latents": latents}
+
+    def prompt_images(self, request: Request) -> list:
+        """The images the text encoder sees, resized to ``condition_area``."""
+        out = []
+        for image in self.images(request):
+            width, height = self.fitted(image, self.condition_area)
+            out.append(self.helper.image_processor.resize(image, height, width))
+        return out
+
+    def encode(self, prompts: list[str], request: Request) -> Conditioning:
+        """One prompt at a time (the processor pairs the images with one prompt's vision tokens), joined padded."""
+        images = self.prompt_images(request)
+        image = images if self.max_images > 1 else images[0]
+        return Conditioning.cat([_prompt_conditioning(*self.helper.encode_prompt([p], image=image, device=self.device))
+                                 for p in prompts])
+
+    def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
+                      ) -> Conditioning | None:
+        """Each image at 1024x1024 pixels' worth of its aspect, VAE-encoded by its mode (no generator draw),
+        normalised and packed; the images' tokens follow each other, one row per sample."""
+        helper, vae = self.helper, self.helper.vae
+        f = helper.vae_scale_factor
+        packed, shapes = [], []
+        for image in self.images(request):
+            width, height = self.fitted(image, IMAGE_AREA)
+            pixels = helper.image_processor.preprocess(image, height, width).unsqueeze(2)
+            latents = helper._encode_vae_image(pixels.to(self.device, vae.dtype), generator=None)
+            c, h, w = latents.shape[1], latents.shape[3], latents.shape[4]
+            packed.append(helper._pack_latents(latents, 1, c, h, w).to(self.latent_dtype(None)))
+            shapes.append((1, height // f // 2, width // f // 2))
+        geometry.extra["qwen_reference_shapes"] = shapes
+        tokens = self.tokens(geometry) + sum(s[1] * s[2] for s in shapes)
+        parallel = self.spec.policies.parallel
+        if tokens % (parallel.ulysses * parallel.ring):
+            raise SpecError.single(f"{tokens} image tokens (output and references) do not split over "
+                                   f"{parallel.ulysses * parallel.ring} sequence-parallel ranks", "request")
+        return Conditioning({"image_latents": torch.cat(packed, dim=1).repeat(len(generators), 1, 1)})
+
+
+class QwenImageEditPlusFamily(QwenImageEditFamily):
+    """Several reference images (``conditions=[...]``), each named to the text encoder as "Picture i" and seen there
+    at 384x384 pixels' worth of its aspect; the output's default size follows the last image."""
+
+    name = "qwen_image_edit_plus"
+    pipeline_class = QwenImageEditPlusPipeline
+    max_images = 3  # the model card's 1 to 3 input images
+    condition_area = pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE
+    sizing = staticmethod(pipeline_qwenimage_edit_plus.calculate_dimensions)
+
+
+def _prompt_conditioning(embeds: torch.Tensor, mask: torch.Tensor | None) -> Conditioning:
+    """Prompt embeddings and their 0/1 mask (diffusers returns None when nothing is padded)."""
+    if mask is None:
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    return Conditioning({"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}, ragged=PROMPT_KEYS)

@@ -1,0 +1,73 @@
+"""``benchmarks/gpu_peers.py`` on tiny CPU modules: the threshold search, the forward counts both sides report, and
+the step-caching rows against cache-dit (skipped when cache-dit is not installed; it is no omnispec dependency)."""
+
+import copy
+import types
+
+import pytest
+
+
+@pytest.fixture
+def peers(monkeypatch):
+    """The benchmark in smoke mode, with every module-level setting it changes restored afterwards."""
+    from benchmarks import gpu_interpreter as gi
+    from benchmarks import gpu_peers
+
+    for module, names in ((gi, ("SMOKE", "DEVICE")), (gpu_peers, ("SMOKE_OVERRIDES", "ROWS", "VERSIONS", "_TOKENIZERS"))):
+        for name in names:
+            monkeypatch.setattr(module, name, copy.copy(getattr(module, name)))
+    monkeypatch.setattr(gi, "WORKLOADS", copy.deepcopy(gi.WORKLOADS))
+    monkeypatch.setattr(gpu_peers, "WORK", copy.deepcopy(gpu_peers.WORK))
+    gpu_peers.ROWS.clear()
+    gpu_peers.enable_smoke()
+    for w in gpu_peers.WORK.values():
+        w["cache_steps"] = 6
+    return gpu_peers
+
+
+def test_threshold_search_finds_the_count_or_the_closest():
+    from benchmarks.gpu_peers import match_threshold
+
+    def count_at(t):  # forwards fall as the threshold grows
+        return max(1, round(20 - 40 * t))
+
+    best, tried = match_threshold(count_at, 12, 0.08, 12)
+    assert tried[best] == 12 and len(tried) <= 12
+    best, tried = match_threshold(lambda t: 20 if t < 0.5 else 4, 12, 0.08, 6)  # a jump: 12 is never reached
+    assert tried[best] in (20, 4) and len(tried) == 6
+
+
+def _args(**kw):
+    return types.SimpleNamespace(mask_policy="medium", dbcache="F1B0W0", dbcache_threshold="0.3", search_probes=4,
+                                 **kw)
+
+
+@pytest.mark.timeout(120)
+def test_step_mask_rows_run_one_pattern_and_count_it(peers):
+    pytest.importorskip("cache_dit")
+    wl = peers.Workload("flux", 1, 1e12)
+    peers.step_mask_part(wl, _args())
+    eager, cachedit, ours = peers.ROWS
+    assert eager["forwards"]["full_forwards"] == 6
+    mask = cachedit["settings"]["mask"]
+    assert mask == ours["settings"]["mask"] and mask[0] == "1"
+    computed = mask.count("1")
+    # the same full forwards; cache-dit still calls the denoiser on reused steps (its first block runs),
+    # omnispec does not call it at all
+    assert cachedit["forwards"]["full_forwards"] == ours["forwards"]["full_forwards"] == computed
+    assert cachedit["forwards"]["denoiser_calls"] == 6 and ours["forwards"]["denoiser_calls"] == computed
+    assert cachedit["forwards"]["block_computes_in_full_forwards"] > computed
+    assert cachedit["cached_steps"] == [[i for i, m in enumerate(mask) if m == "0"]]
+
+
+@pytest.mark.timeout(120)
+def test_dbcache_row_and_first_block_row_make_the_same_full_forwards(peers):
+    pytest.importorskip("cache_dit")
+    wl = peers.Workload("wan", 1, 1e12)  # CFG: cond and uncond are separate forwards on both sides
+    peers.dbcache_part(wl, _args())
+    eager, cachedit, ours = peers.ROWS
+    assert eager["forwards"]["full_forwards"] == 12
+    assert "error" not in cachedit and "error" not in ours
+    assert ours["forwards"]["full_forwards"] == cachedit["forwards"]["full_forwards"] < 12
+    assert ours["matched"] is True
+    assert not any(hasattr(m, "_diffusers_hook") for m in wl.mods["transformer"].modules())  # hooks removed

@@ -1,0 +1,123 @@
+"""Every output records what made it (spec, request, versions, checkpoint) and is made again from that record:
+``omnispec.replay``, ``omnispec run --from``, ``omnispec explain OUTPUT``."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import omnispec
+from omnispec import provenance
+from omnispec.cli import main
+from omnispec.spec import SpecError
+from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
+
+FLUX = [*TINY_OVERRIDES["flux"], "recipe.defaults.steps=2"]
+WAN = [*TINY_OVERRIDES["wan"], "recipe.defaults.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def flux(flux_dir):
+    return omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=FLUX)
+
+
+def test_png_records_spec_request_versions_and_checkpoint(flux, flux_dir, tmp_path):
+    out = flux(["a cat", "a dog"], seed=3, guidance_scale=4.0)
+    first, second = out.save(tmp_path / "pets.png")
+    made_by = provenance.read(second)
+    assert made_by["sample"] == 1
+    assert made_by["request"]["prompts"] == ["a cat", "a dog"] and made_by["request"]["seeds"] == [3, 4]
+    assert made_by["request"]["guidance_scale"] == 4.0 and made_by["request"]["height"] == 32
+    assert set(made_by["versions"]) == {"omnispec", "diffusers", "transformers", "torch"}
+    assert made_by["versions"]["omnispec"] == omnispec.__version__
+    assert omnispec.load_spec(made_by["spec"]) == flux.spec
+    (root,) = made_by["checkpoint"]["roots"].values()
+    assert root["kind"] == "local" and root["path"] == str(flux_dir.resolve())
+    assert "transformer/config.json" in root["config_sha256"] and "model_index.json" in root["config_sha256"]
+    assert Image.open(first).text["parameters"].startswith("a cat\nSteps: 2, Seed: 3, Size: 32x32, CFG scale: 4")
+
+
+def test_replay_of_an_image_sample_is_identical(flux, tmp_path):
+    out = flux(["a cat", "a dog"], seed=3)
+    out.save(tmp_path / "pets.png")
+    again = omnispec.replay(tmp_path / "pets-1.png")
+    assert np.array_equal(again.array[0], out.array[1])
+    assert again.provenance["sample"] == 1 and again.request.prompts == ["a cat", "a dog"]
+
+
+def test_replay_of_a_video_from_its_mp4_is_identical(wan_dir, tmp_path):
+    import av
+
+    pipe = omnispec.build(SPECS / "wan2.1-t2v-1.3b.yaml", source=str(wan_dir), overrides=WAN)
+    out = pipe("a red car", seed=5, negative_prompt="blurry")
+    (mp4,) = out.save(tmp_path / "car.mp4")
+    with av.open(str(mp4)) as container:
+        assert container.streams.video[0].frames == 5
+        assert json.loads(container.metadata["comment"])["request"]["negative_prompt"] == "blurry"
+    again = omnispec.replay(mp4)
+    assert np.array_equal(again.array, out.array)
+
+
+def test_npy_and_wav_get_a_sidecar_and_replay_the_whole_batch(flux, tmp_path):
+    out = flux(["a cat", "a dog"], seed=0)
+    written = out.save(tmp_path / "pets.npy")
+    assert [p.name for p in written] == ["pets.npy"] and (tmp_path / "pets.npy.json").is_file()
+    assert provenance.read(written[0])["sample"] is None
+    assert np.array_equal(omnispec.replay(written[0]).array, out.array)
+
+
+def test_an_existing_sidecar_counts_as_an_existing_output(flux, tmp_path):
+    (tmp_path / "x.npy.json").write_text("{}")
+    with pytest.raises(SpecError, match="x.npy.json exists"):
+        flux("a cat", seed=0).save(tmp_path / "x.npy")
+
+
+def test_conditioning_images_are_recorded_by_digest_and_path(flux_dir, photo, tmp_path):
+    pipe = omnispec.build(SPECS / "flux1-dev-img2img.yaml", source=str(flux_dir), overrides=FLUX)
+    out = pipe("a cat", seed=1, image=str(photo), strength=0.6)
+    (png,) = out.save(tmp_path / "cat.png")
+    (image,) = provenance.read(png)["request"]["images"]
+    assert image["path"] == str(photo.resolve()) and image["digest"] == out.request.images[0].digest
+    assert np.array_equal(omnispec.replay(png).array, out.array)
+    changed = tmp_path / "photo.png"
+    Image.open(photo).rotate(90).save(changed)
+    made_by = provenance.read(png)
+    made_by["request"]["images"][0]["path"] = str(changed)
+    with pytest.raises(SpecError, match="has changed since"):
+        provenance.image_arguments(made_by["request"]["images"])
+
+
+def test_changed_checkpoint_configs_or_in_memory_weights_refuse_replay(flux, tmp_path):
+    out = flux("a cat", seed=0)
+    made_by = {**out.provenance, "weights_changed": 1}
+    assert "changed in memory" in str(provenance.replay_problems(made_by, None)[0])
+    made_by = json.loads(json.dumps(out.provenance))
+    (root,) = made_by["checkpoint"]["roots"].values()
+    root["config_sha256"]["transformer/config.json"] = "0" * 64
+    assert "transformer/config.json" in str(provenance.replay_problems(made_by, None)[0])
+
+
+def test_cli_run_from_an_output_makes_the_same_file_and_explain_shows_what_made_it(flux_dir, tmp_path, capsys):
+    sets = [a for o in FLUX for a in ("--set", o)]
+    assert main(["run", "flux1-dev", "--source", str(flux_dir), "--prompt", "a cat", "--prompt", "a dog", "--seed", "7",
+                 "--output", str(tmp_path / "pets.png"), *sets]) == 0
+    assert main(["run", "--from", str(tmp_path / "pets-1.png"), "--output", str(tmp_path / "again.png")]) == 0
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "pets-1.png")), np.asarray(Image.open(tmp_path / "again.png")))
+    assert provenance.read(tmp_path / "again.png")["sample"] == 1
+    capsys.readouterr()
+    assert main(["run", "--from", str(tmp_path / "pets-1.png"), "--seed", "9", "--output", str(tmp_path / "s9.png")]) == 0
+    request = provenance.read(tmp_path / "s9.png")["request"]
+    assert (request["prompts"], request["seeds"]) == (["a dog"], [9])  # the file's own prompt with the new seed
+    capsys.readouterr()
+    assert main(["explain", str(tmp_path / "pets-1.png")]) == 0
+    text = capsys.readouterr().out
+    assert "prompt 'a dog', seed 8 (sample 1 of 2)" in text and "checkpoint: " in text and "phase 'generate'" in text
+
+
+def test_explain_of_a_file_without_a_record_says_so(tmp_path, capsys):
+    Image.new("RGB", (8, 8)).save(tmp_path / "plain.png")
+    assert main(["explain", str(tmp_path / "plain.png")]) == 2
+    assert "records nothing about how it was made" in capsys.readouterr().err

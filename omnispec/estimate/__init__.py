@@ -1,0 +1,241 @@
+"""``omnispec explain --estimate``: what a run will cost, before any weight loads.
+
+- **Parameter bytes** per component from its safetensors headers (the first few KB of each file: names, dtypes,
+  shapes), counted in the dtype the component loads in and under the declared quantization (torchao/bitsandbytes
+  store a quantized ``Linear`` weight in 1 byte per value for fp8/int8, half a byte for int4/nf4, plus scales). A
+  component without safetensors is counted from its config, built on the meta device.
+- **FLOPs per denoiser forward**, counted on the meta device: every weighted component is built from its config
+  on ``meta`` (no memory), the family encodes a prompt and runs its denoiser exactly as a request would, and each
+  matmul, convolution and attention call is counted (torch's ``flop_registry``; attention as ``4 B H Lq Lk D``).
+- **Peak device memory** under the declared offload policy: the weights on the device in each stage (encode,
+  denoise, decode) plus that stage's activations, which the meta run measures as the largest total size of live
+  tensors (attention as the fused kernels run it: no score matrix).
+- **Time per step**: the counted matmul and attention calls, grouped by shape, each timed on the target device
+  with random data; the other ops' bytes read and written at the device's measured copy rate; the larger of that and
+  the ops' count times the measured cost of launching one; and under layerwise/group offload on CUDA, the
+  host-to-device copy of the denoiser's blocks at the measured rate (overlapped with compute when prefetching).
+
+Encoding and decoding time are not estimated; ``render_estimate`` says what each number covers.
+"""
+
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..log import logger
+from ..spec import PipelineSpec, SpecError
+from ..spec.model import WEIGHTLESS_ROLES
+from .counting import Shadow, counting
+from .report import ComponentBytes, Estimate, OpTiming, render_estimate
+from .timing import copy_rate, host_to_device_rate, launch_seconds, time_call
+from .weights import GROUPED, STAGE_ROLES, component_bytes, config_module, safetensors_header
+
+# ---- the estimate -------------------------------------------------------------------------------------------
+
+def estimate(spec: PipelineSpec, source: str | None = None, device: str | None = None,
+             time_ops: bool = True, **request: Any) -> Estimate:
+    """Estimate a request of ``spec`` (its recipe's defaults, or ``request`` fields) on ``device`` from the
+    checkpoint at ``source`` (else ``model.source``; a local folder or the Hub cache), loading no weights."""
+    from ..policies import resolve_device
+    from ..runtime.build import check_device
+
+    check_device(device or spec.runtime.device, "--device" if device else "runtime.device")
+    target = resolve_device(device or spec.runtime.device)
+    root = _checkpoint_root(spec, source)
+    from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
+
+    configs = read_configs(spec, str(root))
+    problems = checkpoint_problems(spec, configs)
+    if problems:
+        raise SpecError(problems)
+    spec = follow_checkpoint(spec, configs)
+    modules, counts = _modules(spec, root)
+    result = Estimate(str(target), {}, counts)
+    _count_run(spec, modules, result, request)
+    _peak(spec, result)
+    if time_ops:
+        _time(result, target, spec)
+    return result
+
+
+def _checkpoint_root(spec: PipelineSpec, source: str | None) -> Path:
+    root = source or spec.model.source
+    if not root:
+        raise SpecError.single("no checkpoint: the spec has no model.source and no --source was given", "--source")
+    local = Path(root).expanduser()
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:  # the Hub cache's snapshot: config files and safetensors headers are read from there
+        return Path(snapshot_download(root, revision=spec.model.revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise SpecError.single(f"{root!r} is neither a local checkpoint folder nor in the Hub cache; the estimate "
+                               "reads config files and safetensors headers from disk: pass --source DIR", "--source"
+                               ) from None
+
+
+def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[ComponentBytes]]:
+    """Weighted components on meta (with their byte counts); tokenizers, processors and schedulers loaded (small)."""
+    from ..runtime.components import DTYPES, component_class, load_components
+
+    light = {n: c for n, c in spec.model.components.items() if c.role in WEIGHTLESS_ROLES}
+    quiet = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"progress": False})})
+    modules: dict[str, Any] = load_components(quiet, str(root), only=light) if light else {}
+    counts = []
+    for name, component in spec.model.components.items():
+        if name in light:
+            continue
+        folder = Path(component.source or root) / (component.subfolder or "")
+        cls = component_class(component)
+        module = None
+        if component.file is None:
+            try:
+                module = config_module(cls, folder, DTYPES[component.dtype or spec.model.dtype], component.config)
+            except (OSError, ValueError, TypeError) as exc:
+                logger.warning(f"estimate: {name} not built on meta ({exc}); its FLOPs are not counted")
+        modules[name] = module
+        counts.append(component_bytes(spec, name, component, folder, module))
+    return modules, counts
+
+
+def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fields: dict[str, Any]) -> None:
+    """One request's first denoiser forward (and its decode) on meta: FLOPs, op shapes, peak live bytes."""
+    from ..runtime.families import Conditioning, family_class
+    from ..runtime.run import phase_passes
+    from ..spec.plan import compile_plan
+    from ..spec.request import resolve_request
+
+    phase = spec.recipe.phases[0]
+    result.denoiser = phase.denoiser
+    if any(m is None for m in modules.values()):
+        result.notes.append("FLOPs not counted: a component could not be built on the meta device")
+        return
+    meta = torch.device("meta")
+    images = {}
+    if spec.recipe.task.startswith("image") and "image" not in fields and "conditions" not in fields:
+        from PIL import Image
+
+        side = spec.recipe.defaults.height or 512
+        images = {"image": Image.new("RGB", (spec.recipe.defaults.width or side, side), (128, 128, 128))}
+    request = resolve_request(spec, "a photo of a cat", 0, **images, **fields)
+    result.request = {k: v for k, v in request.model_dump(exclude={"images", "prompts", "seeds"}).items()
+                      if v not in (None, "")}
+    result.steps = request.steps
+    shadow = Shadow()
+    try:
+        family = family_class(spec.model.family)(spec, modules, meta)
+        generators = [torch.Generator("cpu").manual_seed(0)]
+        with counting(shadow) as counter:
+            geometry = family.geometry(request, phase.size_scale)
+            latents = family.initial_latents(geometry, generators)
+            positive = family.encode(list(request.prompts), request)
+            image_cond = family.encode_images(request, geometry, generators)
+        result.activation_bytes["encode"] = counter.peak
+        plans = compile_plan(phase.guidance, 1, [1.0])
+        passes = phase_passes(phase, positive.with_(image_cond), positive.with_(image_cond))
+        names = list(plans[0].passes)
+        result.passes = len(names)
+        tokens = family.tokens(geometry)
+        max_rows = _max_rows(spec, tokens)
+        rows = len(names) if max_rows is None else max(1, min(max_rows, len(names)))
+        result.rows_per_forward = rows
+        result.forwards_per_step = math.ceil(len(names) / rows)
+        with counting(shadow) as counter:
+            cond = Conditioning.cat([passes.conditions[n] for n in names[:rows]])
+            x = {s: torch.cat([v] * rows) for s, v in latents.items()}
+            t = torch.full((), 500.0, device=meta)
+            family.predict(modules[phase.denoiser], x, t, cond, geometry, embedded=plans[0].embedded)
+        result.forward_flops = sum(g.flops * g.calls for g in counter.groups.values())
+        result.step_flops = result.forward_flops * len(names) / rows
+        result.activation_bytes["denoise"] = counter.peak
+        result.ops = sorted(counter.groups.values(), key=lambda g: -g.flops * g.calls)
+        result.kernels, result.moved_bytes = counter.kernels, counter.moved
+        result.notes.append(f"request: 1 sample, {len(names)} pass(es) per step in {result.forwards_per_step} "
+                            f"forward(s) of {rows} row(s), {tokens} image tokens per row")
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        logger.debug("estimate: the meta forward failed", exc_info=True)
+        result.notes.append(f"FLOPs not counted: the denoiser forward did not run on the meta device ({exc})")
+        return
+    with counting(shadow) as counter:  # the VAE runs; converting its pixels on the host then fails on meta
+        try:
+            family.decode(latents, geometry)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
+            pass
+    result.activation_bytes["decode"] = counter.peak
+
+
+def _max_rows(spec: PipelineSpec, tokens: int) -> int | None:
+    """Rows per forward, as ``Run`` bounds them (``runtime.max_batch``, ``max_tokens_per_forward``)."""
+    runtime = spec.runtime
+    limits = [runtime.max_batch] if runtime.max_batch else []
+    if runtime.max_tokens_per_forward:
+        limits.append(max(1, runtime.max_tokens_per_forward // max(1, tokens)))
+    return min(limits) if limits else None
+
+
+def _peak(spec: PipelineSpec, result: Estimate) -> None:
+    """Weights on the device in each stage under the offload policy, plus that stage's activations."""
+    offload = spec.policies.offload
+    total = sum(c.bytes for c in result.components)
+    stages = {}
+    for stage, roles in STAGE_ROLES.items():
+        if offload.strategy == "none":
+            weights = total
+        elif offload.strategy == "model":  # one role-group at a time; resident and other roles stay
+            weights = sum(c.bytes for c in result.components if c.role in roles or c.role not in GROUPED)
+        else:  # layerwise / group: each denoiser's blocks stream in (on CUDA the next group prefetched meanwhile)
+            weights = total
+            prefetch = offload.prefetch and result.device.startswith("cuda")
+            groups = getattr(offload, "blocks_per_group", 1) * (2 if prefetch else 1)
+            for c in result.components:
+                if c.role == "denoiser" and c.blocks:
+                    streamed = sum(c.blocks.values())
+                    weights -= streamed
+                    if stage == "denoise":
+                        weights += min(streamed, groups * max(c.blocks.values()))
+        stages[stage] = weights
+    result.weights_on_device = stages
+    peaks = {stage: stages[stage] + result.activation_bytes.get(stage, 0) for stage in stages}
+    result.peak_stage = max(peaks, key=lambda s: peaks[s])
+    result.peak_bytes = peaks[result.peak_stage]
+
+
+def _time(result: Estimate, device: torch.device, spec: PipelineSpec, coverage: float = 0.97,
+          most: int = 16) -> None:
+    """Time the ops that make up ``coverage`` of the forward's FLOPs on ``device``; the rest is scaled in."""
+    if not result.forward_flops:
+        return
+    covered = seconds = 0.0
+    for group in result.ops[:most]:
+        func, args, kwargs = group.replay
+        group.seconds = time_call(func, args, kwargs, device)
+        covered += group.flops * group.calls
+        seconds += group.seconds * group.calls
+        if covered >= coverage * result.forward_flops:
+            break
+    result.coverage = covered / result.forward_flops
+    result.compute_seconds = seconds / result.coverage
+    result.memory_seconds = (result.moved_bytes or 0) / copy_rate(device)
+    result.overhead_seconds = (result.kernels or 0) * launch_seconds(device)
+    # Kernels run back to back while the host queues the next ones: the slower of the two sets the pace.
+    per_forward = max(result.compute_seconds + result.memory_seconds, result.overhead_seconds)
+    offload = spec.policies.offload
+    if offload.strategy in ("layerwise", "group") and device.type == "cuda":
+        streamed = sum(sum(c.blocks.values()) for c in result.components if c.role == "denoiser")
+        result.transfer_seconds = streamed / host_to_device_rate(device)
+        per_forward = (max(per_forward, result.transfer_seconds) if offload.prefetch
+                       else per_forward + result.transfer_seconds)
+    result.step_seconds = per_forward * result.forwards_per_step
+
+
+
+
+__all__ = ["ComponentBytes", "Estimate", "OpTiming", "Shadow", "config_module", "counting", "estimate", "render_estimate",
+           "safetensors_header"]

@@ -234,6 +234,8 @@ def main() -> None:
                         help="per-module breakdown, the denoiser bound, and replay timing")
     parser.add_argument("--sdpa-variant", action="store_true",
                         help="also time omnispec with attention forced to sdpa (auto's choice is in the breakdown)")
+    parser.add_argument("--replay-check-only", action="store_true",
+                        help="only roll out once and replay --replay-batch of the samples (issue 15's bound); no timing")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -274,6 +276,9 @@ def main() -> None:
     def run_ours(tag: str, p=pipe, s=sampler):
         return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, sampler=s, **request)
 
+    if args.replay_check_only:
+        save(replay_ratio(pipe, run_ours, args.replay_batch, "replay ratio check"))
+        return
     sides = {"flow-grpo loop (diffusers)": run_base, "omnispec rollout": run_ours}
     if args.outside_every > 1:
         sides[f"omnispec rollout, window-aware (every {args.outside_every})"] = lambda tag: run_ours(tag, s=fast_sampler)
@@ -332,8 +337,18 @@ def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) 
         save({"config": label, "ms_per_step": med * 1e3, "samples_per_replay": args.replay_batch,
               "samples_ms": [s * 1e3 for s in samples]})
         mods["transformer"].zero_grad(set_to_none=True)
+    save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, "replay ratio check"))
+
+
+def replay_ratio(pipe, run_ours, batch: int, label: str) -> dict:
+    """Replay the first ``batch`` samples of a rollout (so the forwards group rows differently than the
+    rollout's did) and report how far exp(replayed - stored log-prob) is from 1."""
+    with torch.no_grad():
+        rollout = run_ours("replay")
+    part = rollout.select(range(batch))
     ratio = (pipe.log_prob(part, grad=False).log_probs.cpu() - part.log_probs).exp()
-    save({"config": "replay ratio check", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
+    return {"config": label, "max_abs_ratio_minus_1": (ratio - 1).abs().max().item(), "replayed_samples": len(part.log_probs),
+            "rollout_samples": len(rollout.log_probs), "latent_dtype": str(rollout.latents.dtype)}
 
 
 def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> None:
@@ -363,14 +378,10 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
              | ({"first_call_s": first_s} if first_s is not None else {})
              | ({"dynamo": watch.summary()} if label.startswith("omnispec") else {}))
     # replay through the same compiled blocks (no grad: the inference graphs), other micro-batch
-    cpart = compiled_ro.select(range(args.replay_batch))
-    ratio = (compiled.log_prob(cpart, grad=False).log_probs.cpu() - cpart.log_probs).exp()
-    save({"config": "replay ratio check, compiled", "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
+    save(replay_ratio(compiled, lambda tag: compiled_ro, args.replay_batch, "replay ratio check, compiled"))
     if aware_ro is not None:
-        apart = aware_ro.select(range(args.replay_batch))
-        ratio = (compiled.log_prob(apart, grad=False).log_probs.cpu() - apart.log_probs).exp()
-        save({"config": "replay ratio check, compiled, window-aware",
-              "max_abs_ratio_minus_1": (ratio - 1).abs().max().item()})
+        save(replay_ratio(compiled, lambda tag: aware_ro, args.replay_batch,
+                          "replay ratio check, compiled, window-aware"))
 
 
 if __name__ == "__main__":

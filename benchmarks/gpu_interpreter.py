@@ -252,9 +252,9 @@ class CompileWatch:
         torch._logging.set_logs()
 
     def summary(self) -> dict:
-        from torch._dynamo.utils import counters
-
         import re
+
+        from torch._dynamo.utils import counters
 
         reasons = [re.sub(r"\s+#.*", "", line.strip()) for msg in self.recompiles for line in msg.splitlines()
                    if re.match(r"\s*- \d+/\d+: ", line)]
@@ -288,6 +288,19 @@ def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
             _sync()
             times[n] = time.perf_counter() - start
         samples.append((times[hi] - times[lo]) / (hi - lo))
+    return statistics.median(samples), samples
+
+
+def per_request(run, steps: int, repeats: int) -> tuple[float, list[float]]:
+    """Median seconds of a whole ``steps``-step request without gradients, and the samples."""
+    samples = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            run(steps)
+        _sync()
+        samples.append(time.perf_counter() - start)
     return statistics.median(samples), samples
 
 

@@ -329,18 +329,6 @@ def _peak_gib(run, n: int) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def _request_s(run, steps: int, repeats: int) -> tuple[float, list[float]]:
-    samples = []
-    for _ in range(repeats):
-        gi._sync()
-        start = time.perf_counter()
-        with torch.no_grad():
-            run(steps)
-        gi._sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples), samples
-
-
 def _per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
     with torch.no_grad():
         return gi.per_step(run, lo, hi, repeats)
@@ -478,7 +466,7 @@ class Workload:
         if steps not in self._requests:
             with counting(self.mods["transformer"]) as count, torch.no_grad():
                 latents = self.eager(steps)  # warm-up, reference output, forward count
-            med, samples = _request_s(self.eager, steps, self.repeats)
+            med, samples = gi.per_request(self.eager, steps, self.repeats)
             self._requests[steps] = {"request_s": med, "samples_s": samples, "latents": latents.float().cpu(),
                                      "forwards": count.summary()}
             emit({"part": "eager", "workload": self.name, "engine": "diffusers", "config": f"eager ({steps}-step request)",
@@ -574,7 +562,7 @@ def _request_row(wl: Workload, part: str, engine: str, config: str, settings: di
     eager = wl.eager_request(steps)
     with counting(transformer) as count, torch.no_grad():
         latents = run(steps)
-    med, samples = _request_s(run, steps, wl.repeats)
+    med, samples = gi.per_request(run, steps, wl.repeats)
     return emit({"part": part, "workload": wl.name, "engine": engine, "config": config, "settings": settings,
                  "steps": steps, "request_s": med, "samples_s": samples, **_ratios(med, eager["request_s"]),
                  "forwards": count.summary(), "eager_forwards": eager["forwards"],
@@ -849,7 +837,7 @@ def offload_part(wl: Workload, args) -> None:
     run_resident = omnispec_runner(resident, name, fresh=True)
     with torch.no_grad():
         run_resident(steps)
-    med, samples = _request_s(run_resident, steps, repeats)
+    med, samples = gi.per_request(run_resident, steps, repeats)
     eager_resident = med
     emit({"part": "offload", "workload": name, "engine": "omnispec", "config": "resident (no offload)",
           "settings": {"spec": "policies.offload={strategy: none}", "prompt": "new each request", "steps": steps},
@@ -882,7 +870,7 @@ def offload_part(wl: Workload, args) -> None:
             run(steps)
     for _ in range(repeats):  # alternate, so drift and host-memory state reach both sides
         for engine, (_, run, _) in sides.items():
-            samples[engine] += _request_s(run, steps, 1)[1]
+            samples[engine] += gi.per_request(run, steps, 1)[1]
     diffusers_s = statistics.median(samples["diffusers"]) if samples.get("diffusers") else None
     for engine, (config, run, settings) in sides.items():
         med = statistics.median(samples[engine])
@@ -901,7 +889,7 @@ def offload_part(wl: Workload, args) -> None:
         run_same = omnispec_runner(pipe, name)
         with torch.no_grad():
             run_same(steps)
-        med, samples_same = _request_s(run_same, steps, repeats)
+        med, samples_same = gi.per_request(run_same, steps, repeats)
         emit({"part": "offload", "workload": name, "engine": "omnispec", "config": "offload: model, same prompt",
               "settings": {"spec": "policies.offload={strategy: model}", "prompt": "the same each request",
                            "steps": steps}, "request_s": med, "samples_s": samples_same,

@@ -141,19 +141,6 @@ def _first_call_s(run) -> float:
     return time.perf_counter() - start
 
 
-def _request_s(run, steps: int, repeats: int) -> float:
-    """Median seconds of a whole ``steps``-step request: what model offload's per-request moves cost."""
-    samples = []
-    for _ in range(repeats):
-        gi._sync()
-        start = time.perf_counter()
-        with torch.no_grad():
-            run(steps)
-        gi._sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
     with torch.no_grad():
         run(lo)  # warm-up (and lazy compilation)
@@ -376,8 +363,8 @@ def model_offload_part(repeats: int, ceiling: float, per_step: bool = True) -> l
 
     def row(base: dict, runner, measure: bool = per_step) -> dict:
         measured = _measure(runner(False), 2, 4, repeats, flops, ceiling) if measure else {}
-        out = base | measured | {"request_s": _request_s(runner(False), 4, repeats),
-                                 "request_new_prompt_s": _request_s(runner(True), 4, repeats)}
+        out = base | measured | {"request_s": gi.per_request(runner(False), 4, repeats)[0],
+                                 "request_new_prompt_s": gi.per_request(runner(True), 4, repeats)[0]}
         print(json.dumps(out), flush=True)
         return out
 

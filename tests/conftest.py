@@ -15,6 +15,17 @@ import sys as _sys
 _sys.path.insert(0, str(ROOT))
 
 
+def spec_paths(node, prefix=()):
+    """Every path into a spec's plain data (keys and list indices), the root first: where mutations go."""
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from spec_paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from spec_paths(v, prefix + (i,))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -7,13 +7,12 @@ import sys
 
 import pytest
 import yaml
+from conftest import SPECS, spec_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnispec.cli import main
 from omnispec.spec import SpecError, load_spec, resolve_spec_data
-
-from conftest import SPECS
 
 
 def cli(*args):
@@ -76,16 +75,6 @@ def test_cyclic_extends_exits_2(tmp_path):
 BASES = [resolve_spec_data(p)[0] for p in sorted(SPECS.glob("*.yaml"))]
 
 
-def _paths(node, prefix=()):
-    yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, prefix + (i,))
-
-
 def _mutate(data, path, action, junk):
     if not path:
         return junk if action == "retype" else data
@@ -114,7 +103,7 @@ JUNK = st.one_of(st.none(), st.integers(-3, 3), st.floats(allow_nan=True), st.te
        action=st.sampled_from(["drop", "rename", "retype"]), junk=JUNK)
 def test_random_mutations_fail_only_with_spec_error(base, pick, action, junk):
     data = copy.deepcopy(BASES[base])
-    paths = list(_paths(data))
+    paths = list(spec_paths(data))
     data = _mutate(data, paths[pick % len(paths)], action, junk)
     try:
         load_spec(data)
@@ -128,7 +117,7 @@ def test_random_mutations_fail_only_with_spec_error(base, pick, action, junk):
 @given(pick=st.integers(0, 10_000), junk=st.sampled_from(["7", "x", "[1, 2]", "{a: 1}", "null", "-1"]))
 def test_random_overrides_fail_cleanly(pick, junk, tmp_path_factory):
     data = BASES[0]
-    paths = [p for p in _paths(data) if p]
+    paths = [p for p in spec_paths(data) if p]
     key = ".".join(map(str, paths[pick % len(paths)]))
     try:
         load_spec(SPECS / "flux1-dev.yaml", [f"{key}={junk}"])

@@ -15,7 +15,9 @@ import torch
 
 import omnispec
 from omnispec.spec import flow_match_sigmas, load_spec
+from omnispec.testing import ltx_converted as lc
 from omnispec.testing import ltx_official as lo
+from omnispec.testing import video_metrics as vm
 from omnispec.testing.fixtures import ltx2_components
 
 pytest.importorskip("ltx_core")
@@ -47,12 +49,12 @@ def pair(tmp_path_factory):
         if version not in built:
             work = tmp_path_factory.mktemp(f"ltx{version}-official")
             state = lo.official_checkpoint(work / "official.safetensors", version)
-            converted = lo.diffusers_components(state, version)
+            converted = lc.diffusers_components(state, version)
             saved = dict(converted)
             if version == "2.3":  # as ltx-core runs it: see test_ltx23_official_vocoder_clamps_its_16khz_stage
                 saved["vocoder"] = _with_config(converted["vocoder"], final_act_fn="clamp")
             text = ltx2_components(0, version)
-            root = lo.save_diffusers_checkpoint(work / "diffusers", saved, text["text_encoder"], text["tokenizer"])
+            root = lc.save_diffusers_checkpoint(work / "diffusers", saved, text["text_encoder"], text["tokenizer"])
             official = lo.load_official(work / "official.safetensors", text["text_encoder"], root / "tokenizer")
             built[version] = Pair(version, official, converted, root)
         return built[version]
@@ -92,8 +94,8 @@ def test_prompt_encoding_matches_official(pair, version):
     embeds, mask, _, _ = helper.encode_prompt([PROMPT], do_classifier_free_guidance=False,
                                               max_sequence_length=lo.SEQUENCE, device=lo.CPU)
     video, audio, _ = helper.connectors(embeds, mask, padding_side=helper.tokenizer.padding_side)
-    assert lo.cosine(video, official.video_encoding) >= COSINE
-    assert lo.cosine(audio, official.audio_encoding) >= COSINE
+    assert vm.cosine(video, official.video_encoding) >= COSINE
+    assert vm.cosine(audio, official.audio_encoding) >= COSINE
 
 
 @pytest.mark.parametrize("kind", lo.PASSES)
@@ -104,9 +106,9 @@ def test_transformer_forward_matches_official(pair, version, kind):
     p = pair(version)
     video, audio = _latents()
     context = p.official.encode(PROMPT)
-    ours = lo.diffusers_forward(p.converted["transformer"], video, audio, context, SIGMA, kind=kind, **SIZE)
+    ours = lc.diffusers_forward(p.converted["transformer"], video, audio, context, SIGMA, kind=kind, **SIZE)
     official = lo.official_forward(p.official, video, audio, context, SIGMA, kind=kind, **SIZE)
-    assert lo.cosine(ours[0], official[0]) >= COSINE and lo.cosine(ours[1], official[1]) >= COSINE
+    assert vm.cosine(ours[0], official[0]) >= COSINE and vm.cosine(ours[1], official[1]) >= COSINE
 
 
 # ---- the one-stage run -------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_one_stage_run_meets_the_official_guard(pair, version):
     initial noise: CFG 3 / 7, STG 1 / 1 (LTX-2.3 only), modality 3 / 3, rescale 0.7 / 0.7, 4 steps."""
     p = pair(version)
     stg = 1.0 if version == "2.3" else 0.0  # LTX-2.0: test_ltx20_stg_is_a_no_op_in_diffusers_ltx20_config
-    noise = lo.diffusers_noise(SEED, *lo.latent_sizes(**SIZE))  # test_the_official_noiser_lays_a_seed_out_otherwise
+    noise = lc.diffusers_noise(SEED, *lo.latent_sizes(**SIZE))  # test_the_official_noiser_lays_a_seed_out_otherwise
     official = lo.official_one_stage(p.official, PROMPT, NEGATIVE, steps=STEPS, video_guidance=_guider(3.0, stg),
                                      audio_guidance=_guider(7.0, stg), noise=noise, **SIZE)
     pipe = omnispec.build(SPECS / SPEC[version], source=str(p.root), overrides=[
@@ -131,11 +133,11 @@ def test_one_stage_run_meets_the_official_guard(pair, version):
     ours = pipe(PROMPT, seed=SEED, negative_prompt=NEGATIVE)
 
     frames, reference = ours.array[0] * 255.0, official.frames.astype(np.float64)  # theirs: uint8, truncated
-    ssim = lo.ssim_per_frame(frames, reference)
-    metrics = {"video_latent_cosine": lo.cosine(ours.latents["video"], official.video_latent.flatten(2).transpose(1, 2)),
-               "audio_latent_cosine": lo.cosine(ours.latents["audio"], official.audio_latent.transpose(1, 2).flatten(2)),
-               "ssim_mean": float(ssim.mean()), "ssim_min": float(ssim.min()), "psnr": lo.psnr(frames, reference),
-               "audio_relative_l2": lo.relative_l2(ours.audio[0], official.audio)}
+    ssim = vm.ssim_per_frame(frames, reference)
+    metrics = {"video_latent_cosine": vm.cosine(ours.latents["video"], official.video_latent.flatten(2).transpose(1, 2)),
+               "audio_latent_cosine": vm.cosine(ours.latents["audio"], official.audio_latent.transpose(1, 2).flatten(2)),
+               "ssim_mean": float(ssim.mean()), "ssim_min": float(ssim.min()), "psnr": vm.psnr(frames, reference),
+               "audio_relative_l2": vm.relative_l2(ours.audio[0], official.audio)}
     print(f"\nLTX-{version} one stage against ltx-pipelines:", {k: round(v, 6) for k, v in metrics.items()})
     assert ours.sample_rate == official.sample_rate and ours.audio[0].shape == official.audio.shape
     assert metrics["video_latent_cosine"] >= COSINE and metrics["audio_latent_cosine"] >= COSINE
@@ -175,7 +177,7 @@ def test_the_official_noiser_lays_a_seed_out_otherwise():
     pixels = VideoPixelShape(batch=1, **SIZE)
     state, _ = noise_video_state(pixels, GaussianNoiser(torch.Generator("cpu").manual_seed(SEED)), [],
                                  PipelineComponents(dtype=torch.float32, device=lo.CPU), torch.float32, lo.CPU)
-    ours = lo.diffusers_noise(SEED, *lo.latent_sizes(**SIZE))[0]
+    ours = lc.diffusers_noise(SEED, *lo.latent_sizes(**SIZE))[0]
     assert state.latent.shape == ours.shape
     assert torch.equal(state.latent, torch.randn(ours.shape, generator=torch.Generator().manual_seed(SEED)))
     assert not torch.allclose(state.latent, ours)
@@ -193,12 +195,12 @@ def test_ltx20_stg_is_a_no_op_in_diffusers_ltx20_config(pair):
         return [fn(model, video, audio, context, SIGMA, kind=kind, **SIZE) for kind in ("plain", "stg")]
 
     (plain, stg), (ours_plain, ours_stg) = forwards(lo.official_forward, p.official), forwards(
-        lo.diffusers_forward, p.converted["transformer"])
-    assert lo.cosine(stg[0], plain[0]) < 0.99  # the official STG pass moves the prediction
+        lc.diffusers_forward, p.converted["transformer"])
+    assert vm.cosine(stg[0], plain[0]) < 0.99  # the official STG pass moves the prediction
     assert torch.equal(ours_stg[0], ours_plain[0]) and torch.equal(ours_stg[1], ours_plain[1])
     perturbable = _with_config(p.converted["transformer"], perturbed_attn=True)
-    fixed = lo.diffusers_forward(perturbable, video, audio, context, SIGMA, kind="stg", **SIZE)
-    assert lo.cosine(fixed[0], stg[0]) >= COSINE and lo.cosine(fixed[1], stg[1]) >= COSINE
+    fixed = lc.diffusers_forward(perturbable, video, audio, context, SIGMA, kind="stg", **SIZE)
+    assert vm.cosine(fixed[0], stg[0]) >= COSINE and vm.cosine(fixed[1], stg[1]) >= COSINE
 
 
 def test_ltx23_official_vocoder_clamps_its_16khz_stage(pair):
@@ -211,6 +213,6 @@ def test_ltx23_official_vocoder_clamps_its_16khz_stage(pair):
         mel = p.official.audio_decoder(latent)
         official = p.official.vocoder(mel)
         assert p.converted["vocoder"].vocoder(mel).abs().max() > 1  # random weights: past the clamp
-        assert lo.relative_l2(p.converted["vocoder"](mel), official) > 0.2
+        assert vm.relative_l2(p.converted["vocoder"](mel), official) > 0.2
         clamped = _with_config(p.converted["vocoder"], final_act_fn="clamp")
-        assert lo.relative_l2(clamped(mel), official) < 1e-5
+        assert vm.relative_l2(clamped(mel), official) < 1e-5

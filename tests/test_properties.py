@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import SPECS, spec_paths
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +24,6 @@ from omnispec.rl import scale_lora, set_lora, update_weights
 from omnispec.spec import SpecError, SpecTypeError, load_spec, resolve_spec_data
 from omnispec.spec.base import MAX_SIZE, MAX_STEPS, SEED_MAX, SEED_MIN
 from omnispec.spec.request import Request
-
-from conftest import SPECS
 
 DIGITS = SPECS / "digits.yaml"
 PROFILE = dict(derandomize=True, database=None, deadline=None, print_blob=True,
@@ -74,16 +73,6 @@ JUNK = st.recursive(SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)), max_leaves=12)
 
 
-def _paths(node, prefix=()):
-    yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, prefix + (i,))
-
-
 def _set(data, path, value):
     if not path:
         return value
@@ -107,7 +96,7 @@ def _deep(depth, kind):
 def test_spec_files_with_any_value_anywhere_fail_only_with_spec_errors(work, base, pick, junk, fmt):
     data = copy.deepcopy(BASES[base])
     data.pop("extends", None)
-    paths = list(_paths(data))
+    paths = list(spec_paths(data))
     data = _set(data, paths[pick % len(paths)], junk)
     path = work / f"spec.{fmt}"
     if fmt == "json":

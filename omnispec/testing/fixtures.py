@@ -190,8 +190,12 @@ def tiny_ltx2(root: str | Path, seed: int = 0, version: str = "2.3") -> Path:
 
 def ltx2_components(seed: int = 0, version: str = "2.3") -> dict:
     """The tiny LTX-2 modules of ``tiny_ltx2``, in memory (benchmarks' smoke mode uses them too)."""
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2VideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 

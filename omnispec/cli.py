@@ -32,6 +32,14 @@ def _add_verbosity(p: argparse.ArgumentParser, default: object) -> None:
                    help="errors only: no progress bars or progress lines")
 
 
+def sigma_list(value: str) -> list[float]:
+    """``1.0,0.9,0.7``: the numbers of a request's ``sigmas`` (their range and order are the request's checks)."""
+    try:
+        return [float(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected numbers separated by commas, e.g. 1.0,0.75,0.5") from None
+
+
 def lora_argument(value: str) -> dict[str, object]:
     """``PATH_OR_ID[:WEIGHT_NAME][@SCALE]`` as an adapter slot (an existing path wins over splitting it)."""
     path, scale = value, 1.0
@@ -74,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int)
     p.add_argument("--frames", type=int)
     p.add_argument("--steps", type=int)
+    p.add_argument("--sigmas", type=sigma_list, metavar="S1,S2,...",
+                   help="custom sigmas, one step each (diffusers' sigmas=): comma-separated, decreasing, in (0, 1]")
     p.add_argument("--guidance-scale", type=float, help="primary guidance scale of every phase")
     p.add_argument("--max-sequence-length", type=int)
     p.add_argument("--image", action="append", metavar="PATH[@FRAME]",

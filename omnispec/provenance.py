@@ -353,7 +353,7 @@ def render(made_by: Mapping[str, Any], path: str | None = None) -> str:
     for i in indices:
         lines.append(f"  prompt {request['prompts'][i]!r}, seed {request['seeds'][i]}"
                      + (f" (sample {i} of {len(request['prompts'])})" if sample is not None else ""))
-    settings = {k: request[k] for k in ("height", "width", "frames", "fps", "steps", "guidance_scale",
+    settings = {k: request[k] for k in ("height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale",
                                         "max_sequence_length", "strength", "negative_prompt") if request.get(k) not in
                 (None, "")}
     lines.append("  " + ", ".join(f"{k} {v}" for k, v in settings.items()))

@@ -58,6 +58,7 @@ wan_i2v_dir = _checkpoint("tiny_wan_i2v", "wan_i2v")
 wan22_i2v_dir = _checkpoint("tiny_wan_i2v", "wan22_i2v", two_experts=True)
 ltx2_dir = _checkpoint("tiny_ltx2", "ltx2")
 ltx20_dir = _checkpoint("tiny_ltx2", "ltx20", version="2.0")
+ltx23_bwe_dir = _checkpoint("tiny_ltx2", "ltx23_bwe", bwe=True)  # the vocoder the ltx2.3-* specs name
 qwen_image_dir = _checkpoint("tiny_qwen_image", "qwen_image")
 qwen_edit_dir = _checkpoint("tiny_qwen_image", "qwen_edit", edit=True)
 z_image_dir = _checkpoint("tiny_z_image", "z_image")

@@ -4,13 +4,12 @@ seed, video and audio both compared; per-stream guidance, rollouts per stream, p
 import numpy as np
 import pytest
 import torch
+from conftest import SPECS
 from PIL import Image
 
 import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
-
-from conftest import SPECS
 
 TOL = 1e-4
 STG_ON_BLOCK_1 = "recipe.phases.0.guidance.terms.1.layers=[1]"  # the tiny transformer has two blocks
@@ -37,14 +36,17 @@ def assert_same(ours, video, audio):
     assert np.abs(ours.audio - audio.float().numpy()).max() <= TOL
 
 
-@pytest.mark.parametrize("version", ["2.3", "2.0"])
-def test_one_stage_t2v_with_every_guidance_term_on_both_streams_matches_diffusers(ltx2_dir, ltx20_dir, version):
+@pytest.mark.parametrize("version", ["2.3", "2.0", "2.3-bwe"])
+def test_one_stage_t2v_with_every_guidance_term_on_both_streams_matches_diffusers(ltx2_dir, ltx20_dir, ltx23_bwe_dir,
+                                                                                  version):
+    """"2.3-bwe" is the bundled ltx2.3-t2v spec itself, on a checkpoint with LTX-2.3's 48 kHz vocoder."""
     from diffusers.pipelines.ltx2 import LTX2Pipeline
 
-    source = ltx2_dir if version == "2.3" else ltx20_dir
-    pipe = omnispec.build(SPECS / "ltx2-t2v.yaml", source=str(source), overrides=[*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1])
+    source = {"2.3": ltx2_dir, "2.0": ltx20_dir, "2.3-bwe": ltx23_bwe_dir}[version]
+    spec = "ltx2.3-t2v.yaml" if version == "2.3-bwe" else "ltx2-t2v.yaml"
+    pipe = omnispec.build(SPECS / spec, source=str(source), overrides=[*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1])
     ours = pipe("a robot dancing", seed=3, negative_prompt="blurry")
-    assert ours.sample_rate == 16000 and len(ours.frames) == 1
+    assert ours.sample_rate == (48000 if version == "2.3-bwe" else 16000) and len(ours.frames) == 1
     video, audio = reference(LTX2Pipeline, source)(
         prompt="a robot dancing", negative_prompt="blurry", height=32, width=32, num_frames=5, frame_rate=25.0,
         num_inference_steps=3, max_sequence_length=16, generator=gen(3), output_type="np", return_dict=False, **GUIDED)
@@ -99,11 +101,11 @@ def test_two_stage_chain_with_the_distilled_lora_matches_diffusers_docs_chain(lt
     assert_same(ours, video, audio)
 
 
-def test_distilled_recipes_refuse_other_steps_and_a_negative_prompt(capsys):
+def test_distilled_recipes_refuse_other_steps_custom_sigmas_and_a_negative_prompt(capsys):
     from omnispec.cli import main
 
     for spec in ("ltx2-distilled.yaml", "ltx2.3-distilled.yaml"):
-        for flag in (["--steps", "4"], ["--negative-prompt", "blurry"]):
+        for flag in (["--steps", "4"], ["--sigmas", "1.0,0.7,0.4"], ["--negative-prompt", "blurry"]):
             assert main(["run", str(SPECS / spec), "--prompt", "x", *flag, "--output", "unused.mp4"]) == 2
             err = capsys.readouterr().err
             assert "refuses request field" in err and "distilled" in err and "Traceback" not in err
@@ -134,6 +136,15 @@ def test_attention_roles_fall_back_to_their_category_then_the_default(ltx2_dir):
 def test_sequence_parallel_is_refused_with_the_reason():
     with pytest.raises(SpecError, match="split-RoPE"):
         omnispec.build(SPECS / "ltx2-t2v.yaml", overrides=["policies.parallel.ulysses=2"])
+
+
+@pytest.mark.parametrize("where", ["default", "per_role.audio_self"])
+def test_cudnn_attention_with_compile_is_refused(where):
+    """cuDNN attention under dynamo crashes on LTX-2's audio attention; the rule that refuses hooked backends
+    under compile covers it, by default and per role, before anything loads."""
+    with pytest.raises(SpecError, match="sdpa_cudnn.*use auto or sdpa with compile"):
+        omnispec.load_spec(SPECS / "ltx2-t2v.yaml", overrides=[f"policies.attention.{where}=sdpa_cudnn",
+                                                               "policies.compile.mode=regional"])
 
 
 def test_stg_must_be_written_as_attention_scores_on_transformer_blocks(ltx2_dir):

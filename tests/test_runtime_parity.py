@@ -2,11 +2,10 @@
 
 import numpy as np
 import torch
+from conftest import SPECS
 
 import omnispec
 from omnispec.testing import TINY_OVERRIDES
-
-from conftest import SPECS
 
 TOL = 1e-4
 
@@ -42,6 +41,30 @@ def test_flux_true_cfg_matches_diffusers(flux_dir):
                                              height=32, width=32, num_inference_steps=3, guidance_scale=3.5,
                                              max_sequence_length=16, generator=gen(1), output_type="np").images
     assert np.abs(ours.array - ref).max() <= TOL
+
+
+def test_request_sigmas_match_diffusers_sigmas_on_a_flow_match_and_a_scheduler_schedule(flux_dir, sd3_dir):
+    """A request's ``sigmas`` are diffusers' ``sigmas=``: the walk starts from them and shifts them as its schedule
+    says (FLUX: omnispec's flow_match with dynamic shift; SD3: the checkpoint's scheduler component)."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    sigmas = [1.0, 0.8, 0.45, 0.2]
+    flux = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=TINY_OVERRIDES["flux"])
+    ours = flux("a photo of a cat", seed=7, sigmas=sigmas)
+    ref = reference(FluxPipeline, flux_dir)("a photo of a cat", height=32, width=32, sigmas=sigmas,
+                                             num_inference_steps=len(sigmas), max_sequence_length=16,
+                                             generator=gen(7), output_type="np").images
+    assert np.abs(ours.array - ref).max() <= TOL
+    assert np.abs(ours.array - flux("a photo of a cat", seed=7, steps=4).array).max() > 1e-3  # the sigmas count
+
+    sd3 = omnispec.build(SPECS / "sd3.5-medium.yaml", source=str(sd3_dir), overrides=TINY_OVERRIDES["sd3"])
+    ours = sd3("a painting of a dog", seed=3, negative_prompt="blurry", sigmas=sigmas)
+    ref = reference(StableDiffusion3Pipeline, sd3_dir)(
+        "a painting of a dog", negative_prompt="blurry", height=32, width=32, sigmas=sigmas,
+        num_inference_steps=len(sigmas), guidance_scale=4.5, max_sequence_length=16, generator=gen(3),
+        output_type="np", skip_guidance_layers=None).images
+    assert np.abs(ours.array - ref).max() <= TOL
+    assert np.abs(ours.array - sd3("a painting of a dog", seed=3, negative_prompt="blurry", steps=4).array).max() > 1e-3
 
 
 def test_sd3_cfg_and_skip_layer_guidance_match_diffusers(sd3_dir):

@@ -3,10 +3,9 @@
 import copy
 
 import pytest
+from conftest import SPECS
 
 from omnispec.spec import SpecError, load_spec, resolve_spec_data
-
-from conftest import SPECS
 
 FLUX, _ = resolve_spec_data(SPECS / "flux1-dev.yaml")
 WAN22, _ = resolve_spec_data(SPECS / "wan2.2-t2v-a14b.yaml")
@@ -162,3 +161,25 @@ def test_block_offload_with_fullgraph_regional_compile_is_rejected(strategy):
 def test_hooked_cache_with_fullgraph_compile_is_rejected(cache):
     data = with_(FLUX, lambda d: d.update(policies={"cache": cache, "compile": {"mode": "full"}}))
     fails(data, "policies.compile.fullgraph", f"the {cache['kind']} cache (policies.cache.kind)")
+
+
+def test_request_sigmas_set_the_steps_and_are_checked():
+    from omnispec.spec.request import resolve_request, with_request_sigmas
+
+    spec = load_spec(SPECS / "wan2.2-t2v-a14b.yaml")
+    request = resolve_request(spec, "x", sigmas=[1.0, 0.6, 0.2])
+    assert request.steps == 3
+    applied = with_request_sigmas(spec, request.sigmas)  # the two experts' shared schedule, once
+    assert [s.sigmas for s in applied.recipe.schedules.values()] == [[1.0, 0.6, 0.2]]
+    for bad, match in (([1.0, 1.0], "decrease strictly"), ([0.5, 0.0], "above 0"), ([1.5, 0.5], "less than or equal"),
+                       ([1.0, float("nan")], "finite")):
+        with pytest.raises(SpecError, match=match):
+            resolve_request(spec, "x", sigmas=bad)
+    with pytest.raises(SpecError, match="request.steps: 2 sigmas give 2 steps, but steps is 3"):
+        resolve_request(spec, "x", sigmas=[1.0, 0.5], steps=3)
+    fixed = load_spec(SPECS / "digits.yaml", overrides=["recipe.phases.0.schedule.steps=4"])
+    with pytest.raises(SpecError, match="request.sigmas: no phase .* takes the request's steps"):
+        resolve_request(fixed, "x", sigmas=[1.0, 0.5])
+    distilled = load_spec(SPECS / "ltx2.3-distilled.yaml")
+    with pytest.raises(SpecError, match=r"refuses request field\(s\) \['sigmas'\]"):
+        resolve_request(distilled, "x", sigmas=[1.0, 0.5])

@@ -18,7 +18,7 @@ from ..log import timed
 from ..policies import AppliedPolicies
 from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
 from ..spec.guidance import NEGATIVE_TERMS
-from ..spec.request import Request, request_problems, resolve_request
+from ..spec.request import Request, request_problems, resolve_request, with_request_sigmas
 from .distributed import ParallelContext, data_slice, gather_samples
 from .families import Conditioning, Decoded, Family, Streams
 from .run import Run
@@ -84,7 +84,7 @@ class Pipeline:
         ``prompt``: a string or a non-empty list of strings. ``seed``: an int ``S`` (prompt ``i`` gets ``S + i``),
         a list with one int per prompt, or None (``runtime.seed``); every seed must lie in torch's ``manual_seed``
         range ``[-2**63, 2**64 - 1]``. ``fields``: ``negative_prompt``, ``height``, ``width``, ``frames``, ``fps``,
-        ``steps``, ``guidance_scale``, ``max_sequence_length``, ``strength``, ``image``, ``conditions``, each
+        ``steps``, ``sigmas`` (diffusers' ``sigmas=``: decreasing, in (0, 1], one step each), ``guidance_scale``, ``max_sequence_length``, ``strength``, ``image``, ``conditions``, each
         within the recipe's constraints and README's limits; numbers must be finite and not ``bool``/``str``.
         Raises ``SpecTypeError`` (a ``TypeError``) for an argument of the wrong type or an unknown field and
         ``SpecError`` (a ``ValueError``) for a wrong value, each naming the argument and what was expected.
@@ -173,12 +173,14 @@ class Pipeline:
         return encoded.rows(torch.tensor([unique.index(p) for p in prompts]))
 
     def spec_for(self, request: Request) -> PipelineSpec:
-        """The spec with the request's ``guidance_scale`` applied to every phase's primary scale."""
+        """The spec with the request's ``guidance_scale`` applied to every phase's primary scale and its
+        ``sigmas`` to the schedules that take the request's steps."""
+        spec = self.spec if request.sigmas is None else with_request_sigmas(self.spec, request.sigmas)
         if request.guidance_scale is None:
-            return self.spec
+            return spec
         phases = [p.model_copy(update={"guidance": p.guidance.with_primary_scale(request.guidance_scale)})
-                  for p in self.spec.recipe.phases]
-        return self.spec.model_copy(update={"recipe": self.spec.recipe.model_copy(update={"phases": phases})})
+                  for p in spec.recipe.phases]
+        return spec.model_copy(update={"recipe": spec.recipe.model_copy(update={"phases": phases})})
 
     # ---- introspection ----------------------------------------------------------------------------------
 

@@ -83,6 +83,12 @@ def _scheduler_steps(
             base_seq_len=config.get("base_image_seq_len", 256), max_seq_len=config.get("max_image_seq_len", 4096),
         )
         kwargs["mu"] = dynamic_mu(flow, seq_len)
+    if schedule.sigmas is not None:
+        if "sigmas" not in inspect.signature(scheduler.set_timesteps).parameters:
+            raise SpecError.single(f"{type(scheduler).__name__}.set_timesteps takes no sigmas, so this walk can't start "
+                                   "from given ones", "request.sigmas")
+        kwargs["sigmas"] = [float(s) for s in schedule.sigmas]
+        steps = len(schedule.sigmas)
     scheduler.set_timesteps(steps, device=device, **kwargs)
     timesteps = scheduler.timesteps
     T = int(config.get("num_train_timesteps", 1000))

@@ -34,7 +34,7 @@ def phase_step_count(spec: PipelineSpec, phase: Phase, steps: int) -> int | None
     schedule = phase.schedule
     if isinstance(schedule, SegmentSchedule):
         return None
-    if isinstance(schedule, FlowMatchSchedule) and schedule.sigmas is not None:
+    if schedule.sigmas is not None:
         return len(schedule.sigmas)
     return schedule.steps or steps
 

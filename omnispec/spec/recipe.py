@@ -6,14 +6,25 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from .base import MAX_FRAMES, MAX_SEQUENCE_LENGTH, MAX_SIZE, Fps, Frames, SequenceLength, Size, SpecModel, Steps, Unit
-from .base import MAX_STEPS
+from .base import (
+    MAX_FRAMES,
+    MAX_SEQUENCE_LENGTH,
+    MAX_SIZE,
+    MAX_STEPS,
+    Fps,
+    Frames,
+    SequenceLength,
+    Size,
+    SpecModel,
+    Steps,
+    Unit,
+)
 from .guidance import GuidanceSpec
 from .schedule import Schedule, SharedSchedule
 
 Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image"]
 RequestField = Literal[
-    "negative_prompt", "height", "width", "frames", "fps", "steps", "guidance_scale", "max_sequence_length",
+    "negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale", "max_sequence_length",
     "strength",
 ]
 # Tasks whose requests must carry an image; the text-to-X tasks refuse one.

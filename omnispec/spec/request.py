@@ -8,12 +8,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, ValidationError
+from pydantic import BeforeValidator, Field, ValidationError, field_validator
 
-from .base import SEED_MAX, SEED_MIN, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
+from .base import MAX_STEPS, SEED_MAX, SEED_MIN, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
 from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS
+from .schedule import SegmentSchedule, takes_request_steps
 
 
 class ImageCondition(SpecModel):
@@ -51,10 +52,20 @@ class Request(SpecModel):
     frames: Annotated[Frames, Number] | None = None
     fps: Annotated[Fps, Number] | None = None
     steps: Annotated[Steps, Number]
+    # diffusers' ``sigmas=``: the walk that takes the request's steps starts from these (shifted as its schedule
+    # says), one step each.
+    sigmas: list[Annotated[Unit, Number]] | None = Field(default=None, min_length=1, max_length=MAX_STEPS)
     guidance_scale: Annotated[float, Number] | None = None
     max_sequence_length: Annotated[SequenceLength, Number] | None = None
     strength: Annotated[Unit, Number] | None = None
     images: list[ImageCondition] = Field(default_factory=list)
+
+    @field_validator("sigmas")
+    @classmethod
+    def _decreasing(cls, sigmas: list[float] | None) -> list[float] | None:
+        if sigmas is not None and (sigmas[-1] <= 0 or any(b >= a for a, b in zip(sigmas, sigmas[1:]))):
+            raise ValueError("sigmas must decrease strictly and stay above 0 (the terminal 0 is appended)")
+        return sigmas
 
     @property
     def image_digests(self) -> tuple[tuple[str, int], ...]:
@@ -62,8 +73,8 @@ class Request(SpecModel):
 
 
 # Request fields a caller passes by keyword (``image`` and ``conditions`` become ``images``).
-_KEYWORDS = ("negative_prompt", "height", "width", "frames", "fps", "steps", "guidance_scale", "max_sequence_length",
-             "strength", "image", "conditions")
+_KEYWORDS = ("negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale",
+             "max_sequence_length", "strength", "image", "conditions")
 
 
 def resolve_request(
@@ -97,6 +108,8 @@ def resolve_request(
         raise SpecError.single(f"recipe {spec.name!r} starts from noise, so strength has nothing to apply to",
                                "request.strength")
     images = _conditions(fields.pop("image", None), fields.pop("conditions", None))
+    if fields.get("sigmas") is not None:
+        fields["steps"] = _steps_of_sigmas(spec, fields.get("sigmas"), fields.get("steps"))
 
     defaults = recipe.defaults.model_dump()
     values: dict[str, Any] = {k: v for k, v in defaults.items() if k in Request.model_fields}
@@ -110,6 +123,48 @@ def resolve_request(
     if problems:
         raise SpecError(problems)
     return request
+
+
+def _steps_of_sigmas(spec: PipelineSpec, sigmas: Any, steps: Any) -> Any:
+    """The step count a request's ``sigmas`` give; refused where no walk of the recipe takes the request's steps."""
+    if isinstance(sigmas, (str, bytes)) or not isinstance(sigmas, Sequence):
+        raise SpecTypeError.single(f"expected a list of numbers, got {_kind(sigmas)}", "request.sigmas")
+    if steps is not None and steps != len(sigmas):
+        raise SpecError.single(f"{len(sigmas)} sigmas give {len(sigmas)} steps, but steps is {steps}", "request.steps")
+    if not any(True for _ in request_schedules(spec)):
+        raise SpecError.single(f"no phase of recipe {spec.name!r} takes the request's steps (each walks its own fixed "
+                               "steps or sigmas), so request sigmas have nothing to replace", "request.sigmas")
+    return len(sigmas)
+
+
+def request_schedules(spec: PipelineSpec) -> Any:
+    """``(where, schedule)`` of every schedule a request's steps and sigmas apply to: a phase's own, or the shared
+    schedule its segment walks (once)."""
+    seen: set[str] = set()
+    for i, phase in enumerate(spec.recipe.phases):
+        schedule = phase.schedule
+        if isinstance(schedule, SegmentSchedule):
+            if schedule.of in seen:
+                continue
+            seen.add(schedule.of)
+            where, schedule = ("schedules", schedule.of), spec.recipe.schedules[schedule.of]
+        else:
+            where = ("phases", i)
+        if takes_request_steps(schedule):
+            yield where, schedule
+
+
+def with_request_sigmas(spec: PipelineSpec, sigmas: Sequence[float]) -> PipelineSpec:
+    """The spec whose request-step schedules start from ``sigmas`` (what diffusers' ``sigmas=`` does)."""
+    phases, schedules = list(spec.recipe.phases), dict(spec.recipe.schedules)
+    for (kind, key), schedule in list(request_schedules(spec)):
+        replaced = schedule.model_copy(update={"sigmas": list(sigmas)})
+        if kind == "phases":
+            phases[key] = phases[key].model_copy(update={"schedule": replaced})  # type: ignore[index]
+        else:
+            schedules[key] = replaced  # type: ignore[index]
+    return spec.model_copy(update={"recipe": spec.recipe.model_copy(update={"phases": phases,
+                                                                            "schedules": schedules})})
 
 
 def request_prompts(prompt: Any) -> list[str]:

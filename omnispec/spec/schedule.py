@@ -51,12 +51,15 @@ class FlowMatchSchedule(SpecModel):
 class SchedulerSchedule(SpecModel):
     """Use a scheduler component's own ``set_timesteps``/``step`` (Wan's UniPC, or any diffusers scheduler).
 
-    ``config`` overrides entries of the checkpoint's scheduler config (e.g. ``flow_shift``).
+    ``config`` overrides entries of the checkpoint's scheduler config (e.g. ``flow_shift``). ``sigmas`` are
+    handed to ``set_timesteps(sigmas=...)`` as diffusers pipelines hand a caller's ``sigmas`` (the scheduler
+    shifts them as its config says); a scheduler whose ``set_timesteps`` takes none is refused at the first run.
     """
 
     kind: Literal["scheduler"]
     component: str = "scheduler"
     steps: Steps | None = Field(default=None, description="Defaults to the request's steps.")
+    sigmas: list[Unit] | None = Field(default=None, min_length=1, max_length=MAX_STEPS)
     config: dict[str, ConfigValue] = Field(default_factory=dict)
 
 
@@ -88,6 +91,11 @@ class SegmentSchedule(SpecModel):
     def contains(self, t_norm: float) -> bool:
         assert isinstance(self.low, float) and isinstance(self.high, float), "resolve from_checkpoint bounds first"
         return self.low <= t_norm < self.high or (self.high == 1.0 and t_norm >= 1.0)
+
+
+def takes_request_steps(schedule: FlowMatchSchedule | SchedulerSchedule) -> bool:
+    """Whether a walk on ``schedule`` takes the request's step count (and so a request's ``sigmas``)."""
+    return schedule.steps is None and schedule.sigmas is None
 
 
 SharedSchedule = Annotated[Union[FlowMatchSchedule, SchedulerSchedule], Field(discriminator="kind")]

@@ -173,14 +173,15 @@ def _gemma3(vocab_size: int):
     return transformers.Gemma3ForConditionalGeneration(config).eval()
 
 
-def tiny_ltx2(root: str | Path, seed: int = 0, version: str = "2.3") -> Path:
+def tiny_ltx2(root: str | Path, seed: int = 0, version: str = "2.3", bwe: bool = False) -> Path:
     """``LTX2Pipeline`` layout plus ``latent_upsampler/``. ``version`` "2.3" has LTX-2.3's gated attention,
     prompt AdaLN, per-modality connectors and the perturbable self-attention that makes STG act; "2.0" has
     LTX-2.0's (where diffusers' STG pass equals the plain one). The VAE compresses 2x in space and time, so
-    32x32x5 frames are 3x16x16 latents; the scheduler is the real checkpoint's (dynamic shift, terminal 0.1)."""
+    32x32x5 frames are 3x16x16 latents; the scheduler is the real checkpoint's (dynamic shift, terminal 0.1).
+    ``bwe`` gives the vocoder LTX-2.3's bandwidth extension to 48 kHz, as the ``ltx2.3-*`` specs name it."""
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel, LTX2Pipeline
 
-    pipe = LTX2Pipeline(**ltx2_components(seed, version))
+    pipe = LTX2Pipeline(**ltx2_components(seed, version, bwe))
     pipe.save_pretrained(root)
     _seeded(seed)
     LTX2LatentUpsamplerModel(in_channels=4, mid_channels=32, num_blocks_per_stage=1).save_pretrained(
@@ -188,7 +189,7 @@ def tiny_ltx2(root: str | Path, seed: int = 0, version: str = "2.3") -> Path:
     return Path(root)
 
 
-def ltx2_components(seed: int = 0, version: str = "2.3") -> dict:
+def ltx2_components(seed: int = 0, version: str = "2.3", bwe: bool = False) -> dict:
     """The tiny LTX-2 modules of ``tiny_ltx2``, in memory (benchmarks' smoke mode uses them too)."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
@@ -197,7 +198,7 @@ def ltx2_components(seed: int = 0, version: str = "2.3") -> dict:
         LTX2VideoTransformer3DModel,
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
     if version not in ("2.0", "2.3"):
         raise ValueError(f"version is '2.0' or '2.3', got {version!r}")
@@ -243,11 +244,18 @@ def ltx2_components(seed: int = 0, version: str = "2.3") -> dict:
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
     ).eval()
     _seeded(seed)
-    vocoder = LTX2Vocoder(
-        in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32, out_channels=2,
-        upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
-        leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
-    ).eval()
+    mel = audio_vae.config.output_channels * audio_vae.config.mel_bins
+    small = dict(in_channels=mel, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                 upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]])
+    if bwe:  # the extension re-analyses the 16 kHz waveform into mels and upsamples 3x to 48 kHz
+        vocoder = LTX2VocoderWithBWE(
+            **small, bwe_in_channels=2 * 8, bwe_hidden_channels=16, bwe_out_channels=2,
+            bwe_upsample_kernel_sizes=[12, 8], bwe_upsample_factors=[6, 4], bwe_resnet_kernel_sizes=[3],
+            bwe_resnet_dilations=[[1, 3, 5]], filter_length=32, hop_length=8, window_length=32, num_mel_channels=8,
+            input_sampling_rate=16000, output_sampling_rate=48000,
+        ).eval()
+    else:
+        vocoder = LTX2Vocoder(**small, leaky_relu_negative_slope=0.1, output_sampling_rate=16000).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096,
         shift_terminal=0.1)

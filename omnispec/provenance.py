@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .spec import Problem, SpecError, load_spec
 from .spec.explain import explain_spec, render_explain
+from .spec.loader import parse_json
 
 if TYPE_CHECKING:
     from .runtime.pipeline import Output, Pipeline
@@ -65,7 +66,35 @@ def checkpoint_record(spec: PipelineSpec, root: str | None, in_memory: Iterable[
             roots.setdefault(home, []).append(component.subfolder or "")
     record: dict[str, Any] = {"source": root, "in_memory": given}
     record["roots"] = {home: _describe_root(home, folders, spec.model.revision) for home, folders in roots.items()}
+    record["adapters"] = {name: _describe_adapter(slot.path, slot.weight_name)
+                          for name, slot in spec.model.adapters.items()}
     return record
+
+
+def _describe_adapter(path: str, weight_name: str | None) -> dict[str, Any]:
+    """A LoRA's weights: a local file (or ``weight_name`` in a local folder) with its SHA-256, else a Hub id."""
+    local = Path(path).expanduser()
+    weights = local / weight_name if local.is_dir() and weight_name else local
+    if weights.is_file():
+        return {"kind": "local", "path": str(weights.resolve()), "sha256": _file_sha256(weights)}
+    return {"kind": "hub", "repo": path, "weight_name": weight_name}
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def recorded_source(made_by: Mapping[str, Any]) -> str | None:
+    """The checkpoint root to build from again: the resolved directory of a local one (so a replay works from
+    any working directory), the Hub id of a Hub one."""
+    checkpoint = made_by.get("checkpoint") or {}
+    source = checkpoint.get("source")
+    described = (checkpoint.get("roots") or {}).get(source or "", {})
+    return described.get("path", source) if described.get("kind") == "local" else source
 
 
 def _describe_root(root: str, folders: list[str], revision: str | None) -> dict[str, Any]:
@@ -181,8 +210,8 @@ def _json_is_record(path: Path) -> bool:
     try:
         if path.stat().st_size > 16 << 20:
             return False
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # SpecError is a ValueError: too deep or not JSON, so read as a spec
         return False
     return isinstance(data, dict) and {KEY, "spec", "request", "versions"} <= set(data)
 
@@ -197,9 +226,9 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise SpecError.single("records nothing about how it was made (not written by omnispec, or its metadata "
                                "was stripped)", file=str(path))
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise SpecError.single(f"its omnispec record is not valid JSON: {exc}", file=str(path)) from None
+        data = parse_json(text)
+    except SpecError as exc:
+        raise SpecError.single(f"its omnispec record was not read: {exc.problems[0].message}", file=str(path)) from None
     if not isinstance(data, dict) or data.get(KEY) != FORMAT:
         raise SpecError.single(f"its record is not an omnispec record of format {FORMAT}", file=str(path))
     return data
@@ -308,6 +337,15 @@ def replay_problems(made_by: Mapping[str, Any], source: str | None) -> list[Prob
         if changed:
             problems.append(Problem("checkpoint", f"config files of {where} differ from the ones that made this "
                                     f"output: {', '.join(changed)}"))
+    for name, described in (checkpoint.get("adapters") or {}).items():
+        if described.get("kind") != "local":
+            continue
+        weights = Path(described["path"])
+        if not weights.is_file():
+            problems.append(Problem(f"model.adapters.{name}", f"the LoRA file {weights} is not here"))
+        elif _file_sha256(weights) != described["sha256"]:
+            problems.append(Problem(f"model.adapters.{name}", f"the LoRA file {weights} has changed since (its "
+                                    "SHA-256 differs)"))
     return problems
 
 
@@ -325,7 +363,7 @@ def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | Non
         raise SpecError(problems)
     spec = replay_spec(made_by, overrides, trust_code=trust_code)
     prompts, seeds, fields = request_arguments(made_by, spec)
-    root = source_text or (made_by.get("checkpoint") or {}).get("source")
+    root = source_text or recorded_source(made_by)
     pipe = build(spec, source=root, device=device, trust_code=trust_code, pipeline_class=pipeline_class or Pipeline)
     output = pipe(prompts, seeds, **fields)
     sample = made_by.get("sample")

@@ -88,7 +88,7 @@ def _from_output(args: argparse.Namespace, overrides: list[str]
         raise SpecError.single("give either a SPEC or --from OUTPUT, not both (--set changes the recorded spec)",
                                "spec")
     made_by = provenance.read(args.from_output)
-    source = args.source if args.source is not None else (made_by.get("checkpoint") or {}).get("source")
+    source = args.source if args.source is not None else provenance.recorded_source(made_by)
     problems = provenance.replay_problems(made_by, args.source)
     if problems:
         raise SpecError(problems)
@@ -105,8 +105,11 @@ def _from_output(args: argparse.Namespace, overrides: list[str]
 
 
 def lora_overrides(loras: list[dict[str, Any]]) -> list[str]:
-    """``--lora`` values as adapter slots ``lora_0``, ``lora_1`` ..., on in every phase (recorded in the spec)."""
-    return [f"model.adapters.lora_{i}={json.dumps(slot)}" for i, slot in enumerate(loras)]
+    """``--lora`` values as adapter slots ``lora_0``, ``lora_1`` ..., on in every phase (recorded in the spec, a
+    local path resolved so that the record replays from any working directory)."""
+    slots = [{**slot, "path": str(Path(slot["path"]).expanduser().resolve())}
+             if Path(str(slot["path"])).expanduser().exists() else slot for slot in loras]
+    return [f"model.adapters.lora_{i}={json.dumps(slot)}" for i, slot in enumerate(slots)]
 
 
 def lora_problems(loras: list[dict[str, Any]]) -> list[Problem]:

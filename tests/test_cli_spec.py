@@ -7,12 +7,13 @@ import sys
 
 import pytest
 import yaml
-from conftest import SPECS, spec_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnispec.cli import main
 from omnispec.spec import SpecError, load_spec, resolve_spec_data
+
+from conftest import SPECS, spec_paths
 
 
 def cli(*args):

@@ -4,12 +4,13 @@ seed, video and audio both compared; per-stream guidance, rollouts per stream, p
 import numpy as np
 import pytest
 import torch
-from conftest import SPECS
 from PIL import Image
 
 import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
 
 TOL = 1e-4
 STG_ON_BLOCK_1 = "recipe.phases.0.guidance.terms.1.layers=[1]"  # the tiny transformer has two blocks

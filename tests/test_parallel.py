@@ -7,9 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SPECS
 
 from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
 
 
 def free_port() -> int:
@@ -103,6 +104,8 @@ SEQUENCE_CASES = {
     # CFG-parallel spreads LTX-2's whole plan (cond, uncond, STG, modality) and gathers video and audio
     "ltx2-cfg2": ("ltx2", "ltx2-t2v.yaml", "ltx2_dir", {"cfg": 2},
                   ["--set", "recipe.phases.0.guidance.terms.1.layers=[1]"]),
+    # a family added through docs/adding-a-family.md: its true CFG with norm-preserving rescale, split over ranks
+    "qwen_image-cfg2": ("qwen_image", "qwen-image.yaml", "qwen_image_dir", {"cfg": 2}, []),
 }
 
 

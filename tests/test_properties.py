@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import SPECS, spec_paths
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,8 @@ from omnispec.rl import scale_lora, set_lora, update_weights
 from omnispec.spec import SpecError, SpecTypeError, load_spec, resolve_spec_data
 from omnispec.spec.base import MAX_SIZE, MAX_STEPS, SEED_MAX, SEED_MIN
 from omnispec.spec.request import Request
+
+from conftest import SPECS, spec_paths
 
 DIGITS = SPECS / "digits.yaml"
 PROFILE = dict(derandomize=True, database=None, deadline=None, print_blob=True,

@@ -121,3 +121,42 @@ def test_explain_of_a_file_without_a_record_says_so(tmp_path, capsys):
     Image.new("RGB", (8, 8)).save(tmp_path / "plain.png")
     assert main(["explain", str(tmp_path / "plain.png")]) == 2
     assert "records nothing about how it was made" in capsys.readouterr().err
+
+
+def test_a_record_replays_from_any_directory_and_refuses_a_changed_lora(flux_dir, tmp_path, monkeypatch, capsys):
+    """Relative ``--source`` and ``--lora`` are recorded resolved; the LoRA file is recorded by its SHA-256."""
+    from test_lora_files import kohya_lora
+
+    work = tmp_path / "work"
+    (work / "loras").mkdir(parents=True)
+    _, weight_name = kohya_lora(work / "loras")
+    (tmp_path / "ckpt").symlink_to(flux_dir, target_is_directory=True)
+    monkeypatch.chdir(work)
+    sets = [a for o in FLUX for a in ("--set", o)]
+    assert main(["run", "flux1-dev", "--source", "../ckpt", "--lora", f"loras/{weight_name}@0.8", "--prompt", "a cat",
+                 "--output", "cat.npy", *sets]) == 0
+    monkeypatch.chdir(tmp_path.parent)
+    assert main(["run", "--from", str(work / "cat.npy"), "--output", str(tmp_path / "again.npy")]) == 0
+    assert np.array_equal(np.load(work / "cat.npy"), np.load(tmp_path / "again.npy"))
+    capsys.readouterr()
+    assert main(["explain", str(work / "cat.npy")]) == 0
+    assert f"lora_0           {work / 'loras' / weight_name}, scale 0.8, on in every phase" in capsys.readouterr().out
+    lora = work / "loras" / weight_name
+    lora.write_bytes(lora.read_bytes()[:-1] + b" ")
+    capsys.readouterr()
+    assert main(["run", "--from", str(work / "cat.npy"), "--output", str(tmp_path / "changed.npy")]) == 2
+    assert f"the LoRA file {lora.resolve()} has changed since" in capsys.readouterr().err
+
+
+def test_a_deeply_nested_record_is_refused_without_a_traceback(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["explain", str(deep)]) == 2
+    assert "nested deeper than" in capsys.readouterr().err
+    record = tmp_path / "made.npy"
+    np.save(record, np.zeros(1))
+    (tmp_path / "made.npy.json").write_text("{\"omnispec\": " + "[" * 50_000 + "]" * 50_000 + "}")
+    for argv in (["explain", str(record)], ["run", "--from", str(record), "--output", str(tmp_path / "x.npy")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "record was not read" in err and "Traceback" not in err

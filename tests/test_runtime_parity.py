@@ -2,10 +2,11 @@
 
 import numpy as np
 import torch
-from conftest import SPECS
 
 import omnispec
 from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
 
 TOL = 1e-4
 

@@ -3,9 +3,10 @@
 import copy
 
 import pytest
-from conftest import SPECS
 
 from omnispec.spec import SpecError, load_spec, resolve_spec_data
+
+from conftest import SPECS
 
 FLUX, _ = resolve_spec_data(SPECS / "flux1-dev.yaml")
 WAN22, _ = resolve_spec_data(SPECS / "wan2.2-t2v-a14b.yaml")

@@ -86,6 +86,10 @@ def explain_spec(
         "task": spec.recipe.task,
         "defaults": spec.recipe.defaults.model_dump(mode="json", exclude_none=True),
         "components": {name: c.role for name, c in spec.model.components.items()},
+        "adapters": {name: {"path": a.path, "weight_name": a.weight_name, "scale": a.scale,
+                            "on": "every phase" if a.always else
+                            [p.name for p in spec.recipe.phases if p.adapter == name]}
+                     for name, a in spec.model.adapters.items()},
         "phases": phases,
         "output_phase": spec.recipe.phases[spec.recipe.output_index() or 0].name,
         "policies": spec.policies.model_dump(mode="json"),
@@ -144,6 +148,12 @@ def render_explain(info: Mapping[str, Any]) -> str:
     lines = [f"{info['name']}  (family {info['family']}, task {info['task']}, source {info['source']})"]
     lines.append("components:")
     lines += [f"  {name:<16} {role}" for name, role in info["components"].items()]
+    if info.get("adapters"):
+        lines.append("adapters:")
+        for name, a in info["adapters"].items():
+            where = a["on"] if isinstance(a["on"], str) else (f"phases {', '.join(a['on'])}" if a["on"] else "no phase")
+            weights = a["path"] + (f" ({a['weight_name']})" if a["weight_name"] else "")
+            lines.append(f"  {name:<16} {weights}, scale {a['scale']:g}, on in {where}")
     for phase in info["phases"]:
         sr = phase["sigma_range"]
         sigma_text = f"sigma {sr[0]:.4g} -> {sr[1]:.4g}" if sr else "sigmas from the checkpoint at run time"

@@ -17,9 +17,10 @@ WARMUP = 300  # requests before memory must be flat: every kind of request, LoRA
 
 @pytest.fixture
 def quiet_progress():
-    """pytest keeps every log record a test emits, for its report. Where an earlier test left omnispec's logger at
-    INFO and propagating (seen on a clean install, pytest 9.2, after the spec property tests), the progress lines of
-    1,000 requests pile up there as LogRecords and read as the pipeline's growth; the pipeline holds none of them."""
+    """pytest keeps every log record a test emits, for its report, and pytest 9.2 attaches its capture handlers to
+    non-propagating loggers such as omnispec's too. An earlier in-process CLI test leaves that logger at INFO, so the
+    progress lines of 1,000 requests pile up there as LogRecords and read as the pipeline's growth; the pipeline
+    holds none of them."""
     logger = logging.getLogger("omnispec")
     level = logger.level
     logger.setLevel(logging.WARNING)

@@ -211,3 +211,19 @@ def test_video_output_saves_as_gif_npy_and_png_strip(tmp_path):
     from PIL import Image
 
     assert Image.open(tmp_path / "v.gif").n_frames == 5
+
+
+def test_scheduler_walks_take_given_sigmas_through_set_timesteps_or_refuse_them():
+    import diffusers
+
+    from omnispec.runtime.schedule import resolve_steps
+    from omnispec.spec.schedule import SchedulerSchedule
+
+    schedule = SchedulerSchedule(kind="scheduler", sigmas=[1.0, 0.6, 0.3])
+    euler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    steps = resolve_steps(schedule, 3, 0, {"scheduler": euler}, torch.device("cpu"))
+    reference = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    reference.set_timesteps(sigmas=[1.0, 0.6, 0.3])
+    assert torch.equal(steps.sigmas, reference.sigmas.float()) and len(steps) == 3
+    with pytest.raises(SpecError, match="DPMSolverMultistepScheduler.set_timesteps takes no sigmas"):
+        resolve_steps(schedule, 3, 0, {"scheduler": diffusers.DPMSolverMultistepScheduler()}, torch.device("cpu"))

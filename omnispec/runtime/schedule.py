@@ -85,8 +85,8 @@ def _scheduler_steps(
         kwargs["mu"] = dynamic_mu(flow, seq_len)
     if schedule.sigmas is not None:
         if "sigmas" not in inspect.signature(scheduler.set_timesteps).parameters:
-            raise SpecError.single(f"{type(scheduler).__name__}.set_timesteps takes no sigmas, so this walk can't start "
-                                   "from given ones", "request.sigmas")
+            raise SpecError.single(f"{type(scheduler).__name__}.set_timesteps takes no sigmas, so this walk can't "
+                                   "start from given ones", "request.sigmas")
         kwargs["sigmas"] = [float(s) for s in schedule.sigmas]
         steps = len(schedule.sigmas)
     scheduler.set_timesteps(steps, device=device, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +14,7 @@ from .base import MAX_STEPS, SEED_MAX, SEED_MIN, Fps, Frames, Seed, SequenceLeng
 from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS
-from .schedule import SegmentSchedule, takes_request_steps
+from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, takes_request_steps
 
 
 class ImageCondition(SpecModel):
@@ -131,13 +131,13 @@ def _steps_of_sigmas(spec: PipelineSpec, sigmas: Any, steps: Any) -> Any:
         raise SpecTypeError.single(f"expected a list of numbers, got {_kind(sigmas)}", "request.sigmas")
     if steps is not None and steps != len(sigmas):
         raise SpecError.single(f"{len(sigmas)} sigmas give {len(sigmas)} steps, but steps is {steps}", "request.steps")
-    if not any(True for _ in request_schedules(spec)):
+    if next(request_schedules(spec), None) is None:
         raise SpecError.single(f"no phase of recipe {spec.name!r} takes the request's steps (each walks its own fixed "
                                "steps or sigmas), so request sigmas have nothing to replace", "request.sigmas")
     return len(sigmas)
 
 
-def request_schedules(spec: PipelineSpec) -> Any:
+def request_schedules(spec: PipelineSpec) -> Iterator[tuple[tuple[str, Any], FlowMatchSchedule | SchedulerSchedule]]:
     """``(where, schedule)`` of every schedule a request's steps and sigmas apply to: a phase's own, or the shared
     schedule its segment walks (once)."""
     seen: set[str] = set()
@@ -157,7 +157,7 @@ def request_schedules(spec: PipelineSpec) -> Any:
 def with_request_sigmas(spec: PipelineSpec, sigmas: Sequence[float]) -> PipelineSpec:
     """The spec whose request-step schedules start from ``sigmas`` (what diffusers' ``sigmas=`` does)."""
     phases, schedules = list(spec.recipe.phases), dict(spec.recipe.schedules)
-    for (kind, key), schedule in list(request_schedules(spec)):
+    for (kind, key), schedule in request_schedules(spec):
         replaced = schedule.model_copy(update={"sigmas": list(sigmas)})
         if kind == "phases":
             phases[key] = phases[key].model_copy(update={"schedule": replaced})  # type: ignore[index]

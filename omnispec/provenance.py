@@ -113,7 +113,7 @@ def config_hashes(root: Path, folders: Iterable[str]) -> dict[str, str]:
             continue
         for path in sorted(where.glob("*.json")):
             if path.is_file() and path.stat().st_size <= _CONFIG_LIMIT:
-                out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+                out[str(path.relative_to(root))] = _file_sha256(path)
     return out
 
 

@@ -107,8 +107,8 @@ def _from_output(args: argparse.Namespace, overrides: list[str]
 def lora_overrides(loras: list[dict[str, Any]]) -> list[str]:
     """``--lora`` values as adapter slots ``lora_0``, ``lora_1`` ..., on in every phase (recorded in the spec, a
     local path resolved so that the record replays from any working directory)."""
-    slots = [{**slot, "path": str(Path(slot["path"]).expanduser().resolve())}
-             if Path(str(slot["path"])).expanduser().exists() else slot for slot in loras]
+    local = [Path(str(slot["path"])).expanduser() for slot in loras]
+    slots = [{**slot, "path": str(path.resolve())} if path.exists() else slot for slot, path in zip(loras, local)]
     return [f"model.adapters.lora_{i}={json.dumps(slot)}" for i, slot in enumerate(slots)]
 
 

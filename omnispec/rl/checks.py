@@ -44,7 +44,7 @@ def is_int(value: Any) -> bool:
 
 
 def check_rollout_args(prompts: Any, group_size: Any, seed: Any, shared_noise: Any, sample_offset: Any
-                        ) -> list[str]:
+                       ) -> list[str]:
     if isinstance(prompts, str):
         prompts = [prompts]
     elif not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):

@@ -84,7 +84,8 @@ class Pipeline:
         ``prompt``: a string or a non-empty list of strings. ``seed``: an int ``S`` (prompt ``i`` gets ``S + i``),
         a list with one int per prompt, or None (``runtime.seed``); every seed must lie in torch's ``manual_seed``
         range ``[-2**63, 2**64 - 1]``. ``fields``: ``negative_prompt``, ``height``, ``width``, ``frames``, ``fps``,
-        ``steps``, ``sigmas`` (diffusers' ``sigmas=``: decreasing, in (0, 1], one step each), ``guidance_scale``, ``max_sequence_length``, ``strength``, ``image``, ``conditions``, each
+        ``steps``, ``sigmas`` (diffusers' ``sigmas=``: decreasing, in (0, 1], one step each), ``guidance_scale``,
+        ``max_sequence_length``, ``strength``, ``image``, ``conditions``, each
         within the recipe's constraints and README's limits; numbers must be finite and not ``bool``/``str``.
         Raises ``SpecTypeError`` (a ``TypeError``) for an argument of the wrong type or an unknown field and
         ``SpecError`` (a ``ValueError``) for a wrong value, each naming the argument and what was expected.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .spec import PipelineSpec, SpecError, compile_plan, dump_spec, json_schema, load_spec
+from .version import __version__
 
 if TYPE_CHECKING:
     import torch
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
     from . import rl
     from .rl.pipeline import RLPipeline
     from .runtime import Output, Pipeline
-
-__version__ = "0.1.0"
-
 
 def _checkout_models() -> None:
     """The embedded model's code is ``omnispec.src_models`` once installed (pyproject maps the repository's
@@ -75,14 +73,17 @@ def build(
 
 
 def replay(output: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None,
-           device: str | None = None) -> Output:
+           device: str | None = None, trust_code: bool = False, allow_version_drift: bool = False) -> Output:
     """Regenerate an output written by omnispec (``.png``, ``.mp4``, or the ``.json`` beside a ``.npy``/``.wav``)
     from what it records: the resolved spec, the request and the checkpoint. ``source`` replaces the recorded
-    checkpoint (a moved copy of it); its config files must still match the recorded ones."""
-    from .provenance import replay as _replay
+    checkpoint (a moved copy of it); its config files must still match the recorded ones. A record made by another
+    omnispec major.minor or diffusers minor is refused unless ``allow_version_drift`` (the new output's record then
+    says it drifted). The record is checked whole before any weight loads; it can never turn ``trust_code`` on."""
+    from .replaying import replay as _replay
     from .rl.pipeline import RLPipeline
 
-    return _replay(output, source=source, device=device, pipeline_class=RLPipeline)
+    return _replay(output, source=source, device=device, trust_code=trust_code,
+                   allow_version_drift=allow_version_drift, pipeline_class=RLPipeline)
 
 
 def __getattr__(name: str) -> Any:

@@ -13,15 +13,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
+from .version import __version__
 
 
 def _add_spec_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field by dotted path, e.g. recipe.phases.0.schedule.steps=8 (repeatable)")
     p.add_argument("--trust-code", action="store_true",
-                   help="allow 'package.module:Class' references outside diffusers/transformers/omnispec")
+                   help="trust the spec's and the checkpoint's code: allow 'package.module:Class' references outside "
+                        "diffusers/transformers/omnispec, a checkpoint's own Python files (trust_remote_code) and "
+                        "pickled weights (.bin/.pt/.ckpt); never implied by a spec or an output's record")
 
 
 def _add_verbosity(p: argparse.ArgumentParser, default: object) -> None:
@@ -100,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="output file: .png (.jpg, .webp) for images, .gif, .mp4 or .png "
                    "for videos, .npy for the decoded array")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file (refused otherwise)")
+    p.add_argument("--allow-version-drift", action="store_true",
+                   help="with --from: replay a record made by another omnispec major.minor or diffusers minor (the "
+                        "new output's record says it drifted)")
     _add_spec_options(p)
 
     p = command("explain", "show the resolved run without loading weights, or what made an output")
@@ -166,19 +171,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from . import provenance
+    from . import records
 
-    if provenance.is_output(args.spec) and Path(args.spec).is_file():
-        made_by = provenance.read(args.spec)
-        print(json.dumps(made_by, indent=2) if args.json else provenance.render(made_by, args.spec))
+    if records.is_output(args.spec) and Path(args.spec).exists():
+        record = records.read(args.spec)
+        print(json.dumps(record.data(), indent=2) if args.json else records.render(record, args.spec))
         return 0
     spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
     sigmas = None
     configs = None
     if args.source:
         from .spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
+        from .spec.hub import check_reachable
 
-        _check_hub(args.source)
+        check_reachable(args.source, "--source")
         configs = read_configs(spec, args.source)
         problems = checkpoint_problems(spec, configs)
         if problems:
@@ -199,19 +205,6 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_hub(source: str) -> None:
-    """A Hub id while the Hub is unreachable: say so at once (reading its config files would retry for minutes)."""
-    from .runtime.components import hub_offline, hub_unreachable
-
-    if Path(source).expanduser().exists() or source.count("/") != 1 or hub_offline():
-        return
-    unreachable = hub_unreachable()
-    if unreachable:
-        raise SpecError.single(f"{source!r} is a Hub id, and the Hugging Face Hub is unreachable from here "
-                               f"({unreachable}): give a local checkpoint directory, or set HF_HUB_OFFLINE=1 to read "
-                               "it from the local cache", "--source")
-
-
 def _planned_attention(spec) -> dict[str, str]:
     """Per attention role of the family: the backend the policy asks for and how it will be chosen (the
     checks against this machine happen at build; ``Pipeline.explain()`` shows their outcome)."""
@@ -226,7 +219,8 @@ def _planned_attention(spec) -> dict[str, str]:
         source = "per_role" if role in policy.per_role else "default"
         if backend == "auto":
             why = (f"sdpa ({forced})" if forced else
-                   "auto: the fastest usable exact backend, timed per shape on first use (never slower than sdpa)")
+                   "auto: the fastest usable exact backend, timed per shape on first use (never slower than sdpa; "
+                   "forward and backward where gradients flow)")
         else:
             why = f"{backend} ({source}; checked by a test call at build"
             why += ", falls back to sdpa if unusable)" if policy.allow_fallback else ")"

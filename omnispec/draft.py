@@ -53,22 +53,26 @@ def draft_spec(source: str, family: str | None = None, name: str | None = None) 
 
 
 def read_model_index(source: str) -> dict[str, Any] | None:
-    """The checkpoint's ``model_index.json`` (a local folder, or a Hub id through the cache or the Hub)."""
+    """The checkpoint's ``model_index.json`` (a local folder, or a Hub id through the cache or the Hub), read within
+    bounds and type-checked like every checkpoint config file."""
+    from .spec.checkpoint import model_index_data
+    from .spec.files import read_json_file
+    from .spec.hub import check_reachable, hub_file
+
     local = Path(source).expanduser()
     if local.is_dir():
-        path = local / "model_index.json"
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    if local.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
+        path: Path | None = local / "model_index.json"
+        if not path.exists():
+            return None
+    elif local.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise SpecError.single(f"{source!r} is neither a checkpoint folder nor a Hub id (owner/name)", "SOURCE")
-    from .cli import _check_hub
-    from .spec.checkpoint import _hub_file
-
-    _check_hub(source)
-    path = _hub_file(source, "model_index.json", None)
-    if path is None:
-        raise SpecError.single(f"Hub checkpoint {source!r} has no model_index.json (or it is not in the cache)",
-                               "SOURCE")
-    return json.loads(path.read_text(encoding="utf-8"))
+    else:
+        check_reachable(source, "SOURCE")
+        path = hub_file(source, "model_index.json", None)
+        if path is None:
+            raise SpecError.single(f"Hub checkpoint {source!r} has no model_index.json (or it is not in the cache)",
+                                   "SOURCE")
+    return model_index_data(read_json_file(path, where="SOURCE"), str(path))
 
 
 def _family_of(source: str, index: dict[str, Any] | None) -> str:
@@ -90,8 +94,11 @@ def _family_of(source: str, index: dict[str, Any] | None) -> str:
 
 def _family_by_denoiser(source: str) -> str:
     """A folder without model_index.json: the bundled spec whose denoiser class its ``transformer`` folder holds."""
+    from .spec.files import read_json_file
+
     config = Path(source).expanduser() / "transformer" / "config.json"
-    theirs = json.loads(config.read_text(encoding="utf-8")).get("_class_name") if config.is_file() else None
+    data = read_json_file(config, where="SOURCE") if config.exists() else {}
+    theirs = data.get("_class_name") if isinstance(data, dict) else None
     for name in bundled_names():
         data, _ = resolve_spec_data(bundled_path(name))
         for component in data["model"]["components"].values():

@@ -20,8 +20,9 @@ def run_command(args: argparse.Namespace) -> int:
         overrides.append("runtime.progress=false")
     problems: list[Problem] = []
     select = None  # --from a file holding one sample of a request: the request runs whole, that sample is written
+    made_by, drift = None, []
     if args.from_output is not None:
-        spec, prompts, seeds, fields, source, select = _from_output(args, overrides)
+        made_by, drift, spec, prompts, seeds, fields, source, select = _from_output(args, overrides)
     else:
         if args.spec is None:
             raise SpecError.single("give a SPEC (a file or a bundled spec's name; omnispec list) or --from OUTPUT",
@@ -62,10 +63,12 @@ def run_command(args: argparse.Namespace) -> int:
     except (RuntimeError, MemoryError) as exc:
         print(f"error: generation failed: {exc}", file=sys.stderr)
         return 1
-    if select is not None:
-        from .provenance import select_sample
+    if args.from_output is not None:
+        from .replaying import marked_as_replay, select_sample
 
-        output = select_sample(output, select)
+        output = marked_as_replay(output, made_by, drift)
+        if select is not None:
+            output = select_sample(output, select)
     if pipe.parallel is None or pipe.parallel.is_main:  # one writer under torchrun
         try:
             written = output.save(output_path, overwrite=args.overwrite)
@@ -77,31 +80,32 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_output(args: argparse.Namespace, overrides: list[str]
-                 ) -> tuple[Any, list[str], Any, dict[str, Any], str | None, int | None]:
-    """``--from OUTPUT``: the spec, request and checkpoint it records (a SPEC may not be given too); request options
-    and ``--set`` given on the command line change them. Returns the sample to keep when the file holds one sample
-    of a request and the prompts and seeds stay as recorded."""
-    from . import provenance
+def _from_output(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, ...]:
+    """``--from OUTPUT``: the record, its version drift, and the spec, request and checkpoint it records (a SPEC may
+    not be given too); request options and ``--set`` given on the command line change them. Returns the sample to
+    keep when the file holds one sample of a request and the prompts and seeds stay as recorded."""
+    from . import records
+    from .replaying import replay_spec, request_arguments
 
     if args.spec is not None:
         raise SpecError.single("give either a SPEC or --from OUTPUT, not both (--set changes the recorded spec)",
                                "spec")
-    made_by = provenance.read(args.from_output)
-    source = args.source if args.source is not None else provenance.recorded_source(made_by)
-    problems = provenance.replay_problems(made_by, args.source)
+    made_by = records.read(args.from_output)
+    drift = records.check_versions(made_by, args.allow_version_drift, args.from_output)
+    source = args.source if args.source is not None else records.recorded_source(made_by)
+    problems = records.replay_problems(made_by, args.source)
     if problems:
         raise SpecError(problems)
-    spec = provenance.replay_spec(made_by, overrides, trust_code=args.trust_code)
-    prompts, seeds, fields = provenance.request_arguments(made_by, spec, images=not args.image)
-    select = made_by.get("sample")
+    spec = replay_spec(made_by, overrides, trust_code=args.trust_code)
+    prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image)
+    select = made_by.sample
     if args.prompt is not None or args.seed is not None:  # a new request: from the file's own sample, if it has one
         if select is not None:
             prompts, seeds = [prompts[select]], [seeds[select]]
         select = None
         prompts = args.prompt if args.prompt is not None else prompts
         seeds = args.seed if args.seed is not None else seeds[0]
-    return spec, prompts, seeds, fields, source, select
+    return made_by, drift, spec, prompts, seeds, fields, source, select
 
 
 def lora_overrides(loras: list[dict[str, Any]]) -> list[str]:

@@ -29,7 +29,7 @@ def test_version_has_one_source(capsys):
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"omnispec {omnispec.__version__}"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "omnispec.__version__"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "omnispec.version.__version__"}
 
 
 def test_import_omnispec_exposes_rl_without_importing_torch_first():

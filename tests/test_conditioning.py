@@ -123,7 +123,7 @@ def test_images_arrive_as_pil_numpy_tensor_or_path_with_one_digest(photo):
     pixels = np.asarray(image)
     digests = {resolve(spec, "x", image=form).images[0].digest for form in (image, photo, str(photo), pixels)}
     assert len(digests) == 1
-    tensor = resolve(spec, "x", image=torch.from_numpy(pixels.copy()))
+    tensor = resolve(spec, "x", image=torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 255)
     assert tensor.images[0].digest and resolve(spec, "x", image=pixels[::-1]).images[0].digest not in digests
     with pytest.raises(SpecError, match="no such image file"):
         resolve(spec, "x", image="/nonexistent.png")

@@ -125,10 +125,10 @@ def test_cli_lora_option_loads_a_file_with_weight_name_and_scale(flux_dir, tmp_p
     ref = reference(flux_dir, folder, weight_name, 0.8, 4)
     ours = np.asarray(Image.open(out), dtype=np.float32) / 255
     assert np.abs(ours - ref[0]).max() <= 1 / 255 + 1e-6  # the PNG's rounding
-    from omnispec import provenance
+    from omnispec import records
 
-    made_by = provenance.read(out)
-    assert made_by["spec"]["model"]["adapters"]["lora_0"] == {"path": str(folder), "weight_name": weight_name,
+    made_by = records.read(out)
+    assert made_by.spec["model"]["adapters"]["lora_0"] == {"path": str(folder), "weight_name": weight_name,
                                                              "scale": 0.8, "always": True}
 
 

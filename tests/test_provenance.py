@@ -8,8 +8,10 @@ import pytest
 from PIL import Image
 
 import omnispec
-from omnispec import provenance
+from omnispec import records
 from omnispec.cli import main
+from omnispec.records.schema import parse_record
+from omnispec.replaying import image_arguments
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
@@ -27,16 +29,16 @@ def flux(flux_dir):
 def test_png_records_spec_request_versions_and_checkpoint(flux, flux_dir, tmp_path):
     out = flux(["a cat", "a dog"], seed=3, guidance_scale=4.0)
     first, second = out.save(tmp_path / "pets.png")
-    made_by = provenance.read(second)
-    assert made_by["sample"] == 1
-    assert made_by["request"]["prompts"] == ["a cat", "a dog"] and made_by["request"]["seeds"] == [3, 4]
-    assert made_by["request"]["guidance_scale"] == 4.0 and made_by["request"]["height"] == 32
-    assert set(made_by["versions"]) == {"omnispec", "diffusers", "transformers", "torch"}
-    assert made_by["versions"]["omnispec"] == omnispec.__version__
-    assert omnispec.load_spec(made_by["spec"]) == flux.spec
-    (root,) = made_by["checkpoint"]["roots"].values()
-    assert root["kind"] == "local" and root["path"] == str(flux_dir.resolve())
-    assert "transformer/config.json" in root["config_sha256"] and "model_index.json" in root["config_sha256"]
+    made_by = records.read(second)
+    assert made_by.sample == 1
+    assert made_by.request.prompts == ["a cat", "a dog"] and made_by.request.seeds == [3, 4]
+    assert made_by.request.guidance_scale == 4.0 and made_by.request.height == 32
+    assert set(made_by.versions.model_dump()) == {"omnispec", "diffusers", "transformers", "torch"}
+    assert made_by.versions.omnispec == omnispec.__version__
+    assert omnispec.load_spec(made_by.spec) == flux.spec
+    (root,) = made_by.checkpoint.roots.values()
+    assert root.kind == "local" and root.path == str(flux_dir.resolve())
+    assert "transformer/config.json" in root.config_sha256 and "model_index.json" in root.config_sha256
     assert Image.open(first).text["parameters"].startswith("a cat\nSteps: 2, Seed: 3, Size: 32x32, CFG scale: 4")
 
 
@@ -65,7 +67,7 @@ def test_npy_and_wav_get_a_sidecar_and_replay_the_whole_batch(flux, tmp_path):
     out = flux(["a cat", "a dog"], seed=0)
     written = out.save(tmp_path / "pets.npy")
     assert [p.name for p in written] == ["pets.npy"] and (tmp_path / "pets.npy.json").is_file()
-    assert provenance.read(written[0])["sample"] is None
+    assert records.read(written[0]).sample is None
     assert np.array_equal(omnispec.replay(written[0]).array, out.array)
 
 
@@ -79,25 +81,24 @@ def test_conditioning_images_are_recorded_by_digest_and_path(flux_dir, photo, tm
     pipe = omnispec.build(SPECS / "flux1-dev-img2img.yaml", source=str(flux_dir), overrides=FLUX)
     out = pipe("a cat", seed=1, image=str(photo), strength=0.6)
     (png,) = out.save(tmp_path / "cat.png")
-    (image,) = provenance.read(png)["request"]["images"]
-    assert image["path"] == str(photo.resolve()) and image["digest"] == out.request.images[0].digest
+    (image,) = records.read(png).request.images
+    assert image.path == str(photo.resolve()) and image.digest == out.request.images[0].digest
     assert np.array_equal(omnispec.replay(png).array, out.array)
     changed = tmp_path / "photo.png"
     Image.open(photo).rotate(90).save(changed)
-    made_by = provenance.read(png)
-    made_by["request"]["images"][0]["path"] = str(changed)
+    moved = records.read(png).request.images[0].model_copy(update={"path": str(changed)})
     with pytest.raises(SpecError, match="has changed since"):
-        provenance.image_arguments(made_by["request"]["images"])
+        image_arguments([moved])
 
 
 def test_changed_checkpoint_configs_or_in_memory_weights_refuse_replay(flux, tmp_path):
     out = flux("a cat", seed=0)
-    made_by = {**out.provenance, "weights_changed": 1}
-    assert "changed in memory" in str(provenance.replay_problems(made_by, None)[0])
-    made_by = json.loads(json.dumps(out.provenance))
-    (root,) = made_by["checkpoint"]["roots"].values()
+    made_by = parse_record({**out.provenance, "weights_changed": 1})
+    assert "changed in memory" in str(records.replay_problems(made_by, None)[0])
+    data = json.loads(json.dumps(out.provenance))
+    (root,) = data["checkpoint"]["roots"].values()
     root["config_sha256"]["transformer/config.json"] = "0" * 64
-    assert "transformer/config.json" in str(provenance.replay_problems(made_by, None)[0])
+    assert "transformer/config.json" in str(records.replay_problems(parse_record(data), None)[0])
 
 
 def test_cli_run_from_an_output_makes_the_same_file_and_explain_shows_what_made_it(flux_dir, tmp_path, capsys):
@@ -106,11 +107,11 @@ def test_cli_run_from_an_output_makes_the_same_file_and_explain_shows_what_made_
                  "--output", str(tmp_path / "pets.png"), *sets]) == 0
     assert main(["run", "--from", str(tmp_path / "pets-1.png"), "--output", str(tmp_path / "again.png")]) == 0
     assert np.array_equal(np.asarray(Image.open(tmp_path / "pets-1.png")), np.asarray(Image.open(tmp_path / "again.png")))
-    assert provenance.read(tmp_path / "again.png")["sample"] == 1
+    assert records.read(tmp_path / "again.png").sample == 1
     capsys.readouterr()
     assert main(["run", "--from", str(tmp_path / "pets-1.png"), "--seed", "9", "--output", str(tmp_path / "s9.png")]) == 0
-    request = provenance.read(tmp_path / "s9.png")["request"]
-    assert (request["prompts"], request["seeds"]) == (["a dog"], [9])  # the file's own prompt with the new seed
+    request = records.read(tmp_path / "s9.png").request
+    assert (request.prompts, request.seeds) == (["a dog"], [9])  # the file's own prompt with the new seed
     capsys.readouterr()
     assert main(["explain", str(tmp_path / "pets-1.png")]) == 0
     text = capsys.readouterr().out

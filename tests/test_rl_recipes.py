@@ -54,7 +54,10 @@ def test_wan22_window_across_the_boundary_replays_each_step_through_its_expert(w
                 seen[n].clear()
             replay = wan22.log_prob(ro, steps=[k], grad=False, micro_batch=1)
             assert len(seen[owners[step]]) == 2 and not any(seen[n] for n in seen if n != owners[step])
-            assert torch.equal(replay.log_probs.cpu(), ro.log_probs[:, [k]])
+            # one sample per forward sums in another order than the rollout's two (CPU kernels pick by batch size)
+            assert torch.allclose(replay.log_probs.cpu(), ro.log_probs[:, [k]], rtol=0, atol=1e-6)
+            whole = wan22.log_prob(ro, steps=[k], grad=False)  # the rollout's own batch: exact
+            assert torch.equal(whole.log_probs.cpu(), ro.log_probs[:, [k]])
     finally:
         for h in handles:
             h.remove()

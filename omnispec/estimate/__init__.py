@@ -33,7 +33,7 @@ from ..spec.model import WEIGHTLESS_ROLES
 from .counting import Shadow, counting
 from .report import ComponentBytes, Estimate, OpTiming, render_estimate
 from .timing import copy_rate, host_to_device_rate, launch_seconds, time_call
-from .weights import GROUPED, STAGE_ROLES, component_bytes, config_module, safetensors_header
+from .weights import GROUPED, STAGE_ROLES, component_bytes, config_module
 
 # ---- the estimate -------------------------------------------------------------------------------------------
 
@@ -237,5 +237,4 @@ def _time(result: Estimate, device: torch.device, spec: PipelineSpec, coverage: 
 
 
 
-__all__ = ["ComponentBytes", "Estimate", "OpTiming", "Shadow", "config_module", "counting", "estimate", "render_estimate",
-           "safetensors_header"]
+__all__ = ["ComponentBytes", "Estimate", "OpTiming", "Shadow", "config_module", "counting", "estimate", "render_estimate"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,11 +10,9 @@ from typing import Any
 import torch
 
 from ..spec import Component, PipelineSpec, SpecError
+from ..spec.files import SAFETENSORS_DTYPE_BYTES, read_json_file, safetensors_header
 from .report import ComponentBytes
 
-# Bytes per stored value of a safetensors dtype.
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-                      "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _FLOATING = {"F64", "F32", "F16", "BF16"}
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Bytes per quantized Linear weight value, and per output row of scales (fp32 per-row scales; int4's group scales
@@ -31,17 +27,6 @@ GROUPED = ("encoder", "denoiser", "vae", "upsampler")  # roles that model offloa
 
 # ---- parameter bytes from safetensors headers ---------------------------------------------------------------
 
-def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """The tensors a safetensors file holds (name -> dtype, shape), from its header only."""
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > 100 << 20:
-            raise SpecError.single(f"{path}: not a safetensors file (header of {length} bytes)")
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
 def weight_files(folder: Path, file: str | None = None) -> list[Path]:
     """The safetensors files ``from_pretrained`` would read in a component folder (its index's shards, else the
     plain files; a variant such as ``.fp16.safetensors`` only when nothing else is there)."""
@@ -49,8 +34,12 @@ def weight_files(folder: Path, file: str | None = None) -> list[Path]:
         return [folder / file] if (folder / file).suffix == ".safetensors" else []
     for index in sorted(folder.glob("*.safetensors.index.json")):
         if index.name.count(".") == 3:  # diffusion_pytorch_model.safetensors.index.json, not a variant's
-            shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
-            return [folder / s for s in sorted(set(shards))]
+            data = read_json_file(index)
+            shards = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(shards, dict) or not all(isinstance(s, str) and "/" not in s for s in shards.values()):
+                raise SpecError.single("weight_map is not a mapping of tensor names to shard files in this folder",
+                                       file=str(index))
+            return [folder / s for s in sorted(set(shards.values()))]
     files = sorted(folder.glob("*.safetensors"))
     plain = [f for f in files if f.name.count(".") == 1]
     return plain or files
@@ -65,8 +54,8 @@ def component_bytes(spec: PipelineSpec, name: str, component: Component, folder:
     tensors: dict[str, tuple[str, list[int]]] = {}
     how = "safetensors header"
     for path in files:
-        for key, info in safetensors_header(path).items():
-            tensors[key] = (info["dtype"], info["shape"])
+        for key, entry in safetensors_header(path, f"model.components.{name}").tensors.items():
+            tensors[key] = (entry.dtype, list(entry.shape))
     if not tensors:
         if meta_module is None:
             raise SpecError.single(f"component {name!r}: no safetensors files in {folder} and no config to count from",
@@ -79,13 +68,13 @@ def component_bytes(spec: PipelineSpec, name: str, component: Component, folder:
     for key, (dtype, shape) in tensors.items():
         count = math.prod(shape)
         params += count
-        stored += count * _SAFETENSORS_BYTES.get(dtype, 4)
+        stored += count * SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
         if key in linear:
             size = int(count * _QUANT_BYTES[quant.method]) + shape[0] * _ROW_SCALE_BYTES.get(quant.method, 0)
         elif dtype in _FLOATING:
             size = count * dtype_bytes
         else:
-            size = count * _SAFETENSORS_BYTES.get(dtype, 4)
+            size = count * SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
         loaded += size
         block = _block_of(key)
         if block is not None:
@@ -120,13 +109,15 @@ def config_module(cls: type, folder: Path, dtype: torch.dtype, overrides: Mappin
     torch.set_default_dtype(dtype)  # made in its dtype: no cast afterwards
     try:
         if hasattr(cls, "load_config") and hasattr(cls, "from_config"):  # diffusers
-            config = {**cls.load_config(folder), **overrides}
+            config = read_json_file(folder / "config.json")
+            if not isinstance(config, dict):
+                raise SpecError.single("expected a JSON object", file=str(folder / "config.json"))
             with torch.device(device):
-                module = cls.from_config(config)
+                module = cls.from_config({**config, **overrides})
         else:  # transformers
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(folder)
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             for key, value in overrides.items():
                 setattr(config, key, value)
             with torch.device(device):

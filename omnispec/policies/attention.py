@@ -24,6 +24,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from ..log import logger
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
@@ -145,18 +146,31 @@ class FixedBackendHook(ModelHook):
         self.backend = backend
 
     def new_forward(self, module, *args, **kwargs):
-        with backend_context(self.backend):
-            return self.fn_ref.original_forward(*args, **kwargs)
+        return guarded_forward(self.fn_ref.original_forward, self.backend, args, kwargs, torch.is_grad_enabled())
 
 
-# Process-wide cache of auto choices: (role, shape, dtype, device) -> backend.
+# Process-wide cache of auto choices: (role, shape, dtype, device, grad) -> backend.
 AUTO_CHOICES: dict[tuple, str] = {}
 
 
+def _trial_input(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 grad: bool) -> torch.Tensor:
+    """Random (B, H, L, D) attention input laid out as diffusers' processors hand it to SDPA (heads split out of
+    a (B, L, H*D) projection, then transposed): a kernel's support can depend on strides, not only on shapes."""
+    q = torch.randn(batch, tokens, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    return q.requires_grad_(grad)
+
+
 def _time_backend(backend: str, q: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds of one call under ``backend``; with ``q.requires_grad``, of a forward and its backward
+    (a backend that can't differentiate this call raises here, on a trial, not in a training step)."""
     def run():
         with backend_context(backend):
-            F.scaled_dot_product_attention(q, q, q)
+            out = F.scaled_dot_product_attention(q, q, q)
+        if q.requires_grad:
+            (grad,) = torch.autograd.grad(out.sum(), q)
+            if not bool(torch.isfinite(grad).all()):
+                raise RuntimeError(f"{backend} gave non-finite gradients in a trial")
 
     run()
     times = []
@@ -172,13 +186,15 @@ def _time_backend(backend: str, q: torch.Tensor, repeats: int = 5) -> float:
 
 
 def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int, head_dim: int,
-           dtype: torch.dtype, device: torch.device) -> str:
-    key = (role, batch, heads, tokens, head_dim, dtype, str(device))
+           dtype: torch.dtype, device: torch.device, grad: bool = False) -> str:
+    """The fastest candidate for this call shape (sdpa unless another beats it by ``AUTO_MARGIN``), timed once per
+    process; with ``grad`` the trial is a forward and a backward, so only backends that can train are chosen."""
+    key = (role, batch, heads, tokens, head_dim, dtype, str(device), grad)
     if key not in AUTO_CHOICES:
         if len(candidates) == 1:
             AUTO_CHOICES[key] = candidates[0]
         else:
-            q = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
+            q = _trial_input(batch, heads, tokens, head_dim, dtype, device, grad)
             times = {}
             for b in candidates:
                 try:
@@ -203,10 +219,115 @@ class AutoBackendHook(ModelHook):
         context = kwargs.get("encoder_hidden_states")
         tokens = hidden.shape[1] + (context.shape[1] if context is not None and hidden.ndim == 3 and
                                     getattr(module, "added_kv_proj_dim", None) else 0)
+        grad = torch.is_grad_enabled()  # a replay with grad: the LoRA inside the block may need them
         backend = choose(self.role, self.candidates, hidden.shape[0], self.heads, tokens, self.head_dim,
-                         hidden.dtype, hidden.device)
+                         hidden.dtype, hidden.device, grad)
+        return guarded_forward(self.fn_ref.original_forward, backend, args, kwargs, grad)
+
+
+# ---- a failing backend falls back ----------------------------------------------------------------------
+
+# Backends that failed at run time, with why; the calls they would have served run on torch's default SDPA. A
+# kernel can fail for one shape and not another (cuDNN's backward on an H200 did), so a failure is per backend
+# and call shape, warned once.
+FAILED: dict[tuple, str] = {}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_TENSOR_ARGS = ("query", "key", "value", "attn_mask")
+
+
+def _fall_back(key: tuple, exc: BaseException) -> None:
+    if isinstance(exc, torch.OutOfMemoryError):
+        raise exc
+    if key not in FAILED:
+        FAILED[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        logger.warning(f"attention backend {key[0]} failed for a call of shape {key[1]} ({FAILED[key]}); those calls "
+                       "run on torch's default SDPA from now on")
+
+
+def guarded_forward(forward: Callable, backend: str, args: tuple, kwargs: dict, grad: bool) -> Any:
+    """``forward`` with its SDPA calls on ``backend``. A call the backend fails at run time reruns on the default
+    SDPA with one warning, and so does a backward it fails (with gradients flowing, each call's graph is kept inside
+    ``_GuardedAttention``, whose backward falls back), so a kernel's failure never ends a training step."""
+    if backend == "sdpa":
+        return forward(*args, **kwargs)
+    if grad:
+        with _GuardSDPA(backend, grad):
+            return forward(*args, **kwargs)
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    key = (backend, tuple(getattr(hidden, "shape", ())), getattr(hidden, "dtype", None), "forward", False)
+    if key in FAILED:
+        return forward(*args, **kwargs)
+    try:  # without gradients the module's forward is pure: a failed call simply runs again
         with backend_context(backend):
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return forward(*args, **kwargs)
+    except (RuntimeError, NotImplementedError) as exc:
+        _fall_back(key, exc)
+        return forward(*args, **kwargs)
+
+
+class _GuardSDPA(TorchFunctionMode):
+    """Runs each SDPA call on ``backend`` (through ``backend_context``), falling back as ``guarded_forward`` says."""
+
+    def __init__(self, backend: str, grad: bool):
+        super().__init__()
+        self.backend, self.grad = backend, grad
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = dict(zip(_SDPA_ARGS, args)) | kwargs
+        key = (self.backend, tuple(call["query"].shape), call["query"].dtype, str(call["query"].device), self.grad)
+        if key in FAILED:
+            return func(**call)
+        tensors = [call.get(name) for name in _TENSOR_ARGS]
+        if self.grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            options = {k: v for k, v in call.items() if k not in _TENSOR_ARGS}
+            return _GuardedAttention.apply(self.backend, key, options, *tensors)
+        try:
+            with backend_context(self.backend):
+                return func(**call)
+        except (RuntimeError, NotImplementedError) as exc:
+            _fall_back(key, exc)
+            return func(**call)
+
+
+class _GuardedAttention(torch.autograd.Function):
+    """SDPA on a backend whose backward may fail: the forward builds the call's graph on detached inputs and keeps
+    it; the backward differentiates that graph, and if the backend fails there, recomputes the call on the default
+    SDPA and differentiates that instead (one warning)."""
+
+    @staticmethod
+    def forward(ctx, backend, key, options, query, key_t, value, attn_mask):  # type: ignore[override]
+        inner = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                 for t in (query, key_t, value, attn_mask)]
+        call = dict(zip(_TENSOR_ARGS, inner)) | options
+        with torch.enable_grad():
+            try:
+                with backend_context(backend):
+                    out = F.scaled_dot_product_attention(**call)
+            except (RuntimeError, NotImplementedError) as exc:
+                _fall_back(key, exc)
+                out = F.scaled_dot_product_attention(**call)
+        ctx.key, ctx.call, ctx.inner, ctx.out = key, call, inner, out
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        wanted = [i for i, t in enumerate(ctx.inner) if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = [ctx.inner[i] for i in wanted]
+        try:
+            grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
+        except (RuntimeError, NotImplementedError) as exc:
+            _fall_back(ctx.key, exc)
+            with torch.enable_grad():
+                again = F.scaled_dot_product_attention(**ctx.call)
+            grads = torch.autograd.grad(again, inputs, grad_out, allow_unused=True)
+        out = [None] * 4
+        for i, g in zip(wanted, grads):
+            out[i] = g
+        ctx.call = ctx.inner = ctx.out = None
+        return None, None, None, *out
 
 
 # ---- the policy -----------------------------------------------------------------------------------
@@ -289,7 +410,8 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
                     candidates.insert(0, "sdpa")
                 skipped = ", ".join(f"{b} ({r})" for b, r in reasons.items() if r)
                 plan.per_role[role] = "auto"
-                plan.notes[role] = (f"auto over [{', '.join(candidates)}], timed per shape on first use"
+                plan.notes[role] = (f"auto over [{', '.join(candidates)}], timed per shape on first use (forward "
+                                    "and backward where gradients flow: replay with grad)"
                                     + (f"; unusable here: {skipped}" if skipped else ""))
                 hook_for: Callable[[], ModelHook] = lambda r=role, c=candidates, h=heads, d=head_dim: AutoBackendHook(r, c, h, d)  # noqa: E731
             else:

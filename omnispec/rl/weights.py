@@ -118,6 +118,9 @@ def set_lora(pipe: Pipeline, name: str, state_dict: Mapping[str, torch.Tensor], 
     if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1):
         raise SpecError.single(f"expected a positive int, got {max_rank!r}", "max_rank")
     kwargs = {"metadata": dict(metadata)} if metadata else {}
+    from ..runtime.lora import check_lora_state
+
+    check_lora_state(state, module, None, f"{type(module).__name__} cannot take this LoRA", "state_dict")
     try:
         if name in getattr(module, "peft_config", {}):
             _replace_lora(module, name, state, kwargs)

@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from ..policies import apply_policies, check_policies, resolve_device
-from ..provenance import checkpoint_record
-from ..policies import quantization
+from ..policies import apply_policies, check_policies, quantization, resolve_device
+from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
 from ..spec.base import DEVICE_PATTERN
 from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs, unresolved
 from . import distributed
-from .components import check_source, load_adapter_slots, load_components
+from .components import check_source, load_components
 from .families import family_class
+from .lora import adapter_files, load_adapter_slots
 from .pipeline import Pipeline
 
 
@@ -56,8 +56,9 @@ def build(
     if isinstance(spec_or_path, PipelineSpec):
         spec = spec_or_path
         if overrides:
-            from ..spec import dump_spec
             import yaml
+
+            from ..spec import dump_spec
 
             spec = load_spec(yaml.safe_load(dump_spec(spec)), overrides, trust_code=trust_code)
     else:
@@ -87,13 +88,14 @@ def build(
     if unknown:
         raise SpecError.single(f"components {unknown} are not in the spec's profile", "components")
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
-    root = check_source(spec, source, missing) if missing else None
+    root = check_source(spec, source, missing, trusted=trust_code) if missing else None
     spec = _against_checkpoint(spec, root)
-    loaded = load_components(spec, root, only=missing) if root is not None else {}
+    loras = adapter_files(spec, trusted=trust_code)  # found and header-checked before any weight loads
+    loaded = load_components(spec, root, only=missing, trusted=trust_code) if root is not None else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
     quantized = [note for name in given if (note := quantization.quantize_in_memory(
         spec, name, spec.model.components[name], given[name], target))]
-    load_adapter_slots(spec, modules, family_cls.pipeline_class)
+    load_adapter_slots(spec, modules, family_cls.pipeline_class, loras)
     applied = apply_policies(spec, family_cls, modules, target)
     if quantized:
         applied.notes["quantization"] = "; ".join(quantized)
@@ -102,7 +104,7 @@ def build(
         distributed.enable_sequence_parallel(parallel, family_cls, denoisers)
     family = family_cls(spec, modules, target)
     pipe = pipeline_class(spec, family, modules, target, applied, parallel)
-    pipe.checkpoint = checkpoint_record(spec, root, given)  # what outputs record as their checkpoint
+    pipe.checkpoint = checkpoint_record(spec, root, given, loras)  # what outputs record as their checkpoint
     return pipe
 
 

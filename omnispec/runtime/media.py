@@ -1,5 +1,5 @@
 """Write outputs: ``.png`` per image, ``.gif``/``.mp4`` per video, ``.npy`` for the whole decoded array; each
-carrying the record of what made it (``omnispec.provenance``: PNG text chunks, the JPEG/GIF comment, MP4
+carrying the record of what made it (``omnispec.records``: PNG text chunks, the JPEG/GIF comment, MP4
 metadata, a ``<file>.json`` beside ``.npy``/``.wav``/``.webp``).
 
 ``check_output_path`` refuses, before any work, a path that could not be written (a directory, a parent that
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import provenance
+from .. import records
 from ..spec import Problem, SpecError
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 IMAGE_SUFFIXES = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
 VIDEO_SUFFIXES = (".gif", ".mp4", ".png")  # a video as .png: its frames side by side
-SUFFIXES = (*IMAGE_SUFFIXES, ".gif", ".mp4", ".npy")
 # One file's writer: it writes the whole file at the path it is given (a temporary name with the same suffix).
 Writer = Callable[[Path], None]
 # A media file's writer: the path, and the record of what made it (None: write none).
@@ -58,7 +57,7 @@ def check_output_path(path: Path, video: bool, samples: int = 1, *, overwrite: b
     paths = output_paths(path, 1 if suffix == ".npy" else samples)
     if audio and suffix == ".npy":
         paths += output_paths(path.with_suffix(".wav"), samples)
-    paths += [provenance.sidecar(p) for p in paths if p.suffix.lower() in provenance.SIDECAR_SUFFIXES]
+    paths += [records.sidecar(p) for p in paths if p.suffix.lower() in records.SIDECAR_SUFFIXES]
     problems = _parent_problems(path.parent, where)
     for p in paths:
         if p.is_dir():
@@ -93,7 +92,7 @@ def save_output(output: Output, path: Path, overwrite: bool = False) -> list[Pat
     """Write ``output`` at ``path`` (several samples as ``name-0.ext`` ...); returns the media files written (the
     ``<file>.json`` records beside ``.npy``/``.wav``/``.webp`` files are written with them, not listed)."""
     written = write_files(planned_files(output, path), overwrite)
-    return [p for p in written if not (p.suffix == ".json" and Path(p.stem).suffix in provenance.SIDECAR_SUFFIXES)]
+    return [p for p in written if not (p.suffix == ".json" and Path(p.stem).suffix in records.SIDECAR_SUFFIXES)]
 
 
 def planned_files(output: Output, path: Path) -> list[tuple[Path, Writer]]:
@@ -104,12 +103,12 @@ def planned_files(output: Output, path: Path) -> list[tuple[Path, Writer]]:
     for target, write, sample in _media_files(output, path):
         record = None
         if made_by is not None:  # an output narrowed to one sample (replay) already says which sample it is
-            record = made_by if made_by.get("sample") is not None else provenance.for_sample(made_by, sample)
-        if target.suffix.lower() in provenance.SIDECAR_SUFFIXES:
+            record = made_by if made_by.get("sample") is not None else records.for_sample(made_by, sample)
+        if target.suffix.lower() in records.SIDECAR_SUFFIXES:
             files.append((target, lambda t, write=write: write(t, None)))
             if record is not None:
-                files.append((provenance.sidecar(target),
-                              lambda t, record=record: t.write_text(provenance.to_text(record), encoding="utf-8")))
+                files.append((records.sidecar(target),
+                              lambda t, record=record: t.write_text(records.to_text(record), encoding="utf-8")))
         else:
             files.append((target, lambda t, write=write, record=record: write(t, record)))
     return files
@@ -193,13 +192,13 @@ def _image_metadata(format: str, made_by: dict | None) -> dict:
     line that image browsers show), the JPEG or GIF comment. WEBP has none: its record is the sidecar."""
     if made_by is None:
         return {}
-    text = provenance.to_text(made_by)
+    text = records.to_text(made_by)
     if format == "PNG":
         from PIL.PngImagePlugin import PngInfo
 
         info = PngInfo()
-        info.add_itxt(provenance.KEY, text)
-        info.add_itxt("parameters", provenance.a1111_parameters(made_by))
+        info.add_itxt(records.KEY, text)
+        info.add_itxt("parameters", records.a1111_parameters(made_by))
         return {"pnginfo": info}
     if format in ("JPEG", "GIF"):
         return {"comment": text.encode("utf-8")}
@@ -237,7 +236,7 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int, audio: np.ndarray | Non
     track = None if audio is None else torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
     encode_video(_uint8(frames), fps, str(path), audio=track, audio_sample_rate=sample_rate)
     if made_by is not None:
-        _tag_mp4(path, {"comment": provenance.to_text(made_by)})
+        _tag_mp4(path, {"comment": records.to_text(made_by)})
 
 
 def _tag_mp4(path: Path, metadata: dict[str, str]) -> None:

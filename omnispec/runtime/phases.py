@@ -135,7 +135,7 @@ def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any]) ->
     """Switch on the phase's adapter slot and the ``always`` slots on their targets, every other slot off."""
     if not spec.model.adapters:
         return
-    from .components import adapter_target
+    from .lora import adapter_target
 
     by_target: dict[str, list[str]] = {}
     for slot in spec.model.adapters:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import provenance
+from .. import records
 from ..log import timed
 from ..policies import AppliedPolicies
 from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
@@ -29,7 +29,7 @@ class Output:
     """``array``: decoded float32 in [0, 1], channels last, batch first; ``images`` (PIL) for image tasks,
     ``frames`` (one F x H x W x 3 array per sample) for video tasks; ``audio`` (B, channels, samples) float32
     at ``sample_rate`` for families with a sound track. ``latents``: the output phase's streams. ``provenance``:
-    what made it (spec, request, checkpoint, versions), written into every saved file (``omnispec.provenance``)."""
+    what made it (spec, request, checkpoint, versions), written into every saved file (``omnispec.records``)."""
 
     array: np.ndarray
     latents: Streams
@@ -70,6 +70,7 @@ class Pipeline:
         limit = spec.runtime.encoding_cache_bytes
         self._encodings = EncodingCache(default_cache_bytes(device) if limit is None else limit)
         self._encodings_version = 0
+        self._spec_data: tuple[PipelineSpec, dict[str, Any]] | None = None
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class Pipeline:
 
     def _output(self, request: Request, decoded: Decoded, latents: Streams, decode: bool) -> Output:
         output = Output(array=decoded.array, latents=latents, request=request, audio=decoded.audio,
-                        sample_rate=decoded.sample_rate, provenance=provenance.record(self, request))
+                        sample_rate=decoded.sample_rate, provenance=self._record(request))
         if not decode:
             return output
         if self.spec.recipe.task.endswith("video"):
@@ -148,6 +149,12 @@ class Pipeline:
             output.images = [Image.fromarray(to_uint8(a).squeeze(-1) if a.shape[-1] == 1 else to_uint8(a))
                              for a in decoded.array]
         return output
+
+    def _record(self, request: Request) -> dict[str, Any]:
+        """What made this request's outputs (the spec's data is made once per spec)."""
+        if self._spec_data is None or self._spec_data[0] is not self.spec:
+            self._spec_data = (self.spec, records.spec_data(self.spec))
+        return records.make_record(self._spec_data[1], request, str(self.device), self.checkpoint, self.weight_version)
 
     def encode(self, request: Request) -> tuple[Conditioning, Conditioning | None]:
         """Positive and (when a phase needs it) negative prompt encodings, one row per prompt. Each distinct

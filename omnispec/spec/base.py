@@ -25,6 +25,7 @@ MAX_SIZE = 16_384  # pixels per side (height, width)
 MAX_FRAMES = 10_000
 MAX_FPS = 1_000
 MAX_SEQUENCE_LENGTH = 65_536  # prompt tokens
+MAX_IMAGE_PIXELS = 8192 * 8192  # a conditioning image, read from its header before any pixel is decoded
 # Devices a spec or a caller may name (``runtime.device``, ``--device``, ``build(device=)``).
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d{1,4})?)$"
 # ``torch.Generator.manual_seed`` takes exactly this range; every per-sample seed (seed + i) must lie in it.

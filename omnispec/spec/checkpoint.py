@@ -10,18 +10,24 @@ Reading these files loads no weights and imports no torch.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .bounded import CONFIG
 from .errors import Problem, SpecError
+from .files import read_json_file
+from .hub import hub_file
 from .pipeline import PipelineSpec
 from .recipe import PreviousInput
 from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule
 
 ESCAPE = "set model.check_checkpoint: false to run it anyway"
+# transformers' Auto classes a spec may name, with what each loads (class names end so, after a Fast/Pil suffix).
+AUTO_LOADS = {"AutoTokenizer": ("Tokenizer",), "AutoProcessor": ("Processor",),
+              "AutoImageProcessor": ("ImageProcessor",), "AutoFeatureExtractor": ("FeatureExtractor",)}
 
 
 @dataclass
@@ -31,6 +37,7 @@ class CheckpointConfigs:
     root: str
     model_index: dict[str, Any] | None = None
     schedulers: dict[str, dict[str, Any]] = field(default_factory=dict)  # scheduler subfolder -> config
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)  # component with overrides -> config.json
 
     @property
     def boundary_ratio(self) -> float | None:
@@ -39,14 +46,23 @@ class CheckpointConfigs:
 
 
 def read_configs(spec: PipelineSpec, root: str) -> CheckpointConfigs:
-    """The small config files of ``root`` (a local directory, or a Hub id from the cache or the Hub)."""
+    """The small config files of ``root`` (a local directory, or a Hub id from the cache or the Hub), each read within
+    bounds and its keys that omnispec reads type-checked (an error names the file and the key)."""
     configs = CheckpointConfigs(root)
-    configs.model_index = _read_json(root, "model_index.json", spec.model.revision)
-    for component in spec.model.components.values():
+    index = _read_json(root, "model_index.json", spec.model.revision)
+    configs.model_index = None if index is None else model_index_data(index, str(Path(root) / "model_index.json"))
+    for name, component in spec.model.components.items():
         if component.role == "scheduler" and component.subfolder:
-            found = _read_json(root, f"{component.subfolder}/scheduler_config.json", spec.model.revision)
+            file = f"{component.subfolder}/scheduler_config.json"
+            found = _read_json(root, file, spec.model.revision)
             if found is not None:
-                configs.schedulers[component.subfolder] = found
+                configs.schedulers[component.subfolder] = _typed(found, _SchedulerConfig, root, file)
+        if component.config and component.file is None:
+            home = component.source or root
+            file = f"{component.subfolder}/config.json" if component.subfolder else "config.json"
+            found = _read_json(home, file, spec.model.revision)
+            if found is not None:
+                configs.components[name] = found
     return configs
 
 
@@ -55,32 +71,73 @@ def _read_json(root: str, name: str, revision: str | None) -> dict[str, Any] | N
     if local.is_dir():
         path = local / name
     else:
-        path = _hub_file(root, name, revision)
+        path = hub_file(root, name, revision)
         if path is None:
             return None
-    if not path.is_file():
+    if not path.exists():
         return None
+    data = read_json_file(path, CONFIG, "model.source")
+    if not isinstance(data, dict):
+        raise SpecError.single(f"expected a JSON object, got {type(data).__name__}", "model.source", str(path))
+    return data
+
+
+class _ModelIndex(BaseModel):
+    """The keys of ``model_index.json`` omnispec reads: component entries ``[library, class]`` and the two-expert
+    boundary. Other keys are the pipeline's and pass as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    class_name: str | None = Field(default=None, alias="_class_name")
+    boundary_ratio: float | int | None = None
+
+    @model_validator(mode="after")
+    def _entries(self) -> _ModelIndex:
+        for key, entry in (self.model_extra or {}).items():
+            if key.startswith("_") or not isinstance(entry, list):
+                continue
+            if len(entry) != 2 or not all(e is None or isinstance(e, str) for e in entry):
+                raise ValueError(f"{key}: a component entry is [library, class], got {entry!r:.80}")
+        return self
+
+
+class _SchedulerConfig(BaseModel):
+    """The keys of a scheduler config that decide the sigmas omnispec compares and follows."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    use_dynamic_shifting: bool = False
+    shift: float | int = 1.0
+    base_shift: float | int | None = None
+    max_shift: float | int | None = None
+    base_image_seq_len: int | None = None
+    max_image_seq_len: int | None = None
+    shift_terminal: float | int | None = None
+    use_karras_sigmas: bool | None = None
+    use_exponential_sigmas: bool | None = None
+    use_beta_sigmas: bool | None = None
+    invert_sigmas: bool | None = None
+    num_train_timesteps: int | None = None
+
+
+def model_index_data(data: Any, file: str) -> dict[str, Any]:
+    """A parsed ``model_index.json``, checked: an object whose pipeline class, component entries and boundary have
+    their types."""
+    if not isinstance(data, dict):
+        raise SpecError.single(f"expected a JSON object, got {type(data).__name__}", "model.source", file)
+    return _typed(data, _ModelIndex, str(Path(file).parent), Path(file).name)
+
+
+def _typed(data: dict[str, Any], model: type[BaseModel], root: str, file: str) -> dict[str, Any]:
+    """``data`` unchanged when the keys ``model`` declares have their types; else ``SpecError`` naming the file and
+    the first wrong key."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SpecError.single(f"cannot read the checkpoint's {name}: {exc}", "model.source") from None
-    return data if isinstance(data, dict) else None
-
-
-def _hub_file(repo: str, name: str, revision: str | None) -> Path | None:
-    """A small file of a Hub checkpoint: from the local cache, else downloaded (unless HF_HUB_OFFLINE)."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    cached = try_to_load_from_cache(repo, name, revision=revision)
-    if isinstance(cached, str):
-        return Path(cached)
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return None
-    try:
-        return Path(hf_hub_download(repo, name, revision=revision))
-    except (EntryNotFoundError, LocalEntryNotFoundError):
-        return None
+        model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:  # the top-level key (a union's branch names follow it)
+            message = f"{err['loc'][0]}: {message} (got {err['input']!r:.60})"
+        raise SpecError.single(message, "model.source", str(Path(root) / file)) from None
+    return data
 
 
 # ---- comparison --------------------------------------------------------------------------------------------
@@ -95,15 +152,31 @@ _UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"
 
 def checkpoint_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
     """Every disagreement between the spec and the checkpoint's config files, each naming both values."""
+    problems = _config_key_problems(spec, configs)
     if not spec.model.check_checkpoint:
-        return []
-    problems = _class_problems(spec, configs)
+        return problems
+    problems += _class_problems(spec, configs)
     problems += _boundary_problems(spec, configs)
     problems += _schedule_problems(spec, configs)
     return problems
 
 
+def _config_key_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
+    """A component's ``config`` may replace only entries its config file has: any other name would reach
+    ``from_pretrained`` as a loader keyword, or be ignored."""
+    problems = []
+    for name, found in configs.components.items():
+        unknown = sorted(set(spec.model.components[name].config) - set(found))
+        if unknown:
+            entries = ", ".join(sorted(k for k in found if not k.startswith("_"))[:12])
+            problems.append(Problem(f"model.components.{name}.config", f"{', '.join(map(repr, unknown))}: not an entry "
+                                    f"of the component's config.json, so there is nothing to replace (its entries: "
+                                    f"{entries} ...)"))
+    return problems
+
+
 def _class_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
+
     index = configs.model_index
     if index is None:
         return []
@@ -124,16 +197,17 @@ def _class_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Prob
 
 
 def _same_class(ours: str, theirs: str) -> bool:
-    """Equal names, an Auto* class on our side, or a fast/slow (``...Fast``) or PIL/torchvision (``...Pil``)
-    variant of the same transformers class."""
-    if ours.startswith("Auto"):
-        return True
+    """Equal names, a fast/slow (``...Fast``) or PIL/torchvision (``...Pil``) variant of the same transformers class,
+    or one of the classes an Auto class of ours loads (``AUTO_LOADS``). Nothing else matches: ``AutoencoderTiny``
+    is not ``AutoencoderKL``."""
 
     def base(name: str) -> str:
         for suffix in ("Fast", "Pil"):
             name = name.removesuffix(suffix)
         return name
 
+    if ours in AUTO_LOADS:
+        return base(theirs).endswith(AUTO_LOADS[ours])
     return base(ours) == base(theirs)
 
 

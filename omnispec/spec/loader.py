@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import ValidationError
 
-from .base import MAX_EXTENDS, MAX_SPEC_BYTES, MAX_SPEC_DEPTH, MAX_SPEC_NODES
+from .base import MAX_EXTENDS, MAX_SPEC_BYTES, MAX_SPEC_DEPTH
+from .bounded import check_bounds, decode_utf8, parse_json, parse_yaml
 from .catalog import bundled_path, resolve_spec_path
 from .errors import SpecError, SpecTypeError, from_validation_error
 from .pipeline import PipelineSpec
@@ -126,137 +126,7 @@ def read_text(path: Path, limit: int = MAX_SPEC_BYTES) -> str:
         raise SpecError.single(f"cannot read the spec file: {exc.strerror or exc}", file=str(path)) from None
     if len(raw) > limit:
         raise SpecError.single(f"not read: larger than {limit:,} bytes, the limit for a spec file", file=str(path))
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise SpecError.single(f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (save the file "
-                               "as UTF-8)", file=str(path)) from None
-
-
-class _LimitExceeded(Exception):
-    pass
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with the node graph bounded while it is composed (nesting depth, node count) and,
-    aliases expanded, before anything is constructed: an alias bomb or 10,000 nested lists is refused after
-    reading a few hundred nodes."""
-
-    def __init__(self, stream: str):
-        super().__init__(stream)
-        self._depth = 0
-        self._nodes = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        self._depth += 1
-        self._nodes += 1
-        try:
-            if self._depth > MAX_SPEC_DEPTH:
-                raise _LimitExceeded(f"nested deeper than {MAX_SPEC_DEPTH} levels")
-            if self._nodes > MAX_SPEC_NODES:
-                raise _LimitExceeded(f"more than {MAX_SPEC_NODES:,} values")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _yaml_children(node: Any) -> list[Any] | None:
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    return None
-
-
-def parse_yaml(text: str, file: str | None = None) -> Any:
-    """YAML text to plain data (safe tags only); what exceeds a limit is refused naming the limit."""
-    try:
-        loader = _BoundedLoader(text)  # refuses unprintable characters at once
-    except yaml.YAMLError as exc:
-        raise SpecError.single(f"not valid YAML: {exc}".replace("\n", " "), file=file) from None
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _measure(node, _yaml_children)
-        return loader.construct_document(node)
-    except _LimitExceeded as exc:
-        raise SpecError.single(f"not read: {exc} (aliases expanded), the limit for a spec", file=file) from None
-    except yaml.YAMLError as exc:
-        raise SpecError.single(f"not valid YAML: {exc}".replace("\n", " "), file=file) from None
-    finally:
-        loader.dispose()
-
-
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_JSON_BRACKET = re.compile(r"[\[\]{}]")
-
-
-def parse_json(text: str, file: str | None = None) -> Any:
-    """JSON text to data; its nesting is measured on the text first, so deep input never reaches the
-    recursive decoder."""
-    depth = 0
-    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
-        depth += 1 if match.group() in "[{" else -1
-        if depth > MAX_SPEC_DEPTH:
-            raise SpecError.single(f"not read: nested deeper than {MAX_SPEC_DEPTH} levels, the limit for a spec",
-                                   file=file)
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise SpecError.single(f"not valid JSON: {exc}".replace("\n", " "), file=file) from None
-    check_bounds(data, file)
-    return data
-
-
-def _data_children(value: Any) -> list[Any] | None:
-    if isinstance(value, Mapping):
-        return [part for pair in value.items() for part in pair]
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return None
-
-
-def check_bounds(data: Any, file: str | None = None) -> None:
-    """Refuse data (a spec given as a dict, a parsed JSON file) nested deeper than the limit, holding more
-    values than the limit, or containing itself."""
-    try:
-        _measure(data, _data_children)
-    except _LimitExceeded as exc:
-        raise SpecError.single(f"not read: {exc}, the limit for a spec", file=file) from None
-
-
-def _measure(root: Any, children: Callable[[Any], list[Any] | None]) -> None:
-    """Count the values under ``root``, a shared part (a YAML alias) once per use, and its depth. Each
-    container is visited once, so measuring an alias bomb costs what reading it cost."""
-    sizes: dict[int, tuple[int, int]] = {}  # id -> (values, height)
-    open_ids: set[int] = set()
-
-    def visit(node: Any, depth: int) -> tuple[int, int]:
-        kids = children(node)
-        if kids is None:
-            return 1, 1
-        key = id(node)
-        if key in open_ids:
-            raise _LimitExceeded("a value that contains itself (a recursive alias)")
-        if key not in sizes:
-            if depth > MAX_SPEC_DEPTH:
-                raise _LimitExceeded(f"nested deeper than {MAX_SPEC_DEPTH} levels")
-            open_ids.add(key)
-            count, height = 1, 1
-            for kid in kids:
-                c, h = visit(kid, depth + 1)
-                count, height = count + c, max(height, h + 1)
-                if count > MAX_SPEC_NODES:
-                    raise _LimitExceeded(f"more than {MAX_SPEC_NODES:,} values")
-            open_ids.discard(key)
-            sizes[key] = (count, height)
-        count, height = sizes[key]
-        if depth + height - 1 > MAX_SPEC_DEPTH:
-            raise _LimitExceeded(f"nested deeper than {MAX_SPEC_DEPTH} levels")
-        return count, height
-
-    visit(root, 1)
+    return decode_utf8(raw, str(path))
 
 
 def _anchor_local_source(data: dict[str, Any], path: Path) -> None:

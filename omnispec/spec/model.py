@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .base import DType, SpecModel
+from .files import PICKLE_SUFFIXES
 
 Role = Literal["denoiser", "encoder", "tokenizer", "processor", "vae", "scheduler", "resident", "upsampler", "other"]
 ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
@@ -22,6 +23,20 @@ BUILTIN_FAMILIES = ("flux", "flux_kontext", "sd3", "wan", "wan_i2v", "ltx2", "lt
 # Packages whose classes a spec may name without --trust-code: importing them runs only their own code. The
 # embedded model is omnispec.src_models, so no other distribution's top-level package is trusted by name.
 TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec")
+
+# Keywords of diffusers' and transformers' ``from_pretrained`` that decide what is loaded and from where, or whether
+# a checkpoint's own code may run. A component's ``config`` replaces entries of the component's own config, so it
+# may never name one of these: a spec (or an output record replayed) could otherwise turn on trust_remote_code.
+LOADER_KEYWORDS = frozenset({
+    "adapter_kwargs", "adapter_name", "allow_all_kernels", "attn_implementation", "cache_dir", "code_revision",
+    "config", "custom_pipeline", "device_map", "device_mesh", "disable_mmap", "distributed_config", "dtype",
+    "flashpack_kwargs", "force_download", "from_flax", "from_tf", "generation_config", "gguf_file",
+    "ignore_mismatched_sizes", "kernel_config", "key_mapping", "local_files_only", "low_cpu_mem_usage", "max_memory",
+    "mirror", "offload_buffers", "offload_folder", "offload_state_dict", "output_loading_info", "parallel_config",
+    "proxies", "quantization_config", "resume_download", "return_unused_kwargs", "revision", "state_dict",
+    "subfolder", "token", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_auth_token", "use_flashpack",
+    "use_kernels", "use_safetensors", "variant", "weights_only",
+})
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _CLASS_REF = re.compile(rf"^{_DOTTED}(:{_DOTTED})?$")
@@ -57,6 +72,33 @@ class Component(SpecModel):
     @classmethod
     def _trusted_class(cls, ref: str, info: ValidationInfo) -> str:
         return check_import_ref(ref, info, "class")
+
+    @field_validator("config")
+    @classmethod
+    def _config_entries_only(cls, config: dict[str, Any]) -> dict[str, Any]:
+        loader = sorted(k for k in config if k in LOADER_KEYWORDS or k.startswith("_"))
+        if loader:
+            named = ", ".join(map(repr, loader))
+            raise ValueError(f"{named}: keyword(s) of from_pretrained, not config entries; config replaces entries of "
+                             "the component's own config file only (trusting a checkpoint's code is --trust-code, "
+                             "given on the command line)")
+        return config
+
+    @field_validator("file")
+    @classmethod
+    def _no_pickle(cls, file: str | None, info: ValidationInfo) -> str | None:
+        trusted = bool(info.context and info.context.get("trust_code"))
+        if file is not None and file.lower().endswith(PICKLE_SUFFIXES) and not trusted:
+            raise ValueError(f"{file!r} is a pickled weights file, which loading would run code from; use a "
+                             ".safetensors (or .gguf) file, or pass --trust-code (trust_code=True) for a file you trust")
+        return file
+
+    @model_validator(mode="after")
+    def _config_needs_weights(self) -> Component:
+        if self.config and self.role in WEIGHTLESS_ROLES:
+            raise ValueError(f"config overrides apply to components with weights; a {self.role} has none to override "
+                             "(a scheduler's settings are its schedule's config)")
+        return self
 
 
 class AdapterSlot(SpecModel):

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
 
 from .base import MAX_STEPS, SEED_MAX, SEED_MIN, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
 from .errors import Problem, SpecError, SpecTypeError, from_validation_error
+from .images import ImageCondition, image_condition
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS
 from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, takes_request_steps
-
-
-class ImageCondition(SpecModel):
-    """An image the request conditions on, placed at ``frame`` of the output video (0 for image tasks).
-
-    ``image`` is kept as the caller gave it (a PIL image, a numpy array or a torch tensor; a path is opened
-    as diffusers' ``load_image`` opens it), so a family hands diffusers' image processor exactly what a
-    diffusers user would. ``digest`` identifies the pixels (prompt-encoding cache keys, provenance).
-    """
-
-    image: Any
-    frame: int = 0
-    digest: str
-    path: str | None = None
 
 
 def _number(value: Any) -> Any:
@@ -271,38 +256,6 @@ def _conditions(image: Any, conditions: Sequence[Any] | None) -> list[ImageCondi
             raise SpecError.single(f"frame must be an integer, got {frame!r}", f"{where}.frame")
         out.append(image_condition(item, frame, where))
     return out
-
-
-def image_condition(image: Any, frame: int, where: str) -> ImageCondition:
-    """Open a path as diffusers' ``load_image`` does (EXIF orientation applied, RGB) and fingerprint the
-    pixels; PIL images, numpy arrays and torch tensors are kept as given."""
-    import numpy as np
-    from PIL import Image, ImageOps
-
-    path = None
-    if isinstance(image, (str, Path)):
-        path = str(image)
-        try:
-            with Image.open(path) as opened:
-                image = ImageOps.exif_transpose(opened).convert("RGB")
-        except FileNotFoundError:
-            raise SpecError.single(f"no such image file: {path}", where) from None
-        except OSError as exc:
-            raise SpecError.single(f"cannot read image {path}: {exc}", where) from None
-    if isinstance(image, Image.Image):
-        pixels = np.asarray(image)
-    elif hasattr(image, "detach"):  # a torch tensor (torch is not imported by the spec layer)
-        pixels = image.detach().cpu().float().numpy()
-    elif isinstance(image, np.ndarray):
-        pixels = image
-    else:
-        raise SpecTypeError.single(f"an image is a PIL image, numpy array, torch tensor or path, got "
-                                   f"{type(image).__name__}", where)
-    if pixels.ndim not in (2, 3, 4) or pixels.size == 0:
-        raise SpecError.single(f"an image has 2 to 4 dimensions, got shape {pixels.shape}", where)
-    pixels = np.ascontiguousarray(pixels)
-    digest = hashlib.sha256(f"{pixels.shape}{pixels.dtype}".encode() + pixels.tobytes()).hexdigest()[:32]
-    return ImageCondition(image=image, frame=frame, digest=digest, path=path)
 
 
 def request_fields(mapping: Mapping[str, Any]) -> dict[str, Any]:

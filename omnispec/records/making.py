@@ -1,0 +1,151 @@
+"""Making a record: the spec as run, the request, which sample a file holds, the versions, and the checkpoint
+(its Hub revision when it came from the Hub cache; its path and the SHA-256 of its config files when local; each
+local LoRA file's SHA-256)."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..version import library_versions
+from .schema import FORMAT, KEY
+
+if TYPE_CHECKING:
+    from ..spec import PipelineSpec
+    from ..spec.request import Request
+
+_CONFIG_LIMIT = 64 << 20  # config files hashed for a local checkpoint (tokenizer.json may be tens of MB)
+
+
+def checkpoint_record(spec: PipelineSpec, root: str | None, in_memory: Iterable[str] = (),
+                      adapter_files: Mapping[str, Path] | None = None) -> dict[str, Any]:
+    """The checkpoint a pipeline loaded from (taken at build): per checkpoint root, a local path with the SHA-256
+    of its config files, or a Hub id with the revision found in the cache; the components handed in memory; each
+    LoRA slot's file (``adapter_files``: the files build read)."""
+    given = sorted(in_memory)
+    roots: dict[str, list[str]] = {}
+    for name, component in spec.model.components.items():
+        if name in given:
+            continue
+        home = component.source or root
+        if home is not None:
+            roots.setdefault(home, []).append(component.subfolder or "")
+    files = adapter_files or {}
+    return {
+        "source": root, "in_memory": given,
+        "roots": {home: _describe_root(home, folders, spec.model.revision) for home, folders in roots.items()},
+        "adapters": {name: _describe_adapter(slot.path, slot.weight_name, files.get(name))
+                     for name, slot in spec.model.adapters.items()},
+    }
+
+
+def _describe_adapter(path: str, weight_name: str | None, file: Path | None) -> dict[str, Any]:
+    """A LoRA's weights: a local file (or ``weight_name`` in a local folder) with its SHA-256, else a Hub id."""
+    local = Path(path).expanduser()
+    if local.exists() and file is not None:
+        return {"kind": "local", "path": str(file.resolve()), "sha256": file_sha256(file)}
+    return {"kind": "hub", "repo": path, "weight_name": weight_name}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _describe_root(root: str, folders: list[str], revision: str | None) -> dict[str, Any]:
+    local = Path(root).expanduser()
+    if local.is_dir():
+        return {"kind": "local", "path": str(local.resolve()), "config_sha256": config_hashes(local, folders)}
+    return {"kind": "hub", "repo": root, "revision": hub_revision(root, folders, revision)}
+
+
+def config_hashes(root: Path, folders: Iterable[str]) -> dict[str, str]:
+    """SHA-256 of the checkpoint's small files: ``*.json`` at its root and in each component's folder."""
+    out: dict[str, str] = {}
+    for folder in sorted(set(folders) | {""}):
+        where = root / folder
+        if not where.is_dir():
+            continue
+        for path in sorted(where.glob("*.json")):
+            if path.is_file() and path.stat().st_size <= _CONFIG_LIMIT:
+                out[str(path.relative_to(root))] = file_sha256(path)
+    return out
+
+
+def hub_revision(repo: str, folders: Iterable[str], revision: str | None) -> str | None:
+    """The commit of a Hub checkpoint's snapshot in the local cache (None when nothing of it is cached)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    probes = ["model_index.json", *(f"{f}/config.json" for f in folders if f)]
+    for probe in probes:
+        found = try_to_load_from_cache(repo, probe, revision=revision)
+        if isinstance(found, str):
+            parts = Path(found).parts
+            if "snapshots" in parts:
+                return parts[parts.index("snapshots") + 1]
+    return revision
+
+
+def spec_data(spec: PipelineSpec) -> dict[str, Any]:
+    return spec.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+
+
+def request_data(request: Request) -> dict[str, Any]:
+    data = request.model_dump(mode="json", exclude={"images"}, exclude_none=True)
+    data["images"] = [{"frame": c.frame, "digest": c.digest, **({"path": str(Path(c.path).resolve())} if c.path
+                                                                 else {})} for c in request.images]
+    return data
+
+
+def make_record(spec: dict[str, Any], request: Request, device: str, checkpoint: dict[str, Any] | None,
+                weights_changed: int = 0) -> dict[str, Any]:
+    """What made a request's outputs (``sample`` is filled per file when written); ``spec`` is ``spec_data``'s."""
+    out: dict[str, Any] = {
+        KEY: FORMAT,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": library_versions(),
+        "device": device,
+        "spec": spec,
+        "request": request_data(request),
+        "sample": None,
+        "checkpoint": checkpoint or {"source": None, "in_memory": [], "roots": {}},
+    }
+    if weights_changed:
+        out["weights_changed"] = weights_changed  # in-memory updates (RL sync, set_lora) since build
+    return out
+
+
+def for_sample(made_by: Mapping[str, Any], sample: int | None) -> dict[str, Any]:
+    return {**made_by, "sample": sample}
+
+
+def to_text(made_by: Mapping[str, Any]) -> str:
+    return json.dumps(made_by, separators=(",", ":"), ensure_ascii=False)
+
+
+def a1111_parameters(made_by: Mapping[str, Any]) -> str:
+    """The ``parameters`` text A1111/ComfyUI readers show: prompt, negative prompt, then the settings line."""
+    request = made_by["request"]
+    sample = made_by.get("sample") or 0
+    prompt = request["prompts"][sample]
+    settings = [f"Steps: {request['steps']}", f"Seed: {request['seeds'][sample]}"]
+    if request.get("width") and request.get("height"):
+        settings.append(f"Size: {request['width']}x{request['height']}")
+    if request.get("guidance_scale") is not None:
+        settings.append(f"CFG scale: {request['guidance_scale']:g}")
+    settings.append(f"Model: {made_by['spec'].get('name')}")
+    settings.append(f"Version: omnispec {made_by['versions'].get('omnispec')}")
+    negative = request.get("negative_prompt")
+    lines = [prompt, *([f"Negative prompt: {negative}"] if negative else []), ", ".join(settings)]
+    return "\n".join(lines)
+
+
+__all__ = ["a1111_parameters", "checkpoint_record", "config_hashes", "file_sha256", "for_sample", "make_record",
+           "request_data", "spec_data", "to_text"]

@@ -1,0 +1,126 @@
+"""Making an output again from its record: the recorded spec, request and checkpoint, through the runtime.
+
+Since a sample never depends on its batch-mates, a file holding sample ``i`` could be regenerated from that
+sample's prompt and seed alone, but kernels sum in an order that depends on the batch (5e-7 apart in float32 on a
+CPU), so the whole request runs again and sample ``i`` is taken from it: the regenerated array is then identical.
+Everything a record says is checked before any weight loads: the record's own fields (``records.read``), the
+versions that made it, the checkpoint's config files and LoRA files, the spec (classes outside the trusted
+packages refused: a record never turns ``--trust-code`` on), and the request against the recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import records
+from .records.schema import Record, RecordedImage
+from .spec import PipelineSpec, Problem, SpecError, load_spec
+from .spec.request import resolve_request
+
+if TYPE_CHECKING:
+    from .runtime.pipeline import Output
+
+
+def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bool = False) -> PipelineSpec:
+    """The recorded spec (on the recorded Hub revision), with ``overrides``, validated as any spec."""
+    spec = dict(record.spec)
+    checkpoint = record.checkpoint
+    root = checkpoint.roots.get(checkpoint.source or "")
+    revision = getattr(root, "revision", None)
+    model = spec.get("model")
+    if revision and isinstance(model, dict) and not model.get("revision"):
+        spec["model"] = {**model, "revision": revision}  # the same snapshot of the Hub repo
+    return load_spec(spec, list(overrides), trust_code=trust_code)
+
+
+def request_arguments(record: Record, spec: PipelineSpec, images: bool = True
+                      ) -> tuple[list[str], list[int], dict[str, Any]]:
+    """Prompts, seeds and request fields that reproduce the recorded request; fields equal to the recipe's defaults
+    are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out (the caller
+    gives others)."""
+    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "requested"})
+    defaults = spec.recipe.defaults.model_dump()
+    fields = {k: v for k, v in request.items() if v is not None and v != defaults.get(k)}
+    if fields.get("negative_prompt") == "":
+        fields.pop("negative_prompt")
+    if record.request.requested:  # the size the caller asked for, not the one the family chose
+        for key in ("height", "width"):
+            fields.pop(key, None)
+        fields.update({k: v for k, v in record.request.requested.items() if v is not None})
+    if record.request.images and images:
+        fields.update(image_arguments(record.request.images))
+    return list(record.request.prompts), list(record.request.seeds), fields
+
+
+def image_arguments(images: list[RecordedImage]) -> dict[str, Any]:
+    """The recorded conditioning images, opened from their paths; each must still hash to its recorded digest."""
+    from .spec.images import image_condition
+
+    placed = []
+    problems = []
+    for i, entry in enumerate(images):
+        where = f"request.images.{i}"
+        if not entry.path:
+            problems.append(Problem(where, "was given in memory, not as a file: pass the image again (--image / "
+                                    "image=)"))
+            continue
+        if not Path(entry.path).is_file():
+            problems.append(Problem(where, f"{entry.path} is gone: pass the image again (--image / image=)"))
+            continue
+        if image_condition(entry.path, 0, where).digest != entry.digest:
+            problems.append(Problem(where, f"{entry.path} has changed since (its pixels' digest differs): pass the "
+                                    "original image again (--image / image=)"))
+            continue
+        placed.append({"image": entry.path, "frame": entry.frame})
+    if problems:
+        raise SpecError(problems)
+    if len(placed) == 1 and placed[0]["frame"] == 0:
+        return {"image": placed[0]["image"]}
+    return {"conditions": placed}
+
+
+def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None, device: str | None = None,
+           overrides: Iterable[str] = (), trust_code: bool = False, allow_version_drift: bool = False,
+           pipeline_class: type | None = None) -> Output:
+    """Regenerate the output at ``path`` (see ``omnispec.replay``) with a ``pipeline_class`` pipeline (default: the
+    runtime's ``Pipeline``)."""
+    from .runtime.build import build
+    from .runtime.pipeline import Pipeline
+
+    record = records.read(path)
+    drift = records.check_versions(record, allow_version_drift, str(path))
+    source_text = None if source is None else str(source)
+    problems = records.replay_problems(record, source_text)
+    if problems:
+        raise SpecError(problems)
+    spec = replay_spec(record, overrides, trust_code=trust_code)
+    prompts, seeds, fields = request_arguments(record, spec)
+    resolve_request(spec, prompts, seeds, **fields)  # the request is checked before any weight loads
+    root = source_text or records.recorded_source(record)
+    pipe = build(spec, source=root, device=device, trust_code=trust_code, pipeline_class=pipeline_class or Pipeline)
+    output = pipe(prompts, seeds, **fields)
+    output = marked_as_replay(output, record, drift)
+    return output if record.sample is None else select_sample(output, record.sample)
+
+
+def marked_as_replay(output: Output, record: Record, drift: list[str]) -> Output:
+    """The output, its record saying which versions made the original and how they differ from these."""
+    if output.provenance is not None:
+        output.provenance["replay_of"] = {"versions": record.versions.model_dump(), "drift": drift}
+    return output
+
+
+def select_sample(output: Output, i: int) -> Output:
+    """Sample ``i`` of an output, as a one-sample output (its record says which sample of the request it is)."""
+    return dataclasses.replace(
+        output, array=output.array[i:i + 1], latents={k: v[i:i + 1] for k, v in output.latents.items()},
+        images=output.images[i:i + 1], frames=output.frames[i:i + 1],
+        audio=None if output.audio is None else output.audio[i:i + 1],
+        provenance=None if output.provenance is None else records.for_sample(output.provenance, i))
+
+
+__all__ = ["image_arguments", "marked_as_replay", "replay", "replay_spec", "request_arguments", "select_sample"]

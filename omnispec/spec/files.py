@@ -1,0 +1,169 @@
+"""Files a user hands omnispec, opened as data: checked to be regular files, measured before reading, parsed within
+bounds, and never unpickled.
+
+A checkpoint folder, a LoRA, an image or an output record may be hostile (a FIFO that blocks ``open``, a header
+claiming petabytes, a pickle that runs code when loaded). These readers refuse each with one ``SpecError`` that
+names the file and what is wrong, before any library sees it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .bounded import CONFIG, Bounds, decode_utf8, parse_json
+from .errors import SpecError
+
+# Weight formats that torch.load unpickles (running whatever code the file names): refused by name unless the
+# user trusts the files (--trust-code / trust_code=True).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".safetensors.bin")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+# Bytes per value of each safetensors dtype (the format's own list).
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+                           "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                           "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+# safetensors' own reader refuses headers above 100 MB; ours stops at the config bound (16 MiB: a 19B model's
+# header is about 0.5 MB).
+MAX_SAFETENSORS_HEADER = CONFIG.bytes
+
+
+def regular_file(path: str | os.PathLike[str], where: str = "", what: str = "file") -> Path:
+    """``path`` as a ``Path`` when it is a regular file (links followed); otherwise ``SpecError`` saying what it is,
+    decided from ``stat`` alone: a FIFO or a device is never opened (opening one can block forever)."""
+    p = Path(path)
+    try:
+        info = p.stat()
+    except FileNotFoundError:
+        raise SpecError.single(f"no such {what}: {p}", where) from None
+    except OSError as exc:  # a name too long, a loop of links, permissions
+        raise SpecError.single(f"cannot read {what} {p}: {exc.strerror or exc}", where) from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a regular file")
+        raise SpecError.single(f"{p} is {kind}, not a {what}", where)
+    return p
+
+
+def read_bytes(path: str | os.PathLike[str], limit: int, what: str, where: str = "") -> bytes:
+    """A regular file's bytes, refused unread when it is larger than ``limit``."""
+    p = regular_file(path, where, what)
+    size = p.stat().st_size
+    if size > limit:
+        raise SpecError.single(f"{p}: not read: {size:,} bytes, above the {limit:,}-byte limit for {what}s", where)
+    try:
+        with p.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise SpecError.single(f"cannot read {what} {p}: {exc.strerror or exc}", where) from None
+    if len(raw) > limit:  # it grew while we looked
+        raise SpecError.single(f"{p}: not read: larger than the {limit:,}-byte limit for {what}s", where)
+    return raw
+
+
+def read_json_file(path: str | os.PathLike[str], bounds: Bounds = CONFIG, where: str = "") -> Any:
+    """A JSON file's data within ``bounds`` (size, depth, values); errors name the file."""
+    raw = read_bytes(path, bounds.bytes, bounds.what.removeprefix("a "), where)
+    try:
+        return parse_json(decode_utf8(raw, str(path)), str(path), bounds)
+    except SpecError as exc:
+        problem = exc.problems[0]
+        raise SpecError.single(problem.message, where or problem.path, str(path)) from None
+
+
+def refuse_pickle(path: str | os.PathLike[str], where: str, trusted: bool = False) -> None:
+    """A weights file torch would unpickle is refused by its name, before anything reads it (unless trusted)."""
+    name = Path(path).name.lower()
+    if not trusted and name.endswith(PICKLE_SUFFIXES):
+        raise SpecError.single(f"{path}: a pickled weights file, which loading would run code from; omnispec reads "
+                               "weights from .safetensors (or .gguf) files only, unless you pass --trust-code "
+                               "(trust_code=True) for files you trust", where)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+def safetensors_header(path: str | os.PathLike[str], where: str = "") -> SafetensorsHeader:
+    """A safetensors file's header, read and checked without reading any tensor: its length within the file and the
+    bound, valid JSON within the config bounds, each tensor's dtype known, its shape non-negative integers and its
+    byte range inside the data and the size its shape and dtype give. A truncated or forged file is one
+    ``SpecError`` naming the file and the first problem."""
+    p = regular_file(path, where, "safetensors file")
+    size = p.stat().st_size
+
+    def refuse(problem: str) -> SpecError:
+        return SpecError.single(f"{p}: not a valid safetensors file: {problem}", where)
+
+    if size < 8:
+        raise refuse(f"{size} bytes, shorter than the 8-byte header length")
+    with p.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise refuse(f"its header claims {length:,} bytes" + (f", more than the file's {size - 8:,} after the "
+                         "length" if length > size - 8 else f", above the {MAX_SAFETENSORS_HEADER:,}-byte limit"))
+        raw = f.read(length)
+    try:
+        data = parse_json(decode_utf8(raw, str(p)), str(p), CONFIG)
+    except SpecError as exc:
+        raise refuse(f"header {exc.problems[0].message}") from None
+    if not isinstance(data, dict):
+        raise refuse("the header is not a JSON object")
+    metadata = data.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise refuse("__metadata__ is not a mapping of strings")
+    data_bytes = size - 8 - length
+    tensors: dict[str, TensorEntry] = {}
+    for name, info in data.items():
+        entry = _tensor_entry(name, info, data_bytes)
+        if isinstance(entry, str):
+            raise refuse(entry)
+        tensors[name] = entry
+    return SafetensorsHeader(tensors, metadata)
+
+
+def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
+    """The header's entry for one tensor, or what is wrong with it."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        return f"tensor {name!r}: expected dtype, shape and data_offsets, got {info!r:.80}"
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in SAFETENSORS_DTYPE_BYTES:
+        return f"tensor {name!r}: unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return f"tensor {name!r}: shape {shape!r:.80} is not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool)
+                                                                    for o in offsets)):
+        return f"tensor {name!r}: data_offsets {offsets!r:.80} is not [begin, end]"
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes:
+        return f"tensor {name!r}: bytes {begin}..{end} lie outside the file's {data_bytes:,} bytes of data (truncated?)"
+    expected = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
+    if dtype not in ("F4", "F6_E2M3", "F6_E3M2") and end - begin != expected:
+        return f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} ({expected} expected)"
+    return TensorEntry(dtype, tuple(shape), begin, end)
+
+
+__all__ = ["PICKLE_SUFFIXES", "SAFETENSORS_DTYPE_BYTES", "WEIGHT_SUFFIXES", "SafetensorsHeader", "TensorEntry",
+           "read_bytes", "read_json_file", "refuse_pickle", "regular_file", "safetensors_header"]

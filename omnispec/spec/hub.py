@@ -1,0 +1,71 @@
+"""The Hugging Face Hub as a source of checkpoints and LoRAs: whether a reference is a Hub id, whether the Hub can be
+reached, and small files from the cache or the Hub.
+
+A Hub id without a network would otherwise retry downloads for minutes; every caller asks ``check_reachable``
+first, which answers at once (one request per process) and names the way out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from .errors import SpecError
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def is_hub_id(ref: str) -> bool:
+    """``owner/name`` that names nothing on disk."""
+    return not Path(ref).expanduser().exists() and not ref.startswith((".", "/", "~")) and ref.count("/") == 1
+
+
+@functools.cache
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hub endpoint can't be reached (one quick request, once per process), or None when it answers."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - any transport error means the same here
+        return f"{constants.ENDPOINT}: {str(exc).strip() or type(exc).__name__}"
+    return None
+
+
+LOCAL_CHECKPOINT = "a local checkpoint directory with --source (source= in Python)"
+
+
+def check_reachable(ref: str, where: str, instead: str = LOCAL_CHECKPOINT) -> None:
+    """A Hub id while the Hub is unreachable (and HF_HUB_OFFLINE unset): refused at once, naming the way out
+    (``instead``: what to give in its place)."""
+    if not is_hub_id(ref) or hub_offline():
+        return
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise SpecError.single(
+            f"{ref!r} is a Hub id, and the Hugging Face Hub is unreachable from here ({unreachable}): give {instead}, "
+            "or set HF_HUB_OFFLINE=1 to use the local cache", where)
+
+
+def hub_file(repo: str, name: str, revision: str | None = None) -> Path | None:
+    """A small file of a Hub repository: from the local cache, else downloaded (unless HF_HUB_OFFLINE); None when
+    the repository has no such file."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    cached = try_to_load_from_cache(repo, name, revision=revision)
+    if isinstance(cached, str):
+        return Path(cached)
+    if hub_offline():
+        return None
+    try:
+        return Path(hf_hub_download(repo, name, revision=revision))
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        return None
+
+
+__all__ = ["check_reachable", "hub_file", "hub_offline", "hub_unreachable", "is_hub_id"]

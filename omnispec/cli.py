@@ -113,8 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="checkpoint root whose config files (no weights) resolve the plan")
     p.add_argument("--estimate", action="store_true",
                    help="estimate parameter bytes (safetensors headers), FLOPs per denoiser forward, peak device memory "
-                        "and time per step, before loading anything")
-    p.add_argument("--device", help="the device the estimate is for (cpu, cuda, cuda:N; default runtime.device)")
+                        "and time per step, loading no weights and timing nothing")
+    p.add_argument("--device-kind", metavar="KIND",
+                   help="the device the estimate's times are for, by its published peaks: h200, h100, a100, l40s, "
+                        "4090 or cpu (default: this machine's)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     _add_spec_options(p)
 
@@ -198,7 +200,7 @@ def _explain(args: argparse.Namespace) -> int:
     if args.estimate:
         from .estimate import estimate, render_estimate
 
-        found = estimate(spec, source=args.source, device=args.device)
+        found = estimate(spec, source=args.source, kind=args.device_kind)
         info["estimate"] = found.as_dict()
         text = None if args.json else f"{text}\n{render_estimate(found)}"
     print(json.dumps(info, indent=2) if args.json else text)

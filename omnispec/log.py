@@ -20,9 +20,19 @@ from contextlib import contextmanager
 logger = logging.getLogger("omnispec")
 logger.addHandler(logging.NullHandler())
 
-# Loggers of dependencies that report their own internals on import (torchao's optional kernels, torch's pytree
-# registrations, dynamo's recompiles): nothing a user of the CLI can act on; shown with -v.
-_INTERNAL = ("torchao", "torch.utils._pytree", "torch._dynamo", "torch._inductor")
+# Loggers of dependencies that report their own internals (dynamo's recompiles): nothing a user of the CLI can act
+# on; shown with -v.
+_INTERNAL = ("torch._dynamo", "torch._inductor")
+# Messages dependencies log on import about their own optional parts, harmless for an omnispec user: (the logger
+# that creates the record, a piece of its message). They go to omnispec's logger at DEBUG instead (-vv shows them);
+# every other message of those loggers, and the user's own filters on them, stay as they are.
+HARMLESS = (
+    ("torchao", "Failed to load "),  # CUDA-only kernels of torchao on a CPU build of torch
+    ("torchao.kernel.intmm", "Detected no triton"),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),  # torchao's registrations
+    ("transformers.utils.import_utils", "requires torchvision (not installed); falling back"),  # a PIL backend
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),  # NF4 gone
+)
 _VERBOSITY_VARIABLES = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_VERBOSITY",
                         "huggingface_hub": "HF_HUB_VERBOSITY"}
 
@@ -40,13 +50,16 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def configure(verbosity: int = 0) -> None:
-    """Set up logging for the CLI: ``verbosity`` -1 (``-q``: warnings and errors, no progress), 0 (progress lines
-    and bars), 1 (``-v``: the libraries' info messages too), 2 (``-vv``: debug)."""
+    """Set up logging for the CLI: ``verbosity`` -1 (``-q``: errors only, no progress), 0 (progress lines and bars),
+    1 (``-v``: the libraries' info messages too), 2 (``-vv``: debug). Under torchrun the ranks other than 0 run as
+    with ``-q``, so one process speaks."""
+    if not main_process():
+        verbosity = -1
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
-    logger.setLevel(logging.WARNING if verbosity < 0 else logging.INFO if verbosity < 2 else logging.DEBUG)
+    logger.setLevel(logging.ERROR if verbosity < 0 else logging.INFO if verbosity < 2 else logging.DEBUG)
     logger.propagate = False
     if verbosity <= 0:
         for name in _INTERNAL:
@@ -65,6 +78,42 @@ def configure(verbosity: int = 0) -> None:
             module.set_verbosity(getattr(logging, level.upper()))
     if verbosity < 0:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # tqdm reads TQDM_* when first imported (diffusers' video writer draws a plain tqdm bar); "0" would also
+        # disable, since the value is read as a bool: only ever "1"
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+class _Demote(logging.Filter):
+    """Drops one known harmless message from a dependency's logger, re-logging it on omnispec's at DEBUG."""
+
+    def __init__(self, piece: str):
+        super().__init__()
+        self.piece = piece
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR or self.piece not in record.getMessage():
+            return True
+        logger.debug(f"{record.name}: {record.getMessage()}")
+        return False
+
+
+@contextmanager
+def harmless_messages_demoted() -> Iterator[None]:
+    """While dependencies are imported and first used: the ``HARMLESS`` messages go to omnispec's logger at DEBUG.
+    Scoped, so the dependencies' loggers are as they were afterwards (they log these once, on import)."""
+    filters = [(logging.getLogger(name), _Demote(piece)) for name, piece in HARMLESS]
+    for owner, demote in filters:
+        owner.addFilter(demote)
+    try:
+        yield
+    finally:
+        for owner, demote in filters:
+            owner.removeFilter(demote)
+
+
+def main_process() -> bool:
+    """Whether this is the process that speaks: not one of torchrun's other ranks."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def progress_bars_disabled() -> bool:
@@ -85,4 +134,29 @@ def timed(message: str, level: int = logging.INFO) -> Iterator[None]:
     logger.log(level, f"{message}: {time.perf_counter() - start:.1f} s")
 
 
-__all__ = ["configure", "logger", "progress_bars_disabled", "timed"]
+@contextmanager
+def progress(message: str, after: float = 2.0) -> Iterator[None]:
+    """Say ``message ...`` if the work takes longer than ``after`` seconds, and how long it took when it ends
+    (nothing for work that ends sooner)."""
+    import threading
+
+    start = time.perf_counter()
+    announced = threading.Event()
+
+    def announce() -> None:
+        announced.set()
+        logger.info(f"{message} ...")
+
+    timer = threading.Timer(after, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if announced.is_set():
+            logger.info(f"{message}: {time.perf_counter() - start:.1f} s")
+
+
+__all__ = ["HARMLESS", "configure", "harmless_messages_demoted", "logger", "main_process", "progress",
+           "progress_bars_disabled", "timed"]

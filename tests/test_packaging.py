@@ -32,7 +32,18 @@ def test_metadata_declares_license_urls_and_bounds():
     deps = project["dependencies"]
     assert "diffusers>=0.42,<0.43" in deps and not any(d.startswith("scikit-learn") for d in deps)
     quant = project["optional-dependencies"]["quant"]
-    assert any(d.startswith("torchao>=") and "<" in d for d in quant) and any(d.startswith("torch>=") for d in quant)
+    assert any(d.startswith("torchao>=") and "<" in d for d in quant)
+
+
+def test_one_torch_resolution_and_a_free_distribution_name():
+    """The base install bounds torch to one minor and no extra names torch again (none can move it), so no command
+    of the README reinstalls it; the distribution is not PyPI's "omnispec", another author's placeholder."""
+    project = _project()["project"]
+    assert project["name"] == "omnispec-diffusion"
+    (torch,) = [d for d in project["dependencies"] if d.startswith("torch")]
+    assert torch == "torch>=2.13,<2.14"
+    for extra, requirements in project["optional-dependencies"].items():
+        assert not any(r.split(">")[0].split("<")[0].split("=")[0] == "torch" for r in requirements), extra
 
 
 @pytest.mark.slow
@@ -49,7 +60,7 @@ def test_the_installed_wheel_runs_a_bundled_spec_by_name(tmp_path):
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(wheels), str(source)], capture_output=True, text=True, cwd=tmp_path)
     assert build.returncode == 0, build.stderr
-    (wheel,) = wheels.glob("omnispec-*.whl")
+    (wheel,) = wheels.glob("omnispec_diffusion-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "omnispec/specs/flux1-dev.yaml" in names and "omnispec/py.typed" in names
     assert "omnispec/src_models/digits/weights/transformer/diffusion_pytorch_model.safetensors" in names

@@ -10,10 +10,10 @@
 - **Peak device memory** under the declared offload policy: the weights on the device in each stage (encode,
   denoise, decode) plus that stage's activations, which the meta run measures as the largest total size of live
   tensors (attention as the fused kernels run it: no score matrix).
-- **Time per step**: the counted matmul and attention calls, grouped by shape, each timed on the target device
-  with random data; the other ops' bytes read and written at the device's measured copy rate; the larger of that and
-  the ops' count times the measured cost of launching one; and under layerwise/group offload on CUDA, the
-  host-to-device copy of the denoiser's blocks at the measured rate (overlapped with compute when prefetching).
+- **Time per step**, from the counts and a device kind's published figures (``devices.py``; nothing is timed live):
+  the forward's FLOPs at the peak for the denoiser's dtype times the share a forward reaches, the other ops' bytes
+  at the memory bandwidth, or their launch cost where larger; under layerwise/group offload the host-to-device copy
+  of the denoiser's blocks over the host link (overlapped with compute when prefetching).
 
 Encoding and decoding time are not estimated; ``render_estimate`` says what each number covers.
 """
@@ -27,25 +27,21 @@ from typing import Any
 
 import torch
 
-from ..log import logger
+from ..log import logger, progress
 from ..spec import PipelineSpec, SpecError
 from ..spec.model import WEIGHTLESS_ROLES
 from .counting import Shadow, counting
-from .report import ComponentBytes, Estimate, OpTiming, render_estimate
-from .timing import copy_rate, host_to_device_rate, launch_seconds, time_call
+from .report import ComponentBytes, Estimate, OpCount, render_estimate
+from .devices import BANDWIDTH_SHARE, COMPILED_SHARE, EAGER_SHARE, DeviceKind, device_kind
 from .weights import GROUPED, STAGE_ROLES, component_bytes, config_module
 
 # ---- the estimate -------------------------------------------------------------------------------------------
 
-def estimate(spec: PipelineSpec, source: str | None = None, device: str | None = None,
-             time_ops: bool = True, **request: Any) -> Estimate:
-    """Estimate a request of ``spec`` (its recipe's defaults, or ``request`` fields) on ``device`` from the
-    checkpoint at ``source`` (else ``model.source``; a local folder or the Hub cache), loading no weights."""
-    from ..policies import resolve_device
-    from ..runtime.build import check_device
-
-    check_device(device or spec.runtime.device, "--device" if device else "runtime.device")
-    target = resolve_device(device or spec.runtime.device)
+def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = None, **request: Any) -> Estimate:
+    """Estimate a request of ``spec`` (its recipe's defaults, or ``request`` fields) on a device of ``kind``
+    (``devices.NAMES``: h200, h100, a100, l40s, 4090, cpu; default: this machine's) from the checkpoint at
+    ``source`` (else ``model.source``; a local folder or the Hub cache), loading no weights and timing nothing."""
+    target = device_kind(kind)
     root = _checkpoint_root(spec, source)
     from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
 
@@ -55,11 +51,11 @@ def estimate(spec: PipelineSpec, source: str | None = None, device: str | None =
         raise SpecError(problems)
     spec = follow_checkpoint(spec, configs)
     modules, counts = _modules(spec, root)
-    result = Estimate(str(target), {}, counts)
-    _count_run(spec, modules, result, request)
+    result = Estimate(target.name, {}, counts)
+    with progress("estimate: counting the denoiser's FLOPs and activations on the meta device"):
+        _count_run(spec, modules, result, request)
     _peak(spec, result)
-    if time_ops:
-        _time(result, target, spec)
+    _time(result, target, spec)
     return result
 
 
@@ -192,7 +188,7 @@ def _peak(spec: PipelineSpec, result: Estimate) -> None:
             weights = sum(c.bytes for c in result.components if c.role in roles or c.role not in GROUPED)
         else:  # layerwise / group: each denoiser's blocks stream in (on CUDA the next group prefetched meanwhile)
             weights = total
-            prefetch = offload.prefetch and result.device.startswith("cuda")
+            prefetch = offload.prefetch and result.device != "cpu"
             groups = getattr(offload, "blocks_per_group", 1) * (2 if prefetch else 1)
             for c in result.components:
                 if c.role == "denoiser" and c.blocks:
@@ -207,34 +203,36 @@ def _peak(spec: PipelineSpec, result: Estimate) -> None:
     result.peak_bytes = peaks[result.peak_stage]
 
 
-def _time(result: Estimate, device: torch.device, spec: PipelineSpec, coverage: float = 0.97,
-          most: int = 16) -> None:
-    """Time the ops that make up ``coverage`` of the forward's FLOPs on ``device``; the rest is scaled in."""
+def _time(result: Estimate, kind: DeviceKind, spec: PipelineSpec) -> None:
+    """Per step: the forward's FLOPs at the device's peak for the denoiser's dtype (fp8 under an fp8 quantization)
+    and the share a forward reaches, the other ops' bytes at its bandwidth, or their launches where slower; under
+    layerwise/group offload the blocks' host-to-device copies (overlapped with compute when prefetching)."""
     if not result.forward_flops:
         return
-    covered = seconds = 0.0
-    for group in result.ops[:most]:
-        func, args, kwargs = group.replay
-        group.seconds = time_call(func, args, kwargs, device)
-        covered += group.flops * group.calls
-        seconds += group.seconds * group.calls
-        if covered >= coverage * result.forward_flops:
-            break
-    result.coverage = covered / result.forward_flops
-    result.compute_seconds = seconds / result.coverage
-    result.memory_seconds = (result.moved_bytes or 0) / copy_rate(device)
-    result.overhead_seconds = (result.kernels or 0) * launch_seconds(device)
+    phase = spec.recipe.phases[0]
+    component = spec.model.components[phase.denoiser]
+    dtype = component.dtype or spec.model.dtype
+    quant = spec.policies.quantization.get(phase.denoiser) or spec.policies.quantization.get("denoiser")
+    if quant is not None and quant.method.startswith("fp8") and "float8" in kind.tflops:
+        dtype = "float8"
+    compiled = spec.policies.compile.mode != "none"
+    result.compute_seconds = kind.seconds(result.forward_flops, dtype, compiled)
+    result.memory_seconds = (result.moved_bytes or 0) / (kind.bandwidth * BANDWIDTH_SHARE)
+    result.overhead_seconds = 0.0 if compiled else (result.kernels or 0) * kind.launch_seconds
     # Kernels run back to back while the host queues the next ones: the slower of the two sets the pace.
     per_forward = max(result.compute_seconds + result.memory_seconds, result.overhead_seconds)
     offload = spec.policies.offload
-    if offload.strategy in ("layerwise", "group") and device.type == "cuda":
+    if offload.strategy in ("layerwise", "group") and kind.host_link is not None:
         streamed = sum(sum(c.blocks.values()) for c in result.components if c.role == "denoiser")
-        result.transfer_seconds = streamed / host_to_device_rate(device)
+        result.transfer_seconds = streamed / kind.host_link
         per_forward = (max(per_forward, result.transfer_seconds) if offload.prefetch
                        else per_forward + result.transfer_seconds)
     result.step_seconds = per_forward * result.forwards_per_step
+    result.timed_for = f"{kind.name}: {kind.tflops[dtype]:g} TFLOP/s {dtype} peak x {dtype_share(kind, compiled):.0%}"
 
 
+def dtype_share(kind: DeviceKind, compiled: bool) -> float:
+    return kind.share or (COMPILED_SHARE if compiled else EAGER_SHARE)
 
 
-__all__ = ["ComponentBytes", "Estimate", "OpTiming", "Shadow", "config_module", "counting", "estimate", "render_estimate"]
+__all__ = ["ComponentBytes", "Estimate", "OpCount", "Shadow", "config_module", "counting", "estimate", "render_estimate"]

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .report import OpTiming
+from .report import OpCount
 
 _MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten._convolution")
 
@@ -99,7 +99,7 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.shadow = shadow
         self.device_type = device_type  # whose tensors count (a test counts a real CPU run the same way)
-        self.groups: dict[tuple, OpTiming] = {}
+        self.groups: dict[tuple, OpCount] = {}
         self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors]
         self.current = self.peak = 0
         self.kernels = 0  # ops that make a new tensor on the device (views and allocations excluded)
@@ -140,8 +140,7 @@ class _Counter(TorchDispatchMode):
         key = (name, tuple(tuple(t.shape) for t in tensors), tuple(tuple(t.stride()) for t in tensors),
                str(tensors[0].dtype) if tensors else "", repr([a for a in args if not isinstance(a, torch.Tensor)]))
         if key not in self.groups:
-            self.groups[key] = OpTiming(name, [list(t.shape) for t in tensors], str(tensors[0].dtype), 0, float(flops),
-                                        replay=(func, args, kwargs))
+            self.groups[key] = OpCount(name, [list(t.shape) for t in tensors], str(tensors[0].dtype), 0, float(flops))
         self.groups[key].calls += 1
 
     def _hold(self, tensor: torch.Tensor) -> None:

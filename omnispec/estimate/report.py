@@ -18,18 +18,12 @@ class ComponentBytes:
 
 
 @dataclass
-class OpTiming:
+class OpCount:
     op: str
     shapes: list[list[int]]
     dtype: str
     calls: int
     flops: float  # per call
-    seconds: float | None = None  # per call, measured on the device
-    replay: Any = field(default=None, repr=False, compare=False)  # (func, meta args, kwargs) to time it again
-
-    @property
-    def tflops(self) -> float | None:
-        return self.flops / self.seconds / 1e12 if self.seconds else None
 
 
 @dataclass
@@ -47,13 +41,13 @@ class Estimate:
     peak_bytes: int | None = None
     peak_stage: str | None = None
     weights_on_device: dict[str, int] = field(default_factory=dict)  # stage -> bytes
-    ops: list[OpTiming] = field(default_factory=list)
-    coverage: float | None = None  # share of forward FLOPs in the timed ops
-    compute_seconds: float | None = None  # per forward: matmuls and attention, as timed
+    ops: list[OpCount] = field(default_factory=list)
+    compute_seconds: float | None = None  # per forward: its FLOPs at the device kind's peak and share
     kernels: int | None = None  # device ops per forward
     moved_bytes: int | None = None  # bytes read and written per forward by the other ops
-    memory_seconds: float | None = None  # per forward: moved_bytes at the measured copy rate
-    overhead_seconds: float | None = None  # per forward: kernels x the measured cost of launching one
+    memory_seconds: float | None = None  # per forward: moved_bytes at the device kind's bandwidth
+    overhead_seconds: float | None = None  # per forward: kernels x the device kind's cost of launching one
+    timed_for: str | None = None  # the device kind and rate the times are for
     transfer_seconds: float | None = None  # per forward (offload)
     step_seconds: float | None = None
     steps: int | None = None
@@ -65,8 +59,8 @@ class Estimate:
             out = asdict(self)
         finally:
             self.ops = ops
-        out["ops"] = [{"op": op.op, "shapes": op.shapes, "dtype": op.dtype, "calls": op.calls, "flops": op.flops,
-                       "seconds": op.seconds, "tflops": op.tflops} for op in ops]
+        out["ops"] = [{"op": op.op, "shapes": op.shapes, "dtype": op.dtype, "calls": op.calls, "flops": op.flops}
+                      for op in ops]
         return out
 
 
@@ -112,10 +106,8 @@ def render_estimate(e: Estimate) -> str:
         lines.append(f"  peak device memory: {_size(e.peak_bytes)} while {e.peak_stage} (weights {_size(weights)} + "
                      f"activations {_size(act)})")
     if e.step_seconds is not None:
-        rate = (e.forward_flops or 0) / e.compute_seconds / 1e12 if e.compute_seconds else 0
-        line = (f"  time per step: {e.step_seconds * 1e3:.4g} ms ({e.forwards_per_step} forward(s); matmuls and "
-                f"attention timed on this device: {e.compute_seconds * 1e3:.4g} ms, {100 * (e.coverage or 0):.0f}% of "
-                f"the FLOPs at {rate:.3g} TFLOP/s; other ops {_size(e.moved_bytes or 0)} moved: "
+        line = (f"  time per step: {e.step_seconds * 1e3:.4g} ms ({e.forwards_per_step} forward(s) on {e.timed_for}: "
+                f"FLOPs {(e.compute_seconds or 0) * 1e3:.4g} ms; other ops {_size(e.moved_bytes or 0)} moved: "
                 f"{(e.memory_seconds or 0) * 1e3:.3g} ms; {e.kernels} ops launched: {(e.overhead_seconds or 0) * 1e3:.3g} ms")
         if e.transfer_seconds is not None:
             line += f"; block copies {e.transfer_seconds * 1e3:.4g} ms per forward"

@@ -38,7 +38,7 @@ def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:
         where = f"policies.quantization.{key}.method"
         lib = "torchao" if q.method in TORCHAO_METHODS else "bitsandbytes"
         if importlib.util.find_spec(lib) is None:
-            problems.append(Problem(where, f"{q.method} needs {lib}: pip install 'omnispec[quant]'"))
+            problems.append(Problem(where, f"{q.method} needs {lib}: pip install 'omnispec-diffusion[quant]'"))
             continue
         if q.method in CUDA_ONLY_METHODS and device.type != "cuda":
             problems.append(Problem(where, f"{q.method} runs only on CUDA; the target is {device}"))

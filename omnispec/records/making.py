@@ -105,15 +105,20 @@ def request_data(request: Request) -> dict[str, Any]:
 
 
 def make_record(spec: dict[str, Any], request: Request, device: str, checkpoint: dict[str, Any] | None,
-                weights_changed: int = 0) -> dict[str, Any]:
-    """What made a request's outputs (``sample`` is filled per file when written); ``spec`` is ``spec_data``'s."""
+                weights_changed: int = 0, size: tuple[int, int] | None = None) -> dict[str, Any]:
+    """What made a request's outputs (``sample`` is filled per file when written); ``spec`` is ``spec_data``'s.
+    ``size`` is the (height, width) generated: where it is not the one asked for, both are recorded."""
+    data = request_data(request)
+    asked = (request.height, request.width)
+    if size is not None and tuple(size) != asked:
+        data.update(height=size[0], width=size[1], requested={"height": asked[0], "width": asked[1]})
     out: dict[str, Any] = {
         KEY: FORMAT,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": library_versions(),
         "device": device,
         "spec": spec,
-        "request": request_data(request),
+        "request": data,
         "sample": None,
         "checkpoint": checkpoint or {"source": None, "in_memory": [], "roots": {}},
     }

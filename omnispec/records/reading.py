@@ -161,7 +161,7 @@ def _mp4_comment(path: Path) -> str | None:
     try:
         import av
     except ImportError:
-        raise SpecError.single("reading an .mp4's record needs PyAV: pip install 'omnispec[video]'",
+        raise SpecError.single("reading an .mp4's record needs PyAV: pip install 'omnispec-diffusion[video]'",
                                file=str(path)) from None
     try:
         with av.open(str(path)) as container:

@@ -1,7 +1,7 @@
 """RL for flow models: SDE rollouts with per-step log-probs, exact replay with gradients, weight sync.
 
 ``Pipeline.rollout`` / ``Pipeline.log_prob`` are the entry points; ``kl`` is Flow-GRPO's KL term on two
-replays; ``RolloutPool`` spreads rollouts over Ray actors (``pip install 'omnispec[ray]'``).
+replays; ``RolloutPool`` spreads rollouts over Ray actors (``pip install 'omnispec-diffusion[ray]'``).
 """
 
 from .pipeline import RLPipeline

@@ -22,7 +22,7 @@ def _require_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("RolloutPool needs Ray: pip install 'omnispec[ray]'") from None
+        raise ImportError("RolloutPool needs Ray: pip install 'omnispec-diffusion[ray]'") from None
     return ray
 
 

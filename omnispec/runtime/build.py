@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..log import harmless_messages_demoted
 from ..policies import apply_policies, check_policies, quantization, resolve_device
 from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
@@ -50,6 +51,12 @@ def build(
     of component names; ``trust_code`` a bool. A wrong type raises ``SpecTypeError`` (a ``TypeError``), a
     wrong value ``SpecError`` (a ``ValueError``), naming the argument.
     """
+    with harmless_messages_demoted():  # libraries imported on first load say what optional parts they lack
+        return _build(spec_or_path, source, overrides, device, components, process_group, trust_code, pipeline_class)
+
+
+def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, components: Any, process_group: Any,
+           trust_code: bool, pipeline_class: type[Pipeline]) -> Pipeline:
     overrides = _check_arguments(spec_or_path, source, overrides, components, trust_code)
     if device is not None:
         check_device(device)

@@ -7,6 +7,7 @@ weight is read.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..log import logger
+from ..log import logger, main_process
 from ..policies import quantization
 from ..spec import Component, PipelineSpec, SpecError
 from ..spec.files import PICKLE_SUFFIXES, refuse_pickle, safetensors_header
@@ -123,13 +124,16 @@ def load_components(spec: PipelineSpec, root: str, only: Mapping[str, Component]
     out: dict[str, Any] = {}
     wanted = only if only is not None else spec.model.components
     start = time.perf_counter()
-    bar = tqdm(wanted.items(), desc="loading", unit="component", disable=not spec.runtime.progress, leave=False)
+    bar = tqdm(wanted.items(), desc="loading", unit="component", disable=not spec.runtime.progress or not main_process(),
+               leave=False)
     for name, component in bar:
         bar.set_postfix_str(name)
         began = time.perf_counter()
         out[name] = _load_component(spec, root, name, component, trusted)
         logger.debug(f"loaded {name} ({component.class_}) in {time.perf_counter() - began:.1f} s")
-    logger.info(f"loaded {len(out)} component(s) from {root} in {time.perf_counter() - start:.1f} s")
+    weighted = [name for name, c in wanted.items() if c.role not in _WEIGHTLESS]
+    level = logging.INFO if weighted else logging.DEBUG  # tokenizers and schedulers alone: no weights were loaded
+    logger.log(level, f"loaded {len(out)} component(s) from {root} in {time.perf_counter() - start:.1f} s")
     return out
 
 
@@ -159,6 +163,20 @@ def _takes_trust_flag(cls: type) -> bool:
     return issubclass(cls, bases) or module.startswith("transformers.models.auto")
 
 
+# Libraries a component's class may need that omnispec's base install lacks, with the extra that installs each.
+EXTRA_FOR = {"torchvision": "qwen-edit", "av": "video", "torchao": "quant", "bitsandbytes": "quant",
+             "sentencepiece": "dev", "gguf": "gguf"}
+
+
+def missing_library(exc: ImportError) -> str:
+    """What an ImportError from a loader lacks, and how to install it."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for library, extra in EXTRA_FOR.items():
+        if library.lower() in str(exc).lower():
+            return f"it needs {library} ({text}): pip install 'omnispec-diffusion[{extra}]'"
+    return text
+
+
 def _load_component(spec: PipelineSpec, root: str, name: str, component: Component, trusted: bool) -> Any:
     cls = component_class(component)
     kwargs: dict[str, Any] = loader_options(cls, component.role, trusted)
@@ -177,6 +195,9 @@ def _load_component(spec: PipelineSpec, root: str, name: str, component: Compone
                                           **{k: v for k, v in kwargs.items() if k == "dtype"})
         else:
             module = cls.from_pretrained(home, **kwargs)
+    except ImportError as exc:  # a library the component's class needs (Qwen2VLProcessor's video part: torchvision)
+        raise SpecError.single(f"cannot load component {name!r} ({component.class_}): {missing_library(exc)}",
+                               f"model.components.{name}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecError.single(f"cannot load component {name!r} ({component.class_}) from {home!r}: {first}",

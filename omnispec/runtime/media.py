@@ -53,7 +53,7 @@ def check_output_path(path: Path, video: bool, samples: int = 1, *, overwrite: b
         raise SpecError.single(f"cannot write {kind} task's output as {suffix or 'no suffix'}; use "
                                f"{', '.join(allowed)}", where)
     if suffix == ".mp4" and importlib.util.find_spec("av") is None:
-        raise SpecError.single("writing .mp4 needs PyAV: pip install 'omnispec[video]'", where)
+        raise SpecError.single("writing .mp4 needs PyAV: pip install 'omnispec-diffusion[video]'", where)
     paths = output_paths(path, 1 if suffix == ".npy" else samples)
     if audio and suffix == ".npy":
         paths += output_paths(path.with_suffix(".wav"), samples)
@@ -234,7 +234,8 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int, audio: np.ndarray | Non
     from diffusers.utils import encode_video
 
     track = None if audio is None else torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
-    encode_video(_uint8(frames), fps, str(path), audio=track, audio_sample_rate=sample_rate)
+    # a uint8 tensor, not a uint8 array: encode_video warns that an array outside [0, 1] is taken as 8-bit pixels
+    encode_video(torch.from_numpy(_uint8(frames)), fps, str(path), audio=track, audio_sample_rate=sample_rate)
     if made_by is not None:
         _tag_mp4(path, {"comment": records.to_text(made_by)})
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import records
-from ..log import timed
+from ..log import logger, timed
 from ..policies import AppliedPolicies
 from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
 from ..spec.guidance import NEGATIVE_TERMS
@@ -71,6 +71,7 @@ class Pipeline:
         self._encodings = EncodingCache(default_cache_bytes(device) if limit is None else limit)
         self._encodings_version = 0
         self._spec_data: tuple[PipelineSpec, dict[str, Any]] | None = None
+        self._told: set[Hashable] = set()  # what was logged once: a size change, an unused negative prompt
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -93,7 +94,14 @@ class Pipeline:
         """
         req = resolve_request(self.spec, prompt, seed, **fields)
         self.family.check_request(req)
+        if req.negative_prompt and not self._negative_passes() and "negative" not in self._told:
+            self._told.add("negative")  # diffusers takes it and ignores it too; say so once
+            logger.warning(f"recipe {self.spec.name!r} runs no negative-prompt pass (no cfg, true_cfg, apg or "
+                           "cfg_zero_star term at a scale above 1): the negative prompt changes nothing")
         return req
+
+    def _negative_passes(self) -> bool:
+        return any(t.kind in NEGATIVE_TERMS for p in self.spec.recipe.phases for t in p.guidance.terms)
 
     @torch.no_grad()
     def generate(self, request: Request, decode: bool = True) -> Output:
@@ -154,7 +162,25 @@ class Pipeline:
         """What made this request's outputs (the spec's data is made once per spec)."""
         if self._spec_data is None or self._spec_data[0] is not self.spec:
             self._spec_data = (self.spec, records.spec_data(self.spec))
-        return records.make_record(self._spec_data[1], request, str(self.device), self.checkpoint, self.weight_version)
+        return records.make_record(self._spec_data[1], request, str(self.device), self.checkpoint, self.weight_version,
+                                   self.generated_size(request))
+
+    def generated_size(self, request: Request) -> tuple[int, int] | None:
+        """The (height, width) the output phase generates for ``request``: the request's, or what the family derives
+        (an editing model's area rule, the input image's size). A size other than the one asked for is logged
+        once per pipeline and pair of sizes."""
+        phase = self.spec.recipe.phases[self.spec.recipe.output_index() or 0]
+        geometry = self.family.geometry(request, phase.size_scale)
+        if not geometry.height or not geometry.width:
+            return None
+        size = (geometry.height, geometry.width)
+        asked = (request.height, request.width)
+        if size != asked and (asked, size) not in self._told:
+            self._told.add((asked, size))
+            what = "no size was given: from the input image" if asked == (None, None) else \
+                f"{asked[1]}x{asked[0]} was asked for"
+            logger.info(f"generating at {size[1]}x{size[0]} ({what}); the output's record keeps both")
+        return size
 
     def encode(self, request: Request) -> tuple[Conditioning, Conditioning | None]:
         """Positive and (when a phase needs it) negative prompt encodings, one row per prompt. Each distinct
@@ -162,7 +188,7 @@ class Pipeline:
         (a family may encode prompts together with the request's images)."""
         positive = self._encode_rows(request.prompts, request)
         negative = None
-        if any(t.kind in NEGATIVE_TERMS for p in self.spec.recipe.phases for t in p.guidance.terms):
+        if self._negative_passes():
             negative = self._encode_rows([request.negative_prompt] * len(request.prompts), request)
         return positive, negative
 

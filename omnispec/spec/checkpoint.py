@@ -26,6 +26,8 @@ from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule
 
 ESCAPE = "set model.check_checkpoint: false to run it anyway"
 # transformers' Auto classes a spec may name, with what each loads (class names end so, after a Fast/Pil suffix).
+# Pipeline components that are denoisers, by the names diffusers gives them.
+DENOISER_NAMES = ("transformer", "unet")
 AUTO_LOADS = {"AutoTokenizer": ("Tokenizer",), "AutoProcessor": ("Processor",),
               "AutoImageProcessor": ("ImageProcessor",), "AutoFeatureExtractor": ("FeatureExtractor",)}
 
@@ -156,6 +158,7 @@ def checkpoint_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[
     if not spec.model.check_checkpoint:
         return problems
     problems += _class_problems(spec, configs)
+    problems += _denoiser_problems(spec, configs)
     problems += _boundary_problems(spec, configs)
     problems += _schedule_problems(spec, configs)
     return problems
@@ -194,6 +197,22 @@ def _class_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Prob
             problems.append(Problem(f"model.components.{name}.class", f"the spec loads {component.class_} but the "
                                     f"checkpoint's model_index.json has {entry[0]}.{entry[1]}; {ESCAPE}"))
     return problems
+
+
+def _denoiser_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
+    """A checkpoint's denoisers that the spec never loads (a one-expert spec on Wan2.2's two experts would run
+    the whole schedule on one of them)."""
+    index = configs.model_index or {}
+    loaded = {c.subfolder or name for name, c in spec.model.components.items()}
+    unused = [f"{name} ({entry[1]})" for name, entry in index.items()
+              if name.startswith(DENOISER_NAMES) and isinstance(entry, list) and len(entry) == 2 and entry[1]
+              and name not in loaded]
+    if not unused:
+        return []
+    experts = (f"; it is a two-expert checkpoint (boundary_ratio {configs.boundary_ratio:g}): use a spec that runs "
+               "both experts, as the bundled wan2.2-* specs do" if configs.boundary_ratio is not None else "")
+    return [Problem("model.components", f"the checkpoint's model_index.json has denoiser(s) {', '.join(unused)} "
+                    f"that this spec does not load{experts}; or {ESCAPE}")]
 
 
 def _same_class(ours: str, theirs: str) -> bool:

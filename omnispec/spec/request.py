@@ -57,6 +57,9 @@ class Request(SpecModel):
         return tuple((c.digest, c.frame) for c in self.images)
 
 
+# What diffusers' pipelines take as "guidance off" (``guidance_scale > 1`` turns CFG on; Z-Image's ``> 0``): on a
+# recipe without a guidance scale these are accepted as they are, a no-op the record keeps.
+GUIDANCE_OFF = (0.0, 1.0)
 # Request fields a caller passes by keyword (``image`` and ``conditions`` become ``images``).
 _KEYWORDS = ("negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale",
              "max_sequence_length", "strength", "image", "conditions")
@@ -84,11 +87,19 @@ def resolve_request(
     if refused:
         why = f": {recipe.constraints.refuse_reason}" if recipe.constraints.refuse_reason else ""
         raise SpecError.single(f"recipe {spec.name!r} refuses request field(s) {refused}{why}", "request")
-    if fields.get("frames") is not None and not recipe.task.endswith("video"):
-        raise SpecError.single(f"frames is for video tasks; this recipe's task is {recipe.task!r}", "request.frames")
+    for name in ("frames", "fps"):
+        if fields.get(name) is not None and not recipe.task.endswith("video"):
+            raise SpecError.single(f"{name} is for video tasks; this recipe's task is {recipe.task!r}",
+                                   f"request.{name}")
     if fields.get("guidance_scale") is not None and all(p.guidance.primary is None for p in recipe.phases):
-        raise SpecError.single(f"recipe {spec.name!r} has no guidance scale to set (no embedded or CFG-like term)",
-                               "request.guidance_scale")
+        if fields["guidance_scale"] not in GUIDANCE_OFF:
+            raise SpecError.single(f"recipe {spec.name!r} has no guidance scale to set (no embedded or CFG-like "
+                                   "term); 0 or 1, diffusers' values for guidance off, are accepted as they are",
+                                   "request.guidance_scale")
+    if fields.get("steps") is not None and fields.get("sigmas") is None and next(request_schedules(spec), None) is None:
+        raise SpecError.single(f"no phase of recipe {spec.name!r} takes the request's steps (each walks its own fixed "
+                               "steps or sigmas: set them in the spec, e.g. --set recipe.phases.0.schedule.steps=N)",
+                               "request.steps")
     if fields.get("strength") is not None and recipe.defaults.strength is None:
         raise SpecError.single(f"recipe {spec.name!r} starts from noise, so strength has nothing to apply to",
                                "request.strength")

@@ -10,3 +10,7 @@ from .fixtures import tiny_hunyuan_video15, tiny_qwen_image, tiny_z_image
 from .tokenizers import qwen_tokenizer, qwen_vl_processor
 
 __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny_qwen_image", "tiny_z_image"]
+
+from .offline import TINY_SPECS, tiny_checkpoint
+
+__all__ += ["TINY_SPECS", "tiny_checkpoint"]

@@ -51,7 +51,8 @@ def _image_vae(latent_channels: int, **extra):
 
 
 def tiny_flux(root: str | Path, seed: int = 0, guidance_embeds: bool = True) -> Path:
-    """FLUX.1-dev layout (``guidance_embeds=False`` gives schnell's); VAE scale 2, so 32 px -> 64 tokens."""
+    """FLUX.1-dev layout (``guidance_embeds=False`` gives schnell's: no guidance embedding, and its scheduler's
+    static shift 1); VAE scale 2, so 32 px -> 64 tokens."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     _seeded(seed)
@@ -66,7 +67,7 @@ def tiny_flux(root: str | Path, seed: int = 0, guidance_embeds: bool = True) -> 
         scheduler=FlowMatchEulerDiscreteScheduler(
             shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
             base_image_seq_len=256, max_image_seq_len=4096,
-        ),
+        ) if guidance_embeds else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False),
     )
     pipe.save_pretrained(root)
     return Path(root)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from ...log import harmless_messages_demoted
 from ...spec import BUILTIN_FAMILIES, SpecError
 from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, batch_of, cat_streams, map_streams
 
@@ -42,7 +43,8 @@ def import_ref(ref: str) -> object:
 
 
 def family_class(name: str) -> type[Family]:
-    cls = import_ref(_BUILTIN.get(name, name))
+    with harmless_messages_demoted():  # a family's module imports its diffusers pipelines
+        cls = import_ref(_BUILTIN.get(name, name))
     if not (isinstance(cls, type) and issubclass(cls, Family)):
         raise SpecError.single(f"{name!r} is not a Family subclass", "model.family")
     return cls

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ...spec.base import MAX_SIZE
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.request import Request
 
@@ -209,9 +210,28 @@ class Family:
         raise NotImplementedError
 
     def geometry(self, request: Request, size_scale: float) -> Geometry:
-        h = int(round(request.height * size_scale)) if request.height else 0
-        w = int(round(request.width * size_scale)) if request.width else 0
+        """The request's size at ``size_scale``; without one, the first conditioning image's (floored to the
+        recipe's ``size_multiple_of``), as an image-to-image user expects (diffusers would take its default)."""
+        height, width = request.height, request.width
+        if (not height or not width) and request.images:
+            height, width = self.image_size(request.images[0].image)
+        h = int(round(height * size_scale)) if height else 0
+        w = int(round(width * size_scale)) if width else 0
         return Geometry(h, w, request.frames, request.fps)
+
+    def image_size(self, image: Any) -> tuple[int, int]:
+        """(height, width) of a conditioning image (PIL, (H, W, C) array or (C, H, W) tensor), floored to the
+        recipe's size multiple and kept within its bounds."""
+        if hasattr(image, "size") and not hasattr(image, "shape"):
+            width, height = image.size
+        elif isinstance(image, torch.Tensor):
+            height, width = int(image.shape[-2]), int(image.shape[-1])
+        else:
+            height, width = int(image.shape[-3]), int(image.shape[-2])
+        constraints = self.spec.recipe.constraints
+        m = constraints.size_multiple_of
+        low, high = -(-constraints.min_size // m) * m, (constraints.max_size or MAX_SIZE) // m * m
+        return min(max(low, height // m * m), high), min(max(low, width // m * m), high)
 
     def tokens(self, geometry: Geometry) -> int:
         """Image tokens per sample of the primary stream (dynamic shift, rows per forward, sequence split)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ...log import logger
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
 
@@ -17,8 +18,13 @@ class DigitsFamily(Family):
 
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
         tokenizer, encoder = self.components["tokenizer"], self.components["text_encoder"]
-        enc = tokenizer(prompts, padding="max_length", max_length=request.max_sequence_length or 8, truncation=True,
-                        return_tensors="pt")
+        length = request.max_sequence_length or 8
+        for prompt in prompts:  # as diffusers' pipelines warn when their tokenizers cut a prompt
+            count = len(tokenizer(prompt).input_ids)
+            if count > length:
+                logger.warning(f"prompt {prompt!r} has {count} tokens; only the first {length} are used "
+                               f"(max_sequence_length {length})")
+        enc = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
         pooled = encoder(enc.input_ids.to(self.device), enc.attention_mask.to(self.device))
         return Conditioning({"text_embeds": pooled})
 

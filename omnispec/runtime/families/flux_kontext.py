@@ -22,7 +22,7 @@ class FluxKontextFamily(FluxFamily):
     def geometry(self, request: Request, size_scale: float) -> Geometry:
         base = super().geometry(request, size_scale)
         area = self.settings["max_area"] * size_scale**2
-        aspect = base.width / base.height
+        aspect = base.width / base.height if base.height and base.width else 1.0  # planning with no image: square
         multiple = self.helper.vae_scale_factor * 2
         width = round((area * aspect) ** 0.5) // multiple * multiple
         height = round((area / aspect) ** 0.5) // multiple * multiple

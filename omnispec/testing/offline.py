@@ -1,0 +1,57 @@
+"""Any bundled spec, offline: a tiny random checkpoint of its family in its real layout, and the overrides that size
+its recipe down to it.
+
+``tiny_checkpoint("flux1-dev", folder)`` returns ``(path, overrides)``; ``omnispec.build("flux1-dev", source=path,
+overrides=overrides)`` then runs the bundled spec unchanged but for its sizes and dtype, through the same loading,
+checks and loop as the real checkpoint (``docs/offline.md``). The weights are random: outputs are noise, but every
+code path a real run takes is taken. Checkpoints are built once per folder and reused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..spec import SpecError, load_spec
+from . import fixtures
+
+# Per bundled spec with a real checkpoint: the builder, its keyword arguments, and the TINY_OVERRIDES key.
+_TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
+    "flux1-dev": ("tiny_flux", {}, "flux", ()),
+    "flux1-schnell": ("tiny_flux", {"guidance_embeds": False}, "flux", ()),
+    "flux1-dev-img2img": ("tiny_flux", {}, "flux", ()),
+    "flux1-kontext-dev": ("tiny_flux", {}, "flux", ("model.options.auto_resize=false", "model.options.max_area=1024")),
+    "sd3.5-medium": ("tiny_sd3", {}, "sd3", ("recipe.phases.0.guidance.terms.1.layers=[1, 2]",)),
+    "wan2.1-t2v-1.3b": ("tiny_wan", {}, "wan", ()),
+    "wan2.2-t2v-a14b": ("tiny_wan", {"two_experts": True}, "wan", ()),
+    "wan2.1-i2v-14b-480p": ("tiny_wan_i2v", {}, "wan_i2v", ()),
+    "wan2.2-i2v-a14b": ("tiny_wan_i2v", {"two_experts": True}, "wan22_i2v", ()),
+    "ltx2-t2v": ("tiny_ltx2", {}, "ltx2", ("recipe.phases.0.guidance.terms.1.layers=[1]",)),
+    "ltx2-i2v": ("tiny_ltx2", {}, "ltx2", ("recipe.phases.0.guidance.terms.1.layers=[1]",)),
+    "ltx2.3-t2v": ("tiny_ltx2", {"bwe": True}, "ltx2", ("recipe.phases.0.guidance.terms.1.layers=[1]",)),
+    "qwen-image": ("tiny_qwen_image", {}, "qwen_image", ()),
+    "z-image-turbo": ("tiny_z_image", {}, "z_image", ()),
+    "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
+    "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
+}
+TINY_SPECS = tuple(_TINY)
+
+
+def tiny_checkpoint(spec: str | os.PathLike[str], folder: str | os.PathLike[str]) -> tuple[Path, list[str]]:
+    """A tiny checkpoint for bundled spec ``spec`` (a name, or a path to a bundled spec's file) in ``folder`` (built
+    there once, reused after), and the overrides its recipe needs to run on it."""
+    name = Path(str(spec)).name.removesuffix(".yaml").removesuffix(".yml")
+    if name not in _TINY:
+        raise SpecError.single(f"no tiny checkpoint for {name!r}; there are: {', '.join(TINY_SPECS)}", "spec")
+    builder, kwargs, key, extra = _TINY[name]
+    label = builder.removeprefix("tiny_") + "".join(f"-{k}-{v}" for k, v in sorted(kwargs.items()))
+    root = Path(folder) / label
+    if not (root / "model_index.json").exists():
+        getattr(fixtures, builder)(root, **kwargs)
+    overrides = [*fixtures.TINY_OVERRIDES[key], *extra]
+    load_spec(name, overrides)  # the bundled spec runs on it as it is, but for these
+    return root, overrides
+
+
+__all__ = ["TINY_SPECS", "tiny_checkpoint"]

@@ -99,7 +99,7 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     from omnispec.policies.attention import HOOK_NAME
-    from omnispec.policies.hooks import remove_hook
+    from omnispec.bridge import remove_hook
 
     twin = copy.deepcopy(module)
     for m in twin.modules():

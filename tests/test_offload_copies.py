@@ -9,7 +9,7 @@ import torch
 from conftest import SPECS
 
 import omnispec
-from omnispec.policies.offload import HOOK_NAME, _Placement
+from omnispec.policies.offload.model import HOOK_NAME, _Placement
 from omnispec.testing import TINY_OVERRIDES
 
 

@@ -213,11 +213,11 @@ def test_block_offload_with_regional_compile_gives_the_plain_output(flux_dir, pl
 
 
 def test_removing_the_last_hook_restores_the_plain_module():
-    """A hook left as an instance ``forward`` would make dynamo guard on it per module (see policies.hooks)."""
+    """A hook left as an instance ``forward`` would make dynamo guard on it per module (see bridge.remove_hook)."""
     import torch
     from diffusers.hooks import HookRegistry, ModelHook
 
-    from omnispec.policies.hooks import remove_hook
+    from omnispec.bridge import remove_hook
 
     module = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)

@@ -97,7 +97,7 @@ def test_two_phase_upsample_and_renoise_runs_end_to_end(flux_dir):
         "recipe.phases=[{name: draft, denoiser: transformer, size_scale: 0.5, "
         "schedule: {kind: flow_match, shift: dynamic, steps: 3}, guidance: {embedded: 3.5}}, "
         "{name: refine, denoiser: transformer, schedule: {kind: flow_match, shift: 1.0, steps: 4}, "
-        "guidance: {embedded: 3.5}, input: {kind: previous, transform: {kind: latent_upsample, scale: 2.0}, renoise: 0.6}}]"
+        "guidance: {embedded: 3.5}, input: {kind: previous, transform: {kind: latent_upsample}, renoise: 0.6}}]"
     )
     pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir),
                           overrides=[*TINY_OVERRIDES["flux"], "recipe.defaults.height=64", "recipe.defaults.width=64", phases])

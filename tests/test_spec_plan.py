@@ -68,19 +68,19 @@ def test_step_schedule_interpolates_linearly():
 def test_embedded_and_rescale_per_step():
     plans = compile_plan(g(embedded=3.5, rescale=0.7, terms=[{"kind": "true_cfg", "scale": 2.0}]), 2)
     assert plans[0].embedded == 3.5 and plans[0].rescale == 0.7
-    assert plans[0].terms[0].rule == "delta"
+    assert plans[0].terms[0].kind == "true_cfg" and plans[0].coefficients == {"uncond": 1.0}
     assert compile_plan(g(embedded=3.5, rescale=0.7), 1)[0].rescale == 0.0  # nothing to rescale
 
 
 def test_cfg_zero_star_zero_init_steps_run_no_pass():
     plans = compile_plan(g(terms=[{"kind": "cfg_zero_star", "scale": 4.0, "zero_init_steps": 1}]), 3)
     assert plans[0].zero and plans[0].passes == ()
-    assert plans[1].passes == ("cond", "uncond") and plans[1].terms[0].rule == "cfg_zero_star"
+    assert plans[1].passes == ("cond", "uncond") and plans[1].terms[0].kind == "cfg_zero_star"
 
 
 def test_apg_uses_its_own_rule():
     plans = compile_plan(g(terms=[{"kind": "apg", "scale": 5.0, "eta": 0.0}]), 1)
-    assert plans[0].terms[0].rule == "apg" and plans[0].coefficients == {"uncond": 4.0}
+    assert plans[0].terms[0].kind == "apg" and plans[0].coefficients == {"uncond": 4.0}
 
 
 def test_flux_dynamic_sigmas_match_diffusers_formula():

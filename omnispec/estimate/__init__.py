@@ -30,10 +30,11 @@ import torch
 from ..log import logger, progress
 from ..spec import PipelineSpec, SpecError
 from ..spec.model import WEIGHTLESS_ROLES
+from ..spec.policies import OFFLOADS
 from .counting import Shadow, counting
-from .report import ComponentBytes, Estimate, OpCount, render_estimate
 from .devices import BANDWIDTH_SHARE, COMPILED_SHARE, EAGER_SHARE, DeviceKind, device_kind
-from .weights import GROUPED, STAGE_ROLES, component_bytes, config_module
+from .report import ComponentBytes, Estimate, OpCount, render_estimate
+from .weights import STAGE_ROLES, component_bytes, config_module
 
 # ---- the estimate -------------------------------------------------------------------------------------------
 
@@ -104,8 +105,8 @@ def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[Compo
 def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fields: dict[str, Any]) -> None:
     """One request's first denoiser forward (and its decode) on meta: FLOPs, op shapes, peak live bytes."""
     from ..runtime.families import Conditioning, family_class
+    from ..runtime.plan import plan_request
     from ..runtime.run import phase_passes
-    from ..spec.plan import compile_plan
     from ..spec.request import resolve_request
 
     phase = spec.recipe.phases[0]
@@ -127,27 +128,29 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
     shadow = Shadow()
     try:
         family = family_class(spec.model.family)(spec, modules, meta)
-        generators = [torch.Generator("cpu").manual_seed(0)]
+        # the request's plan, as a run makes it (schedules on the host: they are tiny, and their sigmas are read)
+        plan = plan_request(spec, family, modules, torch.device("cpu"), request)
+        walk = plan.walks[0]
+        first = walk.phases[0]
+        step_plan = next(p for p in first.plans.values() if p.passes)  # CFG-zero*'s zero-init steps run no pass
+        geometry, generators = walk.geometry, plan.generators
         with counting(shadow) as counter:
-            geometry = family.geometry(request, phase.size_scale)
             latents = family.initial_latents(geometry, generators)
             positive = family.encode(list(request.prompts), request)
             image_cond = family.encode_images(request, geometry, generators)
         result.activation_bytes["encode"] = counter.peak
-        plans = compile_plan(phase.guidance, 1, [1.0])
-        passes = phase_passes(phase, positive.with_(image_cond), positive.with_(image_cond))
-        names = list(plans[0].passes)
+        passes = phase_passes(first.phase, positive.with_(image_cond), positive.with_(image_cond))
+        names = list(step_plan.passes)
         result.passes = len(names)
         tokens = family.tokens(geometry)
-        max_rows = _max_rows(spec, tokens)
-        rows = len(names) if max_rows is None else max(1, min(max_rows, len(names)))
+        rows = len(names) if walk.max_rows is None else max(1, min(walk.max_rows, len(names)))
         result.rows_per_forward = rows
         result.forwards_per_step = math.ceil(len(names) / rows)
         with counting(shadow) as counter:
             cond = Conditioning.cat([passes.conditions[n] for n in names[:rows]])
             x = {s: torch.cat([v] * rows) for s, v in latents.items()}
             t = torch.full((), 500.0, device=meta)
-            family.predict(modules[phase.denoiser], x, t, cond, geometry, embedded=plans[0].embedded)
+            family.predict(modules[first.phase.denoiser], x, t, cond, geometry, embedded=step_plan.embedded)
         result.forward_flops = sum(g.flops * g.calls for g in counter.groups.values())
         result.step_flops = result.forward_flops * len(names) / rows
         result.activation_bytes["denoise"] = counter.peak
@@ -167,36 +170,12 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
     result.activation_bytes["decode"] = counter.peak
 
 
-def _max_rows(spec: PipelineSpec, tokens: int) -> int | None:
-    """Rows per forward, as ``Run`` bounds them (``runtime.max_batch``, ``max_tokens_per_forward``)."""
-    runtime = spec.runtime
-    limits = [runtime.max_batch] if runtime.max_batch else []
-    if runtime.max_tokens_per_forward:
-        limits.append(max(1, runtime.max_tokens_per_forward // max(1, tokens)))
-    return min(limits) if limits else None
-
-
 def _peak(spec: PipelineSpec, result: Estimate) -> None:
     """Weights on the device in each stage under the offload policy, plus that stage's activations."""
     offload = spec.policies.offload
-    total = sum(c.bytes for c in result.components)
-    stages = {}
-    for stage, roles in STAGE_ROLES.items():
-        if offload.strategy == "none":
-            weights = total
-        elif offload.strategy == "model":  # one role-group at a time; resident and other roles stay
-            weights = sum(c.bytes for c in result.components if c.role in roles or c.role not in GROUPED)
-        else:  # layerwise / group: each denoiser's blocks stream in (on CUDA the next group prefetched meanwhile)
-            weights = total
-            prefetch = offload.prefetch and result.device != "cpu"
-            groups = getattr(offload, "blocks_per_group", 1) * (2 if prefetch else 1)
-            for c in result.components:
-                if c.role == "denoiser" and c.blocks:
-                    streamed = sum(c.blocks.values())
-                    weights -= streamed
-                    if stage == "denoise":
-                        weights += min(streamed, groups * max(c.blocks.values()))
-        stages[stage] = weights
+    strategy = OFFLOADS.implementation(offload)
+    stages = {stage: strategy.device_bytes(offload, stage, roles, result.components, result.device != "cpu")
+              for stage, roles in STAGE_ROLES.items()}
     result.weights_on_device = stages
     peaks = {stage: stages[stage] + result.activation_bytes.get(stage, 0) for stage in stages}
     result.peak_stage = max(peaks, key=lambda s: peaks[s])
@@ -222,7 +201,7 @@ def _time(result: Estimate, kind: DeviceKind, spec: PipelineSpec) -> None:
     # Kernels run back to back while the host queues the next ones: the slower of the two sets the pace.
     per_forward = max(result.compute_seconds + result.memory_seconds, result.overhead_seconds)
     offload = spec.policies.offload
-    if offload.strategy in ("layerwise", "group") and kind.host_link is not None:
+    if offload.streams_blocks and kind.host_link is not None:
         streamed = sum(sum(c.blocks.values()) for c in result.components if c.role == "denoiser")
         result.transfer_seconds = streamed / kind.host_link
         per_forward = (max(per_forward, result.transfer_seconds) if offload.prefetch

@@ -21,7 +21,6 @@ _QUANT_BYTES = {"fp8_dynamic": 1.0, "fp8_weight_only": 1.0, "int8_weight_only": 
                 "int8": 1.0, "int4_weight_only": 0.5 + 4 / 128, "nf4": 0.5 + 4 / 64}
 _ROW_SCALE_BYTES = {"fp8_dynamic": 4, "fp8_weight_only": 4, "int8_weight_only": 4, "int8_dynamic": 4, "int8": 4}
 STAGE_ROLES = {"encode": ("encoder",), "denoise": ("denoiser",), "decode": ("vae", "upsampler")}
-GROUPED = ("encoder", "denoiser", "vae", "upsampler")  # roles that model offload moves in and out
 
 
 

@@ -2,6 +2,6 @@
 order (quantization at load, device placement, attention, cache, offload, compile)."""
 
 from .apply import AppliedPolicies, apply_policies, check_policies, resolve_device
-from .cache import CacheRuntime
+from .caches import CacheRuntime
 
 __all__ = ["AppliedPolicies", "CacheRuntime", "apply_policies", "check_policies", "resolve_device"]

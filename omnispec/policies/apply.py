@@ -1,6 +1,6 @@
-"""The one place policies are checked against the target and applied, in one order:
-quantization (at load, see ``quantization.load_kwargs``), device placement, attention, cache, offload,
-compile."""
+"""The one place policies are checked against the target and applied, in one order: quantization (at load, see
+``quantization.load_kwargs``), attention, cache, placement by the offload strategy (``none`` puts every component
+on the device), compile."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from . import quantization
 from .attention import AttentionPlan, apply_attention, usable
-from .cache import CacheRuntime, apply_cache
+from .caches import CacheRuntime, apply_cache
 from .compile import apply_compile
 from .offload import apply_offload
 
@@ -67,10 +67,6 @@ def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], 
     """Device placement, attention, cache, offload, compile (quantization already happened at load)."""
     applied = AppliedPolicies()
     denoisers = {n: components[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
-    if spec.policies.offload.strategy == "none":
-        for m in components.values():
-            if isinstance(m, torch.nn.Module):
-                m.to(device)
     applied.attention = apply_attention(spec, family, denoisers, device)
     applied.cache = apply_cache(spec, components)
     applied.notes["offload"] = apply_offload(spec, components, device)

@@ -28,7 +28,7 @@ from ..log import logger
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
-from .hooks import remove_hook
+from ..bridge import remove_hook
 
 SDPA_KERNELS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,

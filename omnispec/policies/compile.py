@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import bridge
 from ..spec import PipelineSpec, SpecError
 
 
@@ -20,7 +21,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         module = components[name]
         if policy.mode == "full":
             module.compile(**kwargs)
-        elif getattr(module, "_repeated_blocks", None):
+        elif bridge.has_repeated_blocks(module):
             module.compile_repeated_blocks(**kwargs)
         else:
             blocks = [b for lst in family.block_lists if hasattr(module, lst) for b in getattr(module, lst)]

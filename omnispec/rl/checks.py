@@ -12,9 +12,9 @@ import torch
 
 from ..runtime.families import Conditioning
 from ..runtime.samplers import SDE_SEED_OFFSET
-from ..spec import APG, SpecError, SpecTypeError
+from ..spec import SpecError, SpecTypeError
 from ..spec.base import SEED_MAX, SEED_MIN
-from ..spec.policies import HOOKED_CACHES
+from ..spec.guidance import term_of
 from ..spec.request import Request
 
 if TYPE_CHECKING:
@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 def check_pipeline(pipe: Pipeline) -> None:
     """What a pipeline must satisfy for its rollouts to replay exactly."""
     for i, phase in enumerate(pipe.spec.recipe.phases):
-        if any(isinstance(t, APG) and t.momentum for t in phase.guidance.terms):
-            raise SpecError.single("APG momentum carries state across steps, so single steps can't be replayed",
-                                   f"recipe.phases.{i}.guidance")
+        for term in phase.guidance.terms:
+            refusal = term_of(term).replay_refusal(term)
+            if refusal:
+                raise SpecError.single(refusal, f"recipe.phases.{i}.guidance")
     cache = pipe.policies.cache
-    if cache is not None and cache.kind in HOOKED_CACHES:
+    if cache is not None and cache.policy.hooked:
         raise SpecError.single(f"the {cache.kind} cache decides per step from state a replay cannot rebuild, so a "
                                "cached rollout would not replay exactly; use cache kind step_mask (computing every "
                                "stochastic step), the sampler's outside_window, or none", "policies.cache.kind")

@@ -28,9 +28,10 @@ def _require_ray():
 
 class _Worker:
     def __init__(self, spec: Any, build_kwargs: Mapping[str, Any]):
-        import omnispec
+        from ..runtime import build
+        from .pipeline import RLPipeline
 
-        self.pipe = omnispec.build(spec, **dict(build_kwargs))
+        self.pipe = build(spec, **dict(build_kwargs), pipeline_class=RLPipeline)
 
     def rollout(self, prompts: list[str], group_size: int, seed: int, sampler: Any, shared_noise: bool,
                 request: Mapping[str, Any], offset: int) -> Rollout:

@@ -18,17 +18,12 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..runtime.families import Conditioning, Streams
 from ..runtime.phases import set_adapter
-from ..runtime.run import Run, Walk
-from ..runtime.samplers import (
-    StepResult,
-    StochasticStepper,
-    sde_generators,
-    stochastic_stepper,
-    window_mask,
-)
+from ..runtime.plan import Walk
+from ..runtime.run import Run
+from ..runtime.samplers import StepResult
 from ..spec import SpecError, SpecTypeError
 from ..spec.errors import Problem, from_validation_error
-from ..spec.recipe import STOCHASTIC_SAMPLERS, Sampler
+from ..spec.recipe import SAMPLERS, Sampler, stochastic_kinds
 from ..spec.request import Request
 from .checks import check_pipeline, check_replay_args, check_rollout_args, check_rollout_fits, shape_of
 
@@ -144,27 +139,13 @@ def resolve_sampler(pipe: Pipeline, sampler: Any | None) -> Any:
         except ValidationError as exc:
             found = from_validation_error(exc, dict(sampler)).problems
             raise SpecError([Problem(f"sampler.{p.path}" if p.path else "sampler", p.message) for p in found]) from None
-    elif not isinstance(sampler, BaseModel) or getattr(sampler, "kind", None) not in (*STOCHASTIC_SAMPLERS, "ode"):
+    elif not isinstance(sampler, BaseModel) or getattr(sampler, "kind", None) not in SAMPLERS.kinds:
         raise SpecTypeError.single(f"expected a sampler spec (a dict such as {{'kind': 'sde'}}) or None, got "
                                    f"{type(sampler).__name__}", "sampler")
-    if sampler.kind not in STOCHASTIC_SAMPLERS:
-        raise SpecError.single(f"rollouts need a stochastic sampler (one of {STOCHASTIC_SAMPLERS}), got "
+    if not sampler.stochastic:
+        raise SpecError.single(f"rollouts need a stochastic sampler (one of {stochastic_kinds()}), got "
                                f"{sampler.kind!r}; set recipe.phases.0.sampler or pass sampler=", "sampler")
     return sampler
-
-
-def _window_walk(run: Run, mask: torch.Tensor) -> Walk:
-    """The one walk every sample's window lies in (states are stored as consecutive transitions)."""
-    used = torch.nonzero(mask.any(0)).flatten().tolist()
-    if not used:
-        raise SpecError.single("the window selects no step", "sampler.window")
-    walks = {id(w): w for w in run.walks for g in used if w.offset + w.begin <= g < w.offset + len(w.steps)}
-    if len(walks) != 1 or any(not (w.offset + w.begin <= g < w.offset + len(w.steps)) for w in walks.values()
-                              for g in used):
-        spans = ", ".join(f"{w.first.name}: steps {w.offset + w.begin}-{w.offset + len(w.steps) - 1}" for w in run.walks)
-        raise SpecError.single(f"the window (steps {used[0]}-{used[-1]}) must lie within the steps one walk runs "
-                               f"({spans})", "sampler.window")
-    return next(iter(walks.values()))
 
 
 # ---- rollout --------------------------------------------------------------------------------------------
@@ -202,28 +183,18 @@ def rollout(
     group_ids = torch.arange(first_group, first_group + len(prompts)).repeat_interleave(group_size)
     seeds = [seed + (int(g) if shared_noise else sample_offset + b) for b, g in enumerate(group_ids)]
     req = pipe.request(expanded, seeds, **request)
-
-    run = Run(pipe, req)
-    total = run.walks[-1].offset + len(run.walks[-1].steps)
     ids = torch.arange(sample_offset, sample_offset + len(expanded)) if sampler.window.kind == "random" and \
         sampler.window.scope == "sample" else group_ids
-    spans = [(w.offset + w.begin, w.offset + len(w.steps)) for w in run.walks]
-    mask = window_mask(sampler, total, ids, seed, walks=spans)
-    walk = _window_walk(run, mask)
-    local = mask[:, walk.offset:walk.offset + len(walk.steps)]
-    if pipe.policies.cache is not None and pipe.policies.cache.step_mask is not None:
+    plan = pipe.plan(req, rollout={"sampler": sampler, "ids": ids, "seed": seed,
+                                   "noise_seeds": [seed + sample_offset + b for b in range(len(expanded))]})
+    assert plan.stochastic is not None
+    walk, local = plan.stochastic.walk, plan.stochastic.local_mask()
+    if pipe.policies.cache is not None:
         reused = [i for i in torch.nonzero(local.any(0)).flatten().tolist() if not pipe.policies.cache.computes(i)]
         if reused:
             raise SpecError.single(f"policies.cache.mask reuses stochastic step(s) {reused}; replay computes every "
                                    "step it scores, so the window's steps must compute", "policies.cache.mask")
-    noise = sde_generators([seed + sample_offset + b for b in range(len(expanded))], pipe.device)
-
-    def stepper_for(w: Walk) -> StochasticStepper | None:
-        if w is not walk:
-            return None
-        return stochastic_stepper(sampler, w.steps, local, noise, where="sampler", begin=w.begin,
-                                  phase_starts=w.phase_starts)
-
+    run = Run(pipe, plan)
     states: list[tuple[int, Streams, Streams, StepResult]] = []
     clean: dict[str, Streams] = {}
 
@@ -234,7 +205,6 @@ def rollout(
         if w is walk and result.x0 is not None:
             clean["x0"] = result.x0
 
-    run.stepper_for = stepper_for
     with torch.no_grad():
         results = run.execute(observe)
         out = results[pipe.spec.recipe.output_index() or 0]
@@ -314,7 +284,7 @@ def log_prob(
     if not isinstance(ro.request, Request):
         raise SpecTypeError.single(f"expected the Request the rollout ran, got {type(ro.request).__name__}",
                                    "rollout.request")
-    run = Run(pipe, ro.request, encodings=(ro.positive, ro.negative))
+    run = Run(pipe, pipe.plan(ro.request), encodings=(ro.positive, ro.negative))
     check_rollout_fits(pipe, ro, run)
     b = len(ro.prompts)
     streams = list(ro.states)
@@ -331,13 +301,13 @@ def log_prob(
             for row in range(b):
                 by_step.setdefault(int(ro.step_indices[row, k]), []).append(row)
             for g, rows in by_step.items():
-                walk = next(w for w in run.walks if w.offset <= g < w.offset + len(w.steps))
+                walk = run.plan.walk_of(g)
                 i = g - walk.offset
                 if id(walk) not in conditioned:
                     run.condition(walk)
                     conditioned.add(id(walk))
-                set_adapter(run.spec, walk.owner(i).phase, run.components)
-                scorer = StochasticStepper(sampler, walk.steps.sigmas, torch.zeros(0, 0, dtype=torch.bool), [])
+                set_adapter(run.spec, walk.owner(i).phase, run.components, pipe.adapters)
+                scorer = run.plan.scorer(walk, sampler)
                 chunk = micro_batch or len(rows)
                 for start in range(0, len(rows), chunk):
                     sel = rows[start:start + chunk]

@@ -202,6 +202,8 @@ def scale_lora(pipe: Pipeline, name: str, scale: float, component: str | None = 
     if name not in getattr(module, "peft_config", {}):
         raise SpecError.single(f"no LoRA adapter {name!r} (have: {list(getattr(module, 'peft_config', {}))})", "name")
     module.set_adapters([name], weights=[scale])
+    if name in pipe.spec.model.adapters:  # a spec slot: phases switch it on at this scale from now on
+        pipe.adapters.scales[name] = scale
     pipe.weight_version += 1
 
 
@@ -212,8 +214,10 @@ def reference(pipe: Pipeline, component: str | None = None) -> Iterator[None]:
     has_adapters = bool(getattr(module, "peft_config", None))
     if has_adapters:
         module.disable_adapters()
+    was_off, pipe.adapters.off = pipe.adapters.off, True  # phases keep the spec's slots off meanwhile
     try:
         yield
     finally:
+        pipe.adapters.off = was_off
         if has_adapters:
             module.enable_adapters()

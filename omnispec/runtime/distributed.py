@@ -1,7 +1,7 @@
 """``policies.parallel`` on torch.distributed: CFG-parallel and data-parallel (NCCL on GPUs, gloo on CPUs).
 
 Ulysses and ring split each forward's sequence over ``ring x ulysses`` ranks through diffusers' context
-parallelism (the models' ``_cp_plan``); every rank of a sequence group runs the same passes. A step's guidance passes go round-robin over the ranks of a cfg group; each rank runs its share
+parallelism (the models' context-parallel plans); every rank of a sequence group runs the same passes. A step's guidance passes go round-robin over the ranks of a cfg group; each rank runs its share
 in one batched forward, the shares are all-gathered (padded to the largest share, zeros not computed; sent as float32 and cast back
 to the dtype the model produced), and
 every rank applies the same combine, so all ranks hold the serial result. A step with a single pass is
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import bridge
 from ..spec import PipelineSpec, SpecError
 
 
@@ -113,7 +114,7 @@ def _manual_groups(par: Any, rank: int, ranks: list[int]) -> ParallelContext:
 
 
 def enable_sequence_parallel(ctx: ParallelContext, family: Any, denoisers: dict[str, torch.nn.Module]) -> None:
-    """Ulysses / ring through diffusers' context parallelism (the models' ``_cp_plan``)."""
+    """Ulysses / ring through diffusers' context parallelism (the models' context-parallel plans)."""
     from diffusers import ContextParallelConfig
 
     config = ContextParallelConfig(ring_degree=ctx.ring, ulysses_degree=ctx.ulysses, mesh=ctx.sp_mesh)
@@ -123,7 +124,7 @@ def enable_sequence_parallel(ctx: ParallelContext, family: Any, denoisers: dict[
             raise SpecError.single(f"{name} has {heads} attention heads, not divisible by ulysses {ctx.ulysses}",
                                    "policies.parallel.ulysses")
         if ctx.ring > 1:
-            module.set_attention_backend("_native_flash")  # ring needs a kernel that returns the log-sum-exp
+            module.set_attention_backend(bridge.NATIVE_FLASH_BACKEND)  # ring needs a kernel that returns the log-sum-exp
             if next(module.parameters()).device.type == "cpu":
                 _install_cpu_flash_kernel()
         if torch.accelerator.device_count() == 0:

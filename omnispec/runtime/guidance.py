@@ -1,7 +1,7 @@
 """Combine a step's pass predictions by its ``StepPlan`` (the executor side of the guidance plan).
 
-The rules are diffusers' own functions where they exist (APG's projection, CFG-zero*'s optimal scale,
-CFG rescale), so a plan here means what the same guider means there. Every stream combines on its own:
+Each term combines its pass by its own kind's rule (``Term.combine``: diffusers' own functions where they exist,
+APG's projection, CFG-zero*'s optimal scale), then CFG rescale and renorm. Every stream combines on its own:
 norms (APG, CFG-zero*, rescale) never mix streams, and a term scaled per stream guides only those it names.
 """
 
@@ -11,21 +11,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from diffusers.guiders.adaptive_projected_guidance import MomentumBuffer, normalized_guidance
-from diffusers.guiders.classifier_free_zero_star_guidance import cfg_zero_star_scale
 from diffusers.guiders.guider_utils import rescale_noise_cfg
 
-from ..spec import APG, GuidanceSpec, StepPlan
-from ..spec.guidance import Renorm
+from ..spec import GuidanceSpec, StepPlan
+from ..spec.guidance import Renorm, term_of
 from ..spec.plan import for_stream
 from .families import Streams
 
 
 @dataclass
 class GuidanceState:
-    """Per-request state of stateful terms (APG momentum), keyed by term index and stream."""
+    """Per-request memory of stateful terms (APG's momentum), one dict per term index and stream."""
 
-    momentum: dict[tuple[int, str], MomentumBuffer] = field(default_factory=dict)
+    memory: dict[tuple[int, str], dict] = field(default_factory=dict)
 
 
 def combine(plan: StepPlan, preds: Mapping[str, Streams], guidance: GuidanceSpec, state: GuidanceState) -> Streams:
@@ -39,26 +37,13 @@ def _combine_stream(plan: StepPlan, preds: dict[str, torch.Tensor], guidance: Gu
                     stream: str) -> torch.Tensor:
     cond = preds["cond"]
     pred = cond
-    for term in plan.terms:
-        coefficient = for_stream(term.coefficient, stream)
+    for planned in plan.terms:
+        coefficient = for_stream(planned.coefficient, stream)
         if coefficient == 0.0:
             continue
-        other = preds[term.pass_name]
-        if term.rule == "delta":
-            pred = pred + coefficient * (cond - other)
-        elif term.rule == "cfg_zero_star":
-            scale = cfg_zero_star_scale(cond.flatten(1), other.flatten(1)).view(-1, *[1] * (cond.ndim - 1))
-            pred = pred + coefficient * (cond - other * scale)
-        else:  # apg: the paper's form cond + (w - 1) * (orthogonal + eta * parallel)
-            spec = guidance.terms[term.index]
-            assert isinstance(spec, APG)
-            buffer = None
-            if spec.momentum:
-                buffer = state.momentum.setdefault((term.index, stream), MomentumBuffer(spec.momentum))
-            guided = normalized_guidance(
-                cond, other, coefficient, buffer, spec.eta, spec.norm_threshold, use_original_formulation=True
-            )
-            pred = pred + (guided - cond)
+        term = guidance.terms[planned.index]
+        memory = state.memory.setdefault((planned.index, stream), {})
+        pred = term_of(term).combine(pred, cond, preds[planned.pass_name], coefficient, term, memory)
     rescale = for_stream(plan.rescale, stream)
     if rescale:
         pred = rescale_noise_cfg(pred, cond, rescale)

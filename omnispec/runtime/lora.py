@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,15 @@ from ..spec.hub import check_reachable, hub_offline
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.[^.]+)?\.weight$")
+
+
+@dataclass
+class AdapterState:
+    """A pipeline's LoRA slots as changed since build: scales set by ``omnispec.rl.scale_lora``, and ``off`` while
+    the KL reference runs (``omnispec.rl.reference``). Phases switch slots by it, not by the spec alone."""
+
+    scales: dict[str, float] = field(default_factory=dict)
+    off: bool = False
 
 
 def adapter_target(spec: PipelineSpec, slot: str) -> str:

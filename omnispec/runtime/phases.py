@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..spec import Phase, PipelineSpec, SegmentSchedule
 from ..spec.recipe import ImageInput, LatentUpsample, PreviousInput, Resize
 from .families import Family, Geometry, Streams
+from .lora import AdapterState, adapter_target
 from .schedule import Steps, resolve_steps
 
 
@@ -131,20 +132,20 @@ def renoise(family: Family, latents: Streams, sigma: float, geometry: Geometry, 
     return {name: sigma * noise[name] + (1.0 - sigma) * x for name, x in latents.items()}
 
 
-def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any]) -> None:
-    """Switch on the phase's adapter slot and the ``always`` slots on their targets, every other slot off."""
+def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any], live: AdapterState) -> None:
+    """Switch on the phase's adapter slot and the ``always`` slots on their targets at their scales (the spec's,
+    or what ``omnispec.rl.scale_lora`` set since), every other slot off; none while ``live.off`` (the KL
+    reference, ``omnispec.rl.reference``)."""
     if not spec.model.adapters:
         return
-    from .lora import adapter_target
-
     by_target: dict[str, list[str]] = {}
     for slot in spec.model.adapters:
         by_target.setdefault(adapter_target(spec, slot), []).append(slot)
     for target, slots in by_target.items():
         module = components[target]
-        active = [s for s in slots if s == phase.adapter or spec.model.adapters[s].always]
+        active = [] if live.off else [s for s in slots if s == phase.adapter or spec.model.adapters[s].always]
         if active:
             module.enable_adapters()
-            module.set_adapters(active, weights=[spec.model.adapters[s].scale for s in active])
+            module.set_adapters(active, weights=[live.scales.get(s, spec.model.adapters[s].scale) for s in active])
         else:
             module.disable_adapters()

@@ -17,10 +17,11 @@ from .. import records
 from ..log import logger, timed
 from ..policies import AppliedPolicies
 from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
-from ..spec.guidance import NEGATIVE_TERMS
-from ..spec.request import Request, request_problems, resolve_request, with_request_sigmas
+from ..spec.request import Request, request_problems, resolve_request
 from .distributed import ParallelContext, data_slice, gather_samples
 from .families import Conditioning, Decoded, Family, Streams
+from .lora import AdapterState
+from .plan import RequestPlan, plan_request
 from .run import Run
 
 
@@ -71,6 +72,7 @@ class Pipeline:
         self._encodings = EncodingCache(default_cache_bytes(device) if limit is None else limit)
         self._encodings_version = 0
         self._spec_data: tuple[PipelineSpec, dict[str, Any]] | None = None
+        self.adapters = AdapterState()  # LoRA slot scales set since build, the reference's "off"
         self._told: set[Hashable] = set()  # what was logged once: a size change, an unused negative prompt
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ class Pipeline:
         return req
 
     def _negative_passes(self) -> bool:
-        return any(t.kind in NEGATIVE_TERMS for p in self.spec.recipe.phases for t in p.guidance.terms)
+        return any(p.guidance.negative for p in self.spec.recipe.phases)
 
     @torch.no_grad()
     def generate(self, request: Request, decode: bool = True) -> Output:
@@ -134,8 +136,7 @@ class Pipeline:
         return self._generate(request, decode)
 
     def _generate(self, request: Request, decode: bool) -> Output:
-        run = Run(self, request)
-        results = run.execute()
+        results = Run(self, self.plan(request)).execute()
         out = results[self.spec.recipe.output_index() or 0]
         if decode:
             with timed(f"decoding {len(request.prompts)} sample(s)"):
@@ -206,15 +207,9 @@ class Pipeline:
             return encoded
         return encoded.rows(torch.tensor([unique.index(p) for p in prompts]))
 
-    def spec_for(self, request: Request) -> PipelineSpec:
-        """The spec with the request's ``guidance_scale`` applied to every phase's primary scale and its
-        ``sigmas`` to the schedules that take the request's steps."""
-        spec = self.spec if request.sigmas is None else with_request_sigmas(self.spec, request.sigmas)
-        if request.guidance_scale is None:
-            return spec
-        phases = [p.model_copy(update={"guidance": p.guidance.with_primary_scale(request.guidance_scale)})
-                  for p in spec.recipe.phases]
-        return spec.model_copy(update={"recipe": spec.recipe.model_copy(update={"phases": phases})})
+    def plan(self, request: Request, *, rollout: dict[str, Any] | None = None) -> RequestPlan:
+        """What ``request`` runs on this pipeline (``runtime.plan``), planned once for every use of it."""
+        return plan_request(self.spec, self.family, self.components, self.device, request, rollout=rollout)
 
     # ---- introspection ----------------------------------------------------------------------------------
 
@@ -223,13 +218,9 @@ class Pipeline:
         the policies as applied here; ``as_dict=True`` gives the same as a JSON-ready dict (``--json``).
         ``request`` fields (``steps``, ``height`` ...) plan a request other than the recipe's defaults."""
         req = resolve_request(self.spec, "", None, planning=True, **request)
-        run = Run(self, req, encodings=(Conditioning({}), None))
-        sigmas: dict[str, list[float]] = {}
-        for walk in run.walks:
-            for phase_run in walk.phases:
-                sigmas[phase_run.phase.name] = [walk.steps.step_sigmas[i] for i in phase_run.indices]
+        plan = self.plan(req)
         attention = {role: note for role, note in self.policies.attention.notes.items()}
-        info = explain_spec(run.spec, req.steps, sigmas, attention=attention or None)
+        info = explain_spec(plan.spec, req.steps, plan.sigmas(), attention=attention or None)
         info["applied"] = dict(self.policies.notes)
         return info if as_dict else render_explain(info)
 

@@ -1,81 +1,34 @@
 """``Run``: one request's execution, the one path that generate, rollout and replay share.
 
-A ``Run`` owns what every step needs (family, components, device, cache and parallel context, the
-request-adjusted spec, per-sample generators, prompt encodings, rows per forward) and plans the request's
-walks once. ``execute`` runs them; ``prediction`` is the step body (passes, batched as the row limit allows,
-then the guidance combine) that replay calls for single stored steps.
-
-A walk is a group of phases stepping one schedule: one phase, or the consecutive segments of a shared
-schedule (Wan2.2's two experts). Steps are counted per walk; ``Walk.offset`` places them in the request's
-whole sequence (RL windows count over it).
+A ``Run`` executes a request's plan (``runtime/plan.py``: walks, steps, step plans, generators, the stochastic
+window) with what every step needs (family, components, device, cache and parallel context, prompt encodings).
+``execute`` runs the walks; ``prediction`` is the step body (passes, batched as the row limit allows, then the
+guidance combine) that replay calls for single stored steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-from ..policies.cache import cache_context
-from ..spec import Phase, SkipLayer, StepPlan, compile_plan
-from ..spec.guidance import NEGATIVE_TERMS, pass_name
+from ..policies.caches import cache_context
+from ..spec import Phase
+from ..spec.guidance import term_of
 from ..spec.recipe import ImageInput, PreviousInput
 from ..spec.request import Request
 from .distributed import broadcast_pass, check_sequence, gather_passes
 from .families import Conditioning, Geometry, Perturbation, Streams, batch_of, cat_streams
-from .guidance import GuidanceState, combine
-from .phases import first_step, group_steps, phase_groups, renoise, set_adapter, transform_latents
-from .samplers import StepResult, Stepper, StochasticStepper, sde_generators, stochastic_stepper, window_mask
-from .schedule import Steps
+from .guidance import combine
+from .phases import renoise, set_adapter, transform_latents
+from .plan import Passes, PhaseRun, RequestPlan, Walk
+from .samplers import StepResult, StochasticStepper
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
-
-
-@dataclass
-class Passes:
-    """What each pass name runs: which conditioning, and which perturbation (None = plain forward)."""
-
-    conditions: dict[str, Conditioning]
-    perturbations: dict[str, Perturbation | None]
-
-
-@dataclass
-class PhaseRun:
-    """One phase's share of a walk: its step indices, its compiled plan per step, and its pass inputs."""
-
-    phase: Phase
-    denoiser: torch.nn.Module
-    indices: list[int]
-    plans: dict[int, StepPlan]
-    passes: Passes | None = None  # set once the walk's image conditioning is known
-    state: GuidanceState = field(default_factory=GuidanceState)
-
-
-@dataclass
-class Walk:
-    phases: list[PhaseRun]
-    steps: Steps
-    geometry: Geometry
-    begin: int
-    offset: int
-    max_rows: int | None
-    images: Conditioning | None = None
-
-    @property
-    def phase_starts(self) -> list[int]:
-        """The first step each phase of the walk runs."""
-        return [run.indices[0] for run in self.phases if run.indices]
-
-    def owner(self, i: int) -> PhaseRun:
-        return next(run for run in self.phases if i in run.plans)
-
-    @property
-    def first(self) -> Phase:
-        return self.phases[0].phase
 
 
 @dataclass
@@ -86,56 +39,21 @@ class PhaseResult:
 
 # Called after every step with (walk, step index, state before the step, the step's result).
 StepObserver = Callable[[Walk, int, Streams, StepResult], None]
-# Gives a walk its stepper (rollouts: stochastic on their window), or None for the walk's own.
-StepperFactory = Callable[[Walk], Stepper | None]
 
 
 class Run:
-    def __init__(self, pipe: Pipeline, request: Request, *, encodings: tuple[Conditioning, Conditioning | None]
-                 | None = None, stepper_for: StepperFactory | None = None):
+    """Executes a request's plan (``plan.RequestPlan``): its walks' starting states, the denoise loop, the step
+    body. ``plan`` may be given as a resolved ``Request``, which is then planned here."""
+
+    def __init__(self, pipe: Pipeline, plan: RequestPlan | Request, *,
+                 encodings: tuple[Conditioning, Conditioning | None] | None = None):
         self.pipe = pipe
         self.family, self.components, self.device = pipe.family, pipe.components, pipe.device
         self.cache, self.parallel = pipe.policies.cache, pipe.parallel
-        self.spec = pipe.spec_for(request)
-        self.request = request
-        self.generators = [torch.Generator("cpu").manual_seed(s) for s in request.seeds]
-        self.positive, self.negative = encodings if encodings is not None else pipe.encode(request)
-        self.stepper_for = stepper_for
-        self.walks = self._plan_walks()
-
-    # ---- planning -----------------------------------------------------------------------------------------
-
-    def _plan_walks(self) -> list[Walk]:
-        walks, offset = [], 0
-        for group in phase_groups(self.spec):
-            first = self.spec.recipe.phases[group[0]]
-            geometry = self.family.geometry(self.request, first.size_scale)
-            tokens = self.family.tokens(geometry)
-            steps, owned = group_steps(self.spec, group, self.request.steps, tokens, self.components, self.device)
-            begin = first_step(first, steps, self.request.strength)
-            runs = []
-            for k, idx in enumerate(group):
-                phase = self.spec.recipe.phases[idx]
-                mine = [i for i in owned[k] if i >= begin]
-                plans = compile_plan(phase.guidance, len(mine), [steps.step_sigmas[i] for i in mine]) if mine else []
-                runs.append(PhaseRun(phase, self.components[phase.denoiser], mine, dict(zip(mine, plans))))
-            walks.append(Walk(runs, steps, geometry, begin, offset, self._max_rows(tokens)))
-            offset += len(steps)
-        return walks
-
-    def _max_rows(self, tokens: int) -> int | None:
-        runtime = self.spec.runtime
-        limits = [runtime.max_batch] if runtime.max_batch else []
-        if runtime.max_tokens_per_forward:
-            limits.append(max(1, runtime.max_tokens_per_forward // max(1, tokens)))
-        return min(limits) if limits else None
-
-    def steps_per_denoiser(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for walk in self.walks:
-            for run in walk.phases:
-                counts[run.phase.denoiser] = counts.get(run.phase.denoiser, 0) + len(run.indices)
-        return counts
+        self.plan = plan if isinstance(plan, RequestPlan) else pipe.plan(plan)
+        self.spec, self.request = self.plan.spec, self.plan.request
+        self.generators, self.walks = self.plan.generators, self.plan.walks
+        self.positive, self.negative = encodings if encodings is not None else pipe.encode(self.request)
 
     def condition(self, walk: Walk) -> None:
         """Encode the request's images for this walk's size and give every phase its pass inputs."""
@@ -150,7 +68,7 @@ class Run:
     def execute(self, observer: StepObserver | None = None) -> list[PhaseResult]:
         """Every phase's final latents, in phase order."""
         if self.cache is not None:
-            self.cache.begin(self.steps_per_denoiser())
+            self.cache.begin(self.plan.steps_per_denoiser())
         results: list[PhaseResult] = []
         prev: PhaseResult | None = None
         for walk in self.walks:
@@ -182,28 +100,15 @@ class Run:
         self.condition(walk)
         return self.family.start(x, walk.images, geometry)
 
-    def _stepper(self, walk: Walk) -> Stepper:
-        custom = self.stepper_for(walk) if self.stepper_for is not None else None
-        if custom is not None:
-            return custom
-        sampler = walk.first.sampler
-        if sampler.kind == "ode":
-            return walk.steps.stepper(self.family.streams, walk.begin)
-        seeds = list(self.request.seeds)
-        mask = window_mask(sampler, len(walk.steps), torch.arange(len(seeds)), seeds[0], start=walk.begin)
-        return stochastic_stepper(sampler, walk.steps, mask, sde_generators(seeds, self.device),
-                                  where=f"recipe.phases.{self.spec.recipe.phases.index(walk.first)}.sampler",
-                                  begin=walk.begin, phase_starts=walk.phase_starts)
-
     def _denoise(self, walk: Walk, x: Streams, observer: StepObserver | None) -> Streams:
-        stepper = self._stepper(walk)
+        stepper = self.plan.stepper(walk, self.device)
         label = "+".join(run.phase.name for run in walk.phases)
         progress = self.spec.runtime.progress and (self.parallel is None or self.parallel.is_main)
         starts = {run.indices[0]: run for run in walk.phases if run.indices}
         last: Streams | None = None
         for i in tqdm(range(walk.begin, len(walk.steps)), desc=label, disable=not progress, leave=False):
             if i in starts:
-                set_adapter(self.spec, starts[i].phase, self.components)
+                set_adapter(self.spec, starts[i].phase, self.components, self.pipe.adapters)
             # step_mask, or a stochastic stepper's cheaper steps outside its window: reuse the last prediction
             reuse = isinstance(stepper, StochasticStepper) and stepper.reuses(i)
             if (reuse or self.cache is not None and not self.cache.computes(i)) and last is not None:
@@ -314,16 +219,17 @@ def _rows(cond: Conditioning, rows: Sequence[int] | None) -> Conditioning:
 
 
 def phase_passes(phase: Phase, positive: Conditioning, negative: Conditioning | None) -> Passes:
+    """Each pass's conditioning (the negative prompt's for a negative-prompt term, else the positive one) and the
+    perturbation its term runs it with."""
     conditions = {"cond": positive}
     perturbations: dict[str, Perturbation | None] = {"cond": None}
     for term in phase.guidance.terms:
-        name = pass_name(term)
-        if term.kind in NEGATIVE_TERMS:
+        behaviour = term_of(term)
+        name = behaviour.pass_name(term)
+        if behaviour.negative:
             assert negative is not None, "encode() gives a negative encoding whenever a phase has a negative term"
-            conditions[name], perturbations[name] = negative, None
-        else:
-            assert isinstance(term, (SkipLayer,)) or term.kind == "modality"
-            conditions[name], perturbations[name] = positive, term  # type: ignore[assignment]
+        conditions[name] = negative if behaviour.negative else positive  # type: ignore[assignment]
+        perturbations[name] = behaviour.perturbation(term)
     return Passes(conditions, perturbations)
 
 

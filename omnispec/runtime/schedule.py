@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..spec import FlowMatchSchedule, SchedulerSchedule, SpecError, flow_match_sigmas
+from ..spec.schedule import SHARED_SCHEDULES
 from ..spec.schedule import dynamic_mu
 from .samplers import EulerStepper, SchedulerStepper, Stepper
 
@@ -61,11 +62,38 @@ def resolve_steps(
     components: dict[str, Any],
     device: torch.device,
 ) -> Steps:
-    if isinstance(schedule, FlowMatchSchedule):
+    """The walk over ``schedule`` for a request of ``steps`` steps (``seq_len``: image tokens, for dynamic shift)."""
+    return SHARED_SCHEDULES.implementation(schedule).steps(schedule, steps, seq_len, components, device)
+
+
+class FlowMatchWalk:
+    """omnispec's flow-matching schedule: ``flow_match_sigmas`` (the same pure function explain shows) as tensors,
+    timesteps ``1000 sigma``, Euler steps."""
+
+    def steps(self, schedule: FlowMatchSchedule, steps: int, seq_len: int, components: dict[str, Any],
+              device: torch.device) -> Steps:
         n = len(schedule.sigmas) if schedule.sigmas is not None else (schedule.steps or steps)
         sigmas = torch.tensor(flow_match_sigmas(schedule, n, seq_len), dtype=torch.float32, device=device)
         return Steps(sigmas[:-1] * 1000.0, sigmas, 1000)
-    return _scheduler_steps(schedule, schedule.steps or steps, seq_len, components, device)
+
+
+class SchedulerWalk:
+    """A scheduler component's own ``set_timesteps`` and ``step``."""
+
+    def steps(self, schedule: SchedulerSchedule, steps: int, seq_len: int, components: dict[str, Any],
+              device: torch.device) -> Steps:
+        return _scheduler_steps(schedule, schedule.steps or steps, seq_len, components, device)
+
+
+class SegmentWalk:
+    """A segment walks the schedule it names, shared with the other segments (``phases.group_steps`` owns the steps
+    out to each); it makes no steps of its own."""
+
+    def steps(self, schedule: Any, steps: int, seq_len: int, components: dict[str, Any], device: torch.device) -> Steps:
+        raise ValueError("a segment's steps are its shared schedule's (phases.group_steps)")
+
+
+FLOW_MATCH, SCHEDULER, SEGMENT = FlowMatchWalk(), SchedulerWalk(), SegmentWalk()
 
 
 def _scheduler_steps(

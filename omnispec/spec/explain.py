@@ -8,7 +8,7 @@ from typing import Any
 from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
 from .recipe import Phase
-from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, flow_match_sigmas
+from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule, flow_match_sigmas
 
 
 def static_sigmas(spec: PipelineSpec, phase: Phase, steps: int) -> list[float] | None:
@@ -62,7 +62,7 @@ def explain_spec(
             "name": phase.name,
             "denoiser": phase.denoiser,
             "steps": n,
-            "schedule": _describe_schedule(spec, phase),
+            "schedule": phase.schedule.describe(spec.recipe.schedules),
             "sigma_range": [sigmas[0], sigmas[-1]] if sigmas else None,
             "input": phase.input.model_dump(mode="json", exclude_defaults=True) | {"kind": phase.input.kind},
             "adapter": phase.adapter,
@@ -110,20 +110,6 @@ def _plan_or_none(phase: Phase, n: int, sigmas: Sequence[float] | None) -> list[
         return compile_plan(phase.guidance, n, sigmas)
     except ValueError:  # sigma-keyed guidance and sigmas only known at run time
         return None
-
-
-def _describe_schedule(spec: PipelineSpec, phase: Phase) -> str:
-    s = phase.schedule
-    if isinstance(s, FlowMatchSchedule):
-        shift = {"dynamic": "dynamic shift", FROM_CHECKPOINT: "shift from the checkpoint"}.get(
-            s.shift, f"shift {s.shift}")  # type: ignore[arg-type]
-        return f"flow_match ({shift}{', explicit sigmas' if s.sigmas else ''})"
-    if isinstance(s, SchedulerSchedule):
-        return f"scheduler component {s.component!r}"
-    shared = spec.recipe.schedules[s.of]
-    inner = shared.kind if isinstance(shared, FlowMatchSchedule) else f"scheduler component {shared.component!r}"
-    low, high = (f"{b:g}" if isinstance(b, float) else "the checkpoint's boundary" for b in (s.low, s.high))
-    return f"segment [{low}, {high}{']' if s.high == 1 else ')'} of {s.of!r} ({inner})"
 
 
 def _describe_run(first: int, last: int, plan: StepPlan) -> dict[str, Any]:

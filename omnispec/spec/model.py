@@ -136,5 +136,3 @@ class ModelSpec(SpecModel):
             raise ValueError(f"unknown family {family!r}; built in: {', '.join(BUILTIN_FAMILIES)}, or 'pkg.module:Class'")
         return family
 
-    def names_with_role(self, role: str) -> list[str]:
-        return [name for name, c in self.components.items() if c.role == role]

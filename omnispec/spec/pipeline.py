@@ -8,10 +8,11 @@ from pydantic import Field, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from .base import DEVICE_PATTERN, Seed, SpecModel
+from .guidance import GUIDANCE
 from .model import ROLES, WEIGHTLESS_ROLES, ModelSpec
-from .policies import HOOKED_CACHES, PERTURBABLE_BACKENDS, Policies
-from .recipe import IMAGE_TASKS, ImageInput, LatentUpsample, PreviousInput, Recipe
-from .schedule import FROM_CHECKPOINT, SchedulerSchedule, SegmentSchedule
+from .policies import CACHES, OFFLOADS, PERTURBABLE_BACKENDS, Policies
+from .recipe import IMAGE_TASKS, SAMPLERS, ImageInput, LatentUpsample, PreviousInput, Recipe
+from .schedule import FROM_CHECKPOINT, SCHEDULES, SHARED_SCHEDULES, SchedulerSchedule, SegmentSchedule
 
 Loc = tuple[str | int, ...]
 
@@ -54,6 +55,10 @@ class PipelineSpec(SpecModel):
         return self
 
 
+for _kinds in (GUIDANCE, CACHES, OFFLOADS, SAMPLERS, SCHEDULES, SHARED_SCHEDULES):
+    _kinds.held_by(PipelineSpec)
+
+
 def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of rules reads best
     components = spec.model.components
     phases = spec.recipe.phases
@@ -88,7 +93,7 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
                 yield base + ("input", "kind"), f"task {spec.recipe.task!r} has no image to start from"
             if spec.recipe.defaults.strength is None:
                 yield ("recipe", "defaults", "strength"), "an image input phase needs a default strength"
-        if phase.sampler.kind != "ode" and spec.policies.cache.kind in HOOKED_CACHES:
+        if phase.sampler.stochastic and spec.policies.cache.hooked:
             yield base + ("sampler", "kind"), (
                 f"the {spec.policies.cache.kind} cache (policies.cache.kind) decides per step from state a replay "
                 "cannot rebuild, so stochastic steps would not replay exactly; use cache kind step_mask (computing "
@@ -182,7 +187,7 @@ def _segment_bounds(segments: list[SegmentSchedule]) -> list[tuple[float, float]
 
 def _policy_problems(spec: PipelineSpec):
     policies = spec.policies
-    if policies.offload.strategy in ("layerwise", "group") and policies.compile.mode == "full":
+    if policies.offload.streams_blocks and policies.compile.mode == "full":
         yield ("policies", "compile", "mode"), (
             f"full-graph compile cannot trace through {policies.offload.strategy} offload's hooks "
             "(policies.offload.strategy); use compile mode 'regional'"
@@ -190,12 +195,12 @@ def _policy_problems(spec: PipelineSpec):
     if policies.compile.mode != "none" and policies.compile.fullgraph:
         # diffusers' offload and cache hooks call compiler-disabled functions (onload, cache decisions) from
         # inside the forwards being compiled: a full graph cannot contain them
-        if policies.offload.strategy in ("layerwise", "group") and policies.compile.mode == "regional":
+        if policies.offload.streams_blocks and policies.compile.mode == "regional":
             yield ("policies", "compile", "fullgraph"), (
                 f"{policies.offload.strategy} offload (policies.offload.strategy) onloads each block from a hook "
                 "the compiler must not trace; set policies.compile.fullgraph: false (the block bodies still "
                 "compile, with a graph break at each onload)")
-        if policies.cache.kind in HOOKED_CACHES:
+        if policies.cache.hooked:
             yield ("policies", "compile", "fullgraph"), (
                 f"the {policies.cache.kind} cache (policies.cache.kind) decides per step in hooks the compiler "
                 "must not trace; set policies.compile.fullgraph: false, or use cache kind step_mask")

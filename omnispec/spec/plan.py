@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-from .guidance import CFG, GuidanceSpec, Renorm, pass_name, scale_at, stream_scale_at
-
-Rule = Literal["delta", "apg", "cfg_zero_star"]
-
-# How a term's scale becomes its delta coefficient; a coefficient of 0 means the term is off.
-_COEFFICIENT_OFFSET = {"cfg": 1.0, "true_cfg": 1.0, "apg": 1.0, "cfg_zero_star": 1.0, "modality": 1.0, "skip_layer": 0.0}
+from .guidance import GuidanceSpec, Renorm, scale_at, stream_scale_at, term_of
 
 
 # A value for every stream, or one per named stream (the others get 0: unguided by that term / no rescale).
@@ -26,8 +20,7 @@ def for_stream(value: PerStream, stream: str) -> float:
 class PlannedTerm:
     kind: str
     pass_name: str
-    coefficient: PerStream
-    rule: Rule
+    coefficient: PerStream  # 0 means off (such a term is not planned)
     index: int  # position of the term in ``GuidanceSpec.terms``
 
 
@@ -69,23 +62,21 @@ def compile_plan(guidance: GuidanceSpec, steps: int, sigmas: Sequence[float] | N
         for index, term in enumerate(guidance.terms):
             if term.window is not None and not term.window.contains(fraction, sigma):
                 continue
-            if term.kind == "cfg_zero_star" and i < term.zero_init_steps:
+            behaviour = term_of(term)
+            if behaviour.zero_at(term, i):
                 zero = True
                 continue
-            original = isinstance(term, CFG) and term.formulation == "original"
-            offset = 0.0 if original else _COEFFICIENT_OFFSET[term.kind]
             value = stream_scale_at(term.scale, fraction, sigma)
             coefficient: PerStream
             if isinstance(value, dict):
-                coefficient = {stream: v - offset for stream, v in value.items() if v - offset != 0.0}
+                coefficient = {stream: c for stream, v in value.items() if (c := behaviour.coefficient(term, v)) != 0.0}
                 if not coefficient:
                     continue
             else:
-                coefficient = value - offset
+                coefficient = behaviour.coefficient(term, value)
                 if coefficient == 0.0:
                     continue
-            rule: Rule = term.kind if term.kind in ("apg", "cfg_zero_star") else "delta"  # type: ignore[assignment]
-            terms.append(PlannedTerm(term.kind, pass_name(term), coefficient, rule, index))
+            terms.append(PlannedTerm(term.kind, behaviour.pass_name(term), coefficient, index))
         embedded = None if guidance.embedded is None else scale_at(guidance.embedded, fraction, sigma)
         rescale = stream_scale_at(guidance.rescale, fraction, sigma)
         if zero:

@@ -6,11 +6,12 @@ place and one order: quantization at load, dtype/device, attention, cache, offlo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from .base import SpecModel
+from .kinds import Kinds
 
 AttentionBackend = Literal[
     "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage"
@@ -29,11 +30,18 @@ class AttentionPolicy(SpecModel):
     approximate: bool = Field(default=False, description="Let auto consider approximate kernels (sage).")
 
 
-class NoOffload(SpecModel):
+class OffloadSpec(SpecModel):
+    """Base of the offload strategies (``OFFLOADS``). ``streams_blocks``: the denoiser's blocks are onloaded by
+    hooks the compiler must not trace (a full-graph compile cannot contain them)."""
+
+    streams_blocks: ClassVar[bool] = False
+
+
+class NoOffload(OffloadSpec):
     strategy: Literal["none"]
 
 
-class ModelOffload(SpecModel):
+class ModelOffload(OffloadSpec):
     """Only the running role-group (encoders, then denoisers, then the VAE) sits on the device."""
 
     strategy: Literal["model"]
@@ -42,24 +50,30 @@ class ModelOffload(SpecModel):
         "false moves with Module.to as diffusers' enable_model_cpu_offload does (less pinned host memory)."))
 
 
-class LayerwiseOffload(SpecModel):
+class LayerwiseOffload(OffloadSpec):
     """Denoiser blocks stream host->device one at a time, prefetched on a side stream."""
 
+    streams_blocks: ClassVar[bool] = True
     strategy: Literal["layerwise"]
     prefetch: bool = True
     pin_memory: bool = True
 
 
-class GroupOffload(SpecModel):
+class GroupOffload(OffloadSpec):
+    streams_blocks: ClassVar[bool] = True
     strategy: Literal["group"]
     blocks_per_group: PositiveInt = 1
     prefetch: bool = True
     pin_memory: bool = True
 
 
-OffloadPolicy = Annotated[
-    Union[NoOffload, ModelOffload, LayerwiseOffload, GroupOffload], Field(discriminator="strategy")
-]
+# Each strategy's implementation lives with the policies (policies/offload/), named here so the spec layer never
+# imports it.
+OFFLOADS = Kinds("offload strategy", tag="strategy")
+OFFLOADS.register(NoOffload, "omnispec.policies.offload:NONE")
+OFFLOADS.register(ModelOffload, "omnispec.policies.offload:MODEL")
+OFFLOADS.register(LayerwiseOffload, "omnispec.policies.offload:BLOCKS")
+OFFLOADS.register(GroupOffload, "omnispec.policies.offload:BLOCKS")
 
 QuantMethod = Literal[
     "fp8_dynamic", "fp8_weight_only", "int8_weight_only", "int8_dynamic", "int4_weight_only", "nf4", "int8"
@@ -83,28 +97,39 @@ class Quantization(SpecModel):
         return self
 
 
-class NoCache(SpecModel):
+class CacheSpec(SpecModel):
+    """Base of the step caches (``CACHES``). ``hooked``: diffusers hooks on the denoiser's blocks decide per step
+    from state of their own, which a full-graph compile cannot trace and a replay of a stochastic step cannot
+    rebuild; a cache without hooks is read by the denoise loop."""
+
+    hooked: ClassVar[bool] = False
+
+
+class NoCache(CacheSpec):
     kind: Literal["none"]
 
 
-class FirstBlockCache(SpecModel):
+class FirstBlockCache(CacheSpec):
     """Reuse the rest of the network when the first block's output changed less than ``threshold``."""
 
+    hooked: ClassVar[bool] = True
     kind: Literal["first_block"]
     threshold: float = Field(default=0.05, gt=0)
 
 
-class TaylorSeerCache(SpecModel):
+class TaylorSeerCache(CacheSpec):
+    hooked: ClassVar[bool] = True
     kind: Literal["taylorseer"]
     interval: PositiveInt = 2
     max_order: PositiveInt = 1
     warmup_steps: int = Field(default=3, ge=0)
 
 
-class MagCache(SpecModel):
+class MagCache(CacheSpec):
     """MagCache skips steps by the accumulated residual-magnitude ratio; ``mag_ratios`` (one per step)
     come from a calibration run (``calibrate: true`` runs without skipping and logs them)."""
 
+    hooked: ClassVar[bool] = True
     kind: Literal["magcache"]
     threshold: float = Field(default=0.06, gt=0)
     max_skip_steps: PositiveInt = 3
@@ -119,7 +144,7 @@ class MagCache(SpecModel):
         return self
 
 
-class StepMaskCache(SpecModel):
+class StepMaskCache(CacheSpec):
     """A declared pattern: ``mask[i]`` true computes step ``i``, false reuses the last prediction."""
 
     kind: Literal["step_mask"]
@@ -133,12 +158,13 @@ class StepMaskCache(SpecModel):
         return mask
 
 
-# Caches applied as diffusers hooks on the denoiser's blocks (step_mask is read by the loop instead).
-HOOKED_CACHES = ("first_block", "taylorseer", "magcache")
-
-CachePolicy = Annotated[
-    Union[NoCache, FirstBlockCache, TaylorSeerCache, MagCache, StepMaskCache], Field(discriminator="kind")
-]
+# Each cache's implementation lives with the policies (policies/caches/, one file per kind).
+CACHES = Kinds("cache")
+CACHES.register(NoCache, "omnispec.policies.caches.none:NONE")
+CACHES.register(FirstBlockCache, "omnispec.policies.caches.first_block:FIRST_BLOCK")
+CACHES.register(TaylorSeerCache, "omnispec.policies.caches.taylorseer:TAYLORSEER")
+CACHES.register(MagCache, "omnispec.policies.caches.magcache:MAGCACHE")
+CACHES.register(StepMaskCache, "omnispec.policies.caches.step_mask:STEP_MASK")
 
 
 class CompilePolicy(SpecModel):
@@ -163,10 +189,14 @@ class ParallelPolicy(SpecModel):
 
 class Policies(SpecModel):
     attention: AttentionPolicy = Field(default_factory=AttentionPolicy)
-    offload: OffloadPolicy = Field(default_factory=lambda: NoOffload(strategy="none"))
+    offload: Annotated[OffloadSpec, OFFLOADS] = Field(default_factory=lambda: NoOffload(strategy="none"))
     quantization: dict[str, Quantization] = Field(
         default_factory=dict, description="Component name or role -> quantization."
     )
-    cache: CachePolicy = Field(default_factory=lambda: NoCache(kind="none"))
+    cache: Annotated[CacheSpec, CACHES] = Field(default_factory=lambda: NoCache(kind="none"))
     compile: CompilePolicy = Field(default_factory=CompilePolicy)
     parallel: ParallelPolicy = Field(default_factory=ParallelPolicy)
+
+
+CACHES.held_by(Policies)
+OFFLOADS.held_by(Policies)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -19,8 +19,9 @@ from .base import (
     Steps,
     Unit,
 )
-from .guidance import GuidanceSpec
-from .schedule import Schedule, SharedSchedule
+from .guidance import GUIDANCE, GuidanceSpec
+from .kinds import Kinds
+from .schedule import SCHEDULES, SHARED_SCHEDULES, Schedule, SharedSchedule
 
 Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image"]
 RequestField = Literal[
@@ -29,7 +30,6 @@ RequestField = Literal[
 ]
 # Tasks whose requests must carry an image; the text-to-X tasks refuse one.
 IMAGE_TASKS = ("image-to-video", "image-to-image")
-REQUEST_FIELDS: tuple[str, ...] = RequestField.__args__  # type: ignore[attr-defined]
 
 
 class RequestDefaults(SpecModel):
@@ -89,11 +89,11 @@ class Constraints(SpecModel):
 # ---- phase inputs -----------------------------------------------------------------------------------
 
 class LatentUpsample(SpecModel):
-    """Upsample the previous phase's latents with an ``upsampler`` component, or by interpolation."""
+    """Upsample the previous phase's latents to this phase's size (its ``size_scale`` decides the factor) with an
+    ``upsampler`` component, or by interpolation."""
 
     kind: Literal["latent_upsample"]
     upsampler: str | None = Field(default=None, description="Component with role 'upsampler'; interpolate if unset.")
-    scale: float = Field(default=2.0, gt=0)
     mode: Literal["nearest", "bilinear", "bicubic", "trilinear"] = "bilinear"
 
 
@@ -133,7 +133,13 @@ class PreviousInput(SpecModel):
 PhaseInput = Annotated[Union[InitialInput, ImageInput, PreviousInput], Field(discriminator="kind")]
 
 
-class ODESampler(SpecModel):
+class SamplerSpec(SpecModel):
+    """Base of the samplers (``SAMPLERS``). ``stochastic``: its steps draw noise and carry a log-prob (rollouts)."""
+
+    stochastic: ClassVar[bool] = False
+
+
+class ODESampler(SamplerSpec):
     """Deterministic Euler step ``x + (sigma_next - sigma) * v`` (or the scheduler's own ``step``)."""
 
     kind: Literal["ode"]
@@ -184,7 +190,8 @@ class OutsideWindow(SpecModel):
         "an Euler step over several sigmas at once. 1 computes every step."))
 
 
-class _Stochastic(SpecModel):
+class _Stochastic(SamplerSpec):
+    stochastic: ClassVar[bool] = True
     window: StochasticWindow = Field(default_factory=lambda: AllSteps(kind="all"))
     include_last: bool = Field(default=False, description=(
         "Let the window use the walk's last step. Flow-GRPO and DanceGRPO leave it out (its std is tiny and "
@@ -234,8 +241,17 @@ class DanceSDESampler(_Stochastic):
     eta: float = Field(default=0.3, gt=0)
 
 
-Sampler = Annotated[Union[ODESampler, SDESampler, CPSSampler, DanceSDESampler], Field(discriminator="kind")]
-STOCHASTIC_SAMPLERS = ("sde", "cps", "dance_sde")
+# Each sampler's step lives with the runtime (runtime/samplers/, one file per stochastic kind).
+SAMPLERS = Kinds("sampler")
+SAMPLERS.register(ODESampler, "omnispec.runtime.samplers.ode:ODE")
+SAMPLERS.register(SDESampler, "omnispec.runtime.samplers.sde:SDE")
+SAMPLERS.register(CPSSampler, "omnispec.runtime.samplers.cps:CPS")
+SAMPLERS.register(DanceSDESampler, "omnispec.runtime.samplers.dance_sde:DANCE_SDE")
+Sampler = Annotated[SamplerSpec, SAMPLERS]
+
+
+def stochastic_kinds() -> tuple[str, ...]:
+    return tuple(kind for kind, cls in SAMPLERS.classes.items() if cls.stochastic)
 
 
 class Phase(SpecModel):
@@ -276,3 +292,8 @@ class Recipe(SpecModel):
             return names.index(out) if out in names else None
         n = len(self.phases)
         return out % n if -n <= out < n else None
+
+
+for _kinds in (GUIDANCE, SAMPLERS, SCHEDULES):
+    _kinds.held_by(Phase, Recipe)
+SHARED_SCHEDULES.held_by(Recipe)

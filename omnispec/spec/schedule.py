@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, model_validator
 
 from .base import MAX_STEPS, SpecModel, Steps, Unit
+from .kinds import Kinds
 
 ConfigValue = Union[bool, int, float, str, None]
 # A value the spec takes from the checkpoint's own config files at build (shown by ``explain --source``).
@@ -39,6 +40,12 @@ class FlowMatchSchedule(SpecModel):
     max_seq_len: int = 4096
     shift_terminal: Unit | None = None
 
+    def describe(self, schedules: dict) -> str:
+        """How explain names it (``schedules``: the recipe's shared ones)."""
+        shift = {"dynamic": "dynamic shift", FROM_CHECKPOINT: "shift from the checkpoint"}.get(
+            self.shift, f"shift {self.shift}")  # type: ignore[arg-type]
+        return f"flow_match ({shift}{', explicit sigmas' if self.sigmas else ''})"
+
     @model_validator(mode="after")
     def _positive_shift(self) -> FlowMatchSchedule:
         if isinstance(self.shift, float) and self.shift <= 0:
@@ -61,6 +68,9 @@ class SchedulerSchedule(SpecModel):
     steps: Steps | None = Field(default=None, description="Defaults to the request's steps.")
     sigmas: list[Unit] | None = Field(default=None, min_length=1, max_length=MAX_STEPS)
     config: dict[str, ConfigValue] = Field(default_factory=dict)
+
+    def describe(self, schedules: dict) -> str:
+        return f"scheduler component {self.component!r}"
 
 
 class SegmentSchedule(SpecModel):
@@ -88,6 +98,12 @@ class SegmentSchedule(SpecModel):
     def resolved(self) -> bool:
         return FROM_CHECKPOINT not in (self.low, self.high)
 
+    def describe(self, schedules: dict) -> str:
+        shared = schedules[self.of]
+        inner = "flow_match" if isinstance(shared, FlowMatchSchedule) else shared.describe(schedules)
+        low, high = (f"{b:g}" if isinstance(b, float) else "the checkpoint's boundary" for b in (self.low, self.high))
+        return f"segment [{low}, {high}{']' if self.high == 1 else ')'} of {self.of!r} ({inner})"
+
     def contains(self, t_norm: float) -> bool:
         assert isinstance(self.low, float) and isinstance(self.high, float), "resolve from_checkpoint bounds first"
         return self.low <= t_norm < self.high or (self.high == 1.0 and t_norm >= 1.0)
@@ -98,10 +114,17 @@ def takes_request_steps(schedule: FlowMatchSchedule | SchedulerSchedule) -> bool
     return schedule.steps is None and schedule.sigmas is None
 
 
-SharedSchedule = Annotated[Union[FlowMatchSchedule, SchedulerSchedule], Field(discriminator="kind")]
-Schedule = Annotated[
-    Union[FlowMatchSchedule, SchedulerSchedule, SegmentSchedule], Field(discriminator="kind")
-]
+# A phase walks a schedule of its own (``SCHEDULES``: any kind, a segment included) or shares one in
+# ``recipe.schedules`` (``SHARED_SCHEDULES``: the kinds that make their own steps). Each walk's steps are made by its
+# implementation in the runtime (runtime/schedule.py).
+SCHEDULES = Kinds("schedule")
+SHARED_SCHEDULES = Kinds("shared schedule")
+for _registry in (SCHEDULES, SHARED_SCHEDULES):
+    _registry.register(FlowMatchSchedule, "omnispec.runtime.schedule:FLOW_MATCH")
+    _registry.register(SchedulerSchedule, "omnispec.runtime.schedule:SCHEDULER")
+SCHEDULES.register(SegmentSchedule, "omnispec.runtime.schedule:SEGMENT")
+SharedSchedule = Annotated[SpecModel, SHARED_SCHEDULES]
+Schedule = Annotated[SpecModel, SCHEDULES]
 
 
 def dynamic_mu(schedule: FlowMatchSchedule, seq_len: int) -> float:

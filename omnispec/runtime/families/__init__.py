@@ -6,7 +6,7 @@ import importlib
 
 from ...log import harmless_messages_demoted
 from ...spec import BUILTIN_FAMILIES, SpecError
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, batch_of, cat_streams, map_streams
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, batch_of, cat_streams
 
 _BUILTIN = {
     "flux": "omnispec.runtime.families.flux:FluxFamily",
@@ -51,4 +51,4 @@ def family_class(name: str) -> type[Family]:
 
 
 __all__ = ["Conditioning", "Decoded", "Family", "Geometry", "Perturbation", "Streams", "batch_of", "cat_streams",
-           "family_class", "import_ref", "map_streams"]
+           "family_class", "import_ref"]

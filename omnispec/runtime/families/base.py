@@ -9,7 +9,7 @@ encoding, packing and VAE normalisation equal diffusers' by construction.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -17,18 +17,16 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ... import bridge
 from ...spec.base import MAX_SIZE
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
+from ...spec.guidance import term_of
 from ...spec.request import Request
 
 
 # The state a phase denoises: named latent streams (``latents`` for image and video models; ``video`` and
 # ``audio`` for LTX-2), each with its own shape and packing, batch first.
 Streams = dict[str, torch.Tensor]
-
-
-def map_streams(fn: Callable[[torch.Tensor], torch.Tensor], streams: Mapping[str, torch.Tensor]) -> Streams:
-    return {name: fn(x) for name, x in streams.items()}
 
 
 def cat_streams(parts: Sequence[Mapping[str, torch.Tensor]]) -> Streams:
@@ -139,7 +137,7 @@ class Family:
     # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
     # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
     prediction_space: ClassVar[str] = "velocity"
-    # Whether the denoiser has a diffusers context-parallel plan (``_cp_plan``) for ulysses / ring, and if not,
+    # Whether the denoiser has a diffusers context-parallel plan for ulysses / ring, and if not,
     # why sequence parallelism is refused.
     context_parallel: ClassVar[bool] = False
     context_parallel_refusal: ClassVar[str] = "no context-parallel plan for ulysses/ring"
@@ -170,13 +168,9 @@ class Family:
                 problems.append(f"family {cls.name!r} needs {name!r} to have role {role!r}")
         for phase in spec.recipe.phases:
             for term in phase.guidance.terms:
-                if isinstance(term, SkipLayer) and cls.skip_layer_refusal:
-                    problems.append(f"skip_layer guidance cannot run on family {cls.name!r} (phase {phase.name!r}): "
-                                    f"{cls.skip_layer_refusal}")
-                if isinstance(term, Modality) and term.modality not in cls.modalities:
-                    have = ", ".join(cls.modalities) or "none"
-                    problems.append(f"family {cls.name!r} has no modality {term.modality!r} to isolate in phase "
-                                    f"{phase.name!r} (modalities: {have})")
+                refusal = term_of(term).refusal(term, cls)
+                if refusal:
+                    problems.append(f"{refusal} (phase {phase.name!r})")
             unknown = sorted(phase.guidance.streams - set(cls.streams))
             if unknown:
                 problems.append(f"phase {phase.name!r} scales streams {unknown}; family {cls.name!r} has "
@@ -309,9 +303,6 @@ class Family:
         if not isinstance(skip, SkipLayer):
             raise SpecError.single(f"family {self.name!r} cannot run a {skip.kind} perturbation", "guidance")
         from diffusers.hooks import LayerSkipConfig
-        from diffusers.hooks.layer_skip import _apply_layer_skip_hook
-
-        from ...policies.hooks import remove_hook
 
         config = LayerSkipConfig(
             indices=list(skip.layers),
@@ -321,14 +312,14 @@ class Family:
             skip_ff=skip.skip in ("block", "ff"),
         )
         hook_name = "omnispec_layer_skip"
-        _apply_layer_skip_hook(denoiser, config, name=hook_name)
+        bridge.apply_layer_skip_hook(denoiser, config, hook_name)
         try:
             yield
         finally:
             blocks = denoiser.get_submodule(config.fqn)
             for i in config.indices:
                 for module in blocks[i].modules():
-                    remove_hook(module, hook_name)
+                    bridge.remove_hook(module, hook_name)
 
 
 class PackedLatents:

@@ -9,6 +9,7 @@ import torch
 from diffusers import FluxImg2ImgPipeline, FluxPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from ... import bridge
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
 
@@ -58,7 +59,7 @@ class FluxFamily(PackedLatents, Family):
         dtype = self.latent_dtype(None)
         image = img2img.image_processor.preprocess(request.images[0].image, height=geometry.height,
                                                    width=geometry.width).to(self.device, torch.float32)
-        spatial = torch.cat([img2img._encode_vae_image(image.to(dtype), generator=g) for g in generators])
+        spatial = torch.cat([bridge.encode_vae_image(img2img, image.to(dtype), g) for g in generators])
         return {"latents": self.pack("latents", spatial, geometry)}
 
     def latent_dtype(self, denoiser: torch.nn.Module) -> torch.dtype:
@@ -67,10 +68,10 @@ class FluxFamily(PackedLatents, Family):
 
     def pack(self, stream: str, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         b, c, h, w = spatial.shape
-        return FluxPipeline._pack_latents(spatial, b, c, h, w)
+        return bridge.pack_latents(FluxPipeline, spatial, b, c, h, w)
 
     def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-        return FluxPipeline._unpack_latents(latents, geometry.height, geometry.width, self.helper.vae_scale_factor)
+        return bridge.unpack_latents(FluxPipeline, latents, geometry.height, geometry.width, self.helper.vae_scale_factor)
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
@@ -83,7 +84,7 @@ class FluxFamily(PackedLatents, Family):
         key = ("img_ids", latents.device, latents.dtype)
         if key not in geometry.extra:  # built once per phase: a host->device copy per step would stall the GPU
             h, w = self._latent_hw(geometry)
-            ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+            ids = bridge.prepare_latent_image_ids(FluxPipeline, b, h // 2, w // 2, latents.device, latents.dtype)
             geometry.extra[key] = ids if extra_ids is None else torch.cat([ids, extra_ids.to(ids)])
         img_ids = geometry.extra[key]
         guidance = None

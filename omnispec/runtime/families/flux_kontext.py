@@ -7,6 +7,7 @@ import torch
 from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
+from ... import bridge
 from ...spec.request import Request
 from .base import Conditioning, Geometry, Perturbation, Streams
 from .flux import FluxFamily
@@ -42,10 +43,10 @@ class FluxKontextFamily(FluxFamily):
         width, height = width // multiple * multiple, height // multiple * multiple
         image = helper.image_processor.resize(image, height, width)
         pixels = helper.image_processor.preprocess(image, height, width).to(self.device, self.latent_dtype(None))
-        latents = helper._encode_vae_image(pixels, generator=None)
+        latents = bridge.encode_vae_image(helper, pixels, None)
         h, w = latents.shape[2:]
-        packed = helper._pack_latents(latents, 1, latents.shape[1], h, w).repeat(len(generators), 1, 1)
-        ids = helper._prepare_latent_image_ids(1, h // 2, w // 2, self.device, packed.dtype)
+        packed = bridge.pack_latents(helper, latents, 1, latents.shape[1], h, w).repeat(len(generators), 1, 1)
+        ids = bridge.prepare_latent_image_ids(helper, 1, h // 2, w // 2, self.device, packed.dtype)
         ids[..., 0] = 1
         return Conditioning({"image_latents": packed}, {"image_ids": ids})
 

@@ -30,7 +30,7 @@ class HunyuanVideo15Family(Family):
                        "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}
     cache_limits = {"first_block": UNREGISTERED, "magcache": UNREGISTERED}
     skip_layer_refusal = UNREGISTERED
-    context_parallel_refusal = "HunyuanVideo15Transformer3DModel has no diffusers context-parallel plan (_cp_plan)"
+    context_parallel_refusal = "HunyuanVideo15Transformer3DModel has no diffusers context-parallel plan"
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
                 "tokenizer_2": "tokenizer", "vae": "vae"}
 

@@ -15,6 +15,7 @@ import torch
 from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoCondition
 from diffusers.utils.torch_utils import randn_tensor
 
+from ... import bridge
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
@@ -118,18 +119,18 @@ class LTX2Family(Family):
         mel = audio_vae.config.mel_bins // helper.audio_vae_mel_compression_ratio
         audio = randn_tensor((b, audio_vae.config.latent_channels, self.audio_frames(geometry), mel),
                              generator=generators, device=self.device, dtype=torch.float32)
-        return {"video": helper._pack_latents(video), "audio": helper._pack_audio_latents(audio)}
+        return {"video": bridge.pack_latents(helper, video), "audio": bridge.pack_audio_latents(helper, audio)}
 
     # Phase transforms see the raw VAE latents (un-normalised, 5D), as the latent upsampler takes them.
     def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         helper, vae = self.helper, self.helper.vae
-        spatial = helper._unpack_latents(latents, *self.latent_shape(geometry))
-        return helper._denormalize_latents(spatial, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        spatial = bridge.unpack_latents(helper, latents, *self.latent_shape(geometry))
+        return bridge.denormalize_latents(helper, spatial, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
     def pack(self, stream: str, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         helper, vae = self.helper, self.helper.vae
-        normalised = helper._normalize_latents(spatial, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        return helper._pack_latents(normalised)
+        normalised = bridge.normalize_latents(helper, spatial, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        return bridge.pack_latents(helper, normalised)
 
     # ---- image-to-video ----------------------------------------------------------------------------------
 
@@ -254,9 +255,9 @@ class LTX2Family(Family):
             timestep = torch.zeros(video.shape[0], device=video.device, dtype=video.dtype)
         frames = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
         frames = helper.video_processor.postprocess_video(frames, output_type="np")
-        audio = helper._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
+        audio = bridge.denormalize_audio_latents(helper, latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
         mel_bins = audio_vae.config.mel_bins // helper.audio_vae_mel_compression_ratio
-        audio = helper._unpack_audio_latents(audio, self.audio_frames(geometry), num_mel_bins=mel_bins)
+        audio = bridge.unpack_audio_latents(helper, audio, self.audio_frames(geometry), num_mel_bins=mel_bins)
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
         waveform = helper.vocoder(mel)
         return Decoded(np.asarray(frames, dtype=np.float32), waveform.float().cpu().numpy(),

@@ -15,6 +15,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
+from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
@@ -60,10 +61,10 @@ class QwenImageFamily(PackedLatents, Family):
 
     def pack(self, stream: str, spatial: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         b, c, h, w = spatial.shape
-        return QwenImagePipeline._pack_latents(spatial, b, c, h, w)
+        return bridge.pack_latents(QwenImagePipeline, spatial, b, c, h, w)
 
     def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-        spatial = QwenImagePipeline._unpack_latents(latents, geometry.height, geometry.width,
+        spatial = bridge.unpack_latents(QwenImagePipeline, latents, geometry.height, geometry.width,
                                                     self.helper.vae_scale_factor)
         return spatial.squeeze(2)
 
@@ -99,7 +100,7 @@ class QwenImageFamily(PackedLatents, Family):
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         helper, vae = self.helper, self.helper.vae
-        x = QwenImagePipeline._unpack_latents(latents["latents"], geometry.height, geometry.width,
+        x = bridge.unpack_latents(QwenImagePipeline, latents["latents"], geometry.height, geometry.width,
                                               helper.vae_scale_factor).to(vae.dtype)
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x)
@@ -173,9 +174,9 @@ class QwenImageEditFamily(QwenImageFamily):
         for image in self.images(request):
             width, height = self.fitted(image, IMAGE_AREA)
             pixels = helper.image_processor.preprocess(image, height, width).unsqueeze(2)
-            latents = helper._encode_vae_image(pixels.to(self.device, vae.dtype), generator=None)
+            latents = bridge.encode_vae_image(helper, pixels.to(self.device, vae.dtype), None)
             c, h, w = latents.shape[1], latents.shape[3], latents.shape[4]
-            packed.append(helper._pack_latents(latents, 1, c, h, w).to(self.latent_dtype(None)))
+            packed.append(bridge.pack_latents(helper, latents, 1, c, h, w).to(self.latent_dtype(None)))
             shapes.append((1, height // f // 2, width // f // 2))
         geometry.extra["qwen_reference_shapes"] = shapes
         tokens = self.tokens(geometry) + sum(s[1] * s[2] for s in shapes)

@@ -26,7 +26,7 @@ class ZImageFamily(PackedLatents, Family):
     block_lists = ("layers", "noise_refiner", "context_refiner")
     attention_roles = {"joint": ("layers.*.attention",), "image": ("noise_refiner.*.attention",),
                        "text": ("context_refiner.*.attention",)}
-    context_parallel_refusal = "ZImageTransformer2DModel has no diffusers context-parallel plan (_cp_plan)"
+    context_parallel_refusal = "ZImageTransformer2DModel has no diffusers context-parallel plan"
     # diffusers 0.42 registers ZImageTransformerBlock for its block hooks without the name of its hidden-states
     # argument (``x``), so every hook that reads it fails.
     cache_limits = {kind: BLOCK_HOOKS for kind in ("first_block", "magcache")}

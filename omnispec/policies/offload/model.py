@@ -1,6 +1,4 @@
-"""Offload: keep weights on the host and bring them to the device when they run.
-
-``model``: one role-group at a time on the device (encoders, then denoisers, then VAE/upsampler);
+"""Model offload: one role-group at a time on the device (encoders, then denoisers, then VAE/upsampler);
 ``resident`` and ``other`` roles stay put. Written here as a diffusers ``ModelHook`` on each component
 and its direct children (so ``vae.decode``, which never calls ``vae.forward``, still triggers it), because
 diffusers' own model offload is a pipeline method and omnispec applies policies to modules.
@@ -10,8 +8,6 @@ faults, DMA speed) and moving it in copies from it without blocking the host. ``
 ``enable_model_cpu_offload`` does through accelerate) instead allocates fresh pageable host memory for every
 tensor on every move out and stages every move in through the driver's pageable path. Tensor subclasses
 (torchao, bitsandbytes weights) still move with ``Module.to``.
-``layerwise``/``group``: diffusers' ``apply_group_offloading`` on each denoiser (block level, N blocks per
-group, side-stream prefetch on CUDA).
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from typing import Any
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from ..spec import PipelineSpec
-from .hooks import remove_hook
+from ...bridge import remove_hook
 
 GROUPS = {"encoder": "encoders", "denoiser": "denoisers", "vae": "decoders", "upsampler": "decoders"}
 HOOK_NAME = "omnispec_model_offload"
@@ -130,16 +125,11 @@ class _BringGroupHook(ModelHook):
         return _to(args, self.placement.device), _to(kwargs, self.placement.device)
 
 
-def apply_offload(spec: PipelineSpec, components: dict[str, Any], device: torch.device) -> str:
-    strategy = spec.policies.offload
-    roles = {name: c.role for name, c in spec.model.components.items()}
-    modules = {n: m for n, m in components.items() if isinstance(m, torch.nn.Module)}
-    for m in modules.values():  # an earlier build's model offload over these modules ends here
-        for target in (m, *m.children()):
-            remove_hook(target, HOOK_NAME)
-    if strategy.strategy == "none":
-        return "none: every component on " + str(device)
-    if strategy.strategy == "model":
+class ModelOffload:
+    """One role-group on the device at a time, moved by a hook on each component and its direct children."""
+
+    def apply(self, policy: Any, modules: dict[str, torch.nn.Module], roles: dict[str, str],
+              device: torch.device) -> str:
         groups: dict[str, list[torch.nn.Module]] = {}
         for name, m in modules.items():
             group = GROUPS.get(roles[name])
@@ -148,24 +138,25 @@ def apply_offload(spec: PipelineSpec, components: dict[str, Any], device: torch.
                 continue
             m.to("cpu")
             groups.setdefault(group, []).append(m)
-        placement = _Placement(groups, device, copies=None if strategy.pin_memory else False)
+        placement = _Placement(groups, device, copies=None if policy.pin_memory else False)
         for group, members in groups.items():
             for m in members:
                 for target in (m, *m.children()):
                     registry = HookRegistry.check_if_exists_or_initialize(target)
                     registry.register_hook(_BringGroupHook(placement, group), HOOK_NAME)
         return "model: " + ", ".join(f"{g} [{len(ms)}]" for g, ms in groups.items()) + " take turns on " + str(device)
-    from diffusers.hooks import apply_group_offloading
 
-    per_group = 1 if strategy.strategy == "layerwise" else strategy.blocks_per_group
-    use_stream = strategy.prefetch and device.type == "cuda"
-    for name, m in modules.items():
-        if roles[name] == "denoiser":
-            apply_group_offloading(m, onload_device=device, offload_device=torch.device("cpu"),
-                                   offload_type="block_level", num_blocks_per_group=per_group,
-                                   use_stream=use_stream, record_stream=use_stream,
-                                   low_cpu_mem_usage=not strategy.pin_memory)
-        else:
-            m.to(device)
-    return (f"{strategy.strategy}: denoiser blocks streamed {per_group} at a time"
-            f"{' with side-stream prefetch' if use_stream else ''}; other components on {device}")
+    def device_bytes(self, policy: Any, stage: str, roles: tuple[str, ...], components: list[Any],
+                     accelerator: bool) -> int:
+        """The stage's own roles plus every role model offload never moves (resident, other)."""
+        return sum(c.bytes for c in components if c.role in roles or c.role not in GROUPS)
+
+
+def remove_model_offload(modules: dict[str, torch.nn.Module]) -> None:
+    """An earlier build's model offload over these modules ends here."""
+    for m in modules.values():
+        for target in (m, *m.children()):
+            remove_hook(target, HOOK_NAME)
+
+
+MODEL = ModelOffload()

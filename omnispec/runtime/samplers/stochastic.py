@@ -1,74 +1,21 @@
-"""Steppers: turn (state, prediction, step index) into the next state, for every latent stream.
-
-One stepper per walk. ``EulerStepper`` is omnispec's flow-matching ODE step; ``SchedulerStepper`` defers to
-a diffusers scheduler's ``step`` (one copy per stream: multistep schedulers keep per-stream history);
-``StochasticStepper`` runs a spec's SDE on the steps of its window and scores them. A stepper returns a
-``StepResult`` so that stochastic steps can add their log-probability, mean and std.
+"""Stochastic steps (RL rollouts): the window of steps that draw noise, the stepper that runs a sampler kind's SDE
+there and scores it, and the Gaussian log-probs. Each sampler kind's transition is in its own file (``sde.py``,
+``cps.py``, ``dance_sde.py``), looked up through ``spec.recipe.SAMPLERS``.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from ..spec import SpecError
-from .families import Streams
-
-
-@dataclass
-class StepResult:
-    next: Streams
-    log_prob: torch.Tensor | None = None  # (B,) float32: the sum of the streams' log-probs
-    stream_log_probs: dict[str, torch.Tensor] | None = None  # (B,) per stream
-    mean: Streams | None = None  # float32: the mean of the transition to ``next``
-    std: dict[str, torch.Tensor] | None = None  # (B,) per stream: the std of the transition
-    std_t: dict[str, torch.Tensor] | None = None  # (B,) per stream: Flow-GRPO's std_dev_t (see ``Transition``)
-    x0: Streams | None = None  # float32 clean-sample estimate ``x - sigma v`` (a walk's last step, on request)
-
-
-class Stepper(Protocol):
-    def step(self, x: Streams, pred: Streams, i: int) -> StepResult: ...
-
-
-def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """``x + dt * v`` in float32 (diffusers' FlowMatchEulerDiscreteScheduler arithmetic)."""
-    return x.to(torch.float32) + dt * pred.to(torch.float32)
-
-
-class EulerStepper:
-    """``x_next = x + (sigma_next - sigma) * v`` per stream, cast back to the stream's dtype (as diffusers)."""
-
-    def __init__(self, sigmas: torch.Tensor):
-        self.sigmas = sigmas.to(torch.float32)
-
-    def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
-        dt = self.sigmas[i + 1] - self.sigmas[i]
-        return StepResult({s: euler(x[s], pred[s], dt).to(x[s].dtype) for s in x})
-
-
-class SchedulerStepper:
-    """A diffusers scheduler's own ``step``, one scheduler state per stream."""
-
-    def __init__(self, scheduler: Any, timesteps: torch.Tensor, streams: Sequence[str]):
-        self.schedulers = {s: scheduler if k == 0 else copy.deepcopy(scheduler) for k, s in enumerate(streams)}
-        self.timesteps = timesteps
-
-    def start_at(self, begin: int) -> None:
-        for scheduler in self.schedulers.values():
-            if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(begin)
-
-    def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
-        return StepResult({s: self.schedulers[s].step(pred[s], self.timesteps[i], x[s], return_dict=False)[0]
-                           for s in x})
-
-
-# ---- stochastic steps (RL rollouts) --------------------------------------------------------------------
+from ...spec import SpecError
+from ...spec.recipe import SAMPLERS
+from ..families import Streams
+from .steppers import StepResult, euler
 
 # log N(x; mu, s^2) = -(x - mu)^2 / (2 s^2) - log s - HALF_LOG_2PI (the float32 value of log sqrt(2 pi))
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -117,40 +64,16 @@ def stochastic_step(
     noise: torch.Tensor | None = None,
     sample: torch.Tensor | None = None,
 ) -> Transition:
-    """One SDE step of one stream in float32. The transition's mean and std follow from the prediction
-    ``v``; then either a draw (``noise``) or the log-prob of a given ``sample`` (replay). ``sigma`` and
-    ``sigma_next`` are per-row tensors shaped to broadcast; ``sigma_guard`` replaces sigma = 1 in ``1 - sigma``
-    (Flow-GRPO takes the schedule's second sigma: 0 for a one-step schedule). With ``dt = sigma_next - sigma``:
-
-    - ``sde`` (Flow-GRPO): ``std_t = eta sqrt(sigma / (1 - sigma))``,
-      ``mean = x (1 + std_t^2 dt / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt``,
-      ``std = std_t sqrt(-dt)``; Gaussian log-prob.
-    - ``cps`` (Flow-CPS): ``x0 = x - sigma v``, ``x1 = x + (1 - sigma) v``, ``std = sigma_next sin(eta pi / 2)``,
-      ``mean = (1 - sigma_next) x0 + sqrt(sigma_next^2 - std^2) x1``; log-prob ``-(sample - mean)^2`` (or the
-      Gaussian with ``log_prob: gaussian``).
-    - ``dance_sde`` (DanceGRPO): ``std = eta sqrt(-dt)``, ``mean = x + v dt - eta^2 / 2 * score * dt`` with
-      ``score = -(x - (1 - sigma) x0) / sigma^2``; Gaussian log-prob.
-
-    Log-probs are averaged over every non-batch element, as both trainers do.
-    """
-    x32, v = x.to(torch.float32), pred.to(torch.float32)
-    dt = sigma_next - sigma
-    if sampler.kind == "sde":
-        std_t = torch.sqrt(sigma / (1 - torch.where(sigma >= 1, sigma_guard, sigma))) * sampler.noise_level
-        mean = x32 * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-        std = std_t * torch.sqrt(-dt)
-    elif sampler.kind == "cps":
-        std = std_t = sigma_next * math.sin(sampler.noise_level * math.pi / 2)
-        x0, x1 = x32 - sigma * v, x32 + (1 - sigma) * v
-        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt(sigma_next**2 - std**2)
-    elif sampler.kind == "dance_sde":
-        std = sampler.eta * torch.sqrt(-dt)
-        std_t = torch.full_like(std, sampler.eta)
-        x0 = x32 - sigma * v
-        score = -(x32 - x0 * (1 - sigma)) / sigma**2
-        mean = x32 + dt * v - 0.5 * sampler.eta**2 * score * dt
-    else:
+    """One stochastic step of one stream in float32: the sampler kind's transition (mean and std from the
+    prediction ``v``, its file says the formulas), then either a draw (``noise``) or the log-prob of a given
+    ``sample`` (replay). ``sigma`` and ``sigma_next`` are per-row tensors shaped to broadcast; ``sigma_guard``
+    replaces sigma = 1 in ``1 - sigma`` (Flow-GRPO takes the schedule's second sigma: 0 for a one-step schedule).
+    Log-probs are averaged over every non-batch element, as the official trainers do."""
+    kind = SAMPLERS.implementation(sampler)
+    if not kind.stochastic:
         raise ValueError(f"not a stochastic sampler: {sampler.kind!r}")
+    mean, std, std_t = kind.transition(sampler, x.to(torch.float32), pred.to(torch.float32), sigma, sigma_next,
+                                       sigma_guard)
     rows = (mean.shape[0], *[1] * (mean.ndim - 1))
     std = torch.as_tensor(std, dtype=torch.float32, device=mean.device).expand(rows)
     std_t = torch.as_tensor(std_t, dtype=torch.float32, device=mean.device).expand(rows)
@@ -158,11 +81,7 @@ def stochastic_step(
         if noise is None:
             raise ValueError("stochastic_step needs the noise to draw with, or the sample to score")
         sample = mean + std * noise.to(torch.float32)
-    if sampler.kind == "cps" and sampler.log_prob == "squared_error":
-        log_prob = squared_error_log_prob(sample, mean)
-    else:
-        log_prob = gaussian_log_prob(sample, mean, std)
-    return Transition(sample, log_prob, mean, std.flatten(), std_t.flatten())
+    return Transition(sample, kind.log_prob(sampler, sample, mean, std), mean, std.flatten(), std_t.flatten())
 
 
 # A sample's SDE noise comes from its seed plus this offset, so it never repeats its initial noise.
@@ -290,25 +209,38 @@ def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int, st
         raise SpecError.single(
             "no step is left for the window: " + ", ".join(f"steps {a}-{b - 1}" for a, b in spans) + " run, and a "
             "walk's last step is deterministic unless the sampler sets include_last: true", "sampler.window")
-    b, window = len(group_ids), sampler.window
-    mask = torch.zeros(b, steps, dtype=torch.bool)
-    if window.kind == "all":
-        mask[:, usable] = True
-        return mask
+    fill = _WINDOW_FILLS.get(sampler.window.kind)
+    if fill is None:  # a window kind added to the spec without its mask here
+        raise SpecError.single(f"window kind {sampler.window.kind!r} has no mask in this runtime", "sampler.window")
+    mask = torch.zeros(len(group_ids), steps, dtype=torch.bool)
+    fill(mask, sampler.window, usable, spans, group_ids, seed)
+    return mask
 
-    def fits(first: int) -> bool:
-        end = first + window.length
-        return end <= steps and bool(usable[first:end].all()) and any(a <= first and end <= z for a, z in spans)
 
-    if window.kind == "fixed":
-        if not fits(window.start):
-            raise SpecError.single(
-                f"window {window.start}+{window.length} (steps {window.start}-{window.start + window.length - 1}) "
-                f"does not fit the usable steps {_ranges(usable)} of one walk (a walk's last step is usable only "
-                "with include_last: true)", "sampler.window")
-        mask[:, window.start:window.start + window.length] = True
-        return mask
-    candidates = [s for s in range(window.low, window.high + 1) if fits(s)]
+def _fits(window: Any, first: int, usable: torch.Tensor, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``window.length`` steps from ``first`` are all usable and lie in one walk."""
+    end = first + window.length
+    return end <= len(usable) and bool(usable[first:end].all()) and any(a <= first and end <= z for a, z in spans)
+
+
+def _fill_all(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: Sequence[tuple[int, int]],
+              group_ids: torch.Tensor, seed: int) -> None:
+    mask[:, usable] = True
+
+
+def _fill_fixed(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: Sequence[tuple[int, int]],
+                group_ids: torch.Tensor, seed: int) -> None:
+    if not _fits(window, window.start, usable, spans):
+        raise SpecError.single(
+            f"window {window.start}+{window.length} (steps {window.start}-{window.start + window.length - 1}) "
+            f"does not fit the usable steps {_ranges(usable)} of one walk (a walk's last step is usable only "
+            "with include_last: true)", "sampler.window")
+    mask[:, window.start:window.start + window.length] = True
+
+
+def _fill_random(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: Sequence[tuple[int, int]],
+                 group_ids: torch.Tensor, seed: int) -> None:
+    candidates = [s for s in range(window.low, window.high + 1) if _fits(window, s, usable, spans)]
     if not candidates:
         raise SpecError.single(f"no room for a {window.length}-step window starting in [{window.low}, {window.high}] "
                                f"within the usable steps {_ranges(usable)} of one walk", "sampler.window")
@@ -317,10 +249,13 @@ def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int, st
     # windows its samples get in the whole batch: draws are a prefix-consistent sequence.
     draws = 1 if window.scope == "batch" else int(group_ids.max()) + 1
     picks = torch.randint(0, len(candidates), (draws,), generator=gen)
-    for row in range(b):
+    for row in range(len(group_ids)):
         first = candidates[int(picks[0 if window.scope == "batch" else int(group_ids[row])])]
         mask[row, first:first + window.length] = True
-    return mask
+
+
+# One mask per window kind of ``omnispec.spec.recipe``; tests/test_architecture.py checks none is missing.
+_WINDOW_FILLS = {"all": _fill_all, "fixed": _fill_fixed, "random": _fill_random}
 
 
 def _ranges(usable: torch.Tensor) -> str:

@@ -1,0 +1,153 @@
+"""The one bridge to diffusers' internals: every private diffusers name omnispec uses is read here, and nowhere else.
+
+Each is a pin on the diffusers minor series (pyproject bounds diffusers to it), so each is listed in ``PRIVATE`` with
+why omnispec reads it instead of a public API and the version it was checked against; ``tests/test_bridge.py`` fails
+when an installed diffusers lacks one, and when a private name appears outside this module.
+
+The latent helpers are the pipelines' own, called so that packing, position ids and VAE normalisation equal
+diffusers' by construction; the hook names and contexts are how policies attach and detach behaviour on modules
+that are not diffusers models (the embedded digits DiT), and how a rebuild leaves a module as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHECKED_AGAINST = "0.42.1"
+
+# (where the name lives, the name, why it is read) -- all checked against diffusers CHECKED_AGAINST.
+PRIVATE: tuple[tuple[str, str, str], ...] = (
+    ("diffusers.FluxPipeline", "_pack_latents", "FLUX's 2x2 latent packing; no public form"),
+    ("diffusers.FluxPipeline", "_unpack_latents", "the inverse, for phase transforms and decoding"),
+    ("diffusers.FluxPipeline", "_prepare_latent_image_ids", "FLUX's position ids of the latent tokens"),
+    ("diffusers.FluxImg2ImgPipeline", "_encode_vae_image", "the image's VAE latents as FLUX img2img/Kontext draw them"),
+    ("diffusers.QwenImagePipeline", "_pack_latents", "Qwen-Image's packing"),
+    ("diffusers.QwenImagePipeline", "_unpack_latents", "the inverse"),
+    ("diffusers.QwenImageEditPipeline", "_encode_vae_image", "Qwen-Image-Edit's image latents"),
+    ("diffusers.LTX2Pipeline", "_pack_latents", "LTX-2's video latent packing"),
+    ("diffusers.LTX2Pipeline", "_unpack_latents", "the inverse"),
+    ("diffusers.LTX2Pipeline", "_pack_audio_latents", "LTX-2's audio latent packing"),
+    ("diffusers.LTX2Pipeline", "_unpack_audio_latents", "the inverse"),
+    ("diffusers.LTX2Pipeline", "_normalize_latents", "the video VAE's latent normalisation"),
+    ("diffusers.LTX2Pipeline", "_denormalize_latents", "its inverse, before decoding"),
+    ("diffusers.LTX2Pipeline", "_denormalize_audio_latents", "the audio VAE's, before decoding"),
+    ("diffusers.hooks.layer_skip", "_apply_layer_skip_hook", "skip-layer guidance's hook under a name we remove after "
+     "the pass (the public apply_layer_skip has a fixed name and no removal)"),
+    ("diffusers.hooks.hooks", "_set_cache_context", "a cache context on a module without CacheMixin (the digits DiT)"),
+    ("diffusers.hooks.first_block_cache", "_FBC_BLOCK_HOOK", "first-block cache hook names, to remove them from a "
+     "module without CacheMixin"),
+    ("diffusers.hooks.first_block_cache", "_FBC_LEADER_BLOCK_HOOK", "the same"),
+    ("diffusers.hooks.mag_cache", "_MAG_CACHE_BLOCK_HOOK", "MagCache's hook names, likewise"),
+    ("diffusers.hooks.mag_cache", "_MAG_CACHE_LEADER_BLOCK_HOOK", "the same"),
+    ("diffusers.hooks.taylorseer_cache", "_TAYLORSEER_CACHE_HOOK", "TaylorSeer's hook name, likewise"),
+    ("diffusers.ModelMixin", "_repeated_blocks", "whether compile_repeated_blocks has blocks to compile (it raises "
+     "otherwise); the family's block lists are compiled then"),
+    ("diffusers.hooks.hooks", "_diffusers_hook", "the attribute a module's hook registry lives in (a string in "
+     "HookRegistry's code): removing the last hook leaves the registry and a bound forward behind, which make dynamo "
+     "recompile each block"),
+    ("diffusers.models.attention_dispatch.AttentionBackendName", "_NATIVE_FLASH", "the attention backend ring "
+     "attention needs (it returns the log-sum-exp that merges ring steps)"),
+)
+
+HOOK_REGISTRY_ATTRIBUTE = "_diffusers_hook"
+NATIVE_FLASH_BACKEND = "_native_flash"
+
+
+# ---- the pipelines' latent helpers ------------------------------------------------------------------------
+
+def pack_latents(pipeline: Any, *args: Any) -> Any:
+    """``pipeline._pack_latents(*args)``: a pipeline class or instance (FLUX, Qwen-Image, LTX-2); so are the
+    functions below."""
+    return pipeline._pack_latents(*args)
+
+
+def unpack_latents(pipeline: Any, *args: Any) -> Any:
+    return pipeline._unpack_latents(*args)
+
+
+def prepare_latent_image_ids(pipeline: Any, *args: Any) -> Any:
+    return pipeline._prepare_latent_image_ids(*args)
+
+
+def encode_vae_image(pipeline: Any, image: Any, generator: Any) -> Any:
+    return pipeline._encode_vae_image(image, generator=generator)
+
+
+def pack_audio_latents(pipeline: Any, latents: Any) -> Any:
+    return pipeline._pack_audio_latents(latents)
+
+
+def unpack_audio_latents(pipeline: Any, latents: Any, frames: int, **kwargs: Any) -> Any:
+    return pipeline._unpack_audio_latents(latents, frames, **kwargs)
+
+
+def normalize_latents(pipeline: Any, *args: Any) -> Any:
+    return pipeline._normalize_latents(*args)
+
+
+def denormalize_latents(pipeline: Any, *args: Any) -> Any:
+    return pipeline._denormalize_latents(*args)
+
+
+def denormalize_audio_latents(pipeline: Any, *args: Any) -> Any:
+    return pipeline._denormalize_audio_latents(*args)
+
+
+# ---- hooks ------------------------------------------------------------------------------------------------
+
+def apply_layer_skip_hook(module: Any, config: Any, name: str) -> None:
+    from diffusers.hooks.layer_skip import _apply_layer_skip_hook
+
+    _apply_layer_skip_hook(module, config, name=name)
+
+
+def set_cache_context(module: Any, name: str | None, **where: Any) -> None:
+    """Name the cache context of ``module``'s hooks (None: leave it)."""
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    _set_cache_context(module, None if name is None else CacheContext(name, **where))
+
+
+def cache_hook_names() -> tuple[str, ...]:
+    """The names diffusers' first-block, MagCache and TaylorSeer caches register their hooks under."""
+    from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
+    from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    return (_FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK, _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK,
+            _TAYLORSEER_CACHE_HOOK)
+
+
+def hook_registry(module: Any) -> Any:
+    """``module``'s diffusers ``HookRegistry``, or None when it has none."""
+    from diffusers.hooks import HookRegistry
+
+    registry = getattr(module, HOOK_REGISTRY_ATTRIBUTE, None)
+    return registry if isinstance(registry, HookRegistry) else None
+
+
+def remove_hook(module: Any, name: str) -> None:
+    """Remove hook ``name`` from ``module`` (not its children), if present, restoring the plain module when it was
+    the last one: diffusers' ``HookRegistry.remove_hook`` leaves the original bound ``forward`` as an instance
+    attribute and the registry on the module, and under ``torch.compile`` dynamo then guards on that object per
+    module and recompiles every block of a regionally compiled stack until its limit (measured on FLUX.1-dev)."""
+    registry = hook_registry(module)
+    if registry is None:
+        return
+    if registry.get_hook(name) is not None:
+        registry.remove_hook(name, recurse=False)
+    if not registry.hooks:
+        bound = module.__dict__.get("forward")
+        if getattr(bound, "__func__", None) is type(module).forward and getattr(bound, "__self__", None) is module:
+            del module.__dict__["forward"]
+        delattr(module, HOOK_REGISTRY_ATTRIBUTE)
+
+
+def has_repeated_blocks(module: Any) -> bool:
+    return bool(getattr(module, "_repeated_blocks", None))
+
+
+__all__ = ["CHECKED_AGAINST", "NATIVE_FLASH_BACKEND", "PRIVATE", "apply_layer_skip_hook", "cache_hook_names",
+           "denormalize_audio_latents", "denormalize_latents", "encode_vae_image", "has_repeated_blocks",
+           "hook_registry", "normalize_latents", "pack_audio_latents", "pack_latents", "prepare_latent_image_ids",
+           "remove_hook", "set_cache_context", "unpack_audio_latents", "unpack_latents"]

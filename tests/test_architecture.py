@@ -1,0 +1,244 @@
+"""The architecture holds: every kind of every concept has its implementation, a kind added from outside the
+package (here, from a test) joins the spec and runs end to end, and imports point only the ways
+docs/architecture.md draws them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import numpy as np
+import pytest
+
+import omnispec
+from omnispec.spec import SpecError
+from omnispec.spec.guidance import GUIDANCE, Term, TermSpec
+from omnispec.spec.guidance.base import StreamScale
+from omnispec.spec.policies import CACHES, OFFLOADS, CacheSpec
+from omnispec.spec.recipe import SAMPLERS, StochasticWindow
+from omnispec.spec.schedule import SCHEDULES, SHARED_SCHEDULES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "omnispec"
+DIGITS = ROOT / "specs" / "digits.yaml"
+REGISTRIES = (GUIDANCE, CACHES, OFFLOADS, SAMPLERS, SCHEDULES, SHARED_SCHEDULES)
+
+
+@pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.concept)
+def test_every_kind_has_its_implementation(registry):
+    assert registry.kinds, registry.concept
+    for kind in registry.kinds:
+        assert registry.implementation(kind) is not None, (registry.concept, kind)
+
+
+def test_an_unknown_kind_is_an_error_naming_it_not_a_fallback():
+    with pytest.raises(LookupError, match="guidance term kind 'nope' has no implementation"):
+        GUIDANCE.implementation("nope")
+    with pytest.raises(SpecError, match="cache"):
+        omnispec.load_spec(DIGITS, ["policies.cache={kind: nope}"])
+
+
+def test_every_stochastic_window_kind_has_a_mask():
+    from omnispec.runtime.samplers import stochastic
+
+    kinds = {get_args(cls.model_fields["kind"].annotation)[0] for cls in get_args(get_args(StochasticWindow)[0])}
+    assert kinds == set(stochastic._WINDOW_FILLS)
+
+
+# ---- kinds registered from outside the package ---------------------------------------------------------------
+
+class DoubledCFG(TermSpec):
+    """A test's guidance term: CFG whose delta counts twice, so scale s equals CFG at 2s - 1."""
+
+    kind: Literal["doubled_cfg"]
+    scale: StreamScale = 2.0
+
+
+class DoubledDelta(Term):
+    default_pass = "uncond"
+    negative = True
+    primary = True
+
+    def coefficient(self, term: Any, value: float) -> float:
+        return 2 * (value - 1)
+
+
+class EveryOtherStep(CacheSpec):
+    """A test's cache: computes even steps, reuses the last prediction on odd ones."""
+
+    kind: Literal["every_other"]
+
+
+@pytest.fixture
+def registered():
+    from omnispec.policies.caches.base import Cache
+
+    class EveryOther(Cache):
+        scoped = False
+
+        def computes(self, policy: Any, step: int) -> bool:
+            return step % 2 == 0
+
+    GUIDANCE.register(DoubledCFG, DoubledDelta())
+    CACHES.register(EveryOtherStep, EveryOther())
+    yield
+    GUIDANCE.unregister("doubled_cfg")
+    CACHES.unregister("every_other")
+
+
+def _digits(*overrides: str) -> Any:
+    return omnispec.build(DIGITS, overrides=["recipe.defaults.steps=6", *overrides])("seven", seed=3).array
+
+
+def test_a_guidance_term_and_a_cache_registered_by_a_test_run_end_to_end(registered):
+    term = _digits("recipe.phases.0.guidance.terms=[{kind: doubled_cfg, scale: 2.0}]")
+    assert np.array_equal(term, _digits("recipe.phases.0.guidance.terms=[{kind: cfg, scale: 3.0}]"))
+    assert not np.array_equal(term, _digits("recipe.phases.0.guidance.terms=[{kind: cfg, scale: 2.0}]"))
+    every_other = _digits("policies.cache={kind: every_other}")
+    assert np.array_equal(every_other, _digits("policies.cache={kind: step_mask, mask: [true, false, true, false, "
+                                               "true, false]}"))
+    schema = json.dumps(omnispec.spec.PipelineSpec.model_json_schema())
+    assert "doubled_cfg" in schema and "every_other" in schema
+
+
+def test_unregistering_takes_a_kind_out_of_the_spec(registered):
+    omnispec.load_spec(DIGITS, ["policies.cache={kind: every_other}"])
+    CACHES.unregister("every_other")
+    try:
+        with pytest.raises(SpecError):
+            omnispec.load_spec(DIGITS, ["policies.cache={kind: every_other}"])
+    finally:
+        CACHES.register(EveryOtherStep, CACHES.implementation("none"))  # the fixture takes it out again
+
+
+def test_a_kind_registers_once():
+    class Again(TermSpec):
+        kind: Literal["cfg"]
+
+    with pytest.raises(ValueError, match="registered already"):
+        GUIDANCE.register(Again, DoubledDelta())
+
+
+# ---- import arrows --------------------------------------------------------------------------------------------
+
+# Which parts each part may import (a part: a top-level module or subpackage of omnispec; runtime's families/ is a
+# part of its own). docs/architecture.md draws the same table; a new arrow is a design change made in both.
+ALLOWED = {
+    "spec": set(),
+    "version": set(),
+    "log": set(),
+    "bridge": set(),
+    "src_models": set(),
+    "records": {"spec", "version"},
+    "families": {"spec", "bridge", "log"},
+    "policies": {"spec", "bridge", "log"},
+    "runtime": {"spec", "families", "policies", "records", "bridge", "log"},
+    "estimate": {"spec", "families", "runtime", "log"},
+    "rl": {"spec", "families", "runtime", "log"},
+    "replaying": {"spec", "records", "runtime"},
+    "draft": {"spec", "families"},
+    "testing": {"spec"},
+    "run_command": {"spec", "families", "runtime", "records", "replaying", "log"},
+    "cli": {"spec", "families", "runtime", "policies", "records", "estimate", "draft", "run_command", "log",
+            "version"},
+    "__main__": {"cli"},
+    "omnispec": {"spec", "runtime", "rl", "replaying", "version"},  # the package's own __init__: the public API
+}
+
+
+def part_of(module: str) -> str | None:
+    names = module.split(".")
+    if names[0] != "omnispec":
+        return None
+    if len(names) == 1:
+        return "omnispec"
+    if names[1] == "runtime" and len(names) > 2 and names[2] == "families":
+        return "families"
+    return names[1]
+
+
+def module_name(path: Path) -> tuple[str, str]:
+    """(module, the package its relative imports start from)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        name = ".".join(parts[:-1])
+        return name, name
+    name = ".".join(parts)
+    return name, name.rsplit(".", 1)[0]
+
+
+def imported(path: Path) -> set[str]:
+    """Every omnispec module ``path`` imports (at any depth of its code, deferred imports included)."""
+    _, package = module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            if node.module:
+                found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return {m for m in found if m.split(".")[0] == "omnispec"}
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_imports_point_only_the_drawn_ways():
+    wrong = []
+    for path in sources():
+        here = part_of(module_name(path)[0])
+        assert here in ALLOWED, f"{path.relative_to(ROOT)} is in no part of ALLOWED and docs/architecture.md"
+        for target in sorted(imported(path)):
+            there = part_of(target)
+            if there not in (here, None) and there not in ALLOWED[here]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {target} ({here} -> {there})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layers_below_import_nothing_heavy_when_imported():
+    """What the text check cannot see: a package __init__ pulling a layer in. The spec layer never imports torch
+    (a config tool, a CI linter reading specs), records read without the runtime, and the bridge reads nothing
+    of ours."""
+    probe = (
+        "import sys, importlib; importlib.import_module(sys.argv[1]); "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('omnispec', 'torch', 'diffusers'))))"
+    )
+
+    def loaded(module: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-c", probe, module], capture_output=True, text=True, check=True,
+                             cwd=ROOT)
+        return set(out.stdout.split())
+
+    spec = loaded("omnispec.spec")
+    assert "torch" not in spec and "diffusers" not in spec
+    assert not {m for m in spec if m.startswith(("omnispec.runtime", "omnispec.policies", "omnispec.rl"))}
+    records = loaded("omnispec.records")
+    assert "torch" not in records and not {m for m in records if m.startswith("omnispec.runtime")}
+    bridge = loaded("omnispec.bridge")
+    assert {part_of(m) for m in bridge if m.startswith("omnispec")} <= {"omnispec", "bridge", "spec", "version",
+                                                                        "src_models"}
+
+
+def test_architecture_page_places_every_file_and_draws_the_same_arrows():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for p in sources() if str(p.relative_to(ROOT)) not in page]
+    assert not missing, "docs/architecture.md does not place: " + ", ".join(missing)
+    table = page.split("<!-- arrows -->")[1]
+    drawn = {}
+    for line in table.splitlines():
+        m = re.match(r"\| `(\w+)` \| (.*) \|$", line.strip())
+        if m:
+            drawn[m.group(1)] = set(re.findall(r"`(\w+)`", m.group(2)))
+    assert drawn == ALLOWED

@@ -1,0 +1,90 @@
+"""One registry per concept of the spec that comes in kinds: guidance terms, caches, offload strategies, samplers,
+schedules, parallel axes.
+
+A concept's spec classes are pydantic models told apart by a tag field (``kind``; offload's is ``strategy``). Each
+registers once, with the object that implements it: that object is the one place the kind's behaviour lives (what it
+runs, what it refuses, what explain prints). The implementation may be given later, from the layer that runs it
+(a cache's lives with the policies), and is looked up by ``implementation(spec)``: a kind without one is an error
+naming it, never a fallback to another kind.
+
+Spec models hold a concept through its registry (``Annotated[Base, CACHES]``): a tagged union built from the
+registered classes whenever the holding model's schema is built, so a kind registered later (a test's, a plugin's)
+joins every model listed in ``holders`` when ``register`` rebuilds them. Validation errors keep their field paths,
+and the JSON Schema lists every registered variant.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from pydantic_core import core_schema
+
+
+class Kinds:
+    """The registry of one concept: tag value -> spec class, and -> the object implementing it."""
+
+    def __init__(self, concept: str, tag: str = "kind"):
+        self.concept, self.tag = concept, tag
+        self.classes: dict[str, type] = {}
+        self._implementations: dict[str, Any] = {}  # an object, or "module:attribute" imported on first use
+        self.holders: list[type] = []  # models whose schema holds this concept, innermost first
+
+    def register(self, cls: type | None = None, implementation: Any = None) -> Any:
+        """Add a spec class (its tag is the ``Literal`` of its tag field), with its implementation or a
+        ``"module:name"`` reference to it; rebuild the models that hold the concept. Usable as a decorator."""
+        def add(spec_class: type) -> type:
+            kind = tag_value(spec_class, self.tag)
+            if kind in self.classes and self.classes[kind] is not spec_class:
+                raise ValueError(f"{self.concept} kind {kind!r} is registered already ({self.classes[kind].__name__})")
+            self.classes[kind] = spec_class
+            if implementation is not None:
+                self._implementations[kind] = implementation
+            for holder in self.holders:
+                holder.model_rebuild(force=True)
+            return spec_class
+
+        return add if cls is None else add(cls)
+
+    def implement(self, kind: str, implementation: Any) -> None:
+        """Give kind ``kind`` its implementation (from the layer that runs it)."""
+        if kind not in self.classes:
+            raise ValueError(f"{self.concept} kind {kind!r} has no spec class; register one first")
+        self._implementations[kind] = implementation
+
+    def implementation(self, spec: Any) -> Any:
+        """The object implementing ``spec``'s kind (a spec instance, class or tag value)."""
+        kind = spec if isinstance(spec, str) else tag_value(spec if isinstance(spec, type) else type(spec), self.tag)
+        found = self._implementations.get(kind)
+        if found is None:
+            raise LookupError(f"{self.concept} kind {kind!r} has no implementation registered")
+        if isinstance(found, str):
+            module, _, name = found.partition(":")
+            found = self._implementations[kind] = getattr(importlib.import_module(module), name)
+        return found
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.classes)
+
+    def held_by(self, *models: type) -> None:
+        """Record the models that hold this concept (innermost first), rebuilt whenever a kind registers."""
+        self.holders.extend(models)
+
+    # pydantic: the union of the registered classes, tagged by ``tag``
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        choices = {kind: handler.generate_schema(cls) for kind, cls in self.classes.items()}
+        return core_schema.tagged_union_schema(choices, discriminator=self.tag)
+
+
+def tag_value(cls: type, tag: str) -> str:
+    """The tag a spec class declares: the one value of its ``Literal`` tag field."""
+    field = cls.model_fields.get(tag)  # type: ignore[attr-defined]
+    values = getattr(field.annotation, "__args__", ()) if field is not None else ()
+    if len(values) != 1 or not isinstance(values[0], str):
+        raise TypeError(f"{cls.__name__} needs a field {tag}: Literal['<kind>'] to register")
+    return values[0]
+
+
+__all__ = ["Kinds", "tag_value"]

@@ -140,25 +140,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .log import configure
+    from .log import configure, harmless_messages_demoted
 
     configure(-1 if args.quiet else (args.verbose or 0))
     try:
-        if args.command == "validate":
-            return _validate(args)
-        if args.command == "schema":
-            print(json.dumps(json_schema(), indent=2))
-            return 0
-        if args.command == "explain":
-            return _explain(args)
-        if args.command == "list":
-            return _list()
-        if args.command == "init":
-            return _init(args)
-        if args.command == "run":
-            from .run_command import run_command
-
-            return run_command(args)
+        with harmless_messages_demoted():  # what dependencies say on import about parts they lack
+            return _dispatch(args)
     except SpecError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -169,7 +156,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader stopped early (omnispec list | head): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    handlers = {"validate": _validate, "schema": _schema, "explain": _explain, "list": _list, "init": _init,
+                "run": _run}
+    return handlers[args.command](args)
+
+
+def _schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .run_command import run_command
+
+    return run_command(args)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -230,7 +233,7 @@ def _planned_attention(spec) -> dict[str, str]:
     return out
 
 
-def _list() -> int:
+def _list(args: argparse.Namespace) -> int:
     from .spec.catalog import catalog
 
     entries = catalog()

@@ -61,6 +61,16 @@ def test_every_block_has_a_language_the_docs_test_runs():
             assert language in LANGUAGES, f"{page.name}:{line}: block language {language!r}"
 
 
+def test_the_site_builds_strict_and_offline(tmp_path):
+    """The API reference from the docstrings and every page, with mkdocs' --strict (a broken link, a docstring
+    griffe cannot read or an object documented twice is an error); the config fetches nothing."""
+    pytest.importorskip("mkdocstrings")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
+
+
 def test_ci_runs_the_readme_quick_start_as_written():
     commands = quick_start()
     assert len(commands) == 2 and commands[1].endswith("python -m pytest -q")

@@ -99,7 +99,7 @@ class Pipeline:
         if req.negative_prompt and not self._negative_passes() and "negative" not in self._told:
             self._told.add("negative")  # diffusers takes it and ignores it too; say so once
             logger.warning(f"recipe {self.spec.name!r} runs no negative-prompt pass (no cfg, true_cfg, apg or "
-                           "cfg_zero_star term at a scale above 1): the negative prompt changes nothing")
+                           "cfg_zero_star term): the negative prompt changes nothing")
         return req
 
     def _negative_passes(self) -> bool:

@@ -36,6 +36,14 @@ def test_every_kind_has_its_implementation(registry):
         assert registry.implementation(kind) is not None, (registry.concept, kind)
 
 
+def test_every_parallel_degree_is_an_axis_with_its_implementation():
+    from omnispec.runtime.parallel.base import Axis
+    from omnispec.spec.policies import PARALLEL_AXES, ParallelPolicy
+
+    assert set(PARALLEL_AXES.names) == set(ParallelPolicy.model_fields)
+    assert all(isinstance(PARALLEL_AXES.implementation(n), Axis) for n in PARALLEL_AXES.names)
+
+
 def test_an_unknown_kind_is_an_error_naming_it_not_a_fallback():
     with pytest.raises(LookupError, match="guidance term kind 'nope' has no implementation"):
         GUIDANCE.implementation("nope")

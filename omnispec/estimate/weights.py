@@ -120,7 +120,7 @@ def config_module(cls: type, folder: Path, dtype: torch.dtype, overrides: Mappin
             for key, value in overrides.items():
                 setattr(config, key, value)
             with torch.device(device):
-                module = cls._from_config(config)
+                module = cls(config)  # what AutoModel.from_config builds, without its private helper
     finally:
         torch.set_default_dtype(default)
     return module.eval().requires_grad_(False)

@@ -16,10 +16,11 @@ from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
 from ..spec.base import DEVICE_PATTERN
 from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs, unresolved
-from . import distributed
 from .components import check_source, load_components
 from .families import family_class
 from .lora import adapter_files, load_adapter_slots
+from .parallel import check_axes, enable_axes
+from .parallel import setup as setup_parallel
 from .pipeline import Pipeline
 
 
@@ -76,18 +77,8 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
         check_device(spec.runtime.device, "runtime.device")
     target = resolve_device(device or spec.runtime.device)
     check_policies(spec, family_cls, target)
-    par = spec.policies.parallel
-    if par.ring * par.ulysses > 1:
-        if not family_cls.context_parallel:
-            raise SpecError.single(f"family {family_cls.name!r} cannot run ulysses/ring: "
-                                   f"{family_cls.context_parallel_refusal}",
-                                   "policies.parallel")
-        attention = spec.policies.attention
-        for backend in (attention.default, *attention.per_role.values()):
-            if backend in ("xformers", "sage"):
-                raise SpecError.single(f"attention backend {backend!r} cannot run under sequence parallelism",
-                                       "policies.attention")
-    parallel = distributed.setup(spec, target, process_group)
+    check_axes(spec, family_cls)
+    parallel = setup_parallel(spec, target, process_group)
     if parallel is not None and target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     given = dict(components or {})
@@ -106,9 +97,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     applied = apply_policies(spec, family_cls, modules, target)
     if quantized:
         applied.notes["quantization"] = "; ".join(quantized)
-    if parallel is not None and parallel.sp_mesh is not None:
-        denoisers = {n: modules[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
-        distributed.enable_sequence_parallel(parallel, family_cls, denoisers)
+    enable_axes(parallel, spec, family_cls, modules)
     family = family_cls(spec, modules, target)
     pipe = pipeline_class(spec, family, modules, target, applied, parallel)
     pipe.checkpoint = checkpoint_record(spec, root, given, loras)  # what outputs record as their checkpoint

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

@@ -18,9 +18,9 @@ from ..log import logger, timed
 from ..policies import AppliedPolicies
 from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
 from ..spec.request import Request, request_problems, resolve_request
-from .distributed import ParallelContext, data_slice, gather_samples
 from .families import Conditioning, Decoded, Family, Streams
 from .lora import AdapterState
+from .parallel import ParallelContext, data_slice, gather_outputs
 from .plan import RequestPlan, plan_request
 from .run import Run
 
@@ -80,7 +80,8 @@ class Pipeline:
     def __call__(self, prompt: str | list[str], seed: int | list[int] | None = None, **request: Any) -> Output:
         """Generate: ``pipe(prompt, seed, **fields)`` is ``pipe.generate(pipe.request(prompt, seed, **fields))``;
         the arguments are checked as ``request`` checks them, before any work."""
-        return self.generate(self.request(prompt, seed, **request))
+        resolved = self.request(prompt, seed, **request)
+        return self.generate(resolved)
 
     def request(self, prompt: str | list[str], seed: int | list[int] | None = None, **fields: Any) -> Request:
         """A request resolved against the recipe's defaults and checked against the recipe and the family.
@@ -120,44 +121,34 @@ class Pipeline:
         if problems:
             raise SpecError(problems)
         self.family.check_request(request)
-        ctx = self.parallel
-        if ctx is not None and ctx.data > 1:
-            share = list(data_slice(ctx, len(request.prompts)))
-            part = request.model_copy(update={"prompts": [request.prompts[i] for i in share],
-                                              "seeds": [request.seeds[i] for i in share]})
-            local = self._generate(part, decode) if share else None
-            parts = [p for p in gather_samples(ctx, None if local is None else (
-                local.array, {k: v.cpu() for k, v in local.latents.items()}, local.audio, local.sample_rate))
-                if p is not None]
-            latents = {k: torch.cat([lat[k] for _, lat, _, _ in parts]) for k in parts[0][1]}
-            audio = np.concatenate([a for _, _, a, _ in parts]) if parts[0][2] is not None else None
-            decoded = Decoded(np.concatenate([a for a, _, _, _ in parts]), audio, parts[0][3])
-            return self._output(request, decoded, latents, decode)
-        return self._generate(request, decode)
+        record = self._record(request)
+        plan = self.plan(request)
+        latents, decoded = self._run(plan, decode)
+        if plan.share is not None:  # every rank gets the whole output
+            latents, decoded = gather_outputs(self.parallel, latents, decoded)
+        return Output(array=decoded.array, latents=latents, request=request, audio=decoded.audio,
+                      sample_rate=decoded.sample_rate, provenance=record, **self._media(decoded, decode))
 
-    def _generate(self, request: Request, decode: bool) -> Output:
-        results = Run(self, self.plan(request)).execute()
-        out = results[self.spec.recipe.output_index() or 0]
-        if decode:
-            with timed(f"decoding {len(request.prompts)} sample(s)"):
-                decoded = self.family.decode(out.latents, out.geometry)
-        else:
-            decoded = Decoded(np.empty((0,), np.float32))
-        return self._output(request, decoded, out.latents, decode)
-
-    def _output(self, request: Request, decoded: Decoded, latents: Streams, decode: bool) -> Output:
-        output = Output(array=decoded.array, latents=latents, request=request, audio=decoded.audio,
-                        sample_rate=decoded.sample_rate, provenance=self._record(request))
+    def _run(self, plan: RequestPlan, decode: bool) -> tuple[Streams, Decoded]:
+        """The output phase's latents, and their decoding (empty with ``decode=False``)."""
+        if not plan.request.prompts:  # a data group with no sample of this request
+            return {}, Decoded(np.empty((0,), np.float32))
+        out = Run(self, plan).execute()[self.spec.recipe.output_index() or 0]
         if not decode:
-            return output
-        if self.spec.recipe.task.endswith("video"):
-            output.frames = [a for a in decoded.array]
-        else:
-            from PIL import Image
+            return out.latents, Decoded(np.empty((0,), np.float32))
+        with timed(f"decoding {len(plan.request.prompts)} sample(s)"):
+            return out.latents, self.family.decode(out.latents, out.geometry)
 
-            output.images = [Image.fromarray(to_uint8(a).squeeze(-1) if a.shape[-1] == 1 else to_uint8(a))
-                             for a in decoded.array]
-        return output
+    def _media(self, decoded: Decoded, decode: bool) -> dict[str, list[Any]]:
+        """The decoded samples as a video task's frames or an image task's PIL images."""
+        if not decode:
+            return {}
+        if self.spec.recipe.task.endswith("video"):
+            return {"frames": [a for a in decoded.array]}
+        from PIL import Image
+
+        return {"images": [Image.fromarray(to_uint8(a).squeeze(-1) if a.shape[-1] == 1 else to_uint8(a))
+                           for a in decoded.array]}
 
     def _record(self, request: Request) -> dict[str, Any]:
         """What made this request's outputs (the spec's data is made once per spec)."""
@@ -209,7 +200,10 @@ class Pipeline:
 
     def plan(self, request: Request, *, rollout: dict[str, Any] | None = None) -> RequestPlan:
         """What ``request`` runs on this pipeline (``runtime.plan``), planned once for every use of it."""
-        return plan_request(self.spec, self.family, self.components, self.device, request, rollout=rollout)
+        ctx = self.parallel
+        share = data_slice(ctx, len(request.prompts)) if ctx is not None and ctx.data > 1 else None
+        return plan_request(self.spec, self.family, self.components, self.device, request, rollout=rollout,
+                            share=share)
 
     # ---- introspection ----------------------------------------------------------------------------------
 

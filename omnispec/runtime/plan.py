@@ -93,11 +93,12 @@ class Stochastic:
 @dataclass
 class RequestPlan:
     spec: PipelineSpec  # as the request sets it
-    request: Request
+    request: Request  # the samples this process runs (under data parallelism, its data group's share)
     generators: list[torch.Generator]  # one per sample, on the CPU: seed S means manual_seed(S), as diffusers
     walks: list[Walk]
     streams: tuple[str, ...]  # the family's latent streams
     stochastic: Stochastic | None = None
+    share: range | None = None  # which of the whole request's samples ``request`` holds (None: all of them)
 
     @property
     def total_steps(self) -> int:
@@ -155,14 +156,18 @@ def request_spec(spec: PipelineSpec, request: Request) -> PipelineSpec:
 
 
 def plan_request(spec: PipelineSpec, family: Family, components: dict[str, Any], device: torch.device,
-                 request: Request, *, rollout: dict[str, Any] | None = None) -> RequestPlan:
+                 request: Request, *, rollout: dict[str, Any] | None = None, share: range | None = None) -> RequestPlan:
     """The plan of ``request`` on a pipeline's spec, family, components and device. ``rollout`` (``sampler``,
     ``ids``: group or sample ids for random windows, ``seed``, ``noise_seeds``) adds a rollout's stochastic window,
-    which must lie within one walk."""
+    which must lie within one walk. ``share``: the samples this process runs (a data group's), each with the
+    generator of its own seed, so a sample's numbers never depend on how the request is split."""
     spec = request_spec(spec, request)
     walks = _walks(spec, family, components, device, request)
+    if share is not None:
+        request = request.model_copy(update={"prompts": [request.prompts[i] for i in share],
+                                             "seeds": [request.seeds[i] for i in share]})
     plan = RequestPlan(spec, request, [torch.Generator("cpu").manual_seed(s) for s in request.seeds], walks,
-                       family.streams)
+                       family.streams, share=share)
     if rollout is not None:
         spans = [(w.offset + w.begin, w.offset + len(w.steps)) for w in walks]
         mask = window_mask(rollout["sampler"], plan.total_steps, rollout["ids"], rollout["seed"], walks=spans)

@@ -20,9 +20,9 @@ from ..spec import Phase
 from ..spec.guidance import term_of
 from ..spec.recipe import ImageInput, PreviousInput
 from ..spec.request import Request
-from .distributed import broadcast_pass, check_sequence, gather_passes
 from .families import Conditioning, Geometry, Perturbation, Streams, batch_of, cat_streams
 from .guidance import combine
+from .parallel import broadcast_pass, check_sequence, gather_passes
 from .phases import renoise, set_adapter, transform_latents
 from .plan import Passes, PhaseRun, RequestPlan, Walk
 from .samplers import StepResult, StochasticStepper

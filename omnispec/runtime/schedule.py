@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from ..spec import FlowMatchSchedule, SchedulerSchedule, SpecError, flow_match_sigmas
-from ..spec.schedule import SHARED_SCHEDULES
-from ..spec.schedule import dynamic_mu
+from ..spec.schedule import SHARED_SCHEDULES, dynamic_mu
 from .samplers import EulerStepper, SchedulerStepper, Stepper
 
 # Schedulers whose ``step`` is the plain Euler step on their own sigmas, so a stochastic sampler can take

@@ -1,5 +1,5 @@
 """One registry per concept of the spec that comes in kinds: guidance terms, caches, offload strategies, samplers,
-schedules, parallel axes.
+schedules; and one for the parallel axes, which are degrees rather than kinds (``Axes``).
 
 A concept's spec classes are pydantic models told apart by a tag field (``kind``; offload's is ``strategy``). Each
 registers once, with the object that implements it: that object is the one place the kind's behaviour lives (what it
@@ -65,13 +65,7 @@ class Kinds:
     def implementation(self, spec: Any) -> Any:
         """The object implementing ``spec``'s kind (a spec instance, class or tag value)."""
         kind = spec if isinstance(spec, str) else tag_value(spec if isinstance(spec, type) else type(spec), self.tag)
-        found = self._implementations.get(kind)
-        if found is None:
-            raise LookupError(f"{self.concept} kind {kind!r} has no implementation registered")
-        if isinstance(found, str):
-            module, _, name = found.partition(":")
-            found = self._implementations[kind] = getattr(importlib.import_module(module), name)
-        return found
+        return _resolved(self._implementations, kind, f"{self.concept} kind {kind!r}")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -87,6 +81,39 @@ class Kinds:
         return core_schema.tagged_union_schema(choices, discriminator=self.tag)
 
 
+class Axes:
+    """The registry of parallel axes: each degree field of ``ParallelPolicy`` -> the object implementing it, in
+    the order the ranks' device mesh lays the axes out (outermost first). Unlike a kind, an axis is not chosen by
+    a tag: every axis is always present, with degree 1 when unused."""
+
+    def __init__(self, concept: str):
+        self.concept = concept
+        self._implementations: dict[str, Any] = {}
+
+    def register(self, name: str, implementation: Any) -> None:
+        if name in self._implementations:
+            raise ValueError(f"{self.concept} {name!r} is registered already")
+        self._implementations[name] = implementation
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._implementations)
+
+    def implementation(self, name: str) -> Any:
+        return _resolved(self._implementations, name, f"{self.concept} {name!r}")
+
+
+def _resolved(table: dict[str, Any], key: str, what: str) -> Any:
+    """``table[key]``, a ``"module:attribute"`` reference imported (once) into the object it names."""
+    found = table.get(key)
+    if found is None:
+        raise LookupError(f"{what} has no implementation registered")
+    if isinstance(found, str):
+        module, _, attribute = found.partition(":")
+        found = table[key] = getattr(importlib.import_module(module), attribute)
+    return found
+
+
 def tag_value(cls: type, tag: str) -> str:
     """The tag a spec class declares: the one value of its ``Literal`` tag field."""
     field = cls.model_fields.get(tag)  # type: ignore[attr-defined]
@@ -96,4 +123,4 @@ def tag_value(cls: type, tag: str) -> str:
     return values[0]
 
 
-__all__ = ["Kinds", "tag_value"]
+__all__ = ["Axes", "Kinds", "tag_value"]

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from .guidance import GuidanceSpec, Renorm, scale_at, stream_scale_at, term_of
 
-
 # A value for every stream, or one per named stream (the others get 0: unguided by that term / no rescale).
 PerStream = float | dict[str, float]
 

@@ -6,12 +6,13 @@ place and one order: quantization at load, dtype/device, attention, cache, offlo
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from .base import SpecModel
-from .kinds import Kinds
+from .kinds import Axes, Kinds
 
 AttentionBackend = Literal[
     "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage"
@@ -175,16 +176,35 @@ class CompilePolicy(SpecModel):
 
 
 class ParallelPolicy(SpecModel):
-    """Degrees whose product is the world size the run requires."""
+    """Degrees whose product is the world size the run requires; each axis's behaviour is the object
+    ``PARALLEL_AXES`` names (``runtime/parallel/``, one file per axis)."""
 
-    cfg: PositiveInt = 1
-    ulysses: PositiveInt = 1
-    ring: PositiveInt = 1
-    data: PositiveInt = 1
+    cfg: PositiveInt = Field(default=1, description=(
+        "Ranks a step's guidance passes are shared over, round-robin; the predictions are gathered on every rank."))
+    ulysses: PositiveInt = Field(default=1, description=(
+        "Ranks each forward's sequence is split over by all-to-all attention (diffusers' context parallelism); "
+        "the attention heads must divide by it."))
+    ring: PositiveInt = Field(default=1, description=(
+        "Ranks each forward's sequence is split over by ring attention (diffusers' context parallelism)."))
+    data: PositiveInt = Field(default=1, description=(
+        "Groups a request's samples are split over; every rank gets the whole output."))
 
     @property
     def world_size(self) -> int:
-        return self.cfg * self.ulysses * self.ring * self.data
+        return math.prod(getattr(self, name) for name in PARALLEL_AXES.names)
+
+    @property
+    def sequence(self) -> int:
+        """Ranks one forward's sequence is split over (ring x ulysses)."""
+        return self.ring * self.ulysses
+
+
+# Mesh order, outermost first: data groups, then cfg groups, then the sequence-parallel ranks of one forward.
+PARALLEL_AXES = Axes("parallel axis")
+PARALLEL_AXES.register("data", "omnispec.runtime.parallel.data:DATA")
+PARALLEL_AXES.register("cfg", "omnispec.runtime.parallel.cfg:CFG")
+PARALLEL_AXES.register("ring", "omnispec.runtime.parallel.sequence:SEQUENCE")
+PARALLEL_AXES.register("ulysses", "omnispec.runtime.parallel.sequence:SEQUENCE")
 
 
 class Policies(SpecModel):

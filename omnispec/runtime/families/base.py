@@ -18,11 +18,10 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ... import bridge
-from ...spec.base import MAX_SIZE
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
+from ...spec.base import MAX_SIZE
 from ...spec.guidance import term_of
 from ...spec.request import Request
-
 
 # The state a phase denoises: named latent streams (``latents`` for image and video models; ``video`` and
 # ``audio`` for LTX-2), each with its own shape and packing, batch first.

@@ -1,0 +1,106 @@
+"""The ranks of a parallel run: the process group, the device mesh over the axes (``spec.policies.PARALLEL_AXES``
+in mesh order) and each rank's place in it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...spec import PipelineSpec, SpecError
+from ...spec.policies import PARALLEL_AXES
+
+
+@dataclass
+class ParallelContext:
+    rank: int
+    world_size: int
+    cfg: int
+    data: int
+    ring: int
+    ulysses: int
+    cfg_index: int
+    data_index: int
+    cfg_group: Any  # process group of this rank's cfg peers
+    data_group: Any  # process group of this rank's data peers
+    cfg_root: int  # global rank of cfg index 0 in this rank's cfg group
+    sp_mesh: Any = None  # DeviceMesh ("ring", "ulysses") of this rank's sequence-parallel peers
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sequence(self) -> int:
+        return self.ring * self.ulysses
+
+
+def _ensure_process_group(world: int, device: torch.device) -> None:
+    if dist.is_initialized():
+        return
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world == 1:
+        raise SpecError.single(
+            f"the degrees multiply to {world} processes but this is a single process; launch with "
+            f"torchrun --nproc-per-node {world} -m omnispec run ...", "policies.parallel")
+    if env_world != world:
+        raise SpecError.single(f"the degrees multiply to {world} processes but WORLD_SIZE is {env_world}",
+                               "policies.parallel")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> ParallelContext | None:
+    """The run's parallel context, or None for one process. Checks the degrees against the world size
+    before any collective, so a mismatch fails cleanly on every rank instead of hanging.
+
+    Ranks form a DeviceMesh over ``PARALLEL_AXES`` in its order (row-major: data, cfg, ring, ulysses). A caller's own
+    ``group`` is supported for cfg/data degrees (sequence parallel needs the mesh over the default group).
+    """
+    par = spec.policies.parallel
+    world = par.world_size
+    if world == 1:
+        return None
+    _ensure_process_group(world, device)
+    size = dist.get_world_size(group)
+    if size != world:
+        raise SpecError.single(f"the degrees multiply to {world} but the process group has {size} ranks",
+                               "policies.parallel")
+    rank = dist.get_rank(group)
+    if group is not None and group is not dist.group.WORLD:
+        if par.sequence > 1:
+            raise SpecError.single("sequence parallel runs on the default process group", "policies.parallel")
+        return _manual_groups(par, rank, dist.get_process_group_ranks(group))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = PARALLEL_AXES.names
+    mesh = init_device_mesh(device.type, tuple(getattr(par, n) for n in names), mesh_dim_names=names)
+    coords = dict(zip(names, mesh.get_coordinate()))
+    cfg_ranks = mesh["cfg"].mesh.flatten().tolist()
+    return ParallelContext(
+        rank, size, par.cfg, par.data, par.ring, par.ulysses, cfg_index=coords["cfg"], data_index=coords["data"],
+        cfg_group=mesh.get_group("cfg"), data_group=mesh.get_group("data"), cfg_root=cfg_ranks[0],
+        sp_mesh=mesh["ring", "ulysses"] if par.sequence > 1 else None,
+    )
+
+
+def _manual_groups(par: Any, rank: int, ranks: list[int]) -> ParallelContext:
+    cfg_index, data_index = rank % par.cfg, rank // par.cfg
+    cfg_group = data_group = None
+    # new_group must be called by every rank for every group, in the same order.
+    for d in range(par.data):
+        g = dist.new_group([ranks[d * par.cfg + c] for c in range(par.cfg)])
+        if d == data_index:
+            cfg_group = g
+    for c in range(par.cfg):
+        g = dist.new_group([ranks[d * par.cfg + c] for d in range(par.data)])
+        if c == cfg_index:
+            data_group = g
+    return ParallelContext(rank, len(ranks), par.cfg, par.data, 1, 1, cfg_index, data_index, cfg_group, data_group,
+                           cfg_root=ranks[data_index * par.cfg])
+
+

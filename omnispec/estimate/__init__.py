@@ -29,10 +29,11 @@ import torch
 
 from ..log import logger, progress
 from ..spec import PipelineSpec, SpecError
+from ..spec.files import path_kind, user_path
 from ..spec.model import WEIGHTLESS_ROLES
 from .counting import Shadow, counting
-from .report import ComponentBytes, Estimate, OpCount, render_estimate
 from .devices import BANDWIDTH_SHARE, COMPILED_SHARE, EAGER_SHARE, DeviceKind, device_kind
+from .report import ComponentBytes, Estimate, OpCount, render_estimate
 from .weights import GROUPED, STAGE_ROLES, component_bytes, config_module
 
 # ---- the estimate -------------------------------------------------------------------------------------------
@@ -63,8 +64,8 @@ def _checkpoint_root(spec: PipelineSpec, source: str | None) -> Path:
     root = source or spec.model.source
     if not root:
         raise SpecError.single("no checkpoint: the spec has no model.source and no --source was given", "--source")
-    local = Path(root).expanduser()
-    if local.is_dir():
+    local = user_path(root)
+    if path_kind(local) == "dir":
         return local
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

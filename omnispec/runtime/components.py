@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ..log import logger, main_process
 from ..policies import quantization
 from ..spec import Component, PipelineSpec, SpecError
-from ..spec.files import PICKLE_SUFFIXES, refuse_pickle, safetensors_header
+from ..spec.files import PICKLE_SUFFIXES, path_kind, refuse_pickle, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
 from .families import import_ref
@@ -60,12 +60,12 @@ def check_source(spec: PipelineSpec, source: str | None, names: Iterable[str] | 
 
 def _check_root(root: str, components: Mapping[str, Component], revision: str | None, where: str,
                 trusted: bool) -> str:
-    local = Path(root).expanduser()
-    if local.exists():
-        if not local.is_dir():
+    local = user_path(root)
+    if path_kind(local) is not None:
+        if path_kind(local) != "dir":
             raise SpecError.single(f"checkpoint root {root!r} is not a directory", where)
         missing = [f"{name} ({c.subfolder})" for name, c in components.items()
-                   if c.subfolder and not (local / c.subfolder).is_dir()]
+                   if c.subfolder and path_kind(local / c.subfolder) != "dir"]
         if missing:
             raise SpecError.single(f"checkpoint {root!r} lacks component folder(s): {', '.join(missing)}", where)
         for name, component in components.items():
@@ -98,10 +98,10 @@ def _check_weight_files(root: Path, name: str, component: Component, trusted: bo
     folder = root / (component.subfolder or "")
     if component.file is not None:
         refuse_pickle(folder / component.file, f"{where}.file", trusted)
-        if (folder / component.file).suffix == ".safetensors" and (folder / component.file).exists():
+        if (folder / component.file).suffix == ".safetensors" and path_kind(folder / component.file) is not None:
             safetensors_header(folder / component.file, f"{where}.file")
         return
-    if component.role in _WEIGHTLESS or not folder.is_dir():
+    if component.role in _WEIGHTLESS or path_kind(folder) != "dir":
         return
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     weights = [n for n in names if n.endswith(".safetensors")]

@@ -20,7 +20,7 @@ import torch
 
 from ..log import logger
 from ..spec import PipelineSpec, SpecError
-from ..spec.files import PICKLE_SUFFIXES, refuse_pickle, safetensors_header
+from ..spec.files import PICKLE_SUFFIXES, path_kind, refuse_pickle, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
@@ -42,10 +42,10 @@ def lora_file(path: str, weight_name: str | None, where: str, trusted: bool = Fa
     """The local ``.safetensors`` file a LoRA reference names, its header checked: a file, ``weight_name`` in a folder
     (or the folder's one LoRA file), or that file in a Hub repository (from the cache, else downloaded; refused at
     once when the Hub can't be reached)."""
-    local = Path(path).expanduser()
-    if local.is_dir():
+    local = user_path(path)
+    if path_kind(local) == "dir":
         file = local / weight_name if weight_name else _only_weights(local, where)
-    elif local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    elif path_kind(local) is not None or path.startswith((".", "/", "~")) or path.count("/") != 1:
         file = local
     else:
         file = _hub_file(path, weight_name or DEFAULT_WEIGHT_NAME, where)
@@ -59,7 +59,7 @@ def lora_file(path: str, weight_name: str | None, where: str, trusted: bool = Fa
 
 def _only_weights(folder: Path, where: str) -> Path:
     """A folder's LoRA file: diffusers' default name, else its one ``.safetensors`` file."""
-    if (folder / DEFAULT_WEIGHT_NAME).is_file():
+    if path_kind(folder / DEFAULT_WEIGHT_NAME) == "file":
         return folder / DEFAULT_WEIGHT_NAME
     found = sorted(folder.glob("*.safetensors"))
     if len(found) == 1:

@@ -32,6 +32,27 @@ SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1
 MAX_SAFETENSORS_HEADER = CONFIG.bytes
 
 
+def path_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` names, links followed: ``"dir"``, ``"file"`` (a regular file), ``"other"`` (a FIFO, a device,
+    a socket), or None when the OS finds nothing to stat there: absent, a dangling link, a name too long, a loop of
+    links, a NUL in it, no permission. Never raises: Python 3.11's ``Path.exists``/``is_dir`` raise for a name too
+    long, so a user's 5,000-character path would otherwise be a traceback."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def user_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~`` expanded, or as written when it cannot be (``~nosuchuser``: ``expanduser`` raises
+    RuntimeError), so that a check saying it is absent follows."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
+
+
 def regular_file(path: str | os.PathLike[str], where: str = "", what: str = "file") -> Path:
     """``path`` as a ``Path`` when it is a regular file (links followed); otherwise ``SpecError`` saying what it is,
     decided from ``stat`` alone: a FIFO or a device is never opened (opening one can block forever)."""
@@ -42,6 +63,8 @@ def regular_file(path: str | os.PathLike[str], where: str = "", what: str = "fil
         raise SpecError.single(f"no such {what}: {p}", where) from None
     except OSError as exc:  # a name too long, a loop of links, permissions
         raise SpecError.single(f"cannot read {what} {p}: {exc.strerror or exc}", where) from None
+    except ValueError:  # a NUL in the name
+        raise SpecError.single(f"cannot read {what} {str(p)!r}: a path cannot contain a NUL character", where) from None
     if not stat.S_ISREG(info.st_mode):
         kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
                 else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
@@ -166,4 +189,5 @@ def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
 
 
 __all__ = ["PICKLE_SUFFIXES", "SAFETENSORS_DTYPE_BYTES", "WEIGHT_SUFFIXES", "SafetensorsHeader", "TensorEntry",
-           "read_bytes", "read_json_file", "refuse_pickle", "regular_file", "safetensors_header"]
+           "path_kind", "read_bytes", "read_json_file", "refuse_pickle", "regular_file", "safetensors_header",
+           "user_path"]

@@ -47,8 +47,10 @@ def run_command(args: argparse.Namespace) -> int:
 
     if progress_bars_disabled():
         import diffusers
+        import transformers
 
         diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bars
     output_path = Path(args.output)
     video = spec.recipe.task.endswith("video")
     samples = 1 if select is not None else len(prompts or ()) or 1

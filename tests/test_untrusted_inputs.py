@@ -773,3 +773,173 @@ def test_replay_arguments_are_checked(args, kwargs, error, fragment):
     with pytest.raises(error, match=fragment) as caught:
         omnispec.replay(*args, **kwargs)
     assert isinstance(caught.value, SpecError)
+
+
+# ---- review of #22: files the libraries read themselves, model construction, weights, LoRA ------------------------
+
+def _digits_run(folder, tmp_path):
+    return ["run", "digits", "--source", str(folder), "--prompt", "7", *FAST, "--output", str(tmp_path / "x.png")]
+
+
+@pytest.fixture
+def few_modules(monkeypatch):
+    """A module limit the digits model passes and a config of 100,000 layers does not, quickly."""
+    monkeypatch.setattr("omnispec.runtime.components.MAX_MODULES", 2_000)
+
+
+def test_a_config_describing_a_hundred_thousand_layers_is_refused_while_built(digits_copy, tmp_path, capsys,
+                                                                            few_modules):
+    _edit_json(digits_copy / "transformer" / "config.json", depth=100_000)
+    start = time.perf_counter()
+    refused(_digits_run(digits_copy, tmp_path), "transformer/config.json", "more than 2,000 modules", capsys=capsys)
+    refused(["explain", "digits", "--source", str(digits_copy), "--estimate"], "more than 2,000 modules",
+            capsys=capsys)
+    assert time.perf_counter() - start < 30
+
+
+def test_a_record_whose_component_config_describes_a_huge_model_is_refused(digits_png, tmp_path, capsys,
+                                                                           few_modules):
+    png = _changed_record_png(digits_png, tmp_path, lambda r: r["spec"]["model"]["components"]["transformer"].update(
+        config={"depth": 100_000}))
+    refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")], "with the spec's config entries",
+            "more than 2,000 modules", capsys=capsys)
+
+
+@pytest.mark.parametrize("folder, name", [
+    ("transformer", "config.json"),
+    ("text_encoder", "config.json"),
+    ("tokenizer", "tokenizer_config.json"),
+    ("tokenizer", "special_tokens_map.json"),
+    ("tokenizer", "tokenizer.json"),
+])
+def test_json_the_loaders_read_themselves_is_bounded_first(digits_copy, tmp_path, capsys, folder, name):
+    (digits_copy / folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    refused(_digits_run(digits_copy, tmp_path), f"{folder}/{name}", "nested deeper than", capsys=capsys)
+
+
+def test_a_config_json_that_is_a_fifo_is_refused_unopened(digits_copy, tmp_path, capsys):
+    config = digits_copy / "text_encoder" / "config.json"
+    config.unlink()
+    os.mkfifo(config)
+    refused(_digits_run(digits_copy, tmp_path), "config.json is a FIFO", capsys=capsys)
+
+
+@pytest.mark.parametrize("index, fragment", [
+    ("[" * 100_000, "nested deeper than"),
+    ('{"weight_map": [1, 2]}', "weight_map is not a mapping"),
+    ('{"weight_map": {"w": "../../elsewhere.safetensors"}}', "weight_map is not a mapping"),
+])
+def test_a_bad_weights_index_is_refused_by_name(flux_dir, tmp_path, capsys, index, fragment):
+    copy = _flux_copy(flux_dir, tmp_path)
+    (copy / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text(index)
+    refused(["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")],
+            "diffusion_pytorch_model.safetensors.index.json", fragment, capsys=capsys)
+
+
+def _safetensors(path, header, data=b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p: p.write_bytes(struct.pack("<Q", 5) + b"\xef\xbb\xbf{}" + b""), "does not start with '{'"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8),
+     "4 bytes after the last tensor"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                                "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12),
+     "leave a gap"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                                "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+     "overlap"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F4", "shape": [4, 32], "data_offsets": [0, 0]}}),
+     "0 bytes for shape [4, 32] of F4 (64 expected)"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}, b"\0"),
+     "12 bits, not a whole number of bytes"),
+])
+def test_safetensors_headers_are_read_as_strictly_as_the_library_reads_them(tmp_path, make, fragment):
+    from safetensors import safe_open
+
+    from omnispec.spec.files import safetensors_header
+
+    path = tmp_path / "w.safetensors"
+    make(path)
+    with pytest.raises(SpecError, match=re.escape(fragment)):
+        safetensors_header(path)
+    with pytest.raises(Exception):  # noqa: B017 - what the library says of the same file
+        with safe_open(str(path), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+def test_a_text_encoder_with_trailing_bytes_is_refused_before_transformers_reads_it(flux_dir, tmp_path, capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    weights = copy / "text_encoder" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"\0" * 16)
+    refused(["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")],
+            "text_encoder/model.safetensors", "16 bytes after the last tensor", capsys=capsys)
+
+
+def _rewrite_weights(path, change):
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    change(state)
+    save_file(state, path)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda s: s.pop("proj_out.weight"), "lacks 1 weight(s) the model has: proj_out.weight"),
+    (lambda s: s.update(extra=torch.zeros(2)), "holds 1 weight(s) the model has no place for: extra"),
+    (lambda s: s["proj_out.weight"].fill_(float("nan")), "proj_out.weight hold NaN or infinite values"),
+])
+def test_weights_that_do_not_make_the_model_are_refused(digits_copy, tmp_path, capsys, change, fragment):
+    _rewrite_weights(digits_copy / "transformer" / "diffusion_pytorch_model.safetensors", change)
+    refused(_digits_run(digits_copy, tmp_path), "component 'transformer'", fragment, capsys=capsys)
+
+
+def test_a_transformers_component_without_its_weights_is_refused_not_randomly_initialised(flux_dir, tmp_path,
+                                                                                           capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    save_file({}, copy / "text_encoder" / "model.safetensors")
+    refused(["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")],
+            "component 'text_encoder'", "lacks", capsys=capsys)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_estimate_builds_an_auto_class_from_its_config(flux_dir, capsys):
+    capsys.readouterr()
+    assert main(["-q", "explain", "flux1-dev", "--source", str(flux_dir), *FLUX, "--estimate",
+                 "--set", "model.components.text_encoder.class=transformers.AutoModel",
+                 "--set", "model.check_checkpoint=false"]) == 0
+    assert "text_encoder" in capsys.readouterr().out
+
+
+def _lora_case(name):
+    from test_lora_files import HIDDEN, RANK
+
+    good = "transformer.transformer_blocks.0.attn.to_q"
+    a, b = torch.randn(RANK, HIDDEN) * 0.1, torch.randn(HIDDEN, RANK) * 0.1
+    return {
+        "unmatched": ({"hello.weight": a, "world": b}, "hello.weight: not a LoRA weight"),
+        "good plus bogus": ({f"{good}.lora_A.weight": a, f"{good}.lora_B.weight": b, "transformer.bogus.key": b.clone()},
+                            "transformer.bogus.key: not a LoRA weight"),
+        "text encoder only": ({"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.randn(RANK, 8),
+                               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.randn(8, RANK)},
+                              "no LoRA weights for this model"),
+        "int64": ({f"{good}.lora_A.weight": a.long(), f"{good}.lora_B.weight": b.long()},
+                  "holds int64 values; LoRA weights are floating point"),
+        "fp8 nan": ({f"{good}.lora_A.weight": a.to(torch.float8_e4m3fn),
+                     f"{good}.lora_B.weight": torch.full((HIDDEN, RANK), float("nan")).to(torch.float8_e4m3fn)},
+                    "holds NaN or infinite values"),
+        "kohya bad shape": ({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(RANK, HIDDEN),
+                             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(3 * HIDDEN - 1, RANK),
+                             "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(2.0)},
+                            "cannot read LoRA"),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["unmatched", "good plus bogus", "text encoder only", "int64", "fp8 nan",
+                                  "kohya bad shape"])
+def test_a_lora_whose_keys_or_values_are_not_lora_weights_is_refused(flux_dir, tmp_path, capsys, name):
+    state, fragment = _lora_case(name)
+    refused(flux_run(flux_dir, tmp_path, _peft_lora(tmp_path, "l.safetensors", state)), fragment, capsys=capsys)

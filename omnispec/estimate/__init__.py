@@ -50,6 +50,9 @@ def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = N
     problems = checkpoint_problems(spec, configs)
     if problems:
         raise SpecError(problems)
+    from ..runtime.components import check_source
+
+    check_source(spec, str(root))  # the folders, JSON files and weights headers, as build checks them
     spec = follow_checkpoint(spec, configs)
     modules, counts = _modules(spec, root)
     result = Estimate(target.name, {}, counts)
@@ -94,7 +97,10 @@ def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[Compo
         module = None
         if component.file is None:
             try:
-                module = config_module(cls, folder, DTYPES[component.dtype or spec.model.dtype], component.config)
+                module = config_module(cls, folder, DTYPES[component.dtype or spec.model.dtype], component.config,
+                                       where=f"model.components.{name}")
+            except SpecError:  # a config refused as an input (too deep, too large, too many modules)
+                raise
             except (OSError, ValueError, TypeError) as exc:
                 logger.warning(f"estimate: {name} not built on meta ({exc}); its FLOPs are not counted")
         modules[name] = module

@@ -84,7 +84,8 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
 
     row = _timed_row(run, name, label, repeats)
     with torch.no_grad():
-        latents = run(_steps(name)[0]).latents.float().cpu()
+        streams = run(_steps(name)[0]).latents  # every latent stream, flattened into one vector
+        latents = torch.cat([v.float().flatten().cpu() for v in streams.values()])
     if label == "single":
         torch.save(latents, f"/tmp/omnispec_parallel_{name}_single.pt")
     if not degrees:

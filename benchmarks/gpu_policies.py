@@ -98,8 +98,8 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     not carry them (a per-module hooked forward makes dynamo recompile each repeated block)."""
     import copy
 
-    from omnispec.policies.attention import HOOK_NAME
     from omnispec.bridge import remove_hook
+    from omnispec.policies.attention import HOOK_NAME
 
     twin = copy.deepcopy(module)
     for m in twin.modules():

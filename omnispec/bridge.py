@@ -47,6 +47,12 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "recompile each block"),
     ("diffusers.models.attention_dispatch.AttentionBackendName", "_NATIVE_FLASH", "the attention backend ring "
      "attention needs (it returns the log-sum-exp that merges ring steps)"),
+    ("diffusers.FluxTransformer2DModel", "_tp_plan", "a model's tensor-parallel plan (which linears split by column "
+     "or row); the public enable_parallelism(TensorParallelConfig) refuses CPU meshes and context parallelism on top"),
+    ("diffusers.hooks.tensor_parallel", "_resolve_tp_plan", "a flat plan grouped per block, as parallelize_module "
+     "takes it"),
+    ("diffusers.hooks.tensor_parallel", "_styles", "a plan's style names (and packed markers) as torch's "
+     "ParallelStyle objects"),
 )
 
 HOOK_REGISTRY_ATTRIBUTE = "_diffusers_hook"
@@ -147,7 +153,26 @@ def has_repeated_blocks(module: Any) -> bool:
     return bool(getattr(module, "_repeated_blocks", None))
 
 
+# ---- tensor parallel --------------------------------------------------------------------------------------
+
+def model_tensor_plan(module: Any) -> dict[str, Any] | None:
+    """The model class's own tensor-parallel plan (``{glob: "colwise" | "rowwise" | packed marker}``), or None."""
+    return getattr(type(module), "_tp_plan", None) or None
+
+
+def parallelize_with_plan(module: Any, plan: dict[str, Any], mesh: Any) -> None:
+    """Split ``module``'s planned linears over ``mesh`` with torch's ``parallelize_module``, one call per block
+    (diffusers' grouping and styles, so its packed layouts split as diffusers splits them), after diffusers'
+    divisibility check of every planned tensor."""
+    from diffusers.hooks.tensor_parallel import _resolve_tp_plan, _styles, resolve_tp_shard_specs
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolve_tp_shard_specs(module, plan, mesh.size())
+    for block, relative in _resolve_tp_plan(module, plan):
+        parallelize_module(block, mesh, _styles(relative))
+
+
 __all__ = ["CHECKED_AGAINST", "NATIVE_FLASH_BACKEND", "PRIVATE", "apply_layer_skip_hook", "cache_hook_names",
-           "denormalize_audio_latents", "denormalize_latents", "encode_vae_image", "has_repeated_blocks",
+           "denormalize_audio_latents", "denormalize_latents", "encode_vae_image", "has_repeated_blocks", "model_tensor_plan", "parallelize_with_plan",
            "hook_registry", "normalize_latents", "pack_audio_latents", "pack_latents", "prepare_latent_image_ids",
            "remove_hook", "set_cache_context", "unpack_audio_latents", "unpack_latents"]

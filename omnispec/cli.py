@@ -8,13 +8,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
+from .spec.base import MAX_LORA_SCALE
+from .spec.errors import printable
+from .spec.files import path_kind
 from .version import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose own errors (a bad option value, a missing argument) are one ``error:`` line and exit 2,
+    as every other bad input is; ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {printable(message)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def say(text: str) -> None:
+    """Print lines that may hold strings from files (a record, a spec), each with its control characters escaped
+    (no escape sequence of a hostile record reaches the terminal)."""
+    print("\n".join(printable(line) for line in text.split("\n")))
 
 
 def _add_spec_options(p: argparse.ArgumentParser) -> None:
@@ -45,15 +65,18 @@ def sigma_list(value: str) -> list[float]:
 def lora_argument(value: str) -> dict[str, object]:
     """``PATH_OR_ID[:WEIGHT_NAME][@SCALE]`` as an adapter slot (an existing path wins over splitting it)."""
     path, scale = value, 1.0
-    if "@" in value and not Path(value).exists():
+    if "@" in value and path_kind(value) is None:
         head, _, tail = value.rpartition("@")
         try:
             path, scale = head, float(tail)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{value!r}: the part after '@' is the scale, a number (got "
                                              f"{tail!r})") from None
+        if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+            raise argparse.ArgumentTypeError(f"{value!r}: the scale after '@' lies within +-{MAX_LORA_SCALE:g} (got "
+                                             f"{tail!r})")
     weight_name = None
-    if ":" in path and not Path(path).exists():
+    if ":" in path and path_kind(path) is None:
         path, _, weight_name = path.rpartition(":")
     if not path or weight_name == "":
         raise argparse.ArgumentTypeError(f"{value!r}: expected PATH_OR_ID[:WEIGHT_NAME][@SCALE]")
@@ -61,7 +84,7 @@ def lora_argument(value: str) -> dict[str, object]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnispec", description="Run diffusion models described by one typed spec.")
+    parser = _Parser(prog="omnispec", description="Run diffusion models described by one typed spec.")
     parser.add_argument("--version", action="version", version=f"omnispec {__version__}")
     _add_verbosity(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dispatch(args)
     except SpecError as exc:
         for problem in exc.problems:
-            print(f"error: {problem}", file=sys.stderr)
+            print(printable(f"error: {problem}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -178,9 +201,9 @@ def _run(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from . import records
 
-    if records.is_output(args.spec) and Path(args.spec).exists():
+    if records.is_output(args.spec) and os.path.lexists(args.spec):  # a broken link too: read() says why
         record = records.read(args.spec)
-        print(json.dumps(record.data(), indent=2) if args.json else records.render(record, args.spec))
+        say(json.dumps(record.data(), indent=2) if args.json else records.render(record, args.spec))
         return 0
     spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
     sigmas = None
@@ -206,7 +229,7 @@ def _explain(args: argparse.Namespace) -> int:
         found = estimate(spec, source=args.source, kind=args.device_kind)
         info["estimate"] = found.as_dict()
         text = None if args.json else f"{text}\n{render_estimate(found)}"
-    print(json.dumps(info, indent=2) if args.json else text)
+    say(json.dumps(info, indent=2) if args.json else text)
     return 0
 
 
@@ -257,9 +280,9 @@ def _init(args: argparse.Namespace) -> int:
     from .runtime.media import write_files
 
     target = Path(args.output)
-    if target.is_dir():
+    if path_kind(target) == "dir":
         raise SpecError.single(f"{target} is a directory; give a file name such as {target / 'spec.yaml'}", "--output")
-    if target.exists() and not args.overwrite:
+    if path_kind(target) is not None and not args.overwrite:
         raise SpecError.single(f"{target} exists; pass --overwrite to replace it", "--output")
     write_files([(target, lambda t: t.write_text(text, encoding="utf-8"))], overwrite=args.overwrite)
     print(target)
@@ -274,7 +297,7 @@ def _validate(args: argparse.Namespace) -> int:
         except SpecError as exc:
             failed = True
             for problem in exc.problems:
-                print(f"error: {problem}", file=sys.stderr)
+                print(printable(f"error: {problem}"), file=sys.stderr)
             continue
         print(f"{Path(path)}: ok ({spec.name}, {len(spec.recipe.phases)} phase(s))")
     return 2 if failed else 0

@@ -19,6 +19,7 @@ import yaml
 
 from .spec import SpecError, load_spec, resolve_spec_data
 from .spec.catalog import bundled_names, bundled_path
+from .spec.files import path_kind, user_path
 from .spec.model import BUILTIN_FAMILIES
 
 FLOW_MATCH_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
@@ -59,12 +60,12 @@ def read_model_index(source: str) -> dict[str, Any] | None:
     from .spec.files import read_json_file
     from .spec.hub import check_reachable, hub_file
 
-    local = Path(source).expanduser()
-    if local.is_dir():
+    local = user_path(source)
+    if path_kind(local) == "dir":
         path: Path | None = local / "model_index.json"
-        if not path.exists():
+        if path_kind(path) is None:
             return None
-    elif local.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
+    elif path_kind(local) is not None or source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise SpecError.single(f"{source!r} is neither a checkpoint folder nor a Hub id (owner/name)", "SOURCE")
     else:
         check_reachable(source, "SOURCE")
@@ -96,8 +97,8 @@ def _family_by_denoiser(source: str) -> str:
     """A folder without model_index.json: the bundled spec whose denoiser class its ``transformer`` folder holds."""
     from .spec.files import read_json_file
 
-    config = Path(source).expanduser() / "transformer" / "config.json"
-    data = read_json_file(config, where="SOURCE") if config.exists() else {}
+    config = user_path(source) / "transformer" / "config.json"
+    data = read_json_file(config, where="SOURCE") if path_kind(config) is not None else {}
     theirs = data.get("_class_name") if isinstance(data, dict) else None
     for name in bundled_names():
         data, _ = resolve_spec_data(bundled_path(name))
@@ -131,18 +132,19 @@ def _template(family: str, index: dict[str, Any] | None, source: str) -> tuple[s
 def _checkpoint_components(index: dict[str, Any] | None, source: str) -> set[str]:
     if index is not None:
         return {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[-1] is not None}
-    local = Path(source).expanduser()
-    return {p.name for p in local.iterdir() if p.is_dir()} if local.is_dir() else set()
+    local = user_path(source)
+    return {p.name for p in local.iterdir() if p.is_dir()} if path_kind(local) == "dir" else set()
 
 
 def _draft(source: str, family: str, index: dict[str, Any] | None, template: dict[str, Any], name: str | None
            ) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     data = json.loads(json.dumps(template))  # a deep copy of plain data
-    local = Path(source).expanduser()
-    data["name"] = name or (local.resolve().name if local.is_dir() else source.split("/")[-1]).lower()
+    local = user_path(source)
+    here = path_kind(local) == "dir"
+    data["name"] = name or (local.resolve().name if here else source.split("/")[-1]).lower()
     data["model"]["family"] = family
-    data["model"]["source"] = str(local.resolve()) if local.is_dir() else source
+    data["model"]["source"] = str(local.resolve()) if here else source
     data["model"]["components"], dropped = _components(index, template["model"]["components"], source)
     if dropped:
         notes.append(f"left out (no role omnispec gives them): {', '.join(dropped)}")
@@ -167,8 +169,8 @@ def _components(index: dict[str, Any] | None, template: dict[str, Any], source: 
     """Each component of the checkpoint with its role and class; the template's entry where the class agrees (it may
     name a module path, a dtype)."""
     if index is None:  # no model_index.json: the template's components whose folders are there
-        local = Path(source).expanduser()
-        return {n: c for n, c in template.items() if (local / (c.get("subfolder") or n)).is_dir()}, []
+        local = user_path(source)
+        return {n: c for n, c in template.items() if path_kind(local / (c.get("subfolder") or n)) == "dir"}, []
     out, dropped = {}, []
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
@@ -188,8 +190,11 @@ def _components(index: dict[str, Any] | None, template: dict[str, Any], source: 
 
 
 def _same_class(ref: str, theirs: str) -> bool:
-    ours = _class_tail(ref)
-    return ours == theirs or ours.startswith("Auto") or ours.removesuffix("Fast") == theirs.removesuffix("Fast")
+    """The comparison the checkpoint check makes at build (exact, Fast/Pil variants, an Auto class of ours by what
+    it loads), so a drafted spec is never one its own checkpoint refuses."""
+    from .spec.checkpoint import same_class
+
+    return same_class(_class_tail(ref), theirs)
 
 
 def _class_tail(ref: str) -> str:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import records
 from .records.schema import Record, RecordedImage
-from .spec import PipelineSpec, Problem, SpecError, load_spec
+from .spec import PipelineSpec, Problem, SpecError, SpecTypeError, load_spec
+from .spec.files import path_kind
 from .spec.request import resolve_request
 
 if TYPE_CHECKING:
@@ -47,10 +47,11 @@ def request_arguments(record: Record, spec: PipelineSpec, images: bool = True
     fields = {k: v for k, v in request.items() if v is not None and v != defaults.get(k)}
     if fields.get("negative_prompt") == "":
         fields.pop("negative_prompt")
-    if record.request.requested:  # the size the caller asked for, not the one the family chose
+    requested = record.request.requested
+    if requested is not None:  # the size the caller asked for, not the one the family chose
         for key in ("height", "width"):
             fields.pop(key, None)
-        fields.update({k: v for k, v in record.request.requested.items() if v is not None})
+        fields.update({k: v for k, v in requested.model_dump().items() if v is not None})
     if record.request.images and images:
         fields.update(image_arguments(record.request.images))
     return list(record.request.prompts), list(record.request.seeds), fields
@@ -68,7 +69,7 @@ def image_arguments(images: list[RecordedImage]) -> dict[str, Any]:
             problems.append(Problem(where, "was given in memory, not as a file: pass the image again (--image / "
                                     "image=)"))
             continue
-        if not Path(entry.path).is_file():
+        if path_kind(entry.path) != "file":
             problems.append(Problem(where, f"{entry.path} is gone: pass the image again (--image / image=)"))
             continue
         if image_condition(entry.path, 0, where).digest != entry.digest:
@@ -91,6 +92,7 @@ def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | Non
     from .runtime.build import build
     from .runtime.pipeline import Pipeline
 
+    _check_arguments(path, source, device, trust_code, allow_version_drift)
     record = records.read(path)
     drift = records.check_versions(record, allow_version_drift, str(path))
     source_text = None if source is None else str(source)
@@ -105,6 +107,21 @@ def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | Non
     output = pipe(prompts, seeds, **fields)
     output = marked_as_replay(output, record, drift)
     return output if record.sample is None else select_sample(output, record.sample)
+
+
+def _check_arguments(path: Any, source: Any, device: Any, trust_code: Any, allow_version_drift: Any) -> None:
+    """``replay``'s arguments have their types (``SpecTypeError`` naming the argument), so a wrong one is not a
+    ``TypeError`` from deep inside pathlib."""
+    for name, value in (("path", path), ("source", source)):
+        if not (isinstance(value, (str, os.PathLike)) or (name == "source" and value is None)):
+            raise SpecTypeError.single(f"expected a file path (str or os.PathLike), got {type(value).__name__}", name)
+        if isinstance(value, os.PathLike) and not isinstance(os.fspath(value), str):
+            raise SpecTypeError.single(f"expected a str path, got {type(os.fspath(value)).__name__}", name)
+    if device is not None and not isinstance(device, str):
+        raise SpecTypeError.single(f"expected a device name, got {type(device).__name__}", "device")
+    for name, value in (("trust_code", trust_code), ("allow_version_drift", allow_version_drift)):
+        if not isinstance(value, bool):
+            raise SpecTypeError.single(f"expected True or False, got {type(value).__name__}", name)
 
 
 def marked_as_replay(output: Output, record: Record, drift: list[str]) -> Output:

@@ -10,6 +10,8 @@ from typing import Any
 
 from .log import progress_bars_disabled
 from .spec import Problem, SpecError, load_spec
+from .spec.errors import printable
+from .spec.files import path_kind, user_path
 from .spec.request import request_fields, resolve_request
 
 
@@ -45,8 +47,10 @@ def run_command(args: argparse.Namespace) -> int:
 
     if progress_bars_disabled():
         import diffusers
+        import transformers
 
         diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bars
     output_path = Path(args.output)
     video = spec.recipe.task.endswith("video")
     samples = 1 if select is not None else len(prompts or ()) or 1
@@ -61,7 +65,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         output = pipe.generate(request)
     except (RuntimeError, MemoryError) as exc:
-        print(f"error: generation failed: {exc}", file=sys.stderr)
+        print(printable(f"error: generation failed: {exc}"), file=sys.stderr)
         return 1
     if args.from_output is not None:
         from .replaying import marked_as_replay, select_sample
@@ -73,7 +77,7 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             written = output.save(output_path, overwrite=args.overwrite)
         except OSError as exc:
-            print(f"error: cannot write {output_path}: {exc.strerror or exc}", file=sys.stderr)
+            print(printable(f"error: cannot write {output_path}: {exc.strerror or exc}"), file=sys.stderr)
             return 1
         for path in written:
             print(path)
@@ -111,8 +115,9 @@ def _from_output(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, .
 def lora_overrides(loras: list[dict[str, Any]]) -> list[str]:
     """``--lora`` values as adapter slots ``lora_0``, ``lora_1`` ..., on in every phase (recorded in the spec, a
     local path resolved so that the record replays from any working directory)."""
-    local = [Path(str(slot["path"])).expanduser() for slot in loras]
-    slots = [{**slot, "path": str(path.resolve())} if path.exists() else slot for slot, path in zip(loras, local)]
+    local = [user_path(str(slot["path"])) for slot in loras]
+    slots = [{**slot, "path": str(path.resolve())} if path_kind(path) is not None else slot
+             for slot, path in zip(loras, local)]
     return [f"model.adapters.lora_{i}={json.dumps(slot)}" for i, slot in enumerate(slots)]
 
 
@@ -121,7 +126,7 @@ def lora_problems(loras: list[dict[str, Any]]) -> list[Problem]:
     problems = []
     for slot in loras:
         path = str(slot["path"])
-        if not Path(path).expanduser().exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        if path_kind(user_path(path)) is None and (path.startswith((".", "/", "~")) or path.count("/") != 1):
             problems.append(Problem("--lora", f"{path}: no such file or folder, and not a Hub id (owner/name)"))
     return problems
 

@@ -75,3 +75,18 @@ def photo(tmp_path_factory):
     path = tmp_path_factory.mktemp("images") / "photo.png"
     Image.fromarray((np.random.RandomState(0).rand(40, 24, 3) * 255).astype(np.uint8)).save(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _omnispec_logger_restored():
+    """A CLI command run in a test sets omnispec's logger up for a terminal (its own stderr handler, no
+    propagation, a level); later tests read omnispec's messages through caplog, which listens at the root, so each
+    test starts from the logger as importing omnispec leaves it, whatever order the tests run in."""
+    import logging
+
+    from omnispec.log import logger
+
+    yield
+    logger.handlers[:] = [h for h in logger.handlers if isinstance(h, logging.NullHandler)]
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True

@@ -54,6 +54,21 @@ def test_flux_kontext_edit_matches_diffusers(flux_dir, photo):
     assert np.abs(ours.array - ref).max() <= TOL
 
 
+def test_a_kontext_reference_larger_than_max_area_is_fitted_with_a_warning(flux_dir, caplog):
+    """Its tokens join every forward: a reference past max_area is shrunk to it (aspect kept), as if the user had
+    resized it first."""
+    pipe = omnispec.build(SPECS / "flux1-kontext-dev.yaml", source=str(flux_dir), overrides=KONTEXT)
+    big = Image.fromarray((np.random.RandomState(1).rand(64, 64, 3) * 255).astype(np.uint8))
+    with caplog.at_level("WARNING", logger="omnispec"):
+        ours = pipe("make it blue", seed=4, image=big)
+    assert any("larger than max_area" in r.getMessage() for r in caplog.records)
+    helper = pipe.family.helper
+    multiple = helper.vae_scale_factor * 2
+    side = int(64 * (1536 / 64**2) ** 0.5) // multiple * multiple  # 39 pixels, floored to the packing multiple
+    fitted = helper.image_processor.resize(big, side, side)
+    assert np.array_equal(ours.array, pipe("make it blue", seed=4, image=fitted).array)
+
+
 def test_wan21_i2v_with_clip_image_tokens_matches_diffusers(wan_i2v_dir, photo):
     from diffusers import WanImageToVideoPipeline
 

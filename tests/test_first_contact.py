@@ -80,7 +80,7 @@ def test_image_to_image_without_a_size_keeps_the_images(flux_dir, wide_photo, tm
                for r in caplog.records)
     (png,) = out.save(tmp_path / "cat.png")
     made = records.read(png).request
-    assert (made.height, made.width, made.requested) == (32, 64, {"height": None, "width": None})
+    assert (made.height, made.width, made.requested.model_dump()) == (32, 64, {"height": None, "width": None})
     assert np.array_equal(omnispec.replay(png).array, out.array)
     explicit = pipe("a cat", seed=0, image=str(wide_photo), height=48, width=48)  # parity: the size asked for
     assert explicit.array.shape[1:3] == (48, 48) and records.read(explicit.save(tmp_path / "e.png")[0]).request.requested is None

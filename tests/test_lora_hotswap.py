@@ -15,9 +15,8 @@ COMPILED = [*BASE, "policies.compile={mode: regional, backend: eager}", "policie
 
 
 def lora(pipe, seed, rank=2, alpha=2):
-    from peft import LoraConfig, get_peft_model_state_dict
-
     from omnispec.src_models.digits.model import DigitsDiT
+    from peft import LoraConfig, get_peft_model_state_dict
 
     torch.manual_seed(seed)
     donor = DigitsDiT.from_config(pipe.components["transformer"].config)

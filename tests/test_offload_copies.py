@@ -6,11 +6,12 @@ told apart by their storage (``_Placement(..., copies=True)``, which is the defa
 import numpy as np
 import pytest
 import torch
-from conftest import SPECS
 
 import omnispec
 from omnispec.policies.offload.model import HOOK_NAME, _Placement
 from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
 
 
 def _host_ptrs(placement: _Placement) -> dict:

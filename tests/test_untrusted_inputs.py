@@ -539,3 +539,407 @@ def _fast_xformers(timed):
         return 0.0 if backend == "xformers" else seconds + 1.0
 
     return fake
+
+
+# ---- review of #22: bounds, paths, records, images, the terminal -----------------------------------------------
+
+def _flux_copy(flux_dir, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(flux_dir, copy)
+    return copy
+
+
+def _edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_a_scheduler_asking_for_a_trillion_timesteps_is_refused_by_its_key(flux_dir, tmp_path, capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    _edit_json(copy / "scheduler" / "scheduler_config.json", num_train_timesteps=10**12)
+    for argv in (["explain", "flux1-dev", "--source", str(copy)],
+                 ["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")]):
+        refused(argv, "scheduler_config.json", "num_train_timesteps", "less than or equal to 100000", capsys=capsys)
+
+
+def test_a_nan_boundary_in_model_index_is_refused(flux_dir, tmp_path, capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    index = copy / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "boundary_ratio": float("nan")}))  # writes NaN
+    refused(["explain", "flux1-dev", "--source", str(copy)], "model_index.json", "boundary_ratio", capsys=capsys)
+
+
+def _changed_record_png(digits_png, tmp_path, change, name="changed.png"):
+    data = record_of(digits_png)
+    change(data)
+    return write_record_png(tmp_path / name, data)
+
+
+def test_a_record_naming_an_endless_proc_file_as_its_lora_is_hashed_within_its_size(digits_png, tmp_path, capsys):
+    png = _changed_record_png(digits_png, tmp_path, lambda r: r["checkpoint"].update(adapters={"lora_0": {
+        "kind": "local", "path": "/proc/self/pagemap", "sha256": "0" * 64}}))
+    found = []
+    worker = threading.Thread(target=lambda: found.append(records.replay_problems(records.read(png), None)),
+                              daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "hashing /proc/self/pagemap did not end"
+    assert "has changed since" in str(found[0][0])
+
+
+def test_a_request_is_at_most_1024_prompts(digits_png, tmp_path, capsys):
+    from omnispec.spec.request import resolve_request
+
+    png = _changed_record_png(digits_png, tmp_path, lambda r: r["request"].update(prompts=["7"] * 2000,
+                                                                                  seeds=list(range(2000))))
+    refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")], "record.request.prompts",
+            "at most 1024", capsys=capsys)
+    with pytest.raises(SpecError, match="1,025 prompts, above the limit of 1,024"):
+        resolve_request(load_spec(DIGITS), ["7"] * 1025)
+
+
+def test_recorded_requested_sizes_are_height_and_width_only(digits_png, tmp_path, capsys):
+    for key in ("prompt", "seed", "planning"):
+        png = _changed_record_png(digits_png, tmp_path, lambda r: r["request"].update(requested={key: 3}))
+        refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")],
+                f"record.request.requested.{key}: unknown key", capsys=capsys)
+        with pytest.raises(SpecError, match="unknown key"):
+            omnispec.replay(png)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda r: r.update(sample="0"), "record.sample"),
+    (lambda r: r["request"].update(seeds=["1"]), "record.request.seeds.0"),
+    (lambda r: r["request"].update(steps=2.0), "record.request.steps"),
+])
+def test_a_record_is_validated_strictly(digits_png, tmp_path, capsys, change, fragment):
+    png = _changed_record_png(digits_png, tmp_path, change)
+    refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")], fragment, capsys=capsys)
+
+
+LONG = "/tmp/" + "n" * 5000  # longer than NAME_MAX: Python 3.11's Path.exists raises for it
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: next(iter(r["checkpoint"]["roots"].values())).update(path=LONG),
+    lambda r: r["request"].update(images=[{"frame": 0, "digest": "0" * 32, "path": LONG}]),
+    lambda r: r["checkpoint"].update(adapters={"lora_0": {"kind": "local", "path": LONG, "sha256": "0" * 64}}),
+])
+def test_a_record_naming_a_path_too_long_is_refused(digits_png, tmp_path, capsys, change):
+    png = _changed_record_png(digits_png, tmp_path, change)
+    refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")], capsys=capsys)
+
+
+def test_paths_too_long_on_the_command_line_are_one_error(tmp_path, capsys):
+    out = ["--output", str(tmp_path / "x.png")]
+    refused(["run", "digits", "--source", LONG, "--prompt", "7", *out], "neither a local directory nor a Hub id",
+            capsys=capsys)
+    refused(["explain", "digits", "--source", LONG], capsys=capsys)
+    refused(["init", LONG], "neither a checkpoint folder nor a Hub id", capsys=capsys)
+    refused(["run", "digits", "--prompt", "7", "--lora", LONG, *out], "no such file or folder", capsys=capsys)
+    refused(["run", "digits", "--prompt", "7", "--lora", LONG + "@0.5", *out], capsys=capsys)
+
+
+def test_a_spec_that_is_a_loop_of_links_is_one_error(tmp_path, capsys):
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    for argv in (["validate", str(loop)], ["explain", str(loop)],
+                 ["run", str(loop), "--prompt", "x", "--output", str(tmp_path / "x.png")]):
+        refused(argv, "loop.yaml", "Symlink loop", capsys=capsys)
+    image = tmp_path / "loop.png"
+    image.symlink_to(image)
+    refused(["explain", str(image)], "loop.png", "symbolic links", capsys=capsys)
+
+
+def test_control_characters_from_a_record_never_reach_the_terminal(digits_png, tmp_path, capsys):
+    png = _changed_record_png(digits_png, tmp_path, lambda r: r.update(device="cpu\x1b[2J\x1b]0;owned\x07"))
+    capsys.readouterr()
+    assert main(["explain", str(png)]) == 0
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and "\x07" not in shown and "cpu\\x1b[2J" in shown
+    png = _changed_record_png(digits_png, tmp_path, lambda r: r["versions"].update(omnispec="9.9\nrm -rf /\x1b[31m"))
+    err = refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")], "9.9\\nrm -rf /\\x1b[31m",
+                  capsys=capsys)
+    assert err.count("\n") == 1 and "\x1b" not in err
+
+
+def test_a_png_reads_its_own_record_never_a_json_beside_it(digits_png, tmp_path):
+    copy = tmp_path / "d.png"
+    shutil.copy(digits_png, copy)
+    data = record_of(digits_png)
+    data["request"]["prompts"] = ["3"]
+    (tmp_path / "d.png.json").write_text(json.dumps(data))
+    assert records.read(copy).request.prompts == ["seven"]
+    (tmp_path / "d.png.json").unlink()
+    os.mkfifo(tmp_path / "d.png.json")
+    assert records.read(copy).request.prompts == ["seven"]
+
+
+def test_a_reference_never_names_a_dunder_module(tmp_path, capsys):
+    for ref in ("omnispec.__main__:main", "omnispec:__init__", "diffusers.__main__:X"):
+        with pytest.raises(SpecError, match="never names a dunder"):
+            load_spec(DIGITS, [f"model.components.transformer.class={ref}"])
+    with pytest.raises(SpecError, match="never names a dunder"):
+        load_spec(DIGITS, ["model.family=omnispec.__main__:Family"])
+
+
+def test_a_lora_scale_is_bounded(tmp_path, capsys):
+    with pytest.raises(SpecError, match="model.adapters.a.scale"):
+        load_spec(DIGITS, ['model.adapters.a={"path": "x.safetensors", "scale": 1e308}'])
+    for value in ("x@1e308", "x@nan", "x@inf"):
+        refused_by_argparse(["run", "digits", "--prompt", "7", "--lora", value, "--output", "x.png"],
+                            "the scale after '@' lies within +-1000", capsys=capsys)
+
+
+def refused_by_argparse(argv, *fragments, capsys):
+    """argparse's own refusal of ``ARGV``: one ``error:`` line and exit 2, no usage block."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_argparse_errors_are_one_error_line(capsys):
+    refused_by_argparse(["run", "digits", "--prompt", "7", "--lora", "", "--output", "x.png"],
+                        "expected PATH_OR_ID", capsys=capsys)
+    refused_by_argparse(["run", "digits", "--steps", "many", "--output", "x.png"], "--steps", "invalid int",
+                        capsys=capsys)
+    refused_by_argparse(["frobnicate"], "invalid choice", capsys=capsys)
+    with pytest.raises(SystemExit) as stopped:
+        main(["run", "--help"])
+    assert stopped.value.code == 0 and "usage: omnispec run" in capsys.readouterr().out
+
+
+def test_init_compares_classes_exactly(flux_dir, tmp_path, capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    _edit_json(copy / "model_index.json", vae=["diffusers", "AutoencoderTiny"])
+    capsys.readouterr()
+    assert main(["init", str(copy)]) == 0
+    assert "class: diffusers.AutoencoderTiny" in capsys.readouterr().out
+
+
+def test_the_pixel_limit_is_4096_squared_and_such_an_image_converts_within_memory(tmp_path):
+    assert MAX_IMAGE_PIXELS == 4096 * 4096
+    Image.fromarray(np.zeros((4096, 4096, 4), np.uint8)).save(tmp_path / "rgba.png")
+    Image.fromarray(np.zeros((4096, 4096), np.uint16)).save(tmp_path / "grey16.png")
+    script = ("import sys\nfrom omnispec.spec.images import image_condition\n"
+              "for path in sys.argv[1:]:\n    image_condition(path, 0, 'x')\n"
+              "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "rgba.png"), str(tmp_path / "grey16.png")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) * 1024 < 1 << 30  # peak resident memory (kB), well under 1.5 GB
+
+
+@pytest.mark.parametrize("given, fragment", [
+    (np.broadcast_to(np.zeros((1, 1, 1, 3), np.float32), (2000, 512, 512, 3)), "2000 images of 512x512"),
+    (np.zeros((0, 8, 8, 3), np.float32), "batch is empty"),
+    (torch.zeros(0, 3, 8, 8), "batch is empty"),
+    (torch.zeros(1, 3, 1, 1).expand(300, 3, 512, 512), "300 images of 512x512"),
+    (torch.zeros(3, 8, 8, device="meta"), "meta device"),
+    (torch.zeros(3, 8, 8).to_sparse(), "sparse_coo"),
+])
+def test_an_image_batch_counts_toward_the_pixel_limit_and_holds_an_image(given, fragment):
+    start = time.perf_counter()
+    with pytest.raises(SpecError, match=fragment):
+        image_condition(given, 0, "request.image")
+    assert time.perf_counter() - start < 2
+
+
+def test_exotic_and_wide_image_modes_convert_or_are_refused_clearly():
+    grey = lambda condition: condition.image.getpixel((0, 0))  # noqa: E731
+    assert grey(image_condition(Image.new("La", (4, 4)), 0, "x")) == WHITE  # transparent: over white
+    assert grey(image_condition(Image.fromarray(np.full((4, 4), 0.5, np.float32), "F"), 0, "x")) == (128,) * 3
+    assert grey(image_condition(Image.fromarray(np.full((4, 4), 300.0, np.float32), "F"), 0, "x")) == WHITE
+    assert grey(image_condition(Image.fromarray(np.full((4, 4), 100, np.int32)), 0, "x")) == (100,) * 3
+    for values in (np.full((4, 4), 1 << 20, np.int32), np.full((4, 4), -5, np.int32)):
+        with pytest.raises(SpecError, match="8-bit .0..255. and 16-bit .0..65535. ranges"):
+            image_condition(Image.fromarray(values), 0, "x")
+    with pytest.raises(SpecError, match="NaN or infinite"):
+        image_condition(Image.fromarray(np.full((4, 4), np.nan, np.float32), "F"), 0, "x")
+
+
+@pytest.mark.parametrize("args, kwargs, error, fragment", [
+    (("a\0b.png",), {}, SpecError, "NUL"),
+    ((5,), {}, TypeError, "path: expected a file path"),
+    ((b"x.png",), {}, TypeError, "path: expected a file path"),
+    (("x.png",), {"allow_version_drift": "yes"}, TypeError, "allow_version_drift: expected True or False"),
+    (("x.png",), {"trust_code": 1}, TypeError, "trust_code: expected True or False"),
+])
+def test_replay_arguments_are_checked(args, kwargs, error, fragment):
+    with pytest.raises(error, match=fragment) as caught:
+        omnispec.replay(*args, **kwargs)
+    assert isinstance(caught.value, SpecError)
+
+
+# ---- review of #22: files the libraries read themselves, model construction, weights, LoRA ------------------------
+
+def _digits_run(folder, tmp_path):
+    return ["run", "digits", "--source", str(folder), "--prompt", "7", *FAST, "--output", str(tmp_path / "x.png")]
+
+
+@pytest.fixture
+def few_modules(monkeypatch):
+    """A module limit the digits model passes and a config of 100,000 layers does not, quickly."""
+    monkeypatch.setattr("omnispec.runtime.components.MAX_MODULES", 2_000)
+
+
+def test_a_config_describing_a_hundred_thousand_layers_is_refused_while_built(digits_copy, tmp_path, capsys,
+                                                                            few_modules):
+    _edit_json(digits_copy / "transformer" / "config.json", depth=100_000)
+    start = time.perf_counter()
+    refused(_digits_run(digits_copy, tmp_path), "transformer/config.json", "more than 2,000 modules", capsys=capsys)
+    refused(["explain", "digits", "--source", str(digits_copy), "--estimate"], "more than 2,000 modules",
+            capsys=capsys)
+    assert time.perf_counter() - start < 30
+
+
+def test_a_record_whose_component_config_describes_a_huge_model_is_refused(digits_png, tmp_path, capsys,
+                                                                           few_modules):
+    png = _changed_record_png(digits_png, tmp_path, lambda r: r["spec"]["model"]["components"]["transformer"].update(
+        config={"depth": 100_000}))
+    refused(["run", "--from", str(png), "--output", str(tmp_path / "x.png")], "with the spec's config entries",
+            "more than 2,000 modules", capsys=capsys)
+
+
+@pytest.mark.parametrize("folder, name", [
+    ("transformer", "config.json"),
+    ("text_encoder", "config.json"),
+    ("tokenizer", "tokenizer_config.json"),
+    ("tokenizer", "special_tokens_map.json"),
+    ("tokenizer", "tokenizer.json"),
+])
+def test_json_the_loaders_read_themselves_is_bounded_first(digits_copy, tmp_path, capsys, folder, name):
+    (digits_copy / folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    refused(_digits_run(digits_copy, tmp_path), f"{folder}/{name}", "nested deeper than", capsys=capsys)
+
+
+def test_a_config_json_that_is_a_fifo_is_refused_unopened(digits_copy, tmp_path, capsys):
+    config = digits_copy / "text_encoder" / "config.json"
+    config.unlink()
+    os.mkfifo(config)
+    refused(_digits_run(digits_copy, tmp_path), "config.json is a FIFO", capsys=capsys)
+
+
+@pytest.mark.parametrize("index, fragment", [
+    ("[" * 100_000, "nested deeper than"),
+    ('{"weight_map": [1, 2]}', "weight_map is not a mapping"),
+    ('{"weight_map": {"w": "../../elsewhere.safetensors"}}', "weight_map is not a mapping"),
+])
+def test_a_bad_weights_index_is_refused_by_name(flux_dir, tmp_path, capsys, index, fragment):
+    copy = _flux_copy(flux_dir, tmp_path)
+    (copy / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text(index)
+    refused(["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")],
+            "diffusion_pytorch_model.safetensors.index.json", fragment, capsys=capsys)
+
+
+def _safetensors(path, header, data=b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p: p.write_bytes(struct.pack("<Q", 5) + b"\xef\xbb\xbf{}" + b""), "does not start with '{'"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8),
+     "4 bytes after the last tensor"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                                "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12),
+     "leave a gap"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                                "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+     "overlap"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F4", "shape": [4, 32], "data_offsets": [0, 0]}}),
+     "0 bytes for shape [4, 32] of F4 (64 expected)"),
+    (lambda p: _safetensors(p, {"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}, b"\0"),
+     "12 bits, not a whole number of bytes"),
+])
+def test_safetensors_headers_are_read_as_strictly_as_the_library_reads_them(tmp_path, make, fragment):
+    from safetensors import safe_open
+
+    from omnispec.spec.files import safetensors_header
+
+    path = tmp_path / "w.safetensors"
+    make(path)
+    with pytest.raises(SpecError, match=re.escape(fragment)):
+        safetensors_header(path)
+    with pytest.raises(Exception):  # noqa: B017 - what the library says of the same file
+        with safe_open(str(path), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+def test_a_text_encoder_with_trailing_bytes_is_refused_before_transformers_reads_it(flux_dir, tmp_path, capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    weights = copy / "text_encoder" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"\0" * 16)
+    refused(["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")],
+            "text_encoder/model.safetensors", "16 bytes after the last tensor", capsys=capsys)
+
+
+def _rewrite_weights(path, change):
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    change(state)
+    save_file(state, path)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda s: s.pop("proj_out.weight"), "lacks 1 weight(s) the model has: proj_out.weight"),
+    (lambda s: s.update(extra=torch.zeros(2)), "holds 1 weight(s) the model has no place for: extra"),
+    (lambda s: s["proj_out.weight"].fill_(float("nan")), "proj_out.weight hold NaN or infinite values"),
+])
+def test_weights_that_do_not_make_the_model_are_refused(digits_copy, tmp_path, capsys, change, fragment):
+    _rewrite_weights(digits_copy / "transformer" / "diffusion_pytorch_model.safetensors", change)
+    refused(_digits_run(digits_copy, tmp_path), "component 'transformer'", fragment, capsys=capsys)
+
+
+def test_a_transformers_component_without_its_weights_is_refused_not_randomly_initialised(flux_dir, tmp_path,
+                                                                                           capsys):
+    copy = _flux_copy(flux_dir, tmp_path)
+    save_file({}, copy / "text_encoder" / "model.safetensors")
+    refused(["run", "flux1-dev", "--source", str(copy), "--prompt", "x", *FLUX, "--output", str(tmp_path / "x.png")],
+            "component 'text_encoder'", "lacks", capsys=capsys)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_estimate_builds_an_auto_class_from_its_config(flux_dir, capsys):
+    capsys.readouterr()
+    assert main(["-q", "explain", "flux1-dev", "--source", str(flux_dir), *FLUX, "--estimate",
+                 "--set", "model.components.text_encoder.class=transformers.AutoModel",
+                 "--set", "model.check_checkpoint=false"]) == 0
+    assert "text_encoder" in capsys.readouterr().out
+
+
+def _lora_case(name):
+    from test_lora_files import HIDDEN, RANK
+
+    good = "transformer.transformer_blocks.0.attn.to_q"
+    a, b = torch.randn(RANK, HIDDEN) * 0.1, torch.randn(HIDDEN, RANK) * 0.1
+    return {
+        "unmatched": ({"hello.weight": a, "world": b}, "hello.weight: not a LoRA weight"),
+        "good plus bogus": ({f"{good}.lora_A.weight": a, f"{good}.lora_B.weight": b, "transformer.bogus.key": b.clone()},
+                            "transformer.bogus.key: not a LoRA weight"),
+        "text encoder only": ({"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.randn(RANK, 8),
+                               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.randn(8, RANK)},
+                              "no LoRA weights for this model"),
+        "int64": ({f"{good}.lora_A.weight": a.long(), f"{good}.lora_B.weight": b.long()},
+                  "holds int64 values; LoRA weights are floating point"),
+        "fp8 nan": ({f"{good}.lora_A.weight": a.to(torch.float8_e4m3fn),
+                     f"{good}.lora_B.weight": torch.full((HIDDEN, RANK), float("nan")).to(torch.float8_e4m3fn)},
+                    "holds NaN or infinite values"),
+        "kohya bad shape": ({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(RANK, HIDDEN),
+                             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(3 * HIDDEN - 1, RANK),
+                             "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(2.0)},
+                            "cannot read LoRA"),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["unmatched", "good plus bogus", "text encoder only", "int64", "fp8 nan",
+                                  "kohya bad shape"])
+def test_a_lora_whose_keys_or_values_are_not_lora_weights_is_refused(flux_dir, tmp_path, capsys, name):
+    state, fragment = _lora_case(name)
+    refused(flux_run(flux_dir, tmp_path, _peft_lora(tmp_path, "l.safetensors", state)), fragment, capsys=capsys)

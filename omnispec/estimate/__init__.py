@@ -29,6 +29,7 @@ import torch
 
 from ..log import logger, progress
 from ..spec import PipelineSpec, SpecError
+from ..spec.files import path_kind, user_path
 from ..spec.model import WEIGHTLESS_ROLES
 from ..spec.policies import OFFLOADS
 from .counting import Shadow, counting
@@ -50,12 +51,15 @@ def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = N
     problems = checkpoint_problems(spec, configs)
     if problems:
         raise SpecError(problems)
+    from ..runtime.components import check_source
+
+    check_source(spec, str(root))  # the folders, JSON files and weights headers, as build checks them
     spec = follow_checkpoint(spec, configs)
     modules, counts = _modules(spec, root)
     result = Estimate(target.name, {}, counts)
     with progress("estimate: counting the denoiser's FLOPs and activations on the meta device"):
         _count_run(spec, modules, result, request)
-    _peak(spec, result)
+    _peak(spec, result, modules)
     _time(result, target, spec)
     return result
 
@@ -64,8 +68,8 @@ def _checkpoint_root(spec: PipelineSpec, source: str | None) -> Path:
     root = source or spec.model.source
     if not root:
         raise SpecError.single("no checkpoint: the spec has no model.source and no --source was given", "--source")
-    local = Path(root).expanduser()
-    if local.is_dir():
+    local = user_path(root)
+    if path_kind(local) == "dir":
         return local
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -94,7 +98,10 @@ def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[Compo
         module = None
         if component.file is None:
             try:
-                module = config_module(cls, folder, DTYPES[component.dtype or spec.model.dtype], component.config)
+                module = config_module(cls, folder, DTYPES[component.dtype or spec.model.dtype], component.config,
+                                       where=f"model.components.{name}")
+            except SpecError:  # a config refused as an input (too deep, too large, too many modules)
+                raise
             except (OSError, ValueError, TypeError) as exc:
                 logger.warning(f"estimate: {name} not built on meta ({exc}); its FLOPs are not counted")
         modules[name] = module
@@ -170,13 +177,18 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
     result.activation_bytes["decode"] = counter.peak
 
 
-def _peak(spec: PipelineSpec, result: Estimate) -> None:
-    """Weights on the device in each stage under the offload policy, plus that stage's activations."""
+def _peak(spec: PipelineSpec, result: Estimate, modules: dict[str, Any]) -> None:
+    """Weights on one rank's device in each stage under the offload policy (and the weight axes: ``ranks.py``),
+    plus that stage's activations."""
+    from ..runtime.families import family_class
+    from .ranks import per_rank
+
     offload = spec.policies.offload
     strategy = OFFLOADS.implementation(offload)
     stages = {stage: strategy.device_bytes(offload, stage, roles, result.components, result.device != "cpu")
               for stage, roles in STAGE_ROLES.items()}
     result.weights_on_device = stages
+    per_rank(spec, family_class(spec.model.family), modules, result)
     peaks = {stage: stages[stage] + result.activation_bytes.get(stage, 0) for stage in stages}
     result.peak_stage = max(peaks, key=lambda s: peaks[s])
     result.peak_bytes = peaks[result.peak_stage]

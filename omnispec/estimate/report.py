@@ -52,6 +52,9 @@ class Estimate:
     step_seconds: float | None = None
     steps: int | None = None
     notes: list[str] = field(default_factory=list)
+    mesh: list[str] = field(default_factory=list)  # which rank holds and runs what (several processes)
+    denoiser_bytes_per_rank: int | None = None  # the denoisers' bytes one rank keeps between forwards
+    host_bytes_per_rank: int | None = None  # of them, in host memory (distributed offload)
 
     def as_dict(self) -> dict[str, Any]:
         ops, self.ops = self.ops, []
@@ -115,6 +118,11 @@ def render_estimate(e: Estimate) -> str:
         if e.steps:
             lines.append(f"  denoising {e.steps} steps: {e.step_seconds * e.steps:.3g} s (encoding and decoding not "
                          "included)")
+    if e.mesh:
+        lines.append(f"  per rank ({len(e.mesh)} ranks): denoisers {_size(e.denoiser_bytes_per_rank or 0)} on the "
+                     f"device and {_size(e.host_bytes_per_rank or 0)} in host memory between forwards; the peak above "
+                     "is one rank's")
+        lines += [f"    {line}" for line in e.mesh]
     lines += [f"  note: {note}" for note in e.notes]
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..spec import Component, PipelineSpec, SpecError
-from ..spec.files import SAFETENSORS_DTYPE_BYTES, read_json_file, safetensors_header
+from ..spec.files import SAFETENSORS_DTYPE_BITS, index_shards, read_json_file, safetensors_header
 from .report import ComponentBytes
 
 _FLOATING = {"F64", "F32", "F16", "BF16"}
@@ -33,12 +33,7 @@ def weight_files(folder: Path, file: str | None = None) -> list[Path]:
         return [folder / file] if (folder / file).suffix == ".safetensors" else []
     for index in sorted(folder.glob("*.safetensors.index.json")):
         if index.name.count(".") == 3:  # diffusion_pytorch_model.safetensors.index.json, not a variant's
-            data = read_json_file(index)
-            shards = data.get("weight_map") if isinstance(data, dict) else None
-            if not isinstance(shards, dict) or not all(isinstance(s, str) and "/" not in s for s in shards.values()):
-                raise SpecError.single("weight_map is not a mapping of tensor names to shard files in this folder",
-                                       file=str(index))
-            return [folder / s for s in sorted(set(shards.values()))]
+            return [folder / s for s in index_shards(read_json_file(index), index)]
     files = sorted(folder.glob("*.safetensors"))
     plain = [f for f in files if f.name.count(".") == 1]
     return plain or files
@@ -67,13 +62,13 @@ def component_bytes(spec: PipelineSpec, name: str, component: Component, folder:
     for key, (dtype, shape) in tensors.items():
         count = math.prod(shape)
         params += count
-        stored += count * SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
+        stored += count * SAFETENSORS_DTYPE_BITS.get(dtype, 32) // 8
         if key in linear:
             size = int(count * _QUANT_BYTES[quant.method]) + shape[0] * _ROW_SCALE_BYTES.get(quant.method, 0)
         elif dtype in _FLOATING:
             size = count * dtype_bytes
         else:
-            size = count * SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
+            size = count * SAFETENSORS_DTYPE_BITS.get(dtype, 32) // 8
         loaded += size
         block = _block_of(key)
         if block is not None:
@@ -101,28 +96,42 @@ def _block_of(key: str) -> str | None:
 # ---- meta modules -------------------------------------------------------------------------------------------
 
 def config_module(cls: type, folder: Path, dtype: torch.dtype, overrides: Mapping[str, Any],
-                  device: str | torch.device = "meta") -> torch.nn.Module:
+                  device: str | torch.device = "meta", where: str = "model.components") -> torch.nn.Module:
     """``cls`` built from the config in ``folder`` on ``device`` (meta: no memory; elsewhere: freshly initialised
-    weights), in ``dtype``."""
+    weights), in ``dtype``; its config read within bounds and the modules it registers counted
+    (``bounded_modules``)."""
+    from ..runtime.components import bounded_modules
+
+    file = folder / "config.json"
+    config = read_json_file(file, where=where)
+    if not isinstance(config, dict):
+        raise SpecError.single("expected a JSON object", where, str(file))
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # made in its dtype: no cast afterwards
     try:
-        if hasattr(cls, "load_config") and hasattr(cls, "from_config"):  # diffusers
-            config = read_json_file(folder / "config.json")
-            if not isinstance(config, dict):
-                raise SpecError.single("expected a JSON object", file=str(folder / "config.json"))
-            with torch.device(device):
-                module = cls.from_config({**config, **overrides})
-        else:  # transformers
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-            for key, value in overrides.items():
-                setattr(config, key, value)
-            with torch.device(device):
-                module = cls(config)  # what AutoModel.from_config builds, without its private helper
+        with bounded_modules(f"{cls.__name__}", str(file), where), torch.device(device):
+            module = _from_config(cls, folder, {**config, **overrides}, overrides, where)
     finally:
         torch.set_default_dtype(default)
     return module.eval().requires_grad_(False)
+
+
+def _from_config(cls: type, folder: Path, config: dict[str, Any], overrides: Mapping[str, Any],
+                 where: str) -> torch.nn.Module:
+    """A diffusers class from its config dict; a transformers class from its ``AutoConfig`` (an Auto class through
+    its ``from_config``, a model class called on the config)."""
+    if hasattr(cls, "load_config") and hasattr(cls, "from_config"):  # diffusers
+        return cls.from_config(config)
+    from transformers import AutoConfig
+
+    auto = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    for key, value in overrides.items():
+        setattr(auto, key, value)
+    if hasattr(cls, "from_config"):  # an Auto class
+        return cls.from_config(auto, trust_remote_code=False)
+    if hasattr(cls, "config_class"):  # a model class: what its from_config would build, without a private helper
+        return cls(auto)
+    raise SpecError.single(f"{cls.__name__} cannot be built from a config (it has no from_config), so the estimate "
+                           "cannot count it", where)
 
 

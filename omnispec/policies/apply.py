@@ -1,6 +1,6 @@
 """The one place policies are checked against the target and applied, in one order: quantization (at load, see
 ``quantization.load_kwargs``), attention, cache, placement by the offload strategy (``none`` puts every component
-on the device), compile."""
+on the device), compile, the VAE's tiling and slicing."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .attention import AttentionPlan, apply_attention, usable
 from .caches import CacheRuntime, apply_cache
 from .compile import apply_compile
 from .offload import apply_offload
+from .vae import apply_vae
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -71,6 +72,8 @@ def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], 
     applied.cache = apply_cache(spec, components)
     applied.notes["offload"] = apply_offload(spec, components, device)
     applied.notes["compile"] = apply_compile(spec, family, components)
+    if (vae := apply_vae(spec, components)) is not None:
+        applied.notes["vae"] = vae
     if applied.cache is not None:
         applied.notes["cache"] = applied.cache.kind + ("" if applied.cache.scoped else " (loop-level reuse)")
     return applied

@@ -24,11 +24,11 @@ from diffusers.hooks import HookRegistry, ModelHook
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from ..bridge import remove_hook
 from ..log import logger
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
-from ..bridge import remove_hook
 
 SDPA_KERNELS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,

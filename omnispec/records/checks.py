@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..spec.errors import Problem, SpecError
+from ..spec.files import path_kind
 from ..version import library_versions
 from .making import config_hashes, file_sha256
 from .schema import LocalAdapter, LocalRoot, Record, version_drift
@@ -35,7 +36,7 @@ def replay_problems(record: Record, source: str | None) -> list[Problem]:
         if not isinstance(described, LocalRoot):
             continue
         where = source if source is not None and home == checkpoint.source else described.path
-        if not Path(where).is_dir():
+        if path_kind(where) != "dir":
             problems.append(Problem("checkpoint", f"the checkpoint {described.path} is not here; give its "
                                     "location with --source (source=)"))
             continue
@@ -50,7 +51,7 @@ def replay_problems(record: Record, source: str | None) -> list[Problem]:
         if not isinstance(adapter, LocalAdapter):
             continue
         weights = Path(adapter.path)
-        if not weights.is_file():
+        if path_kind(weights) != "file":
             problems.append(Problem(f"model.adapters.{name}", f"the LoRA file {weights} is not here"))
         elif file_sha256(weights) != adapter.sha256:
             problems.append(Problem(f"model.adapters.{name}", f"the LoRA file {weights} has changed since (its "

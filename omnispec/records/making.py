@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..spec.files import path_kind, regular_file, user_path
 from ..version import library_versions
 from .schema import FORMAT, KEY
 
@@ -45,23 +46,31 @@ def checkpoint_record(spec: PipelineSpec, root: str | None, in_memory: Iterable[
 
 def _describe_adapter(path: str, weight_name: str | None, file: Path | None) -> dict[str, Any]:
     """A LoRA's weights: a local file (or ``weight_name`` in a local folder) with its SHA-256, else a Hub id."""
-    local = Path(path).expanduser()
-    if local.exists() and file is not None:
+    if path_kind(user_path(path)) is not None and file is not None:
         return {"kind": "local", "path": str(file.resolve()), "sha256": file_sha256(file)}
     return {"kind": "hub", "repo": path, "weight_name": weight_name}
 
 
 def file_sha256(path: Path) -> str:
+    """SHA-256 of a regular file's bytes, reading no more than the size ``stat`` reports: a record may name any file,
+    and one that reports 0 bytes but streams without end (``/proc/self/pagemap``) is hashed as the 0 bytes it claims
+    (a FIFO or device is refused unopened)."""
+    file = regular_file(path, what="file")
+    left = file.stat().st_size
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+    with file.open("rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
             digest.update(block)
+            left -= len(block)
     return digest.hexdigest()
 
 
 def _describe_root(root: str, folders: list[str], revision: str | None) -> dict[str, Any]:
-    local = Path(root).expanduser()
-    if local.is_dir():
+    local = user_path(root)
+    if path_kind(local) == "dir":
         return {"kind": "local", "path": str(local.resolve()), "config_sha256": config_hashes(local, folders)}
     return {"kind": "hub", "repo": root, "revision": hub_revision(root, folders, revision)}
 
@@ -71,10 +80,10 @@ def config_hashes(root: Path, folders: Iterable[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for folder in sorted(set(folders) | {""}):
         where = root / folder
-        if not where.is_dir():
+        if path_kind(where) != "dir":
             continue
         for path in sorted(where.glob("*.json")):
-            if path.is_file() and path.stat().st_size <= _CONFIG_LIMIT:
+            if path_kind(path) == "file" and path.stat().st_size <= _CONFIG_LIMIT:
                 out[str(path.relative_to(root))] = file_sha256(path)
     return out
 

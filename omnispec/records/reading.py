@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..spec.bounded import RECORD, decode_utf8, parse_json
 from ..spec.errors import SpecError
-from ..spec.files import read_bytes, regular_file
+from ..spec.files import path_kind, read_bytes, regular_file
 from .schema import FORMAT, KEY, Record, parse_record
 
 SIDECAR_SUFFIXES = (".npy", ".wav", ".webp")  # formats without a place for text: a <file>.json beside them
@@ -67,10 +67,12 @@ def read(path: str | os.PathLike[str]) -> Record:
 
 
 def _record_text(path: Path) -> str | None:
+    """The record's text: a format that carries its own (PNG, JPEG, GIF, MP4) is read alone, so a ``<file>.json``
+    dropped beside it can neither replace its record nor make it unreadable; the others read their sidecar."""
     suffix = path.suffix.lower()
     if suffix == ".json":
         return decode_utf8(read_bytes(path, RECORD.bytes, "record"), str(path))
-    if sidecar(path).exists():
+    if suffix in SIDECAR_SUFFIXES and path_kind(sidecar(path)) is not None:
         side = sidecar(path)
         return decode_utf8(read_bytes(side, RECORD.bytes, "record"), str(side))
     if suffix == ".png":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..spec import load_spec
+from ..spec.errors import printable
 from ..spec.explain import explain_spec, render_explain
 from .schema import HubRoot, Record
 
@@ -20,8 +21,8 @@ def render(record: Record, path: str | None = None) -> str:
               "strength", "negative_prompt")
     settings = {k: getattr(request, k) for k in fields if getattr(request, k) not in (None, "")}
     lines.append("  " + ", ".join(f"{k} {v}" for k, v in settings.items()))
-    if request.requested:
-        asked = ", ".join(f"{k} {v}" for k, v in request.requested.items())
+    if request.requested is not None:
+        asked = ", ".join(f"{k} {v}" for k, v in request.requested.model_dump().items() if v is not None)
         lines.append(f"  asked for {asked}; generated at the size above")
     for i, image in enumerate(request.images):
         lines.append(f"  image {i}: {image.path or '(in memory)'} at frame {image.frame}, "
@@ -39,6 +40,7 @@ def render(record: Record, path: str | None = None) -> str:
     if record.replay_of is not None:
         drift = "; ".join(record.replay_of.drift) or "same versions"
         lines.append(f"made again from a record ({drift})")
+    lines = [printable(line) for line in lines]  # record strings: no control character reaches the terminal
     spec = load_spec(record.spec, trust_code=True)  # reading only: validation imports nothing
     lines.append(render_explain(explain_spec(spec, request.steps)))
     return "\n".join(lines)

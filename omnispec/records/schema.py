@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..spec.base import Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
+from ..spec.base import MAX_PROMPTS, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
 from ..spec.errors import Problem, SpecError, from_validation_error
 from ..version import minor
 
@@ -22,7 +22,14 @@ _SHA256 = r"^[0-9a-f]{64}$"
 _DIGEST = r"^[0-9a-f]{32,64}$"
 
 
-class RecordedImage(SpecModel):
+class RecordModel(SpecModel):
+    """Base of the record's models: a spec model that also validates strictly, so a record's ``"0"`` is not the
+    sample 0 nor ``true`` a seed (records are written by omnispec as JSON; nothing in one needs coercing)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class RecordedImage(RecordModel):
     """A conditioning image of the request: where it was placed, its pixels' digest, the file it came from."""
 
     frame: int
@@ -30,11 +37,18 @@ class RecordedImage(SpecModel):
     path: str | None = None
 
 
-class RecordedRequest(SpecModel):
+class RequestedSize(RecordModel):
+    """The size the caller asked for where the family generated another."""
+
+    height: Size | None = None
+    width: Size | None = None
+
+
+class RecordedRequest(RecordModel):
     """The request as it ran (``Request`` with its images as digests and paths)."""
 
-    prompts: list[str] = Field(min_length=1, max_length=100_000)
-    seeds: list[Seed]
+    prompts: list[str] = Field(min_length=1, max_length=MAX_PROMPTS)
+    seeds: list[Seed] = Field(max_length=MAX_PROMPTS)
     negative_prompt: str = ""
     height: Size | None = None
     width: Size | None = None
@@ -46,7 +60,7 @@ class RecordedRequest(SpecModel):
     max_sequence_length: SequenceLength | None = None
     strength: Unit | None = None
     images: list[RecordedImage] = Field(default_factory=list)
-    requested: dict[str, int | None] | None = Field(default=None, description=(
+    requested: RequestedSize | None = Field(default=None, description=(
         "Sizes the caller asked for where the family generated others (image-to-image at the image's size, "
         "Kontext's area rule): requested vs. generated."))
 
@@ -65,7 +79,7 @@ def _relative_name(name: str) -> str:
     return name
 
 
-class LocalRoot(SpecModel):
+class LocalRoot(RecordModel):
     kind: Literal["local"]
     path: str
     config_sha256: dict[str, Annotated[str, Field(pattern=_SHA256)]] = Field(default_factory=dict)
@@ -78,25 +92,25 @@ class LocalRoot(SpecModel):
         return hashes
 
 
-class HubRoot(SpecModel):
+class HubRoot(RecordModel):
     kind: Literal["hub"]
     repo: str
     revision: str | None = None
 
 
-class LocalAdapter(SpecModel):
+class LocalAdapter(RecordModel):
     kind: Literal["local"]
     path: str
     sha256: Annotated[str, Field(pattern=_SHA256)]
 
 
-class HubAdapter(SpecModel):
+class HubAdapter(RecordModel):
     kind: Literal["hub"]
     repo: str
     weight_name: str | None = None
 
 
-class CheckpointRecord(SpecModel):
+class CheckpointRecord(RecordModel):
     """Where the weights came from: per checkpoint root a local path with its config files' SHA-256, or a Hub id
     with its revision; the components handed to ``build`` in memory; each LoRA slot's file."""
 
@@ -107,21 +121,21 @@ class CheckpointRecord(SpecModel):
         default_factory=dict)
 
 
-class Versions(SpecModel):
+class Versions(RecordModel):
     omnispec: str
     diffusers: str | None = None
     transformers: str | None = None
     torch: str | None = None
 
 
-class ReplayOf(SpecModel):
+class ReplayOf(RecordModel):
     """Set on an output made again from a record: the versions that made the original, and how they differ."""
 
     versions: Versions
     drift: list[str] = Field(default_factory=list)
 
 
-class Record(SpecModel):
+class Record(RecordModel):
     omnispec: Literal[1]
     created: str = Field(max_length=64)
     versions: Versions
@@ -170,4 +184,5 @@ def version_drift(recorded: Versions, installed: dict[str, str | None]) -> list[
     return drift
 
 __all__ = ["FORMAT", "KEY", "CheckpointRecord", "HubAdapter", "HubRoot", "LocalAdapter", "LocalRoot", "Record",
-           "RecordedImage", "RecordedRequest", "ReplayOf", "Versions", "parse_record", "version_drift"]
+           "RecordModel", "RecordedImage", "RecordedRequest", "ReplayOf", "RequestedSize", "Versions", "parse_record",
+           "version_drift"]

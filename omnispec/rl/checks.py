@@ -35,9 +35,10 @@ def check_pipeline(pipe: Pipeline) -> None:
         raise SpecError.single(f"the {cache.kind} cache decides per step from state a replay cannot rebuild, so a "
                                "cached rollout would not replay exactly; use cache kind step_mask (computing every "
                                "stochastic step), the sampler's outside_window, or none", "policies.cache.kind")
-    if pipe.parallel is not None and pipe.parallel.data > 1:
-        raise SpecError.single("rollouts split samples over processes with RolloutPool, not policies.parallel.data",
-                               "policies.parallel.data")
+    if pipe.parallel is not None and pipe.parallel.samples > 1:
+        axis = "data" if pipe.parallel.data > 1 else "shard"
+        raise SpecError.single(f"rollouts split samples over processes with RolloutPool, not policies.parallel.{axis}",
+                               f"policies.parallel.{axis}")
 
 
 def is_int(value: Any) -> bool:

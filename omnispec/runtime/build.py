@@ -19,7 +19,7 @@ from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_confi
 from .components import check_source, load_components
 from .families import family_class
 from .lora import adapter_files, load_adapter_slots
-from .parallel import check_axes, enable_axes
+from .parallel import check_axes, distribute_axes, enable_axes
 from .parallel import setup as setup_parallel
 from .pipeline import Pipeline
 
@@ -94,6 +94,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     quantized = [note for name in given if (note := quantization.quantize_in_memory(
         spec, name, spec.model.components[name], given[name], target))]
     load_adapter_slots(spec, modules, family_cls.pipeline_class, loras)
+    distribute_axes(parallel, spec, family_cls, modules, target)
     applied = apply_policies(spec, family_cls, modules, target)
     if quantized:
         applied.notes["quantization"] = "; ".join(quantized)

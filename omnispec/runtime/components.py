@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from tqdm.auto import tqdm
 from ..log import logger, main_process
 from ..policies import quantization
 from ..spec import Component, PipelineSpec, SpecError
-from ..spec.files import PICKLE_SUFFIXES, refuse_pickle, safetensors_header
+from ..spec.base import MAX_MODULES
+from ..spec.files import PICKLE_SUFFIXES, check_json_files, path_kind, refuse_pickle, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
 from .families import import_ref
@@ -60,16 +62,16 @@ def check_source(spec: PipelineSpec, source: str | None, names: Iterable[str] | 
 
 def _check_root(root: str, components: Mapping[str, Component], revision: str | None, where: str,
                 trusted: bool) -> str:
-    local = Path(root).expanduser()
-    if local.exists():
-        if not local.is_dir():
+    local = user_path(root)
+    if path_kind(local) is not None:
+        if path_kind(local) != "dir":
             raise SpecError.single(f"checkpoint root {root!r} is not a directory", where)
         missing = [f"{name} ({c.subfolder})" for name, c in components.items()
-                   if c.subfolder and not (local / c.subfolder).is_dir()]
+                   if c.subfolder and path_kind(local / c.subfolder) != "dir"]
         if missing:
             raise SpecError.single(f"checkpoint {root!r} lacks component folder(s): {', '.join(missing)}", where)
         for name, component in components.items():
-            _check_weight_files(local, name, component, trusted)
+            _check_files(local, name, component, trusted)
         return str(local)
     if root.startswith((".", "/", "~")) or root.count("/") != 1:
         raise SpecError.single(f"checkpoint {root!r} is neither a local directory nor a Hub id (owner/name)", where)
@@ -86,9 +88,17 @@ def _check_root(root: str, components: Mapping[str, Component], revision: str | 
                     f"Hub checkpoint {root!r} is not in the local cache (component {name!r}) and HF_HUB_OFFLINE is set: "
                     "give a local checkpoint directory with --source (source= in Python), or unset HF_HUB_OFFLINE to "
                     "download it", where)
-            if found:  # the cached snapshot's folder: its weights must be safetensors too
-                _check_weight_files(Path(found).parent.parent, name, c, trusted)
+            if found:  # the cached snapshot's folder: its files are checked as a local folder's
+                _check_files(Path(found).parent.parent, name, c, trusted)
     return root
+
+
+def _check_files(root: Path, name: str, component: Component, trusted: bool) -> None:
+    """A component's folder before any loader reads it: its JSON files within bounds, its weights as data."""
+    folder = root / (component.subfolder or "")
+    if path_kind(folder) == "dir":
+        check_json_files(folder, f"model.components.{name}")
+    _check_weight_files(root, name, component, trusted)
 
 
 def _check_weight_files(root: Path, name: str, component: Component, trusted: bool) -> None:
@@ -98,10 +108,10 @@ def _check_weight_files(root: Path, name: str, component: Component, trusted: bo
     folder = root / (component.subfolder or "")
     if component.file is not None:
         refuse_pickle(folder / component.file, f"{where}.file", trusted)
-        if (folder / component.file).suffix == ".safetensors" and (folder / component.file).exists():
+        if (folder / component.file).suffix == ".safetensors" and path_kind(folder / component.file) is not None:
             safetensors_header(folder / component.file, f"{where}.file")
         return
-    if component.role in _WEIGHTLESS or not folder.is_dir():
+    if component.role in _WEIGHTLESS or path_kind(folder) != "dir":
         return
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     weights = [n for n in names if n.endswith(".safetensors")]
@@ -180,6 +190,9 @@ def missing_library(exc: ImportError) -> str:
 def _load_component(spec: PipelineSpec, root: str, name: str, component: Component, trusted: bool) -> Any:
     cls = component_class(component)
     kwargs: dict[str, Any] = loader_options(cls, component.role, trusted)
+    reports = component.file is None and _reports_loading(cls)
+    if reports:
+        kwargs["output_loading_info"] = True
     if component.subfolder:
         kwargs["subfolder"] = component.subfolder
     if spec.model.revision:
@@ -189,12 +202,18 @@ def _load_component(spec: PipelineSpec, root: str, name: str, component: Compone
         kwargs |= quantization.load_kwargs(spec, name, component, cls)
         kwargs |= component.config
     home = component.source or root
+    config_file = Path(home) / (component.subfolder or "") / "config.json"
     try:
-        if component.file:
-            module = cls.from_single_file(str(Path(home) / (component.subfolder or "") / component.file),
-                                          **{k: v for k, v in kwargs.items() if k == "dtype"})
-        else:
-            module = cls.from_pretrained(home, **kwargs)
+        with bounded_modules(f"component {name!r}", str(config_file) + (" with the spec's config entries"
+                                                                         if component.config else ""),
+                             f"model.components.{name}"):
+            if component.file:
+                module = cls.from_single_file(str(Path(home) / (component.subfolder or "") / component.file),
+                                              **{k: v for k, v in kwargs.items() if k == "dtype"})
+            else:
+                module = cls.from_pretrained(home, **kwargs)
+    except SpecError:
+        raise
     except ImportError as exc:  # a library the component's class needs (Qwen2VLProcessor's video part: torchvision)
         raise SpecError.single(f"cannot load component {name!r} ({component.class_}): {missing_library(exc)}",
                                f"model.components.{name}") from None
@@ -202,6 +221,77 @@ def _load_component(spec: PipelineSpec, root: str, name: str, component: Compone
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecError.single(f"cannot load component {name!r} ({component.class_}) from {home!r}: {first}",
                                f"model.components.{name}") from None
+    what, where = f"component {name!r} ({component.class_}) from {home!r}", f"model.components.{name}"
+    if reports:
+        module, info = module
+        check_loading_info(info, what, where)
     if isinstance(module, torch.nn.Module):
+        check_finite(module, what, where)
         module.eval().requires_grad_(False)
     return module
+
+
+class _TooManyModules(BaseException):
+    """Raised from inside a library's model construction; a BaseException so that no ``except Exception`` of the
+    library turns it into a fallback (``bounded_modules`` turns it into a ``SpecError``)."""
+
+
+@contextmanager
+def bounded_modules(what: str, config: str, where: str) -> Iterator[None]:
+    """Count the modules registered while ``what`` is built from ``config`` and stop past ``MAX_MODULES``: a few
+    bytes of config (``num_layers: 1000000``) would otherwise build for minutes and fill memory."""
+    count = 0
+
+    def hook(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+        nonlocal count
+        count += 1
+        if count > MAX_MODULES:
+            raise _TooManyModules
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
+    try:
+        yield
+    except _TooManyModules:
+        raise SpecError.single(f"{what}: {config} describes a model of more than {MAX_MODULES:,} modules (real ones "
+                               "have a few thousand); refused while building it", where) from None
+    finally:
+        handle.remove()
+
+
+def _reports_loading(cls: type) -> bool:
+    """Whether ``from_pretrained`` of ``cls`` can say which weights it found (diffusers' and transformers' models)."""
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
+
+    return issubclass(cls, (ModelMixin, PreTrainedModel))
+
+
+def check_loading_info(info: Mapping[str, Any], what: str, where: str) -> None:
+    """Refuse a component whose weights files lack weights of the model (the loader would leave them random or on
+    the meta device) or hold weights it has no place for (a config that describes another model)."""
+    for key, problem in (("missing_keys", "lacks {n} weight(s) the model has"),
+                         ("unexpected_keys", "holds {n} weight(s) the model has no place for"),
+                         ("mismatched_keys", "holds {n} weight(s) of another shape than the model's")):
+        found = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if found:
+            names = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+            raise SpecError.single(f"{what}: the checkpoint {problem.format(n=len(found))}: {names} (its config "
+                                   "and its weights files describe different models, or a file is incomplete)", where)
+
+
+def check_finite(module: torch.nn.Module, what: str, where: str) -> None:
+    """Refuse a module whose floating-point weights hold NaN or infinity (an output would be black or NaN); one pass
+    over the plain tensors (fp8 through a float32 copy, one tensor at a time; quantized subclasses are skipped)."""
+    bad = []
+    for key, tensor in (*module.named_parameters(), *module.named_buffers()):
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.is_meta or not tensor.is_floating_point():
+            continue
+        values = tensor.detach()
+        if values.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            values = values.float()
+        if not bool(torch.isfinite(values).all()):
+            bad.append(key)
+            if len(bad) == 5:
+                break
+    if bad:
+        raise SpecError.single(f"{what}: weight(s) {', '.join(bad)} hold NaN or infinite values", where)

@@ -3,9 +3,10 @@ against the module they go into, then loaded with diffusers' PEFT integration.
 
 A LoRA file is a user's input like any other: a ``.safetensors`` file (or one in a folder, or in a Hub repository)
 whose header is validated before a tensor is read; a pickled file is refused by name. After diffusers' converter
-(``lora_state_dict``: kohya/ComfyUI, XLabs and the model authors' layouts) every key must name a module of the
-target, every shape must fit it and every value must be finite, or the slot is refused naming the first problem,
-so a wrong file is one clear error instead of a traceback from peft or a black image.
+(``lora_state_dict``: kohya/ComfyUI, XLabs and the model authors' layouts) every key must be a LoRA part (an up or
+down matrix, a bias, an alpha, a DoRA magnitude, a LoKr factor) of a module of the target, every matrix must fit
+it and every value must be floating point and finite, or the slot is refused naming the first problem, so a wrong
+file is one clear error instead of a traceback from the converter or peft, a silently ignored key or a black image.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import torch
 
 from ..log import logger
 from ..spec import PipelineSpec, SpecError
-from ..spec.files import PICKLE_SUFFIXES, refuse_pickle, safetensors_header
+from ..spec.files import PICKLE_SUFFIXES, path_kind, refuse_pickle, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.[^.]+)?\.weight$")
+# A key of a LoRA state dict in peft's names (what load_lora_adapter loads): an up or down matrix (or its bias) of a
+# module, with an optional adapter name; an alpha; a DoRA magnitude; a LoKr factor.
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?:(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.[^.]+)?\.(?P<kind>weight|bias)"
+                       r"|alpha|lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?|lokr_(?:w1|w2)(?:_a|_b)?|lokr_t2)$")
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -52,10 +57,10 @@ def lora_file(path: str, weight_name: str | None, where: str, trusted: bool = Fa
     """The local ``.safetensors`` file a LoRA reference names, its header checked: a file, ``weight_name`` in a folder
     (or the folder's one LoRA file), or that file in a Hub repository (from the cache, else downloaded; refused at
     once when the Hub can't be reached)."""
-    local = Path(path).expanduser()
-    if local.is_dir():
+    local = user_path(path)
+    if path_kind(local) == "dir":
         file = local / weight_name if weight_name else _only_weights(local, where)
-    elif local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    elif path_kind(local) is not None or path.startswith((".", "/", "~")) or path.count("/") != 1:
         file = local
     else:
         file = _hub_file(path, weight_name or DEFAULT_WEIGHT_NAME, where)
@@ -69,7 +74,7 @@ def lora_file(path: str, weight_name: str | None, where: str, trusted: bool = Fa
 
 def _only_weights(folder: Path, where: str) -> Path:
     """A folder's LoRA file: diffusers' default name, else its one ``.safetensors`` file."""
-    if (folder / DEFAULT_WEIGHT_NAME).is_file():
+    if path_kind(folder / DEFAULT_WEIGHT_NAME) == "file":
         return folder / DEFAULT_WEIGHT_NAME
     found = sorted(folder.glob("*.safetensors"))
     if len(found) == 1:
@@ -122,19 +127,22 @@ def load_adapter_slots(spec: PipelineSpec, modules: dict[str, Any], pipeline_cla
         file = files[slot]
         try:
             state, kwargs = lora_state(pipeline_class, file.parent, file.name)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise SpecError.single(f"cannot read LoRA {file}: {first}", where) from None
+        except Exception as exc:  # noqa: BLE001 - diffusers' converters fail on a bad file with any error type
+            raise SpecError.single(f"cannot read LoRA {file}: {_first_line(exc)}", where) from None
         check_lora_state(state, module, kwargs.get("prefix"), f"LoRA {file} ({target})", where)
         try:
             module.load_lora_adapter(state, adapter_name=slot, **kwargs)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise SpecError.single(f"cannot load LoRA {file} into {target!r}: {first}", where) from None
+        except Exception as exc:  # noqa: BLE001 - peft's config inference over the file's keys, likewise
+            raise SpecError.single(f"cannot load LoRA {file} into {target!r}: {_first_line(exc)}", where) from None
         logger.info(f"LoRA {slot}: {adapter.path} into {target} at scale {adapter.scale:g}"
                     + (" in every phase" if adapter.always else ""))
     for target in {adapter_target(spec, slot) for slot in spec.model.adapters}:
         modules[target].disable_adapters()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{text.splitlines()[0]} ({type(exc).__name__})" if text else type(exc).__name__
 
 
 def lora_state(pipeline_class: type | None, path: Any, weight_name: str | None = None) -> tuple[Any, dict[str, Any]]:
@@ -160,6 +168,10 @@ def lora_state(pipeline_class: type | None, path: Any, weight_name: str | None =
     state, alphas, metadata = (result[0], result[1] if takes_alphas else None, result[-1]) \
         if isinstance(result, tuple) else (result, None, None)
     prefix = getattr(pipeline_class, "transformer_name", "transformer")
+    if state and all(key.startswith("text_encoder") for key in state):  # a text-encoder LoRA only
+        logger.warning(f"LoRA {path if isinstance(path, str) else '(in memory)'}: it has a text-encoder part only, "
+                       "which omnispec does not load (a LoRA goes into the denoiser)")
+        return {}, {"prefix": None, "metadata": metadata, "network_alphas": None}
     if any(key.startswith(f"{prefix}.") for key in state):
         others = sorted({key.split(".")[0] for key in state if not key.startswith(f"{prefix}.")})
         if others:
@@ -175,24 +187,53 @@ def lora_state(pipeline_class: type | None, path: Any, weight_name: str | None =
 
 def check_lora_state(state: Mapping[str, Any], module: torch.nn.Module, prefix: str | None, what: str,
                      where: str) -> None:
-    """Every tensor finite, every LoRA key naming a module of ``module`` and every shape fitting it; refused naming
-    the first key that does not (the module, and both shapes)."""
+    """Every value a floating-point tensor without NaN or infinity, every key a LoRA part of a module of ``module``
+    and every matrix fitting it; refused naming the first key that is not (the module, and both shapes)."""
     if not state:
         raise SpecError.single(f"{what}: no LoRA weights for this model (after conversion, no key is for the "
                                "denoiser)", where)
     ranks: dict[str, int] = {}
     for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise SpecError.single(f"{what}: {key} holds NaN or infinite values", where)
-        name = key.removeprefix(f"{prefix}.") if prefix else key
-        match = _LORA_KEY.match(name)
-        if match is None:
-            continue  # alphas, DoRA magnitudes, biases: peft checks what they attach to
-        problem = _fit(module, match["module"], match["part"], tuple(value.shape), ranks)
+        problem = _value_problem(value)
+        if problem is None:
+            problem = _key_problem(module, _peft_name(key, prefix), tuple(value.shape), ranks)
         if problem:
             raise SpecError.single(f"{what}: {key}: {problem}", where)
+
+
+def _value_problem(value: Any) -> str | None:
+    """What is wrong with a LoRA tensor's values: not a tensor, not floating point, NaN or infinity (fp8 and other
+    narrow floats checked through a float32 copy)."""
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor"
+    if not value.is_floating_point():
+        return f"holds {str(value.dtype).removeprefix('torch.')} values; LoRA weights are floating point"
+    values = value if value.dtype in _FLOAT_DTYPES else value.float()
+    return None if bool(torch.isfinite(values).all()) else "holds NaN or infinite values"
+
+
+def _peft_name(key: str, prefix: str | None) -> str:
+    """A key as ``load_lora_adapter`` will name it: without the component prefix, old diffusers names
+    (``to_q.lora.down``) in peft's (``to_q.lora_A``)."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    name = key.removeprefix(f"{prefix}.") if prefix else key
+    return next(iter(convert_unet_state_dict_to_peft({name: None})))
+
+
+def _key_problem(module: torch.nn.Module, name: str, shape: tuple[int, ...], ranks: dict[str, int]) -> str | None:
+    """Why ``name`` is not a LoRA part of a module of ``module`` (or its matrix does not fit it), or None."""
+    match = _LORA_KEY.match(name)
+    if match is None:
+        return ("not a LoRA weight (expected a module's lora_A/lora_B or lora_down/lora_up weight or bias, its "
+                "alpha, a DoRA magnitude or a LoKr factor)")
+    if match["part"] and match["kind"] == "weight":
+        return _fit(module, match["module"], match["part"], shape, ranks)
+    try:
+        module.get_submodule(match["module"])
+    except AttributeError:
+        return f"names no module of {type(module).__name__} ({match['module']!r} is not one of its layers)"
+    return None
 
 
 def _fit(module: torch.nn.Module, path: str, part: str, shape: tuple[int, ...], ranks: dict[str, int]) -> str | None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import records
 from ..spec import Problem, SpecError
+from ..spec.files import path_kind
 
 if TYPE_CHECKING:
     from .pipeline import Output
@@ -60,9 +61,9 @@ def check_output_path(path: Path, video: bool, samples: int = 1, *, overwrite: b
     paths += [records.sidecar(p) for p in paths if p.suffix.lower() in records.SIDECAR_SUFFIXES]
     problems = _parent_problems(path.parent, where)
     for p in paths:
-        if p.is_dir():
+        if path_kind(p) == "dir":
             problems.append(Problem(where, f"{p} is a directory; give a file name such as {p / ('out' + suffix)}"))
-        elif (p.exists() or p.is_symlink()) and not overwrite:
+        elif os.path.lexists(p) and not overwrite:
             flag = "--overwrite" if where.startswith("--") else "overwrite=True"
             problems.append(Problem(where, f"{p} exists; pass {flag} to replace it"))
     if problems:
@@ -73,11 +74,11 @@ def check_output_path(path: Path, video: bool, samples: int = 1, *, overwrite: b
 def _parent_problems(parent: Path, where: str) -> list[Problem]:
     """The nearest existing folder above the outputs must be a folder we may create files in."""
     existing = parent if str(parent) else Path(".")
-    while not existing.exists() and existing != existing.parent:
-        if existing.is_symlink():  # a dangling link: its target folder does not exist
+    while path_kind(existing) is None and existing != existing.parent:
+        if os.path.lexists(existing):  # a dangling link: its target folder does not exist
             return [Problem(where, f"{existing} is a broken link")]
         existing = existing.parent
-    if not existing.is_dir():
+    if path_kind(existing) != "dir":
         return [Problem(where, f"{existing} is a file, so {parent} cannot be a folder")]
     probe = existing / f".omnispec-probe-{secrets.token_hex(8)}"
     try:  # permissions, a read-only file system, /proc: only trying tells (root passes every access check)

@@ -20,7 +20,7 @@ from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_
 from ..spec.request import Request, request_problems, resolve_request
 from .families import Conditioning, Decoded, Family, Streams
 from .lora import AdapterState
-from .parallel import ParallelContext, data_slice, gather_outputs
+from .parallel import ParallelContext, data_slice, gather_outputs, is_padding
 from .plan import RequestPlan, plan_request
 from .run import Run
 
@@ -123,8 +123,11 @@ class Pipeline:
         self.family.check_request(request)
         record = self._record(request)
         plan = self.plan(request)
-        latents, decoded = self._run(plan, decode)
+        padding = is_padding(self.parallel, len(request.prompts))  # run only to keep a shard group in step
+        latents, decoded = self._run(plan, decode and not padding)
         if plan.share is not None:  # every rank gets the whole output
+            if padding:
+                latents, decoded = {}, Decoded(np.empty((0,), np.float32))
             latents, decoded = gather_outputs(self.parallel, latents, decoded)
         return Output(array=decoded.array, latents=latents, request=request, audio=decoded.audio,
                       sample_rate=decoded.sample_rate, provenance=record, **self._media(decoded, decode))
@@ -201,7 +204,7 @@ class Pipeline:
     def plan(self, request: Request, *, rollout: dict[str, Any] | None = None) -> RequestPlan:
         """What ``request`` runs on this pipeline (``runtime.plan``), planned once for every use of it."""
         ctx = self.parallel
-        share = data_slice(ctx, len(request.prompts)) if ctx is not None and ctx.data > 1 else None
+        share = data_slice(ctx, len(request.prompts)) if ctx is not None and ctx.samples > 1 else None
         return plan_request(self.spec, self.family, self.components, self.device, request, rollout=rollout,
                             share=share)
 

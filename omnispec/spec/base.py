@@ -25,7 +25,15 @@ MAX_SIZE = 16_384  # pixels per side (height, width)
 MAX_FRAMES = 10_000
 MAX_FPS = 1_000
 MAX_SEQUENCE_LENGTH = 65_536  # prompt tokens
-MAX_IMAGE_PIXELS = 8192 * 8192  # a conditioning image, read from its header before any pixel is decoded
+# A conditioning image (all images of an array's or tensor's batch together), read from its header before any pixel
+# is decoded: a 4096 x 4096 RGBA file decodes, converts and hashes within 1.5 GB.
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_PROMPTS = 1_024  # prompts of one request (each one is a sample a replay makes again)
+MAX_LORA_SCALE = 1_000.0  # |scale| of a LoRA slot (real ones lie within a few units; 1e308 overflows to NaN)
+# Modules registered while one component is built from its config: FLUX.1's transformer has 1,275, Wan 14B's 1,138,
+# LTX-2's 3,674. A config describing a million layers (a few bytes of JSON) is refused at this count instead of
+# building for minutes and filling memory (each module costs a few kB and tens of microseconds).
+MAX_MODULES = 50_000
 # Devices a spec or a caller may name (``runtime.device``, ``--device``, ``build(device=)``).
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d{1,4})?)$"
 # ``torch.Generator.manual_seed`` takes exactly this range; every per-sample seed (seed + i) must lie in it.

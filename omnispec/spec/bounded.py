@@ -37,6 +37,9 @@ RECORD = Bounds(4 << 20, MAX_SPEC_DEPTH + 8, 200_000, "an output record")
 # A checkpoint's own JSON files that omnispec reads: model_index.json, config.json, scheduler_config.json,
 # *.safetensors.index.json (19B-parameter models' indexes are ~0.5 MB), a safetensors file's header.
 CONFIG = Bounds(16 << 20, MAX_SPEC_DEPTH, 1_000_000, "a checkpoint's config file")
+# A tokenizer's vocabulary files (tokenizer.json, vocab.json: tens of MB for 250k-token vocabularies), which the
+# tokenizer libraries parse themselves: measured (bytes, depth) without being decoded here.
+TOKENIZER = Bounds(128 << 20, MAX_SPEC_DEPTH, 0, "a tokenizer file")
 
 
 class _LimitExceeded(Exception):
@@ -114,12 +117,18 @@ def _json_too_deep(text: str, limit: int) -> bool:
     return False
 
 
-def parse_json(text: str, file: str | None = None, bounds: Bounds = SPEC) -> Any:
-    """JSON text to data; its nesting is measured on the text first, so deep input never reaches the
-    recursive decoder."""
+def check_json_depth(text: str, file: str | None = None, bounds: Bounds = SPEC) -> None:
+    """Refuse JSON text nested deeper than the limit, measured on the text (linear, no recursion): what a library's
+    recursive decoder would fail on with a RecursionError."""
     if _json_too_deep(text, bounds.depth):
         raise SpecError.single(f"not read: nested deeper than {bounds.depth} levels, the limit for {bounds.what}",
                                file=file)
+
+
+def parse_json(text: str, file: str | None = None, bounds: Bounds = SPEC) -> Any:
+    """JSON text to data; its nesting is measured on the text first, so deep input never reaches the
+    recursive decoder."""
+    check_json_depth(text, file, bounds)
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -187,4 +196,5 @@ def _measure(root: Any, children: Callable[[Any], list[Any] | None], bounds: Bou
     visit(root, 1)
 
 
-__all__ = ["CONFIG", "RECORD", "SPEC", "Bounds", "check_bounds", "decode_utf8", "parse_json", "parse_yaml"]
+__all__ = ["CONFIG", "RECORD", "SPEC", "TOKENIZER", "Bounds", "check_bounds", "check_json_depth", "decode_utf8",
+           "parse_json", "parse_yaml"]

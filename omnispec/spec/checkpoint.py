@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .bounded import CONFIG
 from .errors import Problem, SpecError
-from .files import read_json_file
-from .hub import hub_file
+from .files import path_kind, read_json_file, user_path
+from .hub import hub_file, is_hub_id
 from .pipeline import PipelineSpec
 from .recipe import PreviousInput
 from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule
@@ -69,14 +69,17 @@ def read_configs(spec: PipelineSpec, root: str) -> CheckpointConfigs:
 
 
 def _read_json(root: str, name: str, revision: str | None) -> dict[str, Any] | None:
-    local = Path(root).expanduser()
-    if local.is_dir():
+    local = user_path(root)
+    if path_kind(local) == "dir":
         path = local / name
+    elif not is_hub_id(root):
+        raise SpecError.single(f"checkpoint {root!r} is neither a local directory nor a Hub id (owner/name)",
+                               "model.source")
     else:
         path = hub_file(root, name, revision)
         if path is None:
             return None
-    if not path.exists():
+    if path_kind(path) is None:
         return None
     data = read_json_file(path, CONFIG, "model.source")
     if not isinstance(data, dict):
@@ -86,9 +89,9 @@ def _read_json(root: str, name: str, revision: str | None) -> dict[str, Any] | N
 
 class _ModelIndex(BaseModel):
     """The keys of ``model_index.json`` omnispec reads: component entries ``[library, class]`` and the two-expert
-    boundary. Other keys are the pipeline's and pass as they are."""
+    boundary (finite). Other keys are the pipeline's and pass as they are."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     class_name: str | None = Field(default=None, alias="_class_name")
     boundary_ratio: float | int | None = None
 
@@ -102,22 +105,29 @@ class _ModelIndex(BaseModel):
         return self
 
 
-class _SchedulerConfig(BaseModel):
-    """The keys of a scheduler config that decide the sigmas omnispec compares and follows."""
+# Training timesteps of a scheduler: 1,000 in every real one; the scheduler allocates arrays of this length when it is
+# built, so a few bytes of JSON could otherwise ask for terabytes.
+MAX_TRAIN_TIMESTEPS = 100_000
+_SeqLen = Annotated[int, Field(ge=1, le=1 << 30)]
 
-    model_config = ConfigDict(extra="allow", strict=True)
+
+class _SchedulerConfig(BaseModel):
+    """The keys of a scheduler config that decide the sigmas omnispec compares and follows, finite and within
+    bounds (``num_train_timesteps`` sizes the arrays the scheduler allocates)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     use_dynamic_shifting: bool = False
     shift: float | int = 1.0
     base_shift: float | int | None = None
     max_shift: float | int | None = None
-    base_image_seq_len: int | None = None
-    max_image_seq_len: int | None = None
+    base_image_seq_len: _SeqLen | None = None
+    max_image_seq_len: _SeqLen | None = None
     shift_terminal: float | int | None = None
     use_karras_sigmas: bool | None = None
     use_exponential_sigmas: bool | None = None
     use_beta_sigmas: bool | None = None
     invert_sigmas: bool | None = None
-    num_train_timesteps: int | None = None
+    num_train_timesteps: Annotated[int, Field(ge=1, le=MAX_TRAIN_TIMESTEPS)] | None = None
 
 
 def model_index_data(data: Any, file: str) -> dict[str, Any]:
@@ -193,7 +203,7 @@ def _class_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Prob
                                                                 f"{component.subfolder or name!r} component ({entry})"))
             continue
         ours = component.class_.replace(":", ".").split(".")[-1]
-        if not _same_class(ours, str(entry[1])):
+        if not same_class(ours, str(entry[1])):
             problems.append(Problem(f"model.components.{name}.class", f"the spec loads {component.class_} but the "
                                     f"checkpoint's model_index.json has {entry[0]}.{entry[1]}; {ESCAPE}"))
     return problems
@@ -215,7 +225,7 @@ def _denoiser_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[P
                     f"that this spec does not load{experts}; or {ESCAPE}")]
 
 
-def _same_class(ours: str, theirs: str) -> bool:
+def same_class(ours: str, theirs: str) -> bool:
     """Equal names, a fast/slow (``...Fast``) or PIL/torchvision (``...Pil``) variant of the same transformers class,
     or one of the classes an Auto class of ours loads (``AUTO_LOADS``). Nothing else matches: ``AutoencoderTiny``
     is not ``AutoencoderKL``."""
@@ -350,4 +360,4 @@ def unresolved(spec: PipelineSpec) -> bool:
     return any(isinstance(s, FlowMatchSchedule) and s.shift == FROM_CHECKPOINT for s in spec.recipe.schedules.values())
 
 
-__all__ = ["CheckpointConfigs", "checkpoint_problems", "follow_checkpoint", "read_configs", "unresolved"]
+__all__ = ["CheckpointConfigs", "checkpoint_problems", "follow_checkpoint", "read_configs", "same_class", "unresolved"]

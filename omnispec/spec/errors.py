@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,18 @@ from pydantic import ValidationError
 # Keys that select a variant of a discriminated union; pydantic puts the chosen value in the error
 # path (``schedule.flow_match.steps``), which we drop so paths match the file (``schedule.steps``).
 _DISCRIMINATORS = ("kind", "strategy")
+
+
+# Characters that act on a terminal instead of showing: C0 and C1 controls but tab (escape sequences, a carriage
+# return that overwrites the line, a newline that starts a line without the ``error:`` prefix) and the bidi overrides
+# that reorder what is shown.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: every control character as its Python escape (``\\x1b``, ``\\n``).
+    Strings from files (a record's versions, a config's keys) reach ``error:`` lines and ``explain``'s text."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,42 @@ def explain_spec(
         "output_phase": spec.recipe.phases[spec.recipe.output_index() or 0].name,
         "policies": spec.policies.model_dump(mode="json"),
     }
+    if spec.policies.parallel.world_size > 1:
+        out["mesh"] = describe_mesh(spec)
     if attention is not None:
         out["attention"] = dict(attention)
     return out
+
+
+def describe_mesh(spec: PipelineSpec) -> list[str]:
+    """Which rank holds and runs what, one line per rank (the mesh is row-major over data, shard, cfg, tensor,
+    ring, ulysses, as ``runtime/parallel/context.py`` lays it out)."""
+    par = spec.policies.parallel
+    axes = [(n, getattr(par, n)) for n in ("data", "shard", "cfg", "tensor", "ring", "ulysses")]
+    offload = spec.policies.offload
+    host = getattr(offload, "distributed", False)
+    lines = []
+    for rank in range(par.world_size):
+        coords, rest = {}, rank
+        for name, degree in reversed(axes):
+            coords[name], rest = rest % degree, rest // degree
+        parts = []
+        if par.data * par.shard > 1:
+            parts.append(f"samples of group {coords['data'] * par.shard + coords['shard']} of {par.data * par.shard}")
+        if par.shard > 1:
+            parts.append(f"1/{par.shard} of every denoiser block ({'host memory, gathered to the device as it runs' if host else 'gathered as it runs'})")
+        if par.cfg > 1:
+            parts.append(f"guidance passes {coords['cfg']}::{par.cfg}")
+        if par.tensor > 1:
+            parts.append(f"1/{par.tensor} of the split linears (heads {coords['tensor']}/{par.tensor})")
+        if par.sequence > 1:
+            parts.append(f"1/{par.sequence} of each forward's tokens")
+        if par.vae_patch > 1:
+            in_step = ((coords["cfg"] * par.tensor + coords["tensor"]) * par.ring + coords["ring"]) * par.ulysses \
+                + coords["ulysses"]
+            parts.append(f"VAE tiles {in_step % par.vae_patch}::{par.vae_patch}")
+        lines.append(f"rank {rank}: " + "; ".join(parts or ["everything (replicated)"]))
+    return lines
 
 
 def _first_passes(phase: Phase) -> list[str]:
@@ -177,6 +210,12 @@ def render_explain(info: Mapping[str, Any]) -> str:
     lines.append(f"  compile      {pol['compile']['mode']}")
     par = pol["parallel"]
     lines.append("  parallel     " + " x ".join(f"{k}={v}" for k, v in par.items()))
+    vae = pol.get("vae", {})
+    if vae.get("tiling") or vae.get("slicing"):
+        lines.append(f"  vae          tiling {vae['tiling']}, slicing {vae['slicing']}")
+    if info.get("mesh"):
+        lines.append("mesh:")
+        lines += [f"  {line}" for line in info["mesh"]]
     if "attention" in info:
         lines.append("attention per role:")
         lines += [f"  {role:<12} {why}" for role, why in info["attention"].items()]

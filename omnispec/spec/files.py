@@ -16,20 +16,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bounded import CONFIG, Bounds, decode_utf8, parse_json
+from .bounded import CONFIG, TOKENIZER, Bounds, check_json_depth, decode_utf8, parse_json
 from .errors import SpecError
 
 # Weight formats that torch.load unpickles (running whatever code the file names): refused by name unless the
 # user trusts the files (--trust-code / trust_code=True).
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".safetensors.bin")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
-# Bytes per value of each safetensors dtype (the format's own list).
-SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-                           "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-                           "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+# Bits per value of each safetensors dtype (the format's own list; F4 and F6 pack values below a byte).
+SAFETENSORS_DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+                          "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
+                          "U32": 32, "U16": 16, "U8": 8, "BOOL": 8}
 # safetensors' own reader refuses headers above 100 MB; ours stops at the config bound (16 MiB: a 19B model's
 # header is about 0.5 MB).
 MAX_SAFETENSORS_HEADER = CONFIG.bytes
+
+
+def path_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` names, links followed: ``"dir"``, ``"file"`` (a regular file), ``"other"`` (a FIFO, a device,
+    a socket), or None when the OS finds nothing to stat there: absent, a dangling link, a name too long, a loop of
+    links, a NUL in it, no permission. Never raises: Python 3.11's ``Path.exists``/``is_dir`` raise for a name too
+    long, so a user's 5,000-character path would otherwise be a traceback."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def user_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~`` expanded, or as written when it cannot be (``~nosuchuser``: ``expanduser`` raises
+    RuntimeError), so that a check saying it is absent follows."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
 
 
 def regular_file(path: str | os.PathLike[str], where: str = "", what: str = "file") -> Path:
@@ -42,6 +63,8 @@ def regular_file(path: str | os.PathLike[str], where: str = "", what: str = "fil
         raise SpecError.single(f"no such {what}: {p}", where) from None
     except OSError as exc:  # a name too long, a loop of links, permissions
         raise SpecError.single(f"cannot read {what} {p}: {exc.strerror or exc}", where) from None
+    except ValueError:  # a NUL in the name
+        raise SpecError.single(f"cannot read {what} {str(p)!r}: a path cannot contain a NUL character", where) from None
     if not stat.S_ISREG(info.st_mode):
         kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
                 else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
@@ -76,6 +99,40 @@ def read_json_file(path: str | os.PathLike[str], bounds: Bounds = CONFIG, where:
         raise SpecError.single(problem.message, where or problem.path, str(path)) from None
 
 
+# JSON files of a component folder that tokenizer libraries read themselves and that may be tens of MB.
+LARGE_JSON = ("tokenizer.json", "vocab.json")
+
+
+def check_json_files(folder: Path, where: str) -> None:
+    """Every ``*.json`` of a component folder that diffusers or transformers would read themselves (config.json,
+    tokenizer and processor configs, generation_config.json, an index), read within bounds first, so a deep, huge or
+    non-regular one is refused here by name instead of failing inside a loader; an index's ``weight_map`` is
+    checked (``index_shards``). Vocabulary files are measured (size, depth) without being decoded."""
+    for path in sorted(folder.glob("*.json")):
+        if path.name in LARGE_JSON:
+            raw = read_bytes(path, TOKENIZER.bytes, TOKENIZER.what.removeprefix("a "), where)
+            try:
+                check_json_depth(decode_utf8(raw, str(path)), str(path), TOKENIZER)
+            except SpecError as exc:
+                raise SpecError.single(exc.problems[0].message, where, str(path)) from None
+            continue
+        data = read_json_file(path, CONFIG, where)
+        if path.name.endswith(".safetensors.index.json"):
+            index_shards(data, path)
+
+
+def index_shards(data: Any, index: Path) -> list[str]:
+    """The shard files a ``*.safetensors.index.json`` names: its ``weight_map`` must map tensor names to file names
+    in the index's own folder (no path parts), else ``SpecError`` naming the index."""
+    shards = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(shards, dict) or not all(isinstance(k, str) and isinstance(v, str) and v and "/" not in v
+                                               and "\\" not in v and not v.startswith(".")
+                                               for k, v in shards.items()):
+        raise SpecError.single("weight_map is not a mapping of tensor names to shard files in this folder",
+                               file=str(index))
+    return sorted(set(shards.values()))
+
+
 def refuse_pickle(path: str | os.PathLike[str], where: str, trusted: bool = False) -> None:
     """A weights file torch would unpickle is refused by its name, before anything reads it (unless trusted)."""
     name = Path(path).name.lower()
@@ -106,10 +163,12 @@ class SafetensorsHeader:
 
 
 def safetensors_header(path: str | os.PathLike[str], where: str = "") -> SafetensorsHeader:
-    """A safetensors file's header, read and checked without reading any tensor: its length within the file and the
-    bound, valid JSON within the config bounds, each tensor's dtype known, its shape non-negative integers and its
-    byte range inside the data and the size its shape and dtype give. A truncated or forged file is one
-    ``SpecError`` naming the file and the first problem."""
+    """A safetensors file's header, read and checked without reading any tensor, as strictly as the safetensors
+    library reads it (so no file passes here and fails inside a loader): its length within the file and the bound,
+    JSON text starting with ``{`` (no BOM) within the config bounds, each tensor's dtype known, its shape
+    non-negative integers, its byte range the size its shape and dtype give (in bits: F4 packs two values a byte),
+    and the ranges, in order, following each other from 0 to the end of the file (no gap, no trailing bytes). A
+    truncated or forged file is one ``SpecError`` naming the file and the first problem."""
     p = regular_file(path, where, "safetensors file")
     size = p.stat().st_size
 
@@ -124,6 +183,8 @@ def safetensors_header(path: str | os.PathLike[str], where: str = "") -> Safeten
             raise refuse(f"its header claims {length:,} bytes" + (f", more than the file's {size - 8:,} after the "
                          "length" if length > size - 8 else f", above the {MAX_SAFETENSORS_HEADER:,}-byte limit"))
         raw = f.read(length)
+    if not raw.startswith(b"{"):
+        raise refuse(f"its header does not start with '{{' (it starts with {raw[:8]!r})")
     try:
         data = parse_json(decode_utf8(raw, str(p)), str(p), CONFIG)
     except SpecError as exc:
@@ -140,7 +201,24 @@ def safetensors_header(path: str | os.PathLike[str], where: str = "") -> Safeten
         if isinstance(entry, str):
             raise refuse(entry)
         tensors[name] = entry
+    problem = _layout_problem(tensors, data_bytes)
+    if problem:
+        raise refuse(problem)
     return SafetensorsHeader(tensors, metadata)
+
+
+def _layout_problem(tensors: dict[str, TensorEntry], data_bytes: int) -> str | None:
+    """What the safetensors library refuses in the tensors' byte ranges: in order of their offsets, each starts where
+    the one before ends (the first at 0), and the last ends at the end of the file."""
+    position = 0
+    for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            kind = "overlap the tensor before" if entry.begin < position else "leave a gap after the tensor before"
+            return f"tensor {name!r}: bytes {entry.begin}..{entry.end} {kind} (which ends at {position})"
+        position = entry.end
+    if position != data_bytes:
+        return f"{data_bytes - position:,} bytes after the last tensor's data (the tensors end at {position:,})"
+    return None
 
 
 def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
@@ -148,7 +226,7 @@ def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         return f"tensor {name!r}: expected dtype, shape and data_offsets, got {info!r:.80}"
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in SAFETENSORS_DTYPE_BYTES:
+    if dtype not in SAFETENSORS_DTYPE_BITS:
         return f"tensor {name!r}: unknown dtype {dtype!r}"
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
@@ -159,11 +237,14 @@ def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
     begin, end = offsets
     if not 0 <= begin <= end <= data_bytes:
         return f"tensor {name!r}: bytes {begin}..{end} lie outside the file's {data_bytes:,} bytes of data (truncated?)"
-    expected = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
-    if dtype not in ("F4", "F6_E2M3", "F6_E3M2") and end - begin != expected:
-        return f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} ({expected} expected)"
+    bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
+    if bits % 8:
+        return f"tensor {name!r}: shape {shape} of {dtype} is {bits} bits, not a whole number of bytes"
+    if end - begin != bits // 8:
+        return f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} ({bits // 8} expected)"
     return TensorEntry(dtype, tuple(shape), begin, end)
 
 
-__all__ = ["PICKLE_SUFFIXES", "SAFETENSORS_DTYPE_BYTES", "WEIGHT_SUFFIXES", "SafetensorsHeader", "TensorEntry",
-           "read_bytes", "read_json_file", "refuse_pickle", "regular_file", "safetensors_header"]
+__all__ = ["PICKLE_SUFFIXES", "SAFETENSORS_DTYPE_BITS", "WEIGHT_SUFFIXES", "SafetensorsHeader", "TensorEntry",
+           "check_json_files", "index_shards", "path_kind", "read_bytes", "read_json_file", "refuse_pickle", "regular_file", "safetensors_header",
+           "user_path"]

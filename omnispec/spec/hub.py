@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import SpecError
+from .files import path_kind, user_path
 
 
 def hub_offline() -> bool:
@@ -20,7 +21,7 @@ def hub_offline() -> bool:
 
 def is_hub_id(ref: str) -> bool:
     """``owner/name`` that names nothing on disk."""
-    return not Path(ref).expanduser().exists() and not ref.startswith((".", "/", "~")) and ref.count("/") == 1
+    return path_kind(user_path(ref)) is None and not ref.startswith((".", "/", "~")) and ref.count("/") == 1
 
 
 @functools.cache

@@ -3,11 +3,14 @@
 A path is opened as data: a regular file (a FIFO or device is refused unopened), one of the plain image formats
 (no format whose reader runs a helper program), its size read from the header and refused above
 ``MAX_IMAGE_PIXELS`` before any pixel is decoded, a truncated file refused. Every PIL mode becomes RGB as
-diffusers' ``load_image`` makes it (``convert("RGB")``), with two exceptions where that conversion is wrong:
-transparency is composited over white (``convert`` drops it, leaving what the transparent pixels happen to hold)
-and 16-bit greyscale is scaled to 8 bits (``convert`` clips it at 255). Arrays and tensors are kept as given,
-after checks of their dtype (floating point; an 8-bit numpy picture becomes the PIL image it is), dimensions,
-channels (1 or 3), range ([0, 1], what diffusers' processors expect) and finiteness. ``digest`` fingerprints the pixels with their original mode and palette.
+diffusers' ``load_image`` makes it (``convert("RGB")``), except where that conversion is wrong: transparency is
+composited over white (``convert`` drops it, leaving what the transparent pixels happen to hold); 16-bit greyscale,
+and 32-bit integer greyscale with values above 255, is scaled from 0..65535 to 8 bits (``convert`` clips it at 255;
+wider integer ranges are refused, their scale unknown); float greyscale (mode F) in [0, 1] is scaled to 0..255
+(other float values are clipped to 0..255, as ``convert`` does). Arrays and tensors are kept as given, after checks
+of their dtype (floating point; an 8-bit numpy picture becomes the PIL image it is), dimensions, channels (1 or 3),
+size (the pixels of all images of a batch count toward the limit), range ([0, 1], what diffusers' processors
+expect) and finiteness. ``digest`` fingerprints the pixels with their original mode and palette.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from .files import regular_file
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+# Modes PIL converts to RGBA only through another mode: premultiplied greyscale with alpha.
+_VIA = {"La": "LA"}
 
 
 class ImageCondition(SpecModel):
@@ -57,24 +62,24 @@ def image_condition(image: Any, frame: int, where: str) -> ImageCondition:
     if isinstance(image, Image.Image):
         _check_pixels(image.size[0] * image.size[1], f"{image.size[0]}x{image.size[1]}", where)
         source_mode, palette = image.mode, image.palette.tobytes() if image.palette is not None else b""
-        image = rgb(image)
+        image = rgb(image, where)
         pixels = np.asarray(image)
         tag = f"{source_mode}:{hashlib.sha256(palette).hexdigest()}"
     elif hasattr(image, "detach") and hasattr(image, "dim"):  # a torch tensor (the spec layer never imports torch)
-        if not image.is_floating_point():
-            raise SpecError.single(f"an image tensor must be floating point with values in [0, 1] (as diffusers' "
-                                   f"image processors take it), got dtype {image.dtype}", where)
-        pixels = _checked_array(image.detach().cpu().float().numpy(), str(image.dtype), where, channels_first=True)
+        pixels = _checked_values(_tensor_pixels(image, where), "tensor", where)
         tag = "tensor"
     elif isinstance(image, np.ndarray):
-        pixels = _checked_array(image, str(image.dtype), where, channels_first=False)
+        _check_dtype(image.dtype, "array", where)
+        _check_shape(image.shape, "array", where, channels_first=False)
+        pixels = _checked_values(image, "array", where)
         tag = "array"
     else:
         raise SpecTypeError.single(f"an image is a PIL image, numpy array, torch tensor or path, got "
                                    f"{type(image).__name__}", where)
     pixels = np.ascontiguousarray(pixels)
-    digest = hashlib.sha256(f"{tag}{pixels.shape}{pixels.dtype}".encode() + pixels.tobytes()).hexdigest()[:32]
-    return ImageCondition(image=image, frame=frame, digest=digest, path=path)
+    digest = hashlib.sha256(f"{tag}{pixels.shape}{pixels.dtype}".encode())
+    digest.update(pixels.reshape(-1).view(np.uint8))  # the pixels' bytes, not a copy of them
+    return ImageCondition(image=image, frame=frame, digest=digest.hexdigest()[:32], path=path)
 
 
 def open_image(path: str, where: str) -> Any:
@@ -89,7 +94,9 @@ def open_image(path: str, where: str) -> Any:
                 width, height = opened.size
                 _check_pixels(width * height, f"{width}x{height}", where, path)
                 opened.load()  # a truncated or corrupt file fails here, not inside a VAE
-                return rgb(ImageOps.exif_transpose(opened))
+                return rgb(ImageOps.exif_transpose(opened), where)
+    except SpecError:  # our own refusal (a ValueError too): as it is
+        raise
     except Image.DecompressionBombError:
         raise SpecError.single(f"{path}: its header claims more pixels than any image omnispec reads (the limit is "
                                f"{MAX_IMAGE_PIXELS:,})", where) from None
@@ -100,23 +107,44 @@ def open_image(path: str, where: str) -> Any:
         raise SpecError.single(f"{path}: not a readable image ({exc})", where) from None
 
 
-def rgb(image: Any) -> Any:
-    """An RGB copy of a PIL image of any mode: transparency over white, 16-bit greyscale scaled to 8 bits, every
-    other mode by PIL's own ``convert("RGB")``."""
-    import numpy as np
+def rgb(image: Any, where: str = "image") -> Any:
+    """An RGB copy of a PIL image of any mode (see the module's docstring): transparency over white, wide greyscale
+    scaled to 8 bits, every other mode by PIL's own ``convert("RGB")``; a mode PIL cannot convert is refused."""
     from PIL import Image
 
     mode = image.mode
     if mode == "RGB":
         return image
-    if mode in _SIXTEEN_BIT or (mode == "I" and image.getextrema()[1] > 255):
-        wide = np.asarray(image, dtype=np.float64)
-        return Image.fromarray(np.clip(wide / 257.0, 0, 255).round().astype(np.uint8), "L").convert("RGB")
-    if mode in _ALPHA_MODES or (mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+    if mode in _SIXTEEN_BIT or mode in ("I", "F"):
+        return Image.fromarray(_grey_bytes(image, where), "L").convert("RGB")
+    try:
+        if mode in _ALPHA_MODES or (mode == "P" and "transparency" in image.info):
+            rgba = (image.convert(_VIA[mode]) if mode in _VIA else image).convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return image.convert("RGB")
+    except ValueError as exc:  # a mode without a conversion to RGB
+        raise SpecError.single(f"an image of PIL mode {mode!r} cannot be converted to RGB ({exc}); save it as RGB "
+                               "first", where) from None
+
+
+def _grey_bytes(image: Any, where: str) -> Any:
+    """A wide greyscale image (modes I;16*, I, F) as 8-bit values: 16-bit and 32-bit integers above 255 scaled from
+    0..65535, integers within 0..255 kept, floats in [0, 1] scaled from it (other floats clipped to 0..255)."""
+    import numpy as np
+
+    wide = np.array(image, dtype=np.float32)  # a writable copy, exact for every 16-bit value
+    low, high = (float(wide.min()), float(wide.max())) if wide.size else (0.0, 0.0)
+    if not (np.isfinite(low) and np.isfinite(high)):
+        raise SpecError.single(f"the image (PIL mode {image.mode}) holds NaN or infinite values", where)
+    if image.mode == "F":
+        scaled = wide * np.float32(255.0) if low >= 0.0 and high <= 1.0 else wide
+    elif image.mode == "I" and (low < 0 or high > 65535):
+        raise SpecError.single(f"a 32-bit integer image (PIL mode I) with values in [{low:g}, {high:g}]: omnispec reads "
+                               "8-bit (0..255) and 16-bit (0..65535) ranges; save it with 8 or 16 bits", where)
+    else:
+        scaled = wide / np.float32(257.0) if image.mode in _SIXTEEN_BIT or high > 255 else wide
+    return np.clip(scaled, 0, 255, out=scaled).round(out=scaled).astype(np.uint8)
 
 
 def _uint8_picture(pixels: Any, where: str) -> Any:
@@ -134,30 +162,53 @@ def _uint8_picture(pixels: Any, where: str) -> Any:
 
 def _check_pixels(count: int, size: str, where: str, path: str | None = None) -> None:
     if count > MAX_IMAGE_PIXELS:
-        raise SpecError.single(f"{path + ': ' if path else ''}{size} is {count:,} pixels, above the limit of "
+        raise SpecError.single(f"{path + ': ' if path else ''}{size}: {count:,} pixels, above the limit of "
                                f"{MAX_IMAGE_PIXELS:,} for a conditioning image", where)
     if count == 0:
         raise SpecError.single(f"{path + ': ' if path else ''}the image is empty ({size})", where)
 
 
-def _checked_array(pixels: Any, dtype: str, where: str, channels_first: bool) -> Any:
-    """An image given as an array: floating point in [0, 1] and finite, (H, W, C) / (B, H, W, C) for numpy or
-    (C, H, W) / (B, C, H, W) for a tensor, with 1 or 3 channels."""
+def _tensor_pixels(tensor: Any, where: str) -> Any:
+    """A tensor's values as a float32 numpy array, after the checks that need none of them: dense with data (not on
+    the meta device, not sparse), floating point, its shape within the limits, so nothing large is copied first."""
+    if tensor.is_meta or str(tensor.layout) != "torch.strided":
+        where_ = "on the meta device" if tensor.is_meta else f"with layout {tensor.layout}"
+        raise SpecError.single(f"an image tensor holds its values in memory (a dense tensor), got one {where_}", where)
+    _check_dtype(tensor.dtype, "tensor", where, floating=tensor.is_floating_point())
+    _check_shape(tuple(tensor.shape), "tensor", where, channels_first=True)
+    return tensor.detach().cpu().float().numpy()
+
+
+def _check_dtype(dtype: Any, kind: str, where: str, floating: bool | None = None) -> None:
     import numpy as np
 
-    kind = "tensor" if channels_first else "array"
-    layout = "(C, H, W) or (B, C, H, W)" if channels_first else "(H, W, C) or (B, H, W, C)"
-    if not np.issubdtype(pixels.dtype, np.floating):
+    if not (np.issubdtype(dtype, np.floating) if floating is None else floating):
         raise SpecError.single(f"an image {kind} must be floating point with values in [0, 1] (as diffusers' image "
                                f"processors take it) or, for a numpy array, 8-bit (H, W, C); got dtype {dtype}", where)
-    if pixels.ndim not in (3, 4):
-        raise SpecError.single(f"an image {kind} is {layout}, got shape {tuple(pixels.shape)}", where)
-    channels = pixels.shape[-3] if channels_first else pixels.shape[-1]
+
+
+def _check_shape(shape: tuple[int, ...], kind: str, where: str, channels_first: bool) -> None:
+    """(H, W, C) / (B, H, W, C) for numpy or (C, H, W) / (B, C, H, W) for a tensor, with 1 or 3 channels, a batch of
+    at least one image, and all its images' pixels together within the limit."""
+    layout = "(C, H, W) or (B, C, H, W)" if channels_first else "(H, W, C) or (B, H, W, C)"
+    if len(shape) not in (3, 4):
+        raise SpecError.single(f"an image {kind} is {layout}, got shape {shape}", where)
+    channels = shape[-3] if channels_first else shape[-1]
     if channels not in (1, 3):
         raise SpecError.single(f"an image {kind} has 1 or 3 channels, got {channels} in shape "
-                               f"{tuple(pixels.shape)} ({layout}; drop or composite an alpha channel first)", where)
-    height, width = (pixels.shape[-2], pixels.shape[-1]) if channels_first else (pixels.shape[-3], pixels.shape[-2])
-    _check_pixels(int(height) * int(width), f"{width}x{height}", where)
+                               f"{shape} ({layout}; drop or composite an alpha channel first)", where)
+    batch = int(shape[0]) if len(shape) == 4 else 1
+    if batch == 0:
+        raise SpecError.single(f"the image {kind}'s batch is empty (shape {shape})", where)
+    height, width = (shape[-2], shape[-1]) if channels_first else (shape[-3], shape[-2])
+    size = f"{width}x{height}" if batch == 1 else f"{batch} images of {width}x{height}"
+    _check_pixels(batch * int(height) * int(width), size, where)
+
+
+def _checked_values(pixels: Any, kind: str, where: str) -> Any:
+    """An image array's values: finite and in [0, 1]."""
+    import numpy as np
+
     if not np.isfinite(pixels).all():
         raise SpecError.single(f"the image {kind} holds NaN or infinite values", where)
     low, high = float(pixels.min()), float(pixels.max())

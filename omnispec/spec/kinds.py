@@ -89,15 +89,24 @@ class Axes:
     def __init__(self, concept: str):
         self.concept = concept
         self._implementations: dict[str, Any] = {}
+        self._off_mesh: set[str] = set()
 
-    def register(self, name: str, implementation: Any) -> None:
+    def register(self, name: str, implementation: Any, *, mesh: bool = True) -> None:
+        """``mesh=False``: the axis adds no ranks of its own (it works within ranks the mesh axes lay out)."""
         if name in self._implementations:
             raise ValueError(f"{self.concept} {name!r} is registered already")
         self._implementations[name] = implementation
+        if not mesh:
+            self._off_mesh.add(name)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._implementations)
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        """The axes that lay ranks out, in mesh order; their degrees multiply to the world size."""
+        return tuple(n for n in self._implementations if n not in self._off_mesh)
 
     def implementation(self, name: str) -> Any:
         return _resolved(self._implementations, name, f"{self.concept} {name!r}")

@@ -92,8 +92,17 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def _resolved(path: Path) -> Path:
+    """The absolute path of a spec file, links followed; a loop of links (``resolve`` raises RuntimeError) or a name
+    the OS refuses is one ``SpecError`` naming the file."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:
+        raise SpecError.single(f"cannot read the spec file: {exc}", file=str(path)) from None
+
+
 def _read_with_extends(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    resolved = path.resolve()
+    resolved = _resolved(path)
     if resolved in chain:
         cycle = " -> ".join(str(p) for p in (*chain, resolved))
         raise SpecError.single(f"cyclic extends: {cycle}", "extends", str(path))

@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from .base import DType, SpecModel
+from .base import MAX_LORA_SCALE, DType, SpecModel
 from .files import PICKLE_SUFFIXES
 
 Role = Literal["denoiser", "encoder", "tokenizer", "processor", "vae", "scheduler", "resident", "upsampler", "other"]
@@ -43,9 +43,14 @@ _CLASS_REF = re.compile(rf"^{_DOTTED}(:{_DOTTED})?$")
 
 
 def check_import_ref(ref: str, info: ValidationInfo, what: str) -> str:
-    """Refuse references to code outside the trusted packages unless the caller trusts the spec."""
+    """Refuse references to code outside the trusted packages unless the caller trusts the spec, and dunder parts
+    (``omnispec.__main__`` would make the CLI import its own entry point, running it again inside itself)."""
     if not _CLASS_REF.match(ref):
         raise ValueError(f"{what} must look like 'package.Class' or 'package.module:Class', got {ref!r}")
+    dunder = [part for part in re.split(r"[.:]", ref) if part.startswith("__") and part.endswith("__")]
+    if dunder:
+        raise ValueError(f"{what} {ref!r} names {dunder[0]!r}: a module or class reference never names a dunder "
+                         "(__main__, __init__ ...)")
     package = ref.split(":")[0].split(".")[0]
     trusted = bool(info.context and info.context.get("trust_code"))
     if package not in TRUSTED_PACKAGES and not trusted:
@@ -107,7 +112,7 @@ class AdapterSlot(SpecModel):
 
     path: str = Field(description="Local directory/file or Hub id of the LoRA weights.")
     weight_name: str | None = None
-    scale: float = 1.0
+    scale: float = Field(default=1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
     target: str | None = Field(default=None, description="Component to load into; the phase's denoiser if unset.")
     always: bool = Field(default=False, description=(
         "Active in every phase whose denoiser is its target, beside the phase's own slot."))

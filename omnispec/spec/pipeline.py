@@ -137,6 +137,7 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
         yield ("recipe", "defaults", "max_sequence_length"), f"above constraints.max_sequence_length {constraints.max_sequence_length}"
 
     yield from _policy_problems(spec)
+    yield from _scale_out_problems(spec)
 
 
 def _segment_of(phase) -> str | None:
@@ -234,3 +235,60 @@ def _policy_problems(spec: PipelineSpec):
             key in spec.model.components and spec.model.components[key].role in WEIGHTLESS_ROLES
         ):
             yield ("policies", "quantization", key), "tokenizers and schedulers hold no weights to quantize"
+
+
+def _denoiser_quantized(spec: PipelineSpec) -> str | None:
+    for key in spec.policies.quantization:
+        if key == "denoiser" or (key in spec.model.components and spec.model.components[key].role == "denoiser"):
+            return key
+    return None
+
+
+def _scale_out_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of rules reads best
+    """The rules of tensor, shard, vae_patch, distributed offload and VAE tiling, with their reasons (the
+    families' own limits are the axes' refusals, checked when the family is known)."""
+    p = spec.policies
+    par, offload = p.parallel, p.offload
+    distributed = getattr(offload, "distributed", False)
+    quantized = _denoiser_quantized(spec)
+    denoisers = {n for n, c in spec.model.components.items() if c.role == "denoiser"}
+    adapted = sorted(slot for slot, a in spec.model.adapters.items() if a.target is None or a.target in denoisers)
+    if par.tensor > 1:
+        where = ("policies", "parallel", "tensor")
+        if offload.strategy != "none":
+            yield where, (f"tensor parallel keeps each rank's slice of the denoiser's linears on its device; "
+                          f"{offload.strategy} offload moves whole modules (policies.offload.strategy: none)")
+        if quantized:
+            yield where, (f"tensor parallel splits plain linears into DTensor shards; the quantized denoiser "
+                          f"(policies.quantization.{quantized}) holds torchao tensors it cannot split")
+        if adapted:
+            yield where, (f"tensor parallel splits nn.Linear layers, and the LoRA slot {adapted[0]!r} "
+                          "(model.adapters) wraps them in peft layers it cannot split")
+        if par.shard > 1:
+            yield where, "tensor and shard together (2-D FSDP x TP) are not supported: use one of them"
+    if par.shard > 1:
+        where = ("policies", "parallel", "shard")
+        if quantized:
+            yield where, (f"sharding splits the denoiser's parameters over ranks; the quantized denoiser "
+                          f"(policies.quantization.{quantized}) holds torchao tensors FSDP2 does not shard here")
+        if offload.strategy == "model" or (offload.strategy in ("layerwise", "group") and not distributed):
+            yield ("policies", "offload", "strategy"), (
+                f"with shard, the denoiser's weights are already spread over the ranks; {offload.strategy} offload "
+                "would move them again: use strategy none, or layerwise/group with distributed: true (each host "
+                "keeps its shard)")
+    if distributed and par.shard == 1:
+        yield ("policies", "offload", "distributed"), (
+            "distributed offload spreads the host copy over the shard ranks, which all-gather each block as it "
+            "runs: set policies.parallel.shard to the number of ranks (2 or more)")
+    if (par.tensor > 1 or par.shard > 1) and p.compile.mode == "full":
+        yield ("policies", "compile", "mode"), (
+            "tensor and shard put collectives at block boundaries; compile the blocks (mode regional), not the "
+            "whole model")
+    if par.vae_patch > 1:
+        where = ("policies", "parallel", "vae_patch")
+        if p.vae.tiling is False:
+            yield where, ("vae_patch decodes the tiles of diffusers' tiled decode on different ranks: set "
+                          "policies.vae.tiling (true, or {tile, overlap})")
+        if par.in_step % par.vae_patch:
+            yield where, (f"vae_patch {par.vae_patch} must divide the ranks that hold the same latents, "
+                          f"cfg x tensor x ring x ulysses = {par.in_step} (it adds no processes of its own)")

@@ -58,6 +58,9 @@ class LayerwiseOffload(OffloadSpec):
     strategy: Literal["layerwise"]
     prefetch: bool = True
     pin_memory: bool = True
+    distributed: bool = Field(default=False, description=(
+        "Spread the host copy over the shard ranks (policies.parallel.shard): each host keeps 1/N of every block "
+        "and the ranks all-gather a block as it runs (FSDP2 with CPU offload)."))
 
 
 class GroupOffload(OffloadSpec):
@@ -66,6 +69,8 @@ class GroupOffload(OffloadSpec):
     blocks_per_group: PositiveInt = 1
     prefetch: bool = True
     pin_memory: bool = True
+    distributed: bool = Field(default=False, description=(
+        "As for layerwise: each group of blocks sharded over the shard ranks' hosts and all-gathered as it runs."))
 
 
 # Each strategy's implementation lives with the policies (policies/offload/), named here so the spec layer never
@@ -176,35 +181,79 @@ class CompilePolicy(SpecModel):
 
 
 class ParallelPolicy(SpecModel):
-    """Degrees whose product is the world size the run requires; each axis's behaviour is the object
-    ``PARALLEL_AXES`` names (``runtime/parallel/``, one file per axis)."""
+    """Degrees whose product (all but ``vae_patch``) is the world size the run requires; each axis's behaviour is
+    the object ``PARALLEL_AXES`` names (``runtime/parallel/``, one file per axis). Fields are in mesh order,
+    outermost first."""
 
+    data: PositiveInt = Field(default=1, description=(
+        "Groups a request's samples are split over; every rank gets the whole output."))
+    shard: PositiveInt = Field(default=1, description=(
+        "Ranks the denoisers' weights are sharded over (FSDP2 fully_shard per block, gathered block by block as "
+        "they run); the ranks split a data group's samples between them, so with data > 1 this is HSDP."))
     cfg: PositiveInt = Field(default=1, description=(
         "Ranks a step's guidance passes are shared over, round-robin; the predictions are gathered on every rank."))
+    tensor: PositiveInt = Field(default=1, description=(
+        "Ranks each forward's linears are split over (the family's tensor-parallel plan on torch's DTensor): "
+        "attention heads and feed-forward widths divide by it."))
+    ring: PositiveInt = Field(default=1, description=(
+        "Ranks each forward's sequence is split over by ring attention (diffusers' context parallelism)."))
     ulysses: PositiveInt = Field(default=1, description=(
         "Ranks each forward's sequence is split over by all-to-all attention (diffusers' context parallelism); "
         "the attention heads must divide by it."))
-    ring: PositiveInt = Field(default=1, description=(
-        "Ranks each forward's sequence is split over by ring attention (diffusers' context parallelism)."))
-    data: PositiveInt = Field(default=1, description=(
-        "Groups a request's samples are split over; every rank gets the whole output."))
+    vae_patch: PositiveInt = Field(default=1, description=(
+        "Ranks the VAE decode's tiles are spread over (diffusers' tiled decode, each tile decoded on one rank and "
+        "shared): taken from the ranks that end the loop with the same latents (cfg x tensor x ring x ulysses), "
+        "so it adds no processes; needs policies.vae.tiling."))
 
     @property
     def world_size(self) -> int:
-        return math.prod(getattr(self, name) for name in PARALLEL_AXES.names)
+        return math.prod(getattr(self, name) for name in PARALLEL_AXES.mesh_names)
 
     @property
     def sequence(self) -> int:
         """Ranks one forward's sequence is split over (ring x ulysses)."""
         return self.ring * self.ulysses
 
+    @property
+    def in_step(self) -> int:
+        """Ranks that run every forward of a sample together and end with the same latents."""
+        return self.cfg * self.tensor * self.ring * self.ulysses
 
-# Mesh order, outermost first: data groups, then cfg groups, then the sequence-parallel ranks of one forward.
+
+# Mesh order, outermost first: data groups, the shard ranks splitting a group's samples, cfg groups, then the ranks
+# of one forward (tensor, then sequence). vae_patch works within a cfg x tensor x ring x ulysses group.
 PARALLEL_AXES = Axes("parallel axis")
 PARALLEL_AXES.register("data", "omnispec.runtime.parallel.data:DATA")
+PARALLEL_AXES.register("shard", "omnispec.runtime.parallel.shard:SHARD")
 PARALLEL_AXES.register("cfg", "omnispec.runtime.parallel.cfg:CFG")
+PARALLEL_AXES.register("tensor", "omnispec.runtime.parallel.tensor:TENSOR")
 PARALLEL_AXES.register("ring", "omnispec.runtime.parallel.sequence:SEQUENCE")
 PARALLEL_AXES.register("ulysses", "omnispec.runtime.parallel.sequence:SEQUENCE")
+PARALLEL_AXES.register("vae_patch", "omnispec.runtime.parallel.vae_patch:VAE_PATCH", mesh=False)
+
+
+class VaeTiles(SpecModel):
+    """Tile size and overlap in output pixels (each VAE's own tile attributes are set from them)."""
+
+    tile: PositiveInt
+    overlap: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _overlap_inside(self) -> VaeTiles:
+        if self.overlap >= self.tile:
+            raise ValueError(f"overlap {self.overlap} must be smaller than tile {self.tile}")
+        return self
+
+
+class VaePolicy(SpecModel):
+    """How the VAE decodes (diffusers' own switches on every VAE component that has them)."""
+
+    tiling: bool | VaeTiles = Field(default=False, description=(
+        "Decode in overlapping tiles (diffusers' enable_tiling): true takes each VAE's default tiles, {tile, "
+        "overlap} sets them in pixels. Bounds the decode's memory; the blend makes the output differ slightly "
+        "from an untiled decode."))
+    slicing: bool = Field(default=False, description=(
+        "Decode the samples of a batch one at a time (diffusers' enable_slicing)."))
 
 
 class Policies(SpecModel):
@@ -216,6 +265,7 @@ class Policies(SpecModel):
     cache: Annotated[CacheSpec, CACHES] = Field(default_factory=lambda: NoCache(kind="none"))
     compile: CompilePolicy = Field(default_factory=CompilePolicy)
     parallel: ParallelPolicy = Field(default_factory=ParallelPolicy)
+    vae: VaePolicy = Field(default_factory=VaePolicy)
 
 
 CACHES.held_by(Policies)

@@ -8,7 +8,20 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
 
-from .base import MAX_STEPS, SEED_MAX, SEED_MIN, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
+from .base import (
+    MAX_PROMPTS,
+    MAX_STEPS,
+    SEED_MAX,
+    SEED_MIN,
+    Fps,
+    Frames,
+    Seed,
+    SequenceLength,
+    Size,
+    SpecModel,
+    Steps,
+    Unit,
+)
 from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .images import ImageCondition, image_condition
 from .pipeline import PipelineSpec
@@ -29,7 +42,7 @@ Number = BeforeValidator(_number)
 class Request(SpecModel):
     """A resolved request (``Pipeline.request``); its fields carry the limits of README's "Limits and errors"."""
 
-    prompts: list[str] = Field(min_length=1)
+    prompts: list[str] = Field(min_length=1, max_length=MAX_PROMPTS)
     seeds: list[Seed]
     negative_prompt: str = ""
     height: Annotated[Size, Number] | None = None
@@ -164,13 +177,16 @@ def with_request_sigmas(spec: PipelineSpec, sigmas: Sequence[float]) -> Pipeline
 
 
 def request_prompts(prompt: Any) -> list[str]:
-    """``prompt`` as a list: a string, or a non-empty list or tuple of strings."""
+    """``prompt`` as a list: a string, or a non-empty list or tuple of at most ``MAX_PROMPTS`` strings."""
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, (list, tuple)):
         raise SpecTypeError.single(f"expected a string or a non-empty list of strings, got {_kind(prompt)}", "prompt")
     if not prompt:
         raise SpecError.single("expected a string or a non-empty list of strings, got an empty list", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise SpecError.single(f"{len(prompt):,} prompts, above the limit of {MAX_PROMPTS:,} for one request (give "
+                               "them in several requests)", "prompt")
     for i, p in enumerate(prompt):
         if not isinstance(p, str):
             raise SpecTypeError.single(f"expected a string, got {_kind(p)}", f"prompt.{i}")

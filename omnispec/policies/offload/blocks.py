@@ -15,6 +15,12 @@ class BlockOffload:
 
         per_group = getattr(policy, "blocks_per_group", 1)
         use_stream = policy.prefetch and device.type == "cuda"
+        if getattr(policy, "distributed", False):  # the shard axis keeps each rank's shards on its host
+            for name, m in modules.items():
+                if roles[name] != "denoiser":
+                    m.to(device)
+            return (f"{policy.strategy}, distributed: each rank's shard of every denoiser block in host memory, "
+                    f"all-gathered to {device} as the block runs; other components on {device}")
         for name, m in modules.items():
             if roles[name] == "denoiser":
                 apply_group_offloading(m, onload_device=device, offload_device=torch.device("cpu"),

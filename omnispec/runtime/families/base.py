@@ -105,6 +105,18 @@ class Decoded:
 Perturbation = Union[SkipLayer, Modality]
 
 
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """A denoiser's tensor-parallel plan: ``linears`` in diffusers' ``_tp_plan`` format (``{glob: "colwise" |
+    "rowwise" | packed marker}``, one ``*`` over a block list); ``heads``: fnmatch patterns of attention modules
+    whose processor reads ``attn.heads`` (divided by the degree, each rank keeping its heads); ``norms``: patterns
+    of RMSNorms over all heads at once (each rank normalises its slice with the sum of squares summed over ranks)."""
+
+    linears: Mapping[str, Any]
+    heads: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()
+
 class Family:
     """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks.
 
@@ -140,12 +152,21 @@ class Family:
     # why sequence parallelism is refused.
     context_parallel: ClassVar[bool] = False
     context_parallel_refusal: ClassVar[str] = "no context-parallel plan for ulysses/ring"
+    # Why ``policies.parallel.tensor`` is refused on this family, or None when ``tensor_plan`` gives a plan.
+    tensor_parallel_refusal: ClassVar[str | None] = "no tensor-parallel plan is written for its denoiser"
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
     cache_limits: ClassVar[Mapping[str, str]] = {}
     # Why ``skip_layer`` guidance terms cannot run on this family's denoiser, or None when they can.
     skip_layer_refusal: ClassVar[str | None] = None
     # ``model.options`` this family reads, with their defaults.
     options: ClassVar[Mapping[str, Any]] = {}
+
+    @classmethod
+    def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan | None:
+        """How ``denoiser``'s linears split over tensor-parallel ranks (None: they don't). By default the model
+        class's own diffusers plan, for models whose processors take the head count from the split tensors."""
+        own = bridge.model_tensor_plan(denoiser)
+        return TensorPlan(own) if own else None
 
     def __init__(self, spec: PipelineSpec, components: dict[str, Any], device: torch.device):
         self.spec = spec

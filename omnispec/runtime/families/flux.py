@@ -25,6 +25,7 @@ class FluxFamily(PackedLatents, Family):
         "tokenizer_2": "tokenizer", "vae": "vae",
     }
     max_images = 1  # image-to-image
+    tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

@@ -8,6 +8,7 @@ from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from ... import bridge
+from ...log import logger
 from ...spec.request import Request
 from .base import Conditioning, Geometry, Perturbation, Streams
 from .flux import FluxFamily
@@ -32,7 +33,11 @@ class FluxKontextFamily(FluxFamily):
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:
         """The reference image at its own size (or the nearest preferred one), encoded by the VAE's mode (no
-        generator draw), packed, one row per sample; its position ids live on axis 0 = 1."""
+        generator draw), packed, one row per sample; its position ids live on axis 0 = 1.
+
+        Without ``auto_resize`` a reference larger than ``max_area`` is fitted to it, keeping its aspect: its tokens
+        join every forward, so a 4096x4096 reference would cost 64x the tokens of a 1024x1024 one on every step
+        (diffusers takes it as it is)."""
         helper = self.helper
         image = request.images[0].image
         multiple = helper.vae_scale_factor * 2
@@ -40,6 +45,12 @@ class FluxKontextFamily(FluxFamily):
         if self.settings["auto_resize"]:
             aspect = width / height
             _, width, height = min((abs(aspect - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        elif width * height > self.settings["max_area"]:
+            shrink = (self.settings["max_area"] / (width * height)) ** 0.5
+            logger.warning("the reference image (%dx%d) is larger than max_area (%d pixels): encoded at %dx%d, its "
+                           "aspect kept", width, height, self.settings["max_area"], int(width * shrink),
+                           int(height * shrink))
+            width, height = int(width * shrink), int(height * shrink)
         width, height = width // multiple * multiple, height // multiple * multiple
         image = helper.image_processor.resize(image, height, width)
         pixels = helper.image_processor.preprocess(image, height, width).to(self.device, self.latent_dtype(None))

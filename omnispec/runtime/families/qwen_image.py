@@ -28,6 +28,7 @@ class QwenImageFamily(PackedLatents, Family):
     name = "qwen_image"
     pipeline_class = QwenImagePipeline
     context_parallel = True
+    tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
     block_lists = ("transformer_blocks",)
     attention_roles = {"joint": ("transformer_blocks.*.attn",)}
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}

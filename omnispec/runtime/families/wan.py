@@ -8,7 +8,7 @@ from diffusers import WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, TensorPlan
 
 
 class WanFamily(Family):
@@ -18,6 +18,24 @@ class WanFamily(Family):
     block_lists = ("blocks",)
     attention_roles = {"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
+    tensor_parallel_refusal = None
+
+    @classmethod
+    def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan:
+        """Wan's processor reads ``attn.heads`` and normalises q and k over all heads before splitting them, so
+        besides the split linears the heads divide and the q/k norms become split norms; I2V's image keys and
+        values (``add_k_proj``/``add_v_proj``, ``norm_added_k``) split like the text ones."""
+        linears: dict[str, str] = {}
+        for attn in ("attn1", "attn2"):
+            for proj in ("to_q", "to_k", "to_v"):
+                linears[f"blocks.*.{attn}.{proj}"] = "colwise"
+            linears[f"blocks.*.{attn}.to_out.0"] = "rowwise"
+        if getattr(denoiser.blocks[0].attn2, "add_k_proj", None) is not None:
+            linears["blocks.*.attn2.add_k_proj"] = linears["blocks.*.attn2.add_v_proj"] = "colwise"
+        linears["blocks.*.ffn.net.0.proj"] = "colwise"
+        linears["blocks.*.ffn.net.2"] = "rowwise"
+        return TensorPlan(linears, heads=("blocks.*.attn1", "blocks.*.attn2"),
+                          norms=("blocks.*.attn1.norm_[qk]", "blocks.*.attn2.norm_[qk]", "blocks.*.attn2.norm_added_k"))
 
     def make_helper(self, components):
         denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]

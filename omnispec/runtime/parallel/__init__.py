@@ -1,5 +1,6 @@
 """``policies.parallel`` on torch.distributed (NCCL on GPUs, gloo on CPUs): one file per axis (``cfg.py``,
-``data.py``, ``sequence.py`` for ulysses and ring), each axis's object named in ``spec.policies.PARALLEL_AXES``;
+``data.py``, ``shard.py``, ``tensor.py``, ``sequence.py`` for ulysses and ring, ``vae_patch.py``), each axis's object
+named in ``spec.policies.PARALLEL_AXES``;
 ``context.py`` lays the ranks out on a device mesh over the axes."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.policies import PARALLEL_AXES
 from .cfg import broadcast_pass, gather_passes
 from .context import ParallelContext, setup
-from .data import data_slice, gather_outputs, gather_samples
+from .data import data_slice, gather_outputs, gather_samples, is_padding
 from .sequence import check_sequence
 
 
@@ -32,6 +33,16 @@ def check_axes(spec: PipelineSpec, family: Any) -> None:
             raise SpecError.single(problem, f"policies.parallel.{names[0]}")
 
 
+def distribute_axes(ctx: ParallelContext | None, spec: PipelineSpec, family: Any,
+                    modules: dict[str, torch.nn.Module], device: torch.device) -> None:
+    """Split the loaded weights over the ranks (tensor, shard) and wrap the decode (vae_patch), before the policies
+    place and compile the components."""
+    if ctx is None:
+        return
+    for axis in _used(spec):
+        axis.distribute(ctx, spec, family, modules, device)
+
+
 def enable_axes(ctx: ParallelContext | None, spec: PipelineSpec, family: Any,
                 modules: dict[str, torch.nn.Module]) -> None:
     """Put each used axis on the loaded denoisers."""
@@ -42,5 +53,5 @@ def enable_axes(ctx: ParallelContext | None, spec: PipelineSpec, family: Any,
         axis.enable(ctx, family, denoisers)
 
 
-__all__ = ["ParallelContext", "broadcast_pass", "check_axes", "check_sequence", "data_slice", "enable_axes",
-           "gather_outputs", "gather_samples", "gather_passes", "setup"]
+__all__ = ["ParallelContext", "broadcast_pass", "check_axes", "check_sequence", "data_slice", "distribute_axes", "enable_axes",
+           "gather_outputs", "gather_samples", "gather_passes", "is_padding", "setup"]

@@ -16,5 +16,10 @@ class Axis:
         """Why ``family`` (a family class) cannot run ``spec`` with this axis's degree above 1, or None."""
         return None
 
+    def distribute(self, ctx: Any, spec: Any, family: Any, modules: dict[str, torch.nn.Module],
+                   device: torch.device) -> None:
+        """Split or wrap the loaded components before the policies place and compile them (the weight axes:
+        tensor, shard; vae_patch's decode). Nothing for most."""
+
     def enable(self, ctx: Any, family: Any, denoisers: dict[str, torch.nn.Module]) -> None:
-        """Prepare the loaded denoisers for this axis (nothing for most)."""
+        """Prepare the loaded denoisers for this axis once the policies are applied (nothing for most)."""

@@ -25,9 +25,18 @@ class ParallelContext:
     cfg_index: int
     data_index: int
     cfg_group: Any  # process group of this rank's cfg peers
-    data_group: Any  # process group of this rank's data peers
+    data_group: Any  # process group of this rank's data peers (same place in every other axis)
     cfg_root: int  # global rank of cfg index 0 in this rank's cfg group
     sp_mesh: Any = None  # DeviceMesh ("ring", "ulysses") of this rank's sequence-parallel peers
+    shard: int = 1
+    tensor: int = 1
+    shard_index: int = 0
+    samples_group: Any = None  # process group over (data, shard): the groups a request's samples are split over
+    shard_mesh: Any = None  # DeviceMesh ("data", "shard") the weights are sharded over (replicated across data)
+    tensor_mesh: Any = None  # DeviceMesh ("tensor",) of this rank's tensor-parallel peers
+    vae_patch: int = 1
+    vae_group: Any = None  # process group of the ranks this rank shares a VAE decode's tiles with
+    vae_index: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -36,6 +45,15 @@ class ParallelContext:
     @property
     def sequence(self) -> int:
         return self.ring * self.ulysses
+
+    @property
+    def samples(self) -> int:
+        """How many groups a request's samples are split over (data x shard)."""
+        return self.data * self.shard
+
+    @property
+    def sample_index(self) -> int:
+        return self.data_index * self.shard + self.shard_index
 
 
 def _ensure_process_group(world: int, device: torch.device) -> None:
@@ -58,7 +76,8 @@ def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> Parall
     """The run's parallel context, or None for one process. Checks the degrees against the world size
     before any collective, so a mismatch fails cleanly on every rank instead of hanging.
 
-    Ranks form a DeviceMesh over ``PARALLEL_AXES`` in its order (row-major: data, cfg, ring, ulysses). A caller's own
+    Ranks form a DeviceMesh over ``PARALLEL_AXES`` in its order (row-major: data, shard, cfg, tensor, ring,
+    ulysses). A caller's own
     ``group`` is supported for cfg/data degrees (sequence parallel needs the mesh over the default group).
     """
     par = spec.policies.parallel
@@ -72,20 +91,54 @@ def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> Parall
                                "policies.parallel")
     rank = dist.get_rank(group)
     if group is not None and group is not dist.group.WORLD:
-        if par.sequence > 1:
-            raise SpecError.single("sequence parallel runs on the default process group", "policies.parallel")
+        if par.sequence > 1 or par.shard > 1 or par.tensor > 1 or par.vae_patch > 1:
+            raise SpecError.single("ulysses, ring, shard, tensor and vae_patch run on the default process group "
+                                   "(a caller's own group serves cfg and data)", "policies.parallel")
         return _manual_groups(par, rank, dist.get_process_group_ranks(group))
     from torch.distributed.device_mesh import init_device_mesh
 
-    names = PARALLEL_AXES.names
+    names = PARALLEL_AXES.mesh_names
     mesh = init_device_mesh(device.type, tuple(getattr(par, n) for n in names), mesh_dim_names=names)
     coords = dict(zip(names, mesh.get_coordinate()))
     cfg_ranks = mesh["cfg"].mesh.flatten().tolist()
+    samples = mesh["data", "shard"]
     return ParallelContext(
         rank, size, par.cfg, par.data, par.ring, par.ulysses, cfg_index=coords["cfg"], data_index=coords["data"],
         cfg_group=mesh.get_group("cfg"), data_group=mesh.get_group("data"), cfg_root=cfg_ranks[0],
         sp_mesh=mesh["ring", "ulysses"] if par.sequence > 1 else None,
+        shard=par.shard, tensor=par.tensor, shard_index=coords["shard"],
+        samples_group=_samples_group(mesh, par, rank) if par.shard > 1 else mesh.get_group("data"),
+        shard_mesh=(samples if par.data > 1 else mesh["shard"]) if par.shard > 1 else None,
+        tensor_mesh=mesh["tensor"] if par.tensor > 1 else None,
+        **_vae_groups(mesh, par, rank),
     )
+
+
+def _samples_group(mesh: Any, par: Any, rank: int) -> Any:
+    """This rank's group over (data, shard): the ranks at its place in every other axis."""
+    layout = mesh.mesh.reshape(par.data * par.shard, par.in_step)
+    mine = None
+    for column in layout.t().tolist():
+        group = dist.new_group(column)
+        if rank in column:
+            mine = group
+    return mine
+
+
+def _vae_groups(mesh: Any, par: Any, rank: int) -> dict[str, Any]:
+    """The vae_patch groups: each cfg x tensor x ring x ulysses group (ranks holding the same latents) cut into
+    runs of vae_patch consecutive ranks. Every rank creates every group, in one order, as new_group requires."""
+    if par.vae_patch == 1:
+        return {}
+    layout = mesh.mesh.reshape(par.data * par.shard, par.in_step)
+    mine: dict[str, Any] = {}
+    for row in layout.tolist():
+        for start in range(0, len(row), par.vae_patch):
+            ranks = row[start:start + par.vae_patch]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = {"vae_patch": par.vae_patch, "vae_group": group, "vae_index": ranks.index(rank)}
+    return mine
 
 
 def _manual_groups(par: Any, rank: int, ranks: list[int]) -> ParallelContext:
@@ -101,6 +154,6 @@ def _manual_groups(par: Any, rank: int, ranks: list[int]) -> ParallelContext:
         if c == cfg_index:
             data_group = g
     return ParallelContext(rank, len(ranks), par.cfg, par.data, 1, 1, cfg_index, data_index, cfg_group, data_group,
-                           cfg_root=ranks[data_index * par.cfg])
+                           cfg_root=ranks[data_index * par.cfg], samples_group=data_group)
 
 

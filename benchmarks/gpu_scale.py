@@ -1,0 +1,184 @@
+"""Scale-out policies: per-rank peak memory, per-rank weight bytes and per-step time of tensor 2, shard 2, shard 2
+with distributed layerwise offload and cfg 2 with vae_patch 2, against one GPU, in one call; and, on one GPU, the
+VAE decode's peak memory tiled against untiled.
+
+``torchrun --nproc-per-node 2 -m benchmarks.gpu_scale [--workloads wan,ltx2] [--json FILE]``  (two GPUs of one host,
+``NCCL_NVLS_ENABLE=0``); ``python -m benchmarks.gpu_scale --parts vae`` runs the one-GPU VAE rows alone.
+``--smoke``: tiny models on CPU ranks over gloo, to check the script (its numbers mean nothing).
+
+Wan 14B at 480x832x81 and LTX-2 19B at 512x768x121 (random bf16 weights at the real configs, the same seed on every
+rank, built by ``gpu_interpreter`` / ``gpu_ltx2``). The single-GPU row runs on rank 0 while the others wait. A
+configuration omnispec refuses for a family (LTX-2 has no tensor plan; its VAE decoder draws noise, so no
+vae_patch) is a row with the refusal, not an error. VAE rows: Wan's VAE at 720x1280x121 and FLUX's at 1024x1024,
+decode peak with ``policies.vae.tiling`` off and on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import gpu_interpreter as gi
+from . import gpu_ltx2
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "single": [],
+    "tensor2": ["policies.parallel.tensor=2"],
+    "shard2": ["policies.parallel.shard=2"],
+    "shard2+offload": ["policies.parallel.shard=2", "policies.offload={strategy: layerwise, distributed: true}"],
+    "cfg2+vae_patch2": ["policies.parallel.cfg=2", "policies.parallel.vae_patch=2", "policies.vae.tiling=true"],
+}
+WORKLOADS = {
+    "wan": dict(spec="wan2.1-t2v-1.3b.yaml", components=lambda: gi.WORKLOADS["wan"]["components"](),
+                request=lambda: dict(gi.WORKLOADS["wan"]["request"]), steps=(1, 2)),
+    "ltx2": dict(spec="ltx2-t2v.yaml", components=lambda: _without(gpu_ltx2.components(), "latent_upsampler"),
+                 request=lambda: dict(gpu_ltx2.SIZE), steps=(1, 2)),
+}
+
+
+def _without(mods: dict, *names: str) -> dict:
+    return {k: v for k, v in mods.items() if k not in names}  # the one-stage spec names no upsampler
+
+
+def _local_bytes(module: torch.nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    tensors = (t.to_local() if isinstance(t, DTensor) else t for t in (*module.parameters(), *module.buffers()))
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if gi.DEVICE == "cuda" else 0.0
+
+
+def _reset_peak() -> None:
+    if gi.DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measure(name: str, label: str, repeats: int) -> dict | None:
+    import omnispec
+    from omnispec.spec import SpecError
+    from omnispec.spec.request import resolve_request
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    single = not CONFIGS[label]
+    if single and rank != 0:
+        dist.barrier()
+        return None
+    w = WORKLOADS[name]
+    torch.manual_seed(0)  # identical random weights on every rank
+    mods = w["components"]()
+    overrides = ["runtime.progress=false", "policies.attention.default=sdpa", *CONFIGS[label]]
+    row: dict = {"workload": name, "config": label, "ranks": 1 if single else world}
+    try:
+        pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=gi.DEVICE, overrides=overrides)
+    except SpecError as exc:  # this family cannot take this policy: a row that says why
+        if "policies." not in str(exc):
+            raise
+        row["refused"] = str(exc)
+        if single:
+            dist.barrier()
+        return row
+    request = w["request"]()
+    lo, hi = gi.WORKLOADS["wan"]["steps"] if gi.SMOKE else w["steps"]
+
+    def run(n):
+        return pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **request),
+                             decode=label.endswith("vae_patch2"))
+
+    _reset_peak()
+    with torch.no_grad():
+        run(lo)
+        med, samples = gi.per_step(run, lo, hi, repeats)
+    denoisers = [pipe.components[n] for n, c in pipe.spec.model.components.items() if c.role == "denoiser"]
+    row |= {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "peak_gib": _peak_gib(),
+            "denoiser_gib_per_rank": sum(_local_bytes(d) for d in denoisers) / 2**30}
+    pipe = mods = None
+    gi.free_device_memory()
+    if single:
+        dist.barrier()
+    return row
+
+
+def vae_rows() -> list[dict]:
+    """One GPU: decode peak with tiling off and on (Wan's VAE at 720p x 121 frames, FLUX's at 1024x1024)."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    rows = []
+    cases = {"wan 720x1280x121": (AutoencoderKLWan, (1, 16, 31, 90, 160)),
+             "flux 1024x1024": (lambda: AutoencoderKL(latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                                                      down_block_types=("DownEncoderBlock2D",) * 4,
+                                                      up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2),
+                                (1, 16, 128, 128))}
+    if gi.SMOKE:
+        cases = {"wan (smoke)": (AutoencoderKLWan, (1, 16, 2, 8, 8))}
+    for label, (make, shape) in cases.items():
+        torch.manual_seed(0)
+        vae = make().to(gi.DEVICE, torch.bfloat16 if gi.DEVICE == "cuda" else torch.float32).eval()
+        z = torch.randn(shape, device=gi.DEVICE, dtype=next(vae.parameters()).dtype)
+        for tiled in (False, True):
+            if tiled:
+                vae.enable_tiling()
+            _reset_peak()
+            row = {"workload": label, "config": "vae tiled" if tiled else "vae untiled", "ranks": 1}
+            try:
+                with torch.no_grad():
+                    vae.decode(z)
+                row["peak_gib"] = _peak_gib()
+            except torch.OutOfMemoryError:
+                row["out_of_memory"] = True
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            gi.free_device_memory()
+        vae = None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="wan,ltx2")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--parts", default="ranks,vae")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.smoke:
+        gi.enable_smoke()
+        gpu_ltx2.SMOKE, gpu_ltx2.DEVICE = True, "cpu"
+        gpu_ltx2.SIZE.update(height=64, width=64, frames=9)
+    parts = args.parts.split(",")
+    rows = []
+    if "ranks" in parts:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo" if args.smoke else "nccl")
+        if not args.smoke:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        for name in args.workloads.split(","):
+            for label in args.configs.split(","):
+                try:
+                    row = measure(name, label, args.repeats)
+                except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
+                    row = {"workload": name, "config": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
+                if row and dist.get_rank() == 0:
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    if "vae" in parts and (not dist.is_initialized() or dist.get_rank() == 0):
+        rows += vae_rows()
+    if args.json and (not dist.is_initialized() or dist.get_rank() == 0):
+        args.json.write_text(json.dumps(rows, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

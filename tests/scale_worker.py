@@ -1,0 +1,62 @@
+"""One rank of the scale-out parity runs (launched by tests/test_scale_out.py under torchrun's environment, gloo):
+each case builds the spec once as one process would (no parallel degrees) and once with its degrees, runs the same
+request, and reports the largest difference of the decoded output and the latents, and this rank's parameter bytes
+(DTensor shards counted by their local part, split by device type: host memory under distributed offload)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import omnispec
+from omnispec.testing import TINY_OVERRIDES
+
+SPECS = {"flux": "flux1-dev.yaml", "wan": "wan2.1-t2v-1.3b.yaml"}
+
+
+def local_bytes(module: torch.nn.Module) -> dict[str, int]:
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, int] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        out[t.device.type] = out.get(t.device.type, 0) + t.numel() * t.element_size()
+    return out
+
+
+def run_case(family: str, source: str, specs: str, sets: list[str], prompts: int) -> dict:
+    spec = f"{specs}/{SPECS[family]}"
+    base = [*TINY_OVERRIDES[family], *(["policies.vae.tiling={tile: 16, overlap: 8}"] if "vae_patch" in str(sets)
+                                        else [])]
+    request = dict(prompt=[f"a cat number {i}" for i in range(prompts)], seed=5)
+    one = omnispec.build(spec, source=source, overrides=base)
+    expected = one(**request)
+    whole = local_bytes(one.components["transformer"])
+    pipe = omnispec.build(spec, source=source, overrides=[*base, *sets])
+    got = pipe(**request)
+    lat = max((got.latents[k] - expected.latents[k]).abs().max().item() for k in expected.latents)
+    return {"image": float(np.abs(got.array - expected.array).max()), "latents": lat,
+            "shape": list(got.array.shape), "bytes": local_bytes(pipe.components["transformer"]),
+            "whole": whole}
+
+
+def main() -> None:
+    specs, cases = sys.argv[1], json.loads(sys.argv[2])
+    results = {}
+    for name, (family, source, sets, prompts) in cases.items():
+        try:
+            results[name] = run_case(family, source, specs, sets, prompts)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        print("RESULTS " + json.dumps(gathered), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Every GPU benchmark's ``--smoke`` run on the CPU: tiny models through the same code the H200 runs, so a
+benchmark that no longer starts, or whose rows now report an error, fails here and not in a GPU session (whose
+time is scarce). ``gpu_peers`` has its own, finer test (tests/test_gpu_peers_smoke.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_parallel import free_port
+
+from conftest import ROOT
+
+# (module, extra arguments, processes): the parallel benchmark runs under torchrun on gloo.
+SMOKES = [
+    ("estimate_vs_measured", [], 1),
+    ("gpu_soak", [], 1),
+    ("gpu_lora_hotswap", [], 1),
+    ("gpu_interpreter", ["--repeats", "1"], 1),
+    ("gpu_ltx2", ["--repeats", "1"], 1),
+    ("gpu_policies", ["--repeats", "1"], 1),
+    ("gpu_rollout", [], 1),
+    ("gpu_parallel", ["--repeats", "1"], 2),
+    ("gpu_scale", [], 2),
+]
+# Rows a CPU cannot run by nature: diffusers' CUDA-only attention backends, which the GPU run measures.
+CUDA_ONLY = ("_native_cudnn", "_native_flash")
+
+
+def _rows(stdout: str) -> list[dict]:
+    rows = []
+    for line in stdout.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("module, extra, processes", SMOKES, ids=[s[0] for s in SMOKES])
+def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp_path):
+    if processes > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+                   "--master-port", str(free_port()), "-m", f"benchmarks.{module}", "--smoke", *extra]
+    else:
+        command = [sys.executable, "-m", f"benchmarks.{module}", "--smoke", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _rows(done.stdout)
+    assert rows, f"{module} --smoke printed no result row:\n{done.stdout[-2000:]}"
+    failed = [row for row in rows if "error" in row and not any(b in str(row.get("config")) for b in CUDA_ONLY)]
+    assert not failed, f"{module} --smoke rows report errors: {failed}"

@@ -9,8 +9,9 @@ VAE decode's peak memory tiled against untiled.
 Wan 14B at 480x832x81 and LTX-2 19B at 512x768x121 (random bf16 weights at the real configs, the same seed on every
 rank, built by ``gpu_interpreter`` / ``gpu_ltx2``). The single-GPU row runs on rank 0 while the others wait. A
 configuration omnispec refuses for a family (LTX-2 has no tensor plan; its VAE decoder draws noise, so no
-vae_patch) is a row with the refusal, not an error. VAE rows: Wan's VAE at 720x1280x121 and FLUX's at 1024x1024,
-decode peak with ``policies.vae.tiling`` off and on.
+vae_patch) is a row with the refusal, not an error. VAE rows: Wan's VAE at 720x1280x121 (its default tiles) and FLUX's at
+1024x1024 (512 px tiles, 64 px overlap), decode peak with tiling off and on, switched on as ``policies.vae.tiling``
+does.
 """
 
 from __future__ import annotations
@@ -112,23 +113,27 @@ def vae_rows() -> list[dict]:
     """One GPU: decode peak with tiling off and on (Wan's VAE at 720p x 121 frames, FLUX's at 1024x1024)."""
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
+    from omnispec.policies.vae import enable_tiling
+    from omnispec.spec.policies import VaeTiles
+
     rows = []
-    cases = {"wan 720x1280x121": (AutoencoderKLWan, (1, 16, 31, 90, 160)),
-             "flux 1024x1024": (lambda: AutoencoderKL(latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                                                      down_block_types=("DownEncoderBlock2D",) * 4,
-                                                      up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2),
-                                (1, 16, 128, 128))}
+    # (make, latent shape, tiles): Wan's VAE at its default tiles (256 px, stride 192); FLUX's (sample_size 1024,
+    # which would not tile a 1024x1024 image) at 512 px tiles overlapping 64 px, as policies.vae.tiling sets them.
+    flux = dict(latent_channels=16, block_out_channels=(128, 256, 512, 512), sample_size=1024,
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2)
+    cases = {"wan 720x1280x121": (AutoencoderKLWan, (1, 16, 31, 90, 160), True),
+             "flux 1024x1024": (lambda: AutoencoderKL(**flux), (1, 16, 128, 128), VaeTiles(tile=512, overlap=64))}
     if gi.SMOKE:
-        cases = {"wan (smoke)": (AutoencoderKLWan, (1, 16, 2, 8, 8))}
-    for label, (make, shape) in cases.items():
+        cases = {"wan (smoke)": (AutoencoderKLWan, (1, 16, 2, 8, 8), True)}
+    for label, (make, shape, tiles) in cases.items():
         torch.manual_seed(0)
         vae = make().to(gi.DEVICE, torch.bfloat16 if gi.DEVICE == "cuda" else torch.float32).eval()
         z = torch.randn(shape, device=gi.DEVICE, dtype=next(vae.parameters()).dtype)
         for tiled in (False, True):
-            if tiled:
-                vae.enable_tiling()
+            described = enable_tiling(vae, tiles, "vae") if tiled else "untiled"
             _reset_peak()
-            row = {"workload": label, "config": "vae tiled" if tiled else "vae untiled", "ranks": 1}
+            row = {"workload": label, "config": f"vae {described}", "ranks": 1}
             try:
                 with torch.no_grad():
                     vae.decode(z)

@@ -147,11 +147,12 @@ def _check(ranks: list[dict], name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(flux_dir, wan_dir):
+def two_ranks(flux_dir, wan_dir, ltx20_dir):
     offload = "policies.offload={strategy: layerwise, distributed: true}"
     cases = {
         "tensor2-flux": ["flux", str(flux_dir), ["policies.parallel.tensor=2"], 2],
         "tensor2-wan": ["wan", str(wan_dir), ["policies.parallel.tensor=2"], 2],
+        "tensor2-ltx2": ["ltx2", str(ltx20_dir), ["policies.parallel.tensor=2"], 2],  # video and audio, with STG
         "shard2-flux": ["flux", str(flux_dir), ["policies.parallel.shard=2"], 3],  # uneven: 2 + 1
         "shard2-wan": ["wan", str(wan_dir), ["policies.parallel.shard=2"], 1],  # rank 1 runs a padding copy
         "offload2-flux": ["flux", str(flux_dir), ["policies.parallel.shard=2", offload], 2],
@@ -162,7 +163,7 @@ def two_ranks(flux_dir, wan_dir):
     return _launch(2, cases)
 
 
-@pytest.mark.parametrize("name", ["tensor2-flux", "tensor2-wan"])
+@pytest.mark.parametrize("name", ["tensor2-flux", "tensor2-wan", "tensor2-ltx2"])
 def test_tensor_2_equals_one_process_and_splits_the_blocks(two_ranks, name):
     got = _check(two_ranks, name)
     assert got["bytes"]["cpu"] < got["whole"]["cpu"]  # embedders and modulation stay whole on every rank

@@ -111,11 +111,14 @@ class TensorPlan:
     """A denoiser's tensor-parallel plan: ``linears`` in diffusers' ``_tp_plan`` format (``{glob: "colwise" |
     "rowwise" | packed marker}``, one ``*`` over a block list); ``heads``: fnmatch patterns of attention modules
     whose processor reads ``attn.heads`` (divided by the degree, each rank keeping its heads); ``norms``: patterns
-    of RMSNorms over all heads at once (each rank normalises its slice with the sum of squares summed over ranks)."""
+    of RMSNorms over all heads at once (each rank normalises its slice with the sum of squares summed over ranks);
+    ``rope``: attention modules handed rotary tables that span all heads (``query_rotary_emb``/``key_rotary_emb``:
+    4-D split tables cut on the head axis, interleaved ones on the feature axis), cut to this rank's heads."""
 
     linears: Mapping[str, Any]
     heads: tuple[str, ...] = ()
     norms: tuple[str, ...] = ()
+    rope: tuple[str, ...] = ()
 
 class Family:
     """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks.

@@ -19,7 +19,7 @@ from ... import bridge
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
+from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, TensorPlan
 
 MODALITY = "audio_video"  # the pass that switches off the audio-to-video and video-to-audio cross-attention
 
@@ -49,6 +49,30 @@ class LTX2Family(Family):
         "text_encoder": "encoder", "tokenizer": "tokenizer", "connectors": "encoder", "vae": "vae",
         "audio_vae": "vae", "vocoder": "vae",
     }
+    tensor_parallel_refusal = None
+
+    @classmethod
+    def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan:
+        """Every attention of a block (video, audio, and the two cross-modal ones, each with its own head count)
+        splits q/k/v and its per-head gate logits by column and its output by row; its processor reads
+        ``attn.heads``, normalises q and k over all heads and rotates with tables spanning all heads, so the heads
+        divide, the norms split and the tables are cut to each rank's heads. The two feed-forwards split as usual."""
+        block = denoiser.transformer_blocks[0]
+        linears: dict[str, str] = {}
+        attentions = []
+        for name, child in block.named_children():
+            if hasattr(child, "to_q") and hasattr(child, "heads"):
+                attentions.append(f"transformer_blocks.*.{name}")
+                for proj in ("to_q", "to_k", "to_v", "to_gate_logits"):
+                    if getattr(child, proj, None) is not None:
+                        linears[f"transformer_blocks.*.{name}.{proj}"] = "colwise"
+                linears[f"transformer_blocks.*.{name}.to_out.0"] = "rowwise"
+        for ff in ("ff", "audio_ff"):
+            if hasattr(block, ff):
+                linears[f"transformer_blocks.*.{ff}.net.0.proj"] = "colwise"
+                linears[f"transformer_blocks.*.{ff}.net.2"] = "rowwise"
+        return TensorPlan(linears, heads=tuple(attentions), norms=tuple(f"{a}.norm_[qk]" for a in attentions),
+                          rope=tuple(attentions))
     # image_crf: the H.264 CRF the conditioning image is re-compressed with before encoding, as the model was
     # trained (None: the text encoder generation's default, 33 for Gemma 3; 0 skips it); use_cross_timestep:
     # the audio/video cross-attention modulation takes the other stream's timestep (LTX2Pipeline's default).

@@ -56,10 +56,28 @@ def split_denoiser(name: str, module: torch.nn.Module, plan: Any, ctx: ParallelC
                 raise SpecError.single(f"{name}.{path} has {child.heads} heads, not divisible by tensor {degree}",
                                        "policies.parallel.tensor")
             child.heads //= degree
+        if any(fnmatch.fnmatchcase(path, p) for p in plan.rope):
+            child.register_forward_pre_hook(RotaryShare(degree, index), with_kwargs=True)
     try:
         bridge.parallelize_with_plan(module, dict(plan.linears), ctx.tensor_mesh)
     except ValueError as exc:  # a width the degree does not divide
         raise SpecError.single(f"{name}: {exc}", "policies.parallel.tensor") from None
+
+
+class RotaryShare:
+    """A forward pre-hook cutting an attention's rotary tables to this rank's heads: split tables are
+    (batch, heads, tokens, dim/2), cut on the heads; interleaved ones (batch, tokens, heads x dim), on the last
+    axis, whose head blocks are contiguous as the column split's are."""
+
+    def __init__(self, degree: int, index: int):
+        self.degree, self.index = degree, index
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for key in ("query_rotary_emb", "key_rotary_emb"):
+            tables = kwargs.get(key)
+            if tables is not None:
+                kwargs[key] = tuple(t.chunk(self.degree, 1 if t.ndim == 4 else -1)[self.index] for t in tables)
+        return args, kwargs
 
 
 class SplitRMSNorm(torch.nn.Module):

@@ -3,6 +3,7 @@ estimate already has (no weights loaded): what each rank holds at rest and while
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 from ..spec import PipelineSpec
@@ -20,15 +21,9 @@ def tensor_split_bytes(family: Any, module: Any, component: ComponentBytes, degr
     params = dict(module.named_parameters())
     split = sum(params[name].numel() for name, spec in specs.items() if spec.dim is not None and name in params)
     for path, child in module.named_modules():  # the norms over all heads split with them
-        if any(_matches(path, p) for p in plan.norms) and getattr(child, "weight", None) is not None:
+        if any(fnmatch.fnmatchcase(path, p) for p in plan.norms) and getattr(child, "weight", None) is not None:
             split += child.weight.numel()
     return round(split * component.bytes / max(component.params, 1))
-
-
-def _matches(path: str, pattern: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatchcase(path, pattern)
 
 
 def per_rank(spec: PipelineSpec, family: Any, modules: dict[str, Any], result: Estimate) -> None:

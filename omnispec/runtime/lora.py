@@ -35,8 +35,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 @dataclass
 class AdapterState:
-    """A pipeline's LoRA slots as changed since build: scales set by ``omnispec.rl.scale_lora``, and ``off`` while
-    the KL reference runs (``omnispec.rl.reference``). Phases switch slots by it, not by the spec alone."""
+    """A pipeline's LoRA slots as changed since build: scales set by the RL side's ``scale_lora``, and ``off`` while
+    the KL reference runs (its ``reference``). Phases switch slots by it, not by the spec alone."""
 
     scales: dict[str, float] = field(default_factory=dict)
     off: bool = False

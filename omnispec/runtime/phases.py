@@ -134,8 +134,8 @@ def renoise(family: Family, latents: Streams, sigma: float, geometry: Geometry, 
 
 def set_adapter(spec: PipelineSpec, phase: Phase, components: dict[str, Any], live: AdapterState) -> None:
     """Switch on the phase's adapter slot and the ``always`` slots on their targets at their scales (the spec's,
-    or what ``omnispec.rl.scale_lora`` set since), every other slot off; none while ``live.off`` (the KL
-    reference, ``omnispec.rl.reference``)."""
+    or what the RL side's ``scale_lora`` set since), every other slot off; none while ``live.off`` (the KL
+    reference of the RL side's ``reference``)."""
     if not spec.model.adapters:
         return
     by_target: dict[str, list[str]] = {}

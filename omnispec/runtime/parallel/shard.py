@@ -25,15 +25,15 @@ class ShardAxis(Axis):
         per_group = getattr(offload, "blocks_per_group", 1) if host else 1
         for name, component in spec.model.components.items():
             if component.role == "denoiser":
-                shard_denoiser(modules[name], family.block_lists, ctx, device, per_group=per_group,
-                               host=host, pin_memory=getattr(offload, "pin_memory", True))
+                shard_denoiser(modules[name], family.block_lists, ctx, per_group=per_group, host=host,
+                               pin_memory=getattr(offload, "pin_memory", True))
 
 
 SHARD = ShardAxis()
 
 
-def shard_denoiser(module: torch.nn.Module, block_lists: tuple[str, ...], ctx: ParallelContext,
-                   device: torch.device, *, per_group: int = 1, host: bool = False, pin_memory: bool = True) -> None:
+def shard_denoiser(module: torch.nn.Module, block_lists: tuple[str, ...], ctx: ParallelContext, *,
+                   per_group: int = 1, host: bool = False, pin_memory: bool = True) -> None:
     """``fully_shard`` each group of ``per_group`` blocks of ``module``'s block lists, then the module itself
     (embedders, norms, output projection), over ``ctx.shard_mesh``; ``host``: the shards live on the CPU."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard

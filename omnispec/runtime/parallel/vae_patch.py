@@ -125,17 +125,17 @@ def _shape_of(args: tuple) -> tuple[int, ...]:
 
 
 def _to_meta(value: Any) -> Any:
+    """``value`` with its tensors on the meta device. A list of tensors and Nones is a decoder's feature cache,
+    which the decoder writes into: it keeps its identity, its entries replaced."""
     if isinstance(value, torch.Tensor):
         return value.to("meta")
     if isinstance(value, dict):
         return {k: _to_meta(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not (isinstance(value, list) and value and not isinstance(
-            value[0], (torch.Tensor, type(None)))):
-        # a feature cache is a list the decoder writes into: keep the list object, with meta entries
-        if isinstance(value, list):
-            for k, entry in enumerate(value):
-                if isinstance(entry, torch.Tensor):
-                    value[k] = entry.to("meta")
-            return value
-        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, list) and all(entry is None or isinstance(entry, torch.Tensor) for entry in value):
+        for k, entry in enumerate(value):
+            if entry is not None:
+                value[k] = entry.to("meta")
+        return value
+    if isinstance(value, tuple):
+        return tuple(_to_meta(v) for v in value)
     return value

@@ -45,13 +45,13 @@ def per_rank(spec: PipelineSpec, family: Any, modules: dict[str, Any], result: E
                 result.weights_on_device[stage] -= c.bytes - kept
         if par.shard > 1:
             kept = -(-c.bytes // par.shard)
-            streamed = sum(c.blocks.values())
-            largest = max(c.blocks.values(), default=0)
-            running = (c.bytes - streamed) + streamed // par.shard + 2 * largest * (par.shard - 1) // par.shard
             if distributed:
                 host += kept
                 kept = 0  # between forwards every shard is in host memory; the offload strategy counted the run
-            else:
+            else:  # while denoising: the root whole, the blocks' shards, the running and prefetched blocks whole
+                streamed = sum(c.blocks.values())
+                largest = max(c.blocks.values(), default=0)
+                running = (c.bytes - streamed) + streamed // par.shard + 2 * largest * (par.shard - 1) // par.shard
                 for stage in result.weights_on_device:
                     result.weights_on_device[stage] -= c.bytes - (running if stage == "denoise" else kept)
         at_rest += kept

@@ -7,6 +7,7 @@ from typing import Any
 
 from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
+from .policies import PARALLEL_AXES
 from .recipe import Phase
 from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule, flow_match_sigmas
 
@@ -102,22 +103,22 @@ def explain_spec(
 
 
 def describe_mesh(spec: PipelineSpec) -> list[str]:
-    """Which rank holds and runs what, one line per rank (the mesh is row-major over data, shard, cfg, tensor,
-    ring, ulysses, as ``runtime/parallel/context.py`` lays it out)."""
+    """Which rank holds and runs what, one line per rank, on the mesh ``runtime/parallel/context.py`` lays out
+    (row-major over ``PARALLEL_AXES``' mesh axes: the sample groups outermost, the ranks in step innermost)."""
     par = spec.policies.parallel
-    axes = [(n, getattr(par, n)) for n in ("data", "shard", "cfg", "tensor", "ring", "ulysses")]
-    offload = spec.policies.offload
-    host = getattr(offload, "distributed", False)
+    host = getattr(spec.policies.offload, "distributed", False)
     lines = []
     for rank in range(par.world_size):
         coords, rest = {}, rank
-        for name, degree in reversed(axes):
+        for name in reversed(PARALLEL_AXES.mesh_names):
+            degree = getattr(par, name)
             coords[name], rest = rest % degree, rest // degree
         parts = []
         if par.data * par.shard > 1:
-            parts.append(f"samples of group {coords['data'] * par.shard + coords['shard']} of {par.data * par.shard}")
+            parts.append(f"samples of group {rank // par.in_step} of {par.data * par.shard}")
         if par.shard > 1:
-            parts.append(f"1/{par.shard} of every denoiser block ({'host memory, gathered to the device as it runs' if host else 'gathered as it runs'})")
+            where = "host memory, gathered to the device as it runs" if host else "gathered as it runs"
+            parts.append(f"1/{par.shard} of every denoiser block ({where})")
         if par.cfg > 1:
             parts.append(f"guidance passes {coords['cfg']}::{par.cfg}")
         if par.tensor > 1:
@@ -125,9 +126,7 @@ def describe_mesh(spec: PipelineSpec) -> list[str]:
         if par.sequence > 1:
             parts.append(f"1/{par.sequence} of each forward's tokens")
         if par.vae_patch > 1:
-            in_step = ((coords["cfg"] * par.tensor + coords["tensor"]) * par.ring + coords["ring"]) * par.ulysses \
-                + coords["ulysses"]
-            parts.append(f"VAE tiles {in_step % par.vae_patch}::{par.vae_patch}")
+            parts.append(f"VAE tiles {rank % par.in_step % par.vae_patch}::{par.vae_patch}")
         lines.append(f"rank {rank}: " + "; ".join(parts or ["everything (replicated)"]))
     return lines
 

@@ -76,9 +76,9 @@ def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> Parall
     """The run's parallel context, or None for one process. Checks the degrees against the world size
     before any collective, so a mismatch fails cleanly on every rank instead of hanging.
 
-    Ranks form a DeviceMesh over ``PARALLEL_AXES`` in its order (row-major: data, shard, cfg, tensor, ring,
-    ulysses). A caller's own
-    ``group`` is supported for cfg/data degrees (sequence parallel needs the mesh over the default group).
+    Ranks form a DeviceMesh over ``PARALLEL_AXES``' mesh axes in their order (row-major: data, shard, cfg, tensor,
+    ring, ulysses). A caller's own ``group`` is supported for cfg/data degrees (the other axes need the mesh over
+    the default group).
     """
     par = spec.policies.parallel
     world = par.world_size
@@ -101,24 +101,28 @@ def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> Parall
     mesh = init_device_mesh(device.type, tuple(getattr(par, n) for n in names), mesh_dim_names=names)
     coords = dict(zip(names, mesh.get_coordinate()))
     cfg_ranks = mesh["cfg"].mesh.flatten().tolist()
-    samples = mesh["data", "shard"]
     return ParallelContext(
         rank, size, par.cfg, par.data, par.ring, par.ulysses, cfg_index=coords["cfg"], data_index=coords["data"],
         cfg_group=mesh.get_group("cfg"), data_group=mesh.get_group("data"), cfg_root=cfg_ranks[0],
         sp_mesh=mesh["ring", "ulysses"] if par.sequence > 1 else None,
         shard=par.shard, tensor=par.tensor, shard_index=coords["shard"],
         samples_group=_samples_group(mesh, par, rank) if par.shard > 1 else mesh.get_group("data"),
-        shard_mesh=(samples if par.data > 1 else mesh["shard"]) if par.shard > 1 else None,
+        shard_mesh=(mesh["data", "shard"] if par.data > 1 else mesh["shard"]) if par.shard > 1 else None,
         tensor_mesh=mesh["tensor"] if par.tensor > 1 else None,
         **_vae_groups(mesh, par, rank),
     )
 
 
+def _layout(mesh: Any, par: Any) -> Any:
+    """The ranks as (sample group, place in step): the mesh axes are row-major with data and shard outermost."""
+    return mesh.mesh.reshape(par.data * par.shard, par.in_step)
+
+
 def _samples_group(mesh: Any, par: Any, rank: int) -> Any:
-    """This rank's group over (data, shard): the ranks at its place in every other axis."""
-    layout = mesh.mesh.reshape(par.data * par.shard, par.in_step)
+    """This rank's group over (data, shard): the ranks at its place in every other axis. Every rank creates every
+    group, in one order, as new_group requires."""
     mine = None
-    for column in layout.t().tolist():
+    for column in _layout(mesh, par).t().tolist():
         group = dist.new_group(column)
         if rank in column:
             mine = group
@@ -127,12 +131,11 @@ def _samples_group(mesh: Any, par: Any, rank: int) -> Any:
 
 def _vae_groups(mesh: Any, par: Any, rank: int) -> dict[str, Any]:
     """The vae_patch groups: each cfg x tensor x ring x ulysses group (ranks holding the same latents) cut into
-    runs of vae_patch consecutive ranks. Every rank creates every group, in one order, as new_group requires."""
+    runs of vae_patch consecutive ranks, every group created by every rank."""
     if par.vae_patch == 1:
         return {}
-    layout = mesh.mesh.reshape(par.data * par.shard, par.in_step)
     mine: dict[str, Any] = {}
-    for row in layout.tolist():
+    for row in _layout(mesh, par).tolist():
         for start in range(0, len(row), par.vae_patch):
             ranks = row[start:start + par.vae_patch]
             group = dist.new_group(ranks)

@@ -1,6 +1,6 @@
 """Prompt adherence and diversity of the embedded digits model under different guidance plans.
 
-``python -m benchmarks.digits_quality [--per-digit N] [--configs a,b] [--json FILE]``
+``python -m benchmarks.digits_quality [--per-digit N] [--configs a,b] [--prequantized METHOD] [--json FILE]``
 
 Samples are classified by an SVC trained on scikit-learn's digits (held-out accuracy is printed;
 the issue asks >= 0.97). Generated 32x32 images are average-pooled to the data set's 8x8, 0..16 scale.
@@ -112,6 +112,25 @@ def evaluate(pipe, classifier: Classifier, per_digit: int, seed: int = 1000, pro
             "seconds": round(time.time() - start, 1)}
 
 
+def prequantized_copy(method: str) -> Path:
+    """The embedded checkpoint in a temporary folder, its DiT saved quantized by diffusers' torchao quantizer."""
+    import shutil
+    import tempfile
+
+    from diffusers import TorchAoConfig
+
+    from omnispec.policies.quantization import torchao_config
+    from omnispec.src_models.digits.model import DigitsDiT
+
+    source = ROOT / "src_models" / "digits" / "weights"
+    folder = Path(tempfile.mkdtemp(prefix="digits-prequantized-")) / "weights"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("transformer"))
+    model = DigitsDiT.from_pretrained(str(source), subfolder="transformer", dtype=torch.float32,
+                                      quantization_config=TorchAoConfig(torchao_config(method)))
+    model.save_pretrained(folder / "transformer")
+    return folder
+
+
 def main() -> None:
     import omnispec
 
@@ -120,7 +139,12 @@ def main() -> None:
     parser.add_argument("--configs", help="semicolon-separated names (default: all)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra spec override for all")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--prequantized", choices=["int8_weight_only", "int8_dynamic"], help=(
+        "run on a copy of the embedded checkpoint whose denoiser was quantized by torchao and saved (safetensors), "
+        "as a pre-quantized checkpoint a user holds: omnispec loads it as it is"))
     args = parser.parse_args()
+    if args.prequantized:
+        args.overrides.append(f"model.source={prequantized_copy(args.prequantized)}")
     classifier = train_classifier()
     print(f"classifier held-out accuracy: {classifier.held_out_accuracy:.4f}")
     names = args.configs.split(";") if args.configs else list(CONFIGS)

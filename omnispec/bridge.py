@@ -51,6 +51,9 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "or row); the public enable_parallelism(TensorParallelConfig) refuses CPU meshes and context parallelism on top"),
     ("diffusers.hooks.tensor_parallel", "_resolve_tp_plan", "a flat plan grouped per block, as parallelize_module "
      "takes it"),
+    ("diffusers.loaders.single_file_model", "_should_convert_state_dict_to_diffusers", "whether the single-file "
+     "loader converts a file or takes its keys as they are (a file already in diffusers' layout), so the dry run "
+     "before loading decides as the loader will"),
     ("diffusers.hooks.tensor_parallel", "_styles", "a plan's style names (and packed markers) as torch's "
      "ParallelStyle objects"),
 )
@@ -176,3 +179,9 @@ __all__ = ["CHECKED_AGAINST", "NATIVE_FLASH_BACKEND", "PRIVATE", "apply_layer_sk
            "denormalize_audio_latents", "denormalize_latents", "encode_vae_image", "has_repeated_blocks", "model_tensor_plan", "parallelize_with_plan",
            "hook_registry", "normalize_latents", "pack_audio_latents", "pack_latents", "prepare_latent_image_ids",
            "remove_hook", "set_cache_context", "unpack_audio_latents", "unpack_latents"]
+
+
+def single_file_needs_conversion(model_state: dict[str, Any], checkpoint: dict[str, Any]) -> bool:
+    from diffusers.loaders.single_file_model import _should_convert_state_dict_to_diffusers
+
+    return bool(_should_convert_state_dict_to_diffusers(model_state, checkpoint))

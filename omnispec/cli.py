@@ -145,8 +145,12 @@ def _parser() -> argparse.ArgumentParser:
 
     command("list", "list the bundled specs (name, family, task, source)")
 
-    p = command("init", "draft a spec from a checkpoint's model_index.json")
-    p.add_argument("source", metavar="SOURCE", help="a local checkpoint directory or a Hub id")
+    p = command("init", "draft a spec from a checkpoint's model_index.json, or from one weights file")
+    p.add_argument("source", metavar="SOURCE", help="a local checkpoint directory, a Hub id, or one .safetensors / "
+                                                    ".gguf file (its model is recognised from its keys)")
+    p.add_argument("--source", dest="file_source", metavar="CHECKPOINT",
+                   help="with a weights file: the diffusers checkpoint (folder or Hub id) that gives its config and "
+                        "the other components (default: the model's diffusers checkpoint on the Hub)")
     p.add_argument("-o", "--output", help="write the spec here (default: print it)")
     p.add_argument("--family", help="the family adapter to use when the checkpoint's pipeline class names another "
                                     "(e.g. flux_kontext, ltx2_condition)")
@@ -221,7 +225,10 @@ def _explain(args: argparse.Namespace) -> int:
         from .runtime.phases import checkpoint_sigmas
 
         sigmas = checkpoint_sigmas(spec, configs.schedulers, spec.recipe.defaults.steps)
-    info = explain_spec(spec, phase_sigmas=sigmas, attention=_planned_attention(spec))
+    from .spec.explain import describe_weights
+
+    weights = describe_weights(spec, configs, args.source or spec.model.source)
+    info = explain_spec(spec, phase_sigmas=sigmas, attention=_planned_attention(spec), weights=weights)
     text = None if args.json else render_explain(info)
     if args.estimate:
         from .estimate import estimate, render_estimate
@@ -271,9 +278,14 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from .draft import draft_spec
+    from .draft import draft_from_file, draft_spec, is_weights_file
 
-    text = draft_spec(args.source, family=args.family, name=args.name)
+    if is_weights_file(args.source):
+        text = draft_from_file(args.source, family=args.family, name=args.name, source=args.file_source)
+    elif args.file_source:
+        raise SpecError.single("--source is for a weights file; SOURCE is already a checkpoint", "--source")
+    else:
+        text = draft_spec(args.source, family=args.family, name=args.name)
     if not args.output:
         print(text, end="")
         return 0

@@ -53,6 +53,61 @@ def draft_spec(source: str, family: str | None = None, name: str | None = None) 
     return "\n".join(header) + "\n" + body
 
 
+# diffusers' detected model type -> the bundled spec a file of that type is drafted from.
+_BUNDLED_FOR_TYPE = {"flux-dev": "flux1-dev", "flux-schnell": "flux1-schnell", "sd3": "sd3.5-medium",
+                     "sd35_medium": "sd3.5-medium", "sd35_large": "sd3.5-medium", "wan-t2v-1.3B": "wan2.1-t2v-1.3b",
+                     "wan-t2v-14B": "wan2.1-t2v-1.3b", "wan-t2v": "wan2.1-t2v-1.3b", "wan-i2v-14B": "wan2.1-i2v-14b-480p",
+                     "z-image-turbo": "z-image-turbo", "ltx2-dev": "ltx2-t2v", "qwen-image": "qwen-image"}
+
+
+def is_weights_file(source: str) -> bool:
+    from .spec.weights_file import file_format
+
+    return path_kind(user_path(source)) == "file" and file_format(source) is not None
+
+
+def draft_from_file(file: str, family: str | None = None, name: str | None = None, source: str | None = None) -> str:
+    """The drafted spec (YAML text, validated) for a single weights file: the model recognised from its keys and
+    shapes as diffusers' single-file detection does, the bundled spec of that model as the template, the file as its
+    denoiser's ``file``, and ``source`` (default: the model's diffusers checkpoint) for the other components and the
+    denoiser's config."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
+
+    from .runtime.single_file import detect
+    from .spec.weights_file import read_weights_file
+
+    path = user_path(file).resolve()
+    weights = read_weights_file(path, "FILE")
+    detected = detect(weights)
+    template_name = _BUNDLED_FOR_TYPE.get(detected.model_type or "")
+    if family is not None:
+        template_name, _ = _template(family, None, "")
+    if template_name is None:
+        raise SpecError.single(f"{path.name} is {detected.describe()} (by its keys and shapes); no bundled spec runs "
+                               f"that model (single files are drafted for: {', '.join(sorted(_BUNDLED_FOR_TYPE))}); "
+                               "pass --family to choose one", "FILE")
+    data, _ = resolve_spec_data(bundled_path(template_name))
+    data = json.loads(json.dumps(data))
+    model = data["model"]
+    default = DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(detected.model_type or "", {}).get("pretrained_model_name_or_path")
+    if source is not None:
+        local = user_path(source)
+        model["source"] = str(local.resolve()) if path_kind(local) == "dir" else source
+    elif default and model["family"] in detected.families and _BUNDLED_FOR_TYPE[detected.model_type] == template_name:
+        model["source"] = default if template_name.startswith(("wan2.1-t2v", "sd3.5")) else model["source"]
+    denoiser = next(n for n, c in model["components"].items() if c["role"] == "denoiser")
+    model["components"][denoiser]["file"] = str(path)
+    data["name"] = name or path.stem.lower()
+    load_spec(data)
+    header = [f"# Drafted by `omnispec init {file}` from the bundled spec {template_name!r}.",
+              f"# {path.name}: {detected.describe()} by its keys and shapes; {weights.describe()}.",
+              f"# The {denoiser}'s config and the other components come from {model['source']}.",
+              "# Check the recipe against the model card before relying on it."]
+    body = yaml.safe_dump({"omnispec": 1, **{k: v for k, v in data.items() if k != "omnispec"}}, sort_keys=False,
+                          default_flow_style=None, width=120)
+    return "\n".join(header) + "\n" + body
+
+
 def read_model_index(source: str) -> dict[str, Any] | None:
     """The checkpoint's ``model_index.json`` (a local folder, or a Hub id through the cache or the Hub), read within
     bounds and type-checked like every checkpoint config file."""

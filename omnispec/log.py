@@ -32,6 +32,9 @@ HARMLESS = (
     ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),  # torchao's registrations
     ("transformers.utils.import_utils", "requires torchvision (not installed); falling back"),  # a PIL backend
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),  # NF4 gone
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),  # an optional CPU kernel package
+    # GGUF: diffusers keeps Wan's time embedder in fp32 (_keep_in_fp32_modules), as it should
+    ("diffusers.quantizers.gguf.gguf_quantizer", "is required to remain in FP32, dequantizing now"),
 )
 _VERBOSITY_VARIABLES = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_VERBOSITY",
                         "huggingface_hub": "HF_HUB_VERBOSITY"}

@@ -149,7 +149,7 @@ ALLOWED = {
     "estimate": {"spec", "families", "runtime", "log"},
     "rl": {"spec", "families", "runtime", "log"},
     "replaying": {"spec", "records", "runtime"},
-    "draft": {"spec", "families"},
+    "draft": {"spec", "families", "runtime"},  # a weights file is recognised as loading recognises it
     "testing": {"spec"},
     "run_command": {"spec", "families", "runtime", "records", "replaying", "log"},
     "cli": {"spec", "families", "runtime", "policies", "records", "estimate", "draft", "run_command", "log",

@@ -96,7 +96,7 @@ def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[Compo
         folder = Path(component.source or root) / (component.subfolder or "")
         cls = component_class(component)
         module = None
-        if component.file is None:
+        if component.file is None or (folder / "config.json").is_file():  # a single file's config is its folder's
             try:
                 module = config_module(cls, folder, DTYPES[component.dtype or spec.model.dtype], component.config,
                                        where=f"model.components.{name}")
@@ -105,7 +105,7 @@ def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[Compo
             except (OSError, ValueError, TypeError) as exc:
                 logger.warning(f"estimate: {name} not built on meta ({exc}); its FLOPs are not counted")
         modules[name] = module
-        counts.append(component_bytes(spec, name, component, folder, module))
+        counts.append(component_bytes(spec, name, component, folder, module, root))
     return modules, counts
 
 

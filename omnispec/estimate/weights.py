@@ -11,6 +11,7 @@ import torch
 
 from ..spec import Component, PipelineSpec, SpecError
 from ..spec.files import SAFETENSORS_DTYPE_BITS, index_shards, read_json_file, safetensors_header
+from ..spec.weights_file import locate, read_weights_file
 from .report import ComponentBytes
 
 _FLOATING = {"F64", "F32", "F16", "BF16"}
@@ -26,11 +27,9 @@ STAGE_ROLES = {"encode": ("encoder",), "denoise": ("denoiser",), "decode": ("vae
 
 # ---- parameter bytes from safetensors headers ---------------------------------------------------------------
 
-def weight_files(folder: Path, file: str | None = None) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The safetensors files ``from_pretrained`` would read in a component folder (its index's shards, else the
     plain files; a variant such as ``.fp16.safetensors`` only when nothing else is there)."""
-    if file is not None:
-        return [folder / file] if (folder / file).suffix == ".safetensors" else []
     for index in sorted(folder.glob("*.safetensors.index.json")):
         if index.name.count(".") == 3:  # diffusion_pytorch_model.safetensors.index.json, not a variant's
             return [folder / s for s in index_shards(read_json_file(index), index)]
@@ -40,14 +39,29 @@ def weight_files(folder: Path, file: str | None = None) -> list[Path]:
 
 
 def component_bytes(spec: PipelineSpec, name: str, component: Component, folder: Path,
-                    meta_module: torch.nn.Module | None) -> ComponentBytes:
+                    meta_module: torch.nn.Module | None, root: str | Path = "") -> ComponentBytes:
+    """What a component's weights take: on disk (``stored``) and once loaded in the spec's dtype and quantization
+    (``loaded``), from its safetensors headers (a folder's, or its single file's, GGUF included: packed blocks
+    count their own bytes), else from its config's meta module."""
     dtype_bytes = _DTYPE_BYTES[component.dtype or spec.model.dtype]
     quant = spec.policies.quantization.get(name) or spec.policies.quantization.get(component.role)
     linear = _linear_weights(meta_module, quant.exclude) if quant is not None and meta_module is not None else {}
-    files = weight_files(folder, component.file)
     tensors: dict[str, tuple[str, list[int]]] = {}
+    packed: dict[str, int] = {}  # GGUF block-quantized tensors: their bytes, which stay packed when loaded
     how = "safetensors header"
-    for path in files:
+    if component.file is not None:
+        where = f"model.components.{name}.file"
+        path = locate(component, str(root), where, spec.model.revision, fetch=False)
+        if path is None:
+            raise SpecError.single(f"{component.file} is a Hub file that is not in the local cache; the estimate "
+                                   "reads its header from disk", where)
+        weights = read_weights_file(path, where)
+        how = f"{weights.format} header"
+        for key, stored in weights.tensors.items():
+            tensors[key] = (stored.dtype, list(stored.shape))
+            if stored.quantized:
+                packed[key] = stored.nbytes
+    for path in weight_files(folder) if component.file is None else []:
         for key, entry in safetensors_header(path, f"model.components.{name}").tensors.items():
             tensors[key] = (entry.dtype, list(entry.shape))
     if not tensors:
@@ -62,8 +76,10 @@ def component_bytes(spec: PipelineSpec, name: str, component: Component, folder:
     for key, (dtype, shape) in tensors.items():
         count = math.prod(shape)
         params += count
-        stored += count * SAFETENSORS_DTYPE_BITS.get(dtype, 32) // 8
-        if key in linear:
+        stored += packed[key] if key in packed else count * SAFETENSORS_DTYPE_BITS.get(dtype, 32) // 8
+        if key in packed:
+            size = packed[key]
+        elif key in linear:
             size = int(count * _QUANT_BYTES[quant.method]) + shape[0] * _ROW_SCALE_BYTES.get(quant.method, 0)
         elif dtype in _FLOATING:
             size = count * dtype_bytes

@@ -15,7 +15,8 @@ from ..policies import apply_policies, check_policies, quantization, resolve_dev
 from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
 from ..spec.base import DEVICE_PATTERN
-from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs, unresolved
+from ..spec.checkpoint import CheckpointConfigs, checkpoint_problems, follow_checkpoint, read_configs, unresolved
+from ..spec.explain import describe_weights
 from .components import check_source, load_components
 from .families import family_class
 from .lora import adapter_files, load_adapter_slots
@@ -87,7 +88,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
         raise SpecError.single(f"components {unknown} are not in the spec's profile", "components")
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
     root = check_source(spec, source, missing, trusted=trust_code) if missing else None
-    spec = _against_checkpoint(spec, root)
+    spec, configs = _against_checkpoint(spec, root)
     loras = adapter_files(spec, trusted=trust_code)  # found and header-checked before any weight loads
     loaded = load_components(spec, root, only=missing, trusted=trust_code) if root is not None else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
@@ -102,6 +103,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     family = family_cls(spec, modules, target)
     pipe = pipeline_class(spec, family, modules, target, applied, parallel)
     pipe.checkpoint = checkpoint_record(spec, root, given, loras)  # what outputs record as their checkpoint
+    pipe.weights = describe_weights(spec, configs, root, only=missing)
     return pipe
 
 
@@ -150,16 +152,16 @@ def check_device(device: Any, where: str = "device") -> None:
         raise SpecError.single("device 'mps' requested but MPS is not available here", where)
 
 
-def _against_checkpoint(spec: PipelineSpec, root: str | None) -> PipelineSpec:
+def _against_checkpoint(spec: PipelineSpec, root: str | None) -> tuple[PipelineSpec, CheckpointConfigs | None]:
     """Refuse a spec that disagrees with the checkpoint's config files; resolve its ``from_checkpoint`` values."""
     if root is None:
         if unresolved(spec):
             raise SpecError.single("the spec follows the checkpoint for some values (from_checkpoint), but every "
                                    "component was given in memory: there is no checkpoint to read them from",
                                    "model.source")
-        return spec
+        return spec, None
     configs = read_configs(spec, root)
     problems = checkpoint_problems(spec, configs)
     if problems:
         raise SpecError(problems)
-    return follow_checkpoint(spec, configs)
+    return follow_checkpoint(spec, configs), configs

@@ -21,9 +21,11 @@ from ..log import logger, main_process
 from ..policies import quantization
 from ..spec import Component, PipelineSpec, SpecError
 from ..spec.base import MAX_MODULES
-from ..spec.files import PICKLE_SUFFIXES, check_json_files, path_kind, refuse_pickle, safetensors_header, user_path
+from ..spec.files import PICKLE_SUFFIXES, check_json_files, path_kind, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
+from ..spec.weights_file import locate, read_weights_file
+from . import single_file
 from .families import import_ref
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -66,8 +68,8 @@ def _check_root(root: str, components: Mapping[str, Component], revision: str | 
     if path_kind(local) is not None:
         if path_kind(local) != "dir":
             raise SpecError.single(f"checkpoint root {root!r} is not a directory", where)
-        missing = [f"{name} ({c.subfolder})" for name, c in components.items()
-                   if c.subfolder and path_kind(local / c.subfolder) != "dir"]
+        missing = [f"{name} ({c.subfolder})" for name, c in components.items()  # a file brings its own weights
+                   if c.subfolder and c.file is None and path_kind(local / c.subfolder) != "dir"]
         if missing:
             raise SpecError.single(f"checkpoint {root!r} lacks component folder(s): {', '.join(missing)}", where)
         for name, component in components.items():
@@ -106,10 +108,10 @@ def _check_weight_files(root: Path, name: str, component: Component, trusted: bo
     and a folder must hold safetensors weights, not only pickled ones (which loading would run code from)."""
     where = f"model.components.{name}"
     folder = root / (component.subfolder or "")
-    if component.file is not None:
-        refuse_pickle(folder / component.file, f"{where}.file", trusted)
-        if (folder / component.file).suffix == ".safetensors" and path_kind(folder / component.file) is not None:
-            safetensors_header(folder / component.file, f"{where}.file")
+    if component.file is not None:  # a Hub file not yet fetched is checked when it is
+        path = locate(component, str(root), f"{where}.file", fetch=False)
+        if path is not None:
+            read_weights_file(path, f"{where}.file", trusted)
         return
     if component.role in _WEIGHTLESS or path_kind(folder) != "dir":
         return
@@ -208,8 +210,7 @@ def _load_component(spec: PipelineSpec, root: str, name: str, component: Compone
                                                                          if component.config else ""),
                              f"model.components.{name}"):
             if component.file:
-                module = cls.from_single_file(str(Path(home) / (component.subfolder or "") / component.file),
-                                              **{k: v for k, v in kwargs.items() if k == "dtype"})
+                module = _load_file(spec, home, name, component, cls, kwargs, trusted)
             else:
                 module = cls.from_pretrained(home, **kwargs)
     except SpecError:
@@ -229,6 +230,63 @@ def _load_component(spec: PipelineSpec, root: str, name: str, component: Compone
         check_finite(module, what, where)
         module.eval().requires_grad_(False)
     return module
+
+
+def _load_file(spec: PipelineSpec, home: str, name: str, component: Component, cls: type, kwargs: dict[str, Any],
+               trusted: bool) -> Any:
+    """A component from its single weights file: found, its header read and checked against the model its config
+    describes (``single_file.check_file``), then loaded by diffusers' ``from_single_file``."""
+    where = f"model.components.{name}.file"
+    path = locate(component, home, where, spec.model.revision)
+    assert path is not None
+    weights = read_weights_file(path, where, trusted)
+    config_root, subfolder = _config_home(component, home, spec.model.revision)
+    if config_root is None:
+        config_root, subfolder = _default_config(cls, weights, where)
+    config = dict(cls.load_config(config_root, subfolder=subfolder, revision=spec.model.revision)) | component.config
+    if weights.format != "pickle":
+        family = spec.model.family if component.role == "denoiser" else None
+        single_file.check_file(cls, weights, config, family, component.role, where)
+    extra = {k: v for k, v in kwargs.items() if k == "quantization_config"} | component.config
+    return single_file.load(cls, path, weights, config_root, subfolder, kwargs["dtype"], extra, spec.model.revision)
+
+
+def _config_home(component: Component, home: str, revision: str | None) -> tuple[str | None, str | None]:
+    """The checkpoint root and subfolder whose ``config.json`` describes the component, when it has one (a local
+    folder, or a Hub checkpoint's file in the cache or on the Hub)."""
+    from ..spec.hub import hub_file, is_hub_id
+
+    relative = f"{component.subfolder}/config.json" if component.subfolder else "config.json"
+    if path_kind(user_path(home)) == "dir":
+        found = path_kind(user_path(home) / relative) == "file"
+    else:
+        found = is_hub_id(home) and hub_file(home, relative, revision) is not None
+    return (home, component.subfolder) if found else (None, None)
+
+
+def _default_config(cls: type, weights: Any, where: str) -> tuple[str, str | None]:
+    """diffusers' own default checkpoint for the model the file is (``DIFFUSERS_DEFAULT_PIPELINE_PATHS``), whose
+    config folder then describes it; offline and not cached, the user is told to give a source."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
+
+    detected = single_file.detect(weights)
+    default = DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(detected.model_type or "")
+    if default is None:
+        raise SpecError.single(f"{weights.path.name}: no config describes it: the component's folder in model.source "
+                               f"has no config.json, and the file is {detected.describe()}; set model.source (or the "
+                               "component's source) to the model's diffusers checkpoint", where)
+    single_file.converter(cls, where)
+    entry = next((e for n, e in SINGLE_FILE_LOADABLE_CLASSES.items() if cls.__name__ == n), {})
+    repo = default["pretrained_model_name_or_path"]
+    subfolder = default.get("subfolder") or entry.get("default_subfolder")
+    from ..spec.hub import hub_file
+
+    if hub_file(repo, f"{subfolder}/config.json" if subfolder else "config.json") is None:
+        raise SpecError.single(f"{weights.path.name} is {detected.describe()}; its config is diffusers' default "
+                               f"checkpoint {repo}'s, which is not in the local cache (HF_HUB_OFFLINE) or not on the "
+                               "Hub: set model.source to a diffusers checkpoint of this model", where)
+    return repo, subfolder
 
 
 class _TooManyModules(BaseException):

@@ -68,6 +68,7 @@ class Pipeline:
         self.parallel = parallel
         self.weight_version = 0  # bumped by every weight update; the prompt-embedding cache is emptied on a change
         self.checkpoint: dict[str, Any] | None = None  # where the weights came from (build sets it; outputs record it)
+        self.weights: dict[str, str] = {}  # components whose weights are a single file or pre-quantized: what they are
         limit = spec.runtime.encoding_cache_bytes
         self._encodings = EncodingCache(default_cache_bytes(device) if limit is None else limit)
         self._encodings_version = 0
@@ -217,7 +218,7 @@ class Pipeline:
         req = resolve_request(self.spec, "", None, planning=True, **request)
         plan = self.plan(req)
         attention = {role: note for role, note in self.policies.attention.notes.items()}
-        info = explain_spec(plan.spec, req.steps, plan.sigmas(), attention=attention or None)
+        info = explain_spec(plan.spec, req.steps, plan.sigmas(), attention=attention or None, weights=self.weights)
         info["applied"] = dict(self.policies.notes)
         return info if as_dict else render_explain(info)
 

@@ -20,6 +20,7 @@ from .bounded import CONFIG
 from .errors import Problem, SpecError
 from .files import path_kind, read_json_file, user_path
 from .hub import hub_file, is_hub_id
+from .model import WEIGHTLESS_ROLES
 from .pipeline import PipelineSpec
 from .recipe import PreviousInput
 from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule
@@ -32,6 +33,54 @@ AUTO_LOADS = {"AutoTokenizer": ("Tokenizer",), "AutoProcessor": ("Processor",),
               "AutoImageProcessor": ("ImageProcessor",), "AutoFeatureExtractor": ("FeatureExtractor",)}
 
 
+@dataclass(frozen=True)
+class PreQuantized:
+    """A component whose checkpoint holds quantized weights (a ``quantization_config`` in its ``config.json``,
+    written by diffusers'/transformers' ``save_pretrained`` of a quantized model): it loads as it is, through the
+    quantizer that config names."""
+
+    method: str  # quant_method: torchao, bitsandbytes, modelopt, quanto, gguf, auto-round ...
+    scheme: str
+    compute_dtype: str | None
+
+    def describe(self) -> str:
+        compute = f", computes in {self.compute_dtype}" if self.compute_dtype else ""
+        return f"{self.method} {self.scheme}{compute}"
+
+
+def prequantized(config: dict[str, Any]) -> PreQuantized | None:
+    """What a component's ``config.json`` says of its quantized weights, or None when it has none."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "unknown"))[:40]
+    scheme = _scheme(method, q)
+    compute = q.get("bnb_4bit_compute_dtype") or q.get("compute_dtype") or q.get("torch_dtype")
+    return PreQuantized(method, scheme[:120], str(compute)[:20] if compute else None)
+
+
+def _scheme(method: str, q: dict[str, Any]) -> str:
+    if method == "torchao":
+        kind = q.get("quant_type")
+        if isinstance(kind, dict):  # {"default": {"_type": "Int8WeightOnlyConfig", "_data": {"granularity": ...}}}
+            inner = kind.get("default", next(iter(kind.values()), {}))
+            if isinstance(inner, dict):
+                granularity = ((inner.get("_data") or {}).get("granularity") or {})
+                named = granularity.get("_type") if isinstance(granularity, dict) else None
+                return f"{inner.get('_type', '?')}" + (f" ({named})" if named else "")
+        return str(kind)
+    if method == "bitsandbytes":
+        if q.get("load_in_4bit"):
+            double = ", double quant" if q.get("bnb_4bit_use_double_quant") else ""
+            return f"{q.get('bnb_4bit_quant_type', 'fp4')} 4-bit{double}"
+        return "int8 (LLM.int8)"
+    for key in ("quant_type", "weights", "bits", "quant_algo", "scheme"):
+        if key in q:
+            extra = f", group {q['group_size']}" if "group_size" in q else ""
+            return f"{key} {q[key]}{extra}"
+    return "(scheme not named)"
+
+
 @dataclass
 class CheckpointConfigs:
     """The checkpoint's config files that were found (absent files are simply not checked)."""
@@ -40,6 +89,7 @@ class CheckpointConfigs:
     model_index: dict[str, Any] | None = None
     schedulers: dict[str, dict[str, Any]] = field(default_factory=dict)  # scheduler subfolder -> config
     components: dict[str, dict[str, Any]] = field(default_factory=dict)  # component with overrides -> config.json
+    prequantized: dict[str, PreQuantized] = field(default_factory=dict)  # component -> its quantization_config
 
     @property
     def boundary_ratio(self) -> float | None:
@@ -59,12 +109,18 @@ def read_configs(spec: PipelineSpec, root: str) -> CheckpointConfigs:
             found = _read_json(root, file, spec.model.revision)
             if found is not None:
                 configs.schedulers[component.subfolder] = _typed(found, _SchedulerConfig, root, file)
-        if component.config and component.file is None:
+        if component.role not in WEIGHTLESS_ROLES and component.file is None and (component.subfolder
+                                                                                   or component.config):
             home = component.source or root
             file = f"{component.subfolder}/config.json" if component.subfolder else "config.json"
             found = _read_json(home, file, spec.model.revision)
-            if found is not None:
+            if found is None:
+                continue
+            if component.config:
                 configs.components[name] = found
+            quantized = prequantized(found)
+            if quantized is not None:
+                configs.prequantized[name] = quantized
     return configs
 
 
@@ -164,7 +220,7 @@ _UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"
 
 def checkpoint_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
     """Every disagreement between the spec and the checkpoint's config files, each naming both values."""
-    problems = _config_key_problems(spec, configs)
+    problems = _config_key_problems(spec, configs) + _prequantized_problems(spec, configs)
     if not spec.model.check_checkpoint:
         return problems
     problems += _class_problems(spec, configs)
@@ -185,6 +241,25 @@ def _config_key_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list
             problems.append(Problem(f"model.components.{name}.config", f"{', '.join(map(repr, unknown))}: not an entry "
                                     f"of the component's config.json, so there is nothing to replace (its entries: "
                                     f"{entries} ...)"))
+    return problems
+
+
+def _prequantized_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
+    """A component the checkpoint already quantized loads as it is: quantizing it again is refused, and so are the
+    parallel policies that split plain weights."""
+    problems = []
+    for name, quantized in configs.prequantized.items():
+        component = spec.model.components[name]
+        for key in (name, component.role):
+            if key in spec.policies.quantization:
+                problems.append(Problem(f"policies.quantization.{key}", f"component {name!r} is already quantized by "
+                                        f"its checkpoint ({quantized.describe()}) and loads as it is: remove this "
+                                        "entry"))
+        par = spec.policies.parallel
+        if component.role == "denoiser" and (par.tensor > 1 or par.shard > 1):
+            axis = "tensor" if par.tensor > 1 else "shard"
+            problems.append(Problem(f"policies.parallel.{axis}", f"{axis} splits the denoiser's plain weights over "
+                                    f"ranks; {name!r} is pre-quantized by its checkpoint ({quantized.describe()})"))
     return problems
 
 

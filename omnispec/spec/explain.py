@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .checkpoint import CheckpointConfigs
 from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
 from .policies import PARALLEL_AXES
 from .recipe import Phase
 from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule, flow_match_sigmas
+from .weights_file import locate, read_weights_file
 
 
 def static_sigmas(spec: PipelineSpec, phase: Phase, steps: int) -> list[float] | None:
@@ -45,6 +47,7 @@ def explain_spec(
     steps: int | None = None,
     phase_sigmas: Mapping[str, Sequence[float]] | None = None,
     attention: Mapping[str, Any] | None = None,
+    weights: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A JSON-ready description of the run.
 
@@ -99,6 +102,27 @@ def explain_spec(
         out["mesh"] = describe_mesh(spec)
     if attention is not None:
         out["attention"] = dict(attention)
+    if weights:
+        out["weights"] = dict(weights)
+    return out
+
+
+def describe_weights(spec: PipelineSpec, configs: CheckpointConfigs | None, root: str | None,
+                     only: Iterable[str] | None = None) -> dict[str, str]:
+    """Components whose weights are not a plain diffusers folder, with what they are: a single file (its format and
+    tensor types, read from its header) or a checkpoint's pre-quantized weights (method, scheme, compute dtype)."""
+    out = {}
+    for name, component in spec.model.components.items():
+        if only is not None and name not in only:
+            continue
+        dtype = component.dtype or spec.model.dtype
+        if component.file is not None:
+            path = locate(component, root, f"model.components.{name}.file", spec.model.revision, fetch=False)
+            what = read_weights_file(path, f"model.components.{name}.file", trusted=True).describe() if path else \
+                "a Hub file, not fetched yet"
+            out[name] = f"single file {path or component.file} ({what}), computes in {dtype}"
+        elif configs is not None and name in configs.prequantized:
+            out[name] = f"pre-quantized by its checkpoint: {configs.prequantized[name].describe()}"
     return out
 
 
@@ -218,6 +242,9 @@ def render_explain(info: Mapping[str, Any]) -> str:
     if "attention" in info:
         lines.append("attention per role:")
         lines += [f"  {role:<12} {why}" for role, why in info["attention"].items()]
+    if info.get("weights"):
+        lines.append("weights:")
+        lines += [f"  {name}: {note}" for name, note in info["weights"].items()]
     if info.get("applied"):
         lines.append("applied here:")
         lines += [f"  {key:<12} {note}" for key, note in info["applied"].items()]

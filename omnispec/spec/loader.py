@@ -139,16 +139,18 @@ def read_text(path: Path, limit: int = MAX_SPEC_BYTES) -> str:
 
 
 def _anchor_local_source(data: dict[str, Any], path: Path) -> None:
-    """A ``model.source`` written as ``./x`` or ``../x`` is relative to the spec file, not the shell."""
+    """A ``model.source`` (or a component's ``source`` or ``file``) written as ``./x`` or ``../x`` is relative to the
+    spec file, not the shell."""
     model = data.get("model")
     if not isinstance(model, dict):
         return
     holders = [model, *[c for c in (model.get("components") or {}).values() if isinstance(c, dict)]] \
         if isinstance(model.get("components", {}), dict) else [model]
     for holder in holders:
-        source = holder.get("source")
-        if isinstance(source, str) and source.startswith(("./", "../")):
-            holder["source"] = str((path.parent / source).resolve())
+        for key in ("source", "file"):  # a component's own weights file, likewise
+            value = holder.get(key)
+            if isinstance(value, str) and value.startswith(("./", "../")):
+                holder[key] = str((path.parent / value).resolve())
 
 
 def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -68,7 +68,11 @@ class Component(SpecModel):
     source: str | None = Field(default=None, description=(
         "This component's checkpoint root (Hub id or local dir) when it is not model.source's."))
     dtype: DType | None = Field(default=None, description="Overrides model.dtype for this component.")
-    file: str | None = Field(default=None, description="A single weights file inside the subfolder.")
+    file: str | None = Field(default=None, description=(
+        "One weights file (.safetensors or .gguf) holding this component, in its authors' key layout, a repack's or "
+        "diffusers': a path (/x/model.safetensors; ./x relative to the spec file), a file inside the component's "
+        "folder, or a Hub file as owner/name/path. Converted by diffusers' single-file converters; its config comes "
+        "from the component's folder in the source."))
     config: dict[str, OptionValue | list[OptionValue]] = Field(default_factory=dict, description=(
         "Entries of the component's own config replaced at load (from_pretrained's config overrides), e.g. "
         "LTX-2.0's transformer perturbed_attn: true to make spatio-temporal guidance act as Lightricks' code does."))
@@ -96,6 +100,8 @@ class Component(SpecModel):
         if file is not None and file.lower().endswith(PICKLE_SUFFIXES) and not trusted:
             raise ValueError(f"{file!r} is a pickled weights file, which loading would run code from; use a "
                              ".safetensors (or .gguf) file, or pass --trust-code (trust_code=True) for a file you trust")
+        if file is not None and not file.lower().endswith((".safetensors", ".gguf", *PICKLE_SUFFIXES)):
+            raise ValueError(f"{file!r}: a weights file is a .safetensors or .gguf file")
         return file
 
     @model_validator(mode="after")

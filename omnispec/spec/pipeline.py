@@ -235,12 +235,23 @@ def _policy_problems(spec: PipelineSpec):
             key in spec.model.components and spec.model.components[key].role in WEIGHTLESS_ROLES
         ):
             yield ("policies", "quantization", key), "tokenizers and schedulers hold no weights to quantize"
+    for name, component in spec.model.components.items():
+        if (component.file or "").lower().endswith(".gguf"):
+            for key in (name, component.role):
+                if key in policies.quantization:
+                    yield ("policies", "quantization", key), (
+                        f"component {name!r} comes from a GGUF file, whose weights are already quantized (they stay "
+                        "packed and dequantize in each forward): remove this entry")
 
 
 def _denoiser_quantized(spec: PipelineSpec) -> str | None:
+    """Where the spec makes a denoiser quantized (a quantization policy, or a GGUF file), or None."""
     for key in spec.policies.quantization:
         if key == "denoiser" or (key in spec.model.components and spec.model.components[key].role == "denoiser"):
-            return key
+            return f"policies.quantization.{key}"
+    for name, component in spec.model.components.items():
+        if component.role == "denoiser" and (component.file or "").lower().endswith(".gguf"):
+            return f"model.components.{name}.file, a GGUF file"
     return None
 
 
@@ -260,7 +271,7 @@ def _scale_out_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of ru
                           f"{offload.strategy} offload moves whole modules (policies.offload.strategy: none)")
         if quantized:
             yield where, (f"tensor parallel splits plain linears into DTensor shards; the quantized denoiser "
-                          f"(policies.quantization.{quantized}) holds torchao tensors it cannot split")
+                          f"({quantized}) holds quantized tensors it cannot split")
         if adapted:
             yield where, (f"tensor parallel splits nn.Linear layers, and the LoRA slot {adapted[0]!r} "
                           "(model.adapters) wraps them in peft layers it cannot split")
@@ -270,7 +281,7 @@ def _scale_out_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of ru
         where = ("policies", "parallel", "shard")
         if quantized:
             yield where, (f"sharding splits the denoiser's parameters over ranks; the quantized denoiser "
-                          f"(policies.quantization.{quantized}) holds torchao tensors FSDP2 does not shard here")
+                          f"({quantized}) holds quantized tensors FSDP2 does not shard here")
         if offload.strategy == "model" or (offload.strategy in ("layerwise", "group") and not distributed):
             yield ("policies", "offload", "strategy"), (
                 f"with shard, the denoiser's weights are already spread over the ranks; {offload.strategy} offload "

@@ -430,3 +430,21 @@ def test_an_nf4_text_encoder_loads_as_it_is(wan_dir, tmp_path):
     ours = pipe("a cat", seed=0)
     reloaded = UMT5EncoderModel.from_pretrained(str(root), subfolder="text_encoder", device_map="cpu")
     assert np.abs(ours.array - wan_reference(root, None, text_encoder=reloaded)).max() <= TOL
+
+
+# ---- quantized weights with the device policies (a GPU: offload and compile act on CUDA) -------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["Q8_0", "torchao"])
+@pytest.mark.parametrize("policy", ["policies.offload.strategy=model", "policies.offload.strategy=group",
+                                    "policies.compile.mode=regional"])
+def test_quantized_weights_compose_with_offload_and_compile(wan32, wan_files, wan_torchao, weights, policy):
+    """Offload moves the packed GGUF tensors and torchao's tensors as they are (the output is the resident run's,
+    exactly); compiled, inductor fuses the dequantisation, which moves outputs by float rounding only."""
+    root = wan_torchao if weights == "torchao" else wan32
+    file = [] if weights == "torchao" else [f"model.components.transformer.file={wan_files[weights]}"]
+    common = [*WAN, *file, "runtime.device=cuda"]
+    spec = SPECS / "wan2.1-t2v-1.3b.yaml"
+    resident = omnispec.build(spec, source=str(root), overrides=common)("a cat", seed=0).array
+    moved = omnispec.build(spec, source=str(root), overrides=[*common, policy])("a cat", seed=0).array
+    assert np.abs(moved - resident).max() <= (2e-3 if "compile" in policy else TOL)

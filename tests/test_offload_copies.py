@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import omnispec
-from omnispec.policies.offload.model import HOOK_NAME, _Placement
+from omnispec.policies.offload.model import HOOK_NAME, _Placement, _to
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS
@@ -86,3 +86,14 @@ def test_model_offload_through_host_copies_gives_the_plain_output(flux_dir):
     assert placement.current == "decoders"
     to_q = transformer.transformer_blocks[0].attn.to_q
     assert to_q.weight.data_ptr() == placement.host[(id(to_q), "param", "weight")].data_ptr()
+
+
+def test_model_offload_passes_a_callee_s_lists_as_themselves():
+    """Wan's VAE decodes chunk by chunk through the feat_cache list it hands its decoder; the hook that brings the
+    VAE in must pass that very list on (a copy lost every chunk's cache: the H200 run decoded 2 frames for 5)."""
+    cache = [None, torch.zeros(2)]
+    kwargs = {"feat_cache": cache, "x": torch.ones(1)}
+    moved = _to(kwargs, torch.device("cpu"))
+    assert moved["feat_cache"] is cache
+    moved["feat_cache"][0] = torch.ones(1)
+    assert cache[0] is not None

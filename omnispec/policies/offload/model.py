@@ -25,12 +25,21 @@ HOOK_NAME = "omnispec_model_offload"
 
 
 def _to(obj: Any, device: torch.device) -> Any:
+    """A call's arguments on ``device``. Lists and dicts are moved in place and passed on as themselves: a callee
+    may write into them (Wan's VAE decodes chunk by chunk through the ``feat_cache`` list it is given, and a copy
+    would lose every chunk's cache, decoding one frame per latent frame)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        obj[:] = [_to(o, device) for o in obj]
+        return obj
+    if isinstance(obj, tuple):
+        return type(obj)(*(_to(o, device) for o in obj)) if hasattr(obj, "_fields") else \
+            tuple(_to(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        for key, value in obj.items():
+            obj[key] = _to(value, device)
+        return obj
     return obj
 
 

@@ -41,31 +41,43 @@ def _text_encoders(clip_hidden: int, t5_dim: int, umt5: bool = False):
 
     from omnispec.testing import clip_tokenizer, t5_tokenizer
 
+    # --smoke: two heads of 16 dims (the widths the callers pass are the tiny ones there)
+    clip_heads, t5_heads = ((2, dict(d_kv=16, d_ff=64, num_heads=2)) if SMOKE
+                            else (12, dict(d_kv=64, d_ff=1024, num_heads=64)))
     clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
-        hidden_size=clip_hidden, intermediate_size=clip_hidden, num_attention_heads=12, num_hidden_layers=1,
+        hidden_size=clip_hidden, intermediate_size=clip_hidden, num_attention_heads=clip_heads, num_hidden_layers=1,
         vocab_size=400, projection_dim=clip_hidden, max_position_embeddings=77, bos_token_id=0, eos_token_id=1))
     cfg_cls = transformers.UMT5Config if umt5 else transformers.T5Config
     t5_cls = transformers.UMT5EncoderModel if umt5 else transformers.T5EncoderModel
-    t5 = t5_cls(cfg_cls(d_model=t5_dim, d_kv=64, d_ff=1024, num_layers=1, num_heads=64, vocab_size=256,
-                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    t5 = t5_cls(cfg_cls(d_model=t5_dim, num_layers=1, vocab_size=256, decoder_start_token_id=0, pad_token_id=0,
+                        eos_token_id=1, **t5_heads))
     return clip, clip_tokenizer(), t5, t5_tokenizer()
 
 
 SMOKE = False  # --smoke: tiny models on the CPU, to check this script without a GPU
 DEVICE = "cuda"
+# --smoke sizes: the text encoders' widths (CLIP, T5), the image VAE's and Wan VAE's (the offline fixtures' tiny ones,
+# keeping the real models' downsampling, so requests make the same latent shapes)
+SMOKE_TEXT = (32, 32)
+SMOKE_IMAGE_VAE = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
+SMOKE_WAN_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True])
 
 
 def flux_components() -> dict:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
-    clip, tok, t5, tok2 = _text_encoders(768, 4096)
-    size = dict(num_layers=1, num_single_layers=1) if SMOKE else {}
+    clip, tok, t5, tok2 = _text_encoders(*SMOKE_TEXT) if SMOKE else _text_encoders(768, 4096)
+    # --smoke: one block of each kind, two heads of 16 dims (FLUX's own layout otherwise: 64 packed channels)
+    size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                joint_attention_dim=SMOKE_TEXT[1], pooled_projection_dim=SMOKE_TEXT[0],
+                axes_dims_rope=(4, 4, 8)) if SMOKE else {}
     with torch.device(DEVICE):
         transformer = FluxTransformer2DModel(guidance_embeds=True, **size).to(torch.bfloat16)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        layers_per_block=2, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
-                        use_post_quant_conv=False)
+    vae_size = SMOKE_IMAGE_VAE if SMOKE else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, shift_factor=0.1159, scaling_factor=0.3611,
+                        use_quant_conv=False, use_post_quant_conv=False, **vae_size)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)
     mods = dict(transformer=transformer, text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2,
@@ -78,15 +90,19 @@ def flux_components() -> dict:
 def wan_components() -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
-    _, _, umt5, tok = _text_encoders(768, 4096, umt5=True)
+    _, _, umt5, tok = _text_encoders(*SMOKE_TEXT, umt5=True) if SMOKE else _text_encoders(768, 4096, umt5=True)
+    # --smoke: one block, two heads of 16 dims, and the offline fixtures' tiny VAE (same classes)
+    size = dict(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824, num_layers=40)
+    if SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
     with torch.device(DEVICE):
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=1 if SMOKE else 40, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+            patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
         ).to(torch.bfloat16)
+    vae = AutoencoderKLWan(**SMOKE_WAN_VAE) if SMOKE else AutoencoderKLWan()
     return dict(transformer=transformer, text_encoder=umt5.to(DEVICE, torch.bfloat16).eval(), tokenizer=tok,
-                vae=AutoencoderKLWan().to(DEVICE, torch.float32).eval(),
+                vae=vae.to(DEVICE, torch.float32).eval(),
                 scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                   flow_shift=3.0, num_train_timesteps=1000))
 
@@ -202,10 +218,12 @@ WORKLOADS = {
 
 
 def enable_smoke() -> None:
-    """Tiny models at 64 px on the CPU: checks a benchmark script without a GPU (its numbers mean nothing)."""
+    """Tiny models (one block, two heads of 16 dims, tiny encoders and VAEs) at 64 px on the CPU, 1 and 2 steps:
+    checks a benchmark script without a GPU (its numbers mean nothing)."""
     global SMOKE, DEVICE
     SMOKE, DEVICE = True, "cpu"
     for w in WORKLOADS.values():
+        w["steps"] = (1, 2)
         w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
         w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
             {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
@@ -325,7 +343,8 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
             output_type="latent", **w["diffusers_kwargs"])
 
     lo, hi = w["steps"]
-    run_ours(lo), run_ref(lo)  # warm-up
+    if not SMOKE:  # --smoke: no timing worth warming up for
+        run_ours(lo), run_ref(lo)  # warm-up
     flops = flops_per_step(run_ours)
     results = {}
     for label, run in (("diffusers", run_ref), ("omnispec", run_ours)):

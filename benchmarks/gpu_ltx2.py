@@ -148,12 +148,14 @@ def step_part(mods: dict, repeats: int, ceiling: float) -> dict:
         return ref(prompt=PROMPT, num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
                    output_type="latent", return_dict=False, **_diffusers_size(), **_guidance_kwargs())
 
+    lo, hi = (2, 3) if SMOKE else (2, 4)  # --smoke: fewer steps (one would give diffusers NaN sigmas), no warm-up
     with torch.no_grad():
-        ours(2), theirs(2)  # warm-up
+        if not SMOKE:
+            ours(2), theirs(2)  # warm-up
         flops = flops_per_step(ours, steps=2) / 2
         rows = {}
         for label, run in (("diffusers", theirs), ("omnispec", ours)):
-            med, samples = per_step(run, 2, 4, repeats)
+            med, samples = per_step(run, lo, hi, repeats)
             rows[label] = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
                            "mfu": flops / med / ceiling}
         a = ours(2).latents
@@ -165,11 +167,25 @@ def step_part(mods: dict, repeats: int, ceiling: float) -> dict:
 
 
 def two_stage_part(mods: dict, repeats: int) -> dict:
+    if not SMOKE:
+        return _two_stage_part(mods, repeats)
+    saved = dict(SIZE)
+    SIZE.update(height=64, width=64)  # --smoke: the half-size draft must still be a multiple of 32 for diffusers
+    try:
+        return _two_stage_part(mods, repeats)
+    finally:
+        SIZE.update(saved)
+
+
+def _two_stage_part(mods: dict, repeats: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplePipeline, LTX2Pipeline
 
+    # --smoke: a two-step draft on both sides (the refine stage keeps its three sigmas), one request, no warm-up
+    draft_steps = 2 if SMOKE else 30
     pipe = _build("ltx2-two-stage.yaml", mods, ["model.adapters={}", "recipe.phases.1.adapter=null"]
-                  + (["recipe.phases.0.guidance.terms.1.layers=[1]"] if SMOKE else []))
+                  + (["recipe.phases.0.guidance.terms.1.layers=[1]", f"recipe.defaults.steps={draft_steps}"]
+                     if SMOKE else []))
     stage_1 = LTX2Pipeline(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
     stage_2 = LTX2Pipeline(**{**{k: v for k, v in mods.items() if k != "latent_upsampler"},
                               "scheduler": FlowMatchEulerDiscreteScheduler.from_config(
@@ -186,7 +202,7 @@ def two_stage_part(mods: dict, repeats: int) -> dict:
     def theirs():
         g = [torch.Generator("cpu").manual_seed(0)]
         half = {**_diffusers_size(), "height": SIZE["height"] // 2, "width": SIZE["width"] // 2}
-        video, audio = stage_1(prompt=PROMPT, num_inference_steps=30, generator=g, output_type="latent",
+        video, audio = stage_1(prompt=PROMPT, num_inference_steps=draft_steps, generator=g, output_type="latent",
                                return_dict=False, **half, **_guidance_kwargs())
         video = upsample(latents=video, latents_normalized=False, output_type="latent", return_dict=False)[0]
         return stage_2(latents=video, audio_latents=audio, prompt=PROMPT, num_inference_steps=3, sigmas=sigmas,
@@ -197,8 +213,9 @@ def two_stage_part(mods: dict, repeats: int) -> dict:
 
     times: dict[str, list[float]] = {"omnispec": [], "diffusers": []}
     with torch.no_grad():
-        ours(), theirs()  # warm-up
-        for _ in range(repeats):
+        if not SMOKE:
+            ours(), theirs()  # warm-up
+        for _ in range(1 if SMOKE else repeats):
             for label, run in (("diffusers", theirs), ("omnispec", ours)):
                 _sync()
                 start = time.perf_counter()
@@ -233,7 +250,8 @@ def memory_part(mods: dict, repeats: int) -> dict:
             with torch.no_grad():
                 p.generate(p.request(PROMPT, 0, steps=2, **SIZE), decode=False)
 
-        one()  # warm-up (offload hooks, first-call allocations)
+        if not SMOKE:  # --smoke: the measured call runs the same code
+            one()  # warm-up (offload hooks, first-call allocations)
         start = time.perf_counter()
         out[f"{label}_peak_gib"] = _peak_gib(one)
         out[f"{label}_one_step_s"] = time.perf_counter() - start
@@ -287,7 +305,7 @@ def main() -> None:
 
         SMOKE, DEVICE = True, "cpu"
         gi.DEVICE = "cpu"
-        SIZE.update(height=64, width=64, frames=5, fps=25)
+        SIZE.update(height=32, width=32, frames=5, fps=25)
     ceiling = 1e12 if SMOKE else matmul_ceiling()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     print(f"{device}  torch {torch.__version__}  bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s", flush=True)

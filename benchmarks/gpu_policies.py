@@ -142,6 +142,8 @@ def _first_call_s(run) -> float:
 
 
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
+    if gi.SMOKE:  # --smoke: the fewest steps that still give a per-step difference
+        lo, hi = 1, 2
     with torch.no_grad():
         run(lo)  # warm-up (and lazy compilation)
         med, samples = gi.per_step(run, lo, hi, repeats)
@@ -206,12 +208,13 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     rows = [eager]
     # peer first, on a copy: compilation changes the module it is applied to
     twin = _plain_copy(mods["transformer"])
-    twin.compile_repeated_blocks(fullgraph=True)
+    twin.compile_repeated_blocks(fullgraph=True, **SMOKE_COMPILE)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
     rows.append(_compiled_row("compile", "diffusers compile_repeated_blocks", run_peer, flops, repeats, ceiling))
     twin = run_peer = None
     _release({})
-    run = _runner(_build(w["spec"], mods, ["policies.compile.mode=regional"]), w["request"])
+    smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
+    run = _runner(_build(w["spec"], mods, ["policies.compile.mode=regional", *smoke_backend]), w["request"])
     rows.append(_compiled_row("compile", "regional", run, flops, repeats, ceiling))
     return rows
 
@@ -363,8 +366,9 @@ def model_offload_part(repeats: int, ceiling: float, per_step: bool = True) -> l
 
     def row(base: dict, runner, measure: bool = per_step) -> dict:
         measured = _measure(runner(False), 2, 4, repeats, flops, ceiling) if measure else {}
-        out = base | measured | {"request_s": gi.per_request(runner(False), 4, repeats)[0],
-                                 "request_new_prompt_s": gi.per_request(runner(True), 4, repeats)[0]}
+        steps = 2 if gi.SMOKE else 4
+        out = base | measured | {"request_s": gi.per_request(runner(False), steps, repeats)[0],
+                                 "request_new_prompt_s": gi.per_request(runner(True), steps, repeats)[0]}
         print(json.dumps(out), flush=True)
         return out
 
@@ -433,6 +437,9 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
     return rows
 
 
+# --smoke: the compile part's torch.compile backend (dynamo traces the same graphs, fullgraph; inductor's CPU code
+# generation, minutes on a small CPU, is not the GPU's anyway)
+SMOKE_COMPILE: dict[str, str] = {}
 QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measured with quantization
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
 
@@ -456,6 +463,7 @@ def main() -> None:
     QUANT_GRANULARITY[:] = [args.quant_granularity]
     if args.smoke:
         gi.enable_smoke()
+        SMOKE_COMPILE["backend"] = "aot_eager"
         ceiling = 1e12
     else:
         ceiling = gi.matmul_ceiling()

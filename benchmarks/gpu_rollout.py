@@ -52,19 +52,27 @@ def sd3_components() -> dict:
             num_hidden_layers=1 if tiny else layers, vocab_size=400, max_position_embeddings=77, bos_token_id=0,
             eos_token_id=1, hidden_act="gelu"))
 
+    # --smoke: two heads of 16 dims everywhere (the CLIPs' 16 + 16 pooled and padded to T5's 32), the tiny VAE
+    width = dict(attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                 pooled_projection_dim=32) if tiny else dict(
+        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+        pooled_projection_dim=2048)
+    t5_width = dict(d_model=32, d_kv=16, d_ff=64, num_heads=2) if tiny else dict(d_model=4096, d_kv=64, d_ff=10240,
+                                                                                   num_heads=64)
+    vae_size = gi.SMOKE_IMAGE_VAE if tiny else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
     with torch.device(gi.DEVICE):
         transformer = SD3Transformer2DModel(
             sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2 if tiny else 24,
-            attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-            pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm",
-            dual_attention_layers=(0,) if tiny else tuple(range(13)))
-        encoders = [clip(768, 12, 12), clip(1280, 32, 20), transformers.T5EncoderModel(transformers.T5Config(
-            d_model=4096, d_kv=64, d_ff=10240, num_layers=1 if tiny else 24, num_heads=64, vocab_size=256,
-            feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))]
-        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+            pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=(0,) if tiny else tuple(range(13)),
+            **width)
+        encoders = [clip(16, 12, 2) if tiny else clip(768, 12, 12), clip(16, 32, 2) if tiny else clip(1280, 32, 20),
+                    transformers.T5EncoderModel(transformers.T5Config(
+                        num_layers=1 if tiny else 24, vocab_size=256, feed_forward_proj="gated-gelu",
+                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **t5_width))]
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
                             down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                            layers_per_block=2, shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False,
-                            use_post_quant_conv=False)
+                            shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False, use_post_quant_conv=False,
+                            **vae_size)
     mods = dict(transformer=transformer.to(torch.bfloat16), text_encoder=encoders[0], tokenizer=clip_tokenizer(),
                 text_encoder_2=encoders[1], tokenizer_2=clip_tokenizer(), text_encoder_3=encoders[2],
                 tokenizer_3=t5_tokenizer(), vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
@@ -239,9 +247,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    if args.smoke:
+    if args.smoke:  # tiny models; 5 steps: a window of 3, then one computed and one reused Euler step; one repeat
         gi.enable_smoke()
-        args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 2, 2
+        args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 1, 2
+        args.steps, args.window, args.compile_repeats = 5, min(args.window, 3), 1
     import omnispec
 
     mods = sd3_components()
@@ -301,8 +310,9 @@ def main() -> None:
     if args.details:
         details(args, pipe, base, mods, n, run_ours, run_base, save, statistics.median(times["flow-grpo loop (diffusers)"]))
     if args.compile:
+        smoke_backend = ["policies.compile.backend=aot_eager"] if args.smoke else []  # inductor's CPU codegen: minutes
         compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
-                                           overrides=[*overrides, "policies.compile.mode=regional"]),
+                                           overrides=[*overrides, "policies.compile.mode=regional", *smoke_backend]),
                       n, run_ours, run_base, save, fast_sampler)
     baseline = statistics.median(times["flow-grpo loop (diffusers)"])
     print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")

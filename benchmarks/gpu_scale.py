@@ -125,7 +125,7 @@ def vae_rows() -> list[dict]:
     cases = {"wan 720x1280x121": (AutoencoderKLWan, (1, 16, 31, 90, 160), True),
              "flux 1024x1024": (lambda: AutoencoderKL(**flux), (1, 16, 128, 128), VaeTiles(tile=512, overlap=64))}
     if gi.SMOKE:
-        cases = {"wan (smoke)": (AutoencoderKLWan, (1, 16, 2, 8, 8), True)}
+        cases = {"wan (smoke)": (lambda: AutoencoderKLWan(**gi.SMOKE_WAN_VAE), (1, 16, 2, 8, 8), True)}  # tiny VAE
     for label, (make, shape, tiles) in cases.items():
         torch.manual_seed(0)
         vae = make().to(gi.DEVICE, torch.bfloat16 if gi.DEVICE == "cuda" else torch.float32).eval()

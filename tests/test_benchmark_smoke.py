@@ -21,9 +21,10 @@ SMOKES = [
     ("gpu_lora_hotswap", [], 1),
     ("gpu_interpreter", ["--repeats", "1"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),
-    ("gpu_policies", ["--repeats", "1", "--parts", "attention,compile,wan_attention,layerwise"], 1),
-    # the fp8 rows' compiled variants are the compile part's code again: left out to keep the suite short
-    ("gpu_policies", ["--repeats", "1", "--parts", "quant,model_offload", "--quant-compile", "none"], 1),
+    # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
+    # compile part's code again: left out to keep the suite short
+    ("gpu_policies", ["--repeats", "1", "--parts", "attention,compile,wan_attention,layerwise,quant,model_offload",
+                      "--quant-compile", "none"], 1),
     ("gpu_rollout", [], 1),
     ("gpu_parallel", ["--repeats", "1"], 2),
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code

@@ -378,6 +378,15 @@ def model_offload_part(repeats: int, ceiling: float, per_step: bool = True) -> l
     _release(mods)
     offloaded = _build(w["spec"], mods, ["policies.offload.strategy=model"])
     rows.append(row({"part": "model_offload", "config": "model"}, lambda fresh: _runner(offloaded, w["request"], fresh)))
+    from omnispec.bridge import hook_registry
+    from omnispec.policies.offload.model import HOOK_NAME
+
+    placement = hook_registry(offloaded.components["transformer"]).get_hook(HOOK_NAME).placement
+    weights = sum(t.numel() * t.element_size() for t in placement.host.values())
+    rows[-1] |= {"host_weights_gib": weights / 2**30,
+                 "host_page_locked_gib": sum(b.numel() for b in placement.buffers) / 2**30,
+                 "copied_back_gib": placement.copied_back / 2**30}
+    print(json.dumps(rows[-1]), flush=True)
     offloaded = None
     _release(mods)
     peer = diffusers.FluxPipeline(**mods)

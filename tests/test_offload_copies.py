@@ -97,3 +97,20 @@ def test_model_offload_passes_a_callee_s_lists_as_themselves():
     assert moved["feat_cache"] is cache
     moved["feat_cache"][0] = torch.ones(1)
     assert cache[0] is not None
+
+
+def test_a_tensor_unchanged_on_the_device_is_not_copied_back():
+    """Moving a group out copies back only what changed while it was in (the host copy holds the rest)."""
+    module = torch.nn.Linear(64, 64)
+    placement = _Placement({"encoders": [module], "denoisers": []}, torch.device("cpu"), copies=True)
+    for _ in range(3):
+        placement.bring("encoders")
+        placement.bring("denoisers")
+    assert placement.copied_back == 0
+    placement.bring("encoders")
+    with torch.no_grad():
+        module.bias.add_(1.0)  # a weight sync or a fused LoRA changes it on the device
+    placement.bring("denoisers")
+    assert placement.copied_back == 64 * 4  # the bias alone
+    placement.bring("encoders")
+    assert torch.equal(module.bias.detach(), placement.host[(id(module), "param", "bias")])

@@ -167,6 +167,9 @@ class Run:
         shared = [p for p in names if perturbation_of(p) is None or perturbation_of(p).kind in
                   self.family.row_perturbations]
         groups = [shared] if shared else []
+        if len(shared) > 1 and self.family.ragged_passes_apart and _lengths_differ(
+                [passes.conditions[n] for n in shared]):
+            groups = [[p] for p in shared]
         groups += [[p] for p in names if p not in shared]
         plan, t = run.plans[i], walk.steps.timesteps[i]
         b = batch_of(x)
@@ -212,6 +215,14 @@ class Run:
                         walk.geometry, embedded=plan.embedded, perturbation=perturbation))
             preds[name] = cat_streams(outs)
         return preds
+
+
+
+def _lengths_differ(conditions: Sequence[Conditioning]) -> bool:
+    """Whether the conditionings' ragged entries (prompt encodings) have different lengths: batched, they would be
+    padded to the longest with a mask."""
+    keys = conditions[0].ragged & set(conditions[0].batched)
+    return any(len({c.batched[k].shape[1] for c in conditions}) > 1 for k in keys)
 
 
 def _rows(cond: Conditioning, rows: Sequence[int] | None) -> Conditioning:

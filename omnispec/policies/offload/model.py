@@ -64,15 +64,29 @@ def _put(owner: torch.nn.Module, kind: str, name: str, t: torch.Tensor, new: tor
         owner._buffers[name] = new
 
 
+# Host copies are page-locked in chunks of about this many bytes: each chunk one buffer registered with the driver
+# (exact size; the caching host allocator behind ``pin_memory`` rounds every tensor up to a power of two, 1.56x the
+# weights of FLUX's transformer), small enough that the first onload of a component holds it twice only a chunk at
+# a time.
+PIN_CHUNK_BYTES = 256 << 20
+_ALIGN = 512  # bytes between tensors in a chunk (any dtype's alignment, and the copy engines' preferred one)
+
+
 class _Placement:
     """Which group is on the device now; moving one group in moves the others out. With ``copies`` (the
-    default off the CPU) tensors move through one persistent host copy each (``host``), page-locked on CUDA."""
+    default off the CPU) tensors move through one persistent host copy each (``host``), page-locked on CUDA in
+    registered chunks. A tensor unchanged since it came in (same storage, same in-place version counter) is not
+    copied back on the way out: its host copy already holds its bytes, so only changed tensors (a weight sync, a
+    LoRA fused on the device) cross the bus twice."""
 
     def __init__(self, groups: dict[str, list[torch.nn.Module]], device: torch.device, copies: bool | None = None):
         self.groups, self.device, self.current = groups, device, None
         self.copies = device.type != "cpu" if copies is None else copies
         self.pin = device.type == "cuda"
         self.host: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.onloaded: dict[tuple[int, str, str], tuple[int, int]] = {}  # key -> (device data_ptr, version)
+        self.copied_back = 0  # bytes copied device -> host (tests and benchmarks read it)
+        self.buffers: list[torch.Tensor] = []  # the registered chunks, kept (and registered) for the placement's life
 
     def bring(self, group: str) -> None:
         if self.current == group:
@@ -100,28 +114,80 @@ class _Placement:
                 if self._on_host(key, t):
                     continue
                 host = self.host.get(key)
-                if host is not None and host.shape == t.shape and host.dtype == t.dtype and host.stride() == t.stride():
+                same = host is not None and host.shape == t.shape and host.dtype == t.dtype and \
+                    host.stride() == t.stride()
+                if same and self.onloaded.get(key) == (t.data_ptr(), t._version):
+                    pass  # unchanged on the device: the host copy is current
+                elif same:
                     host.copy_(t.detach())  # into the kept copy, so changes made on the device come back
+                    self.copied_back += t.numel() * t.element_size()
                 else:  # first seen on the device, or replaced there by a tensor of another shape or dtype
                     host = self.host[key] = t.detach().to("cpu")
+                    self.copied_back += t.numel() * t.element_size()
                 _put(owner, kind, name, t, host)
         module.to("cpu")  # tensor subclasses; plain tensors already on the host stay as they are
 
     def _in(self, module: torch.nn.Module) -> None:
         if self.copies:
-            for owner, kind, name, t in _slots(module):
+            slots = [(owner, kind, name, t) for owner, kind, name, t in _slots(module)
+                     if self._on_host((id(owner), kind, name), t)]
+            if self.pin:  # tensors without a host copy of ours yet (the loaded weights, a tensor replaced)
+                self._pin([(o, k, n, t) for o, k, n, t in slots
+                           if (o_host := self.host.get((id(o), k, n))) is None or o_host.data_ptr() != t.data_ptr()])
+            for owner, kind, name, t in slots:
                 key = (id(owner), kind, name)
-                if not self._on_host(key, t):
-                    continue
-                host = t.detach()
-                if self.pin and not host.is_pinned():
-                    try:
-                        host = host.pin_memory()
-                    except RuntimeError:  # not enough page-locked memory: keep the pageable copy
-                        pass
-                self.host[key] = host
+                host = self.host.get(key)
+                if host is None or host.data_ptr() != t.data_ptr():
+                    host = self.host[key] = t.detach()
                 _put(owner, kind, name, t, host.to(self.device, non_blocking=host.is_pinned(), copy=True))
+                self.onloaded[key] = (t.data_ptr(), t._version)
         module.to(self.device)
+
+    def _pin(self, slots: list[tuple[torch.nn.Module, str, str, torch.Tensor]]) -> None:
+        """Page-locked host copies of these tensors, in registered chunks of about ``PIN_CHUNK_BYTES``; each
+        tensor's slot then points at its copy. Where the driver refuses (not enough lockable memory), the
+        pageable tensors stay as they are."""
+        chunk: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = []
+        size = 0
+        for slot in slots:
+            chunk.append(slot)
+            size += -(-slot[3].numel() * slot[3].element_size() // _ALIGN) * _ALIGN
+            if size >= PIN_CHUNK_BYTES:
+                self._pin_chunk(chunk, size)
+                chunk, size = [], 0
+        if chunk:
+            self._pin_chunk(chunk, size)
+
+    def _pin_chunk(self, chunk: list[tuple[torch.nn.Module, str, str, torch.Tensor]], size: int) -> None:
+        buffer = registered_host_buffer(size)
+        if buffer is None:
+            return
+        self.buffers.append(buffer)
+        offset = 0
+        for owner, kind, name, t in chunk:
+            n = t.numel() * t.element_size()
+            view = buffer[offset:offset + n].view(t.dtype).view(t.shape) if t.is_contiguous() else None
+            if view is None:  # a strided host tensor keeps its layout, in pinned memory of its own
+                view = t.detach().pin_memory()
+            else:
+                view.copy_(t.detach())
+            self.host[(id(owner), kind, name)] = view
+            _put(owner, kind, name, t, view)
+            offset += -(-n // _ALIGN) * _ALIGN
+
+
+def registered_host_buffer(size: int) -> torch.Tensor | None:
+    """``size`` bytes of host memory page-locked by ``cudaHostRegister`` (exactly that much, unlike the caching
+    host allocator), unregistered when this tensor object is collected (its views may live on as plain host
+    memory); None when the driver refuses."""
+    import weakref
+
+    buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) != 0:
+        return None
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 class _BringGroupHook(ModelHook):
@@ -153,7 +219,9 @@ class ModelOffload:
                 for target in (m, *m.children()):
                     registry = HookRegistry.check_if_exists_or_initialize(target)
                     registry.register_hook(_BringGroupHook(placement, group), HOOK_NAME)
-        return "model: " + ", ".join(f"{g} [{len(ms)}]" for g, ms in groups.items()) + " take turns on " + str(device)
+        host = sum(t.numel() * t.element_size() for ms in groups.values() for m in ms for *_, t in _slots(m))
+        return ("model: " + ", ".join(f"{g} [{len(ms)}]" for g, ms in groups.items()) + f" take turns on {device}; "
+                f"host memory {host / 2**30:.2f} GiB for their weights" + (" (page-locked)" if placement.pin else ""))
 
     def device_bytes(self, policy: Any, stage: str, roles: tuple[str, ...], components: list[Any],
                      accelerator: bool) -> int:

@@ -53,8 +53,10 @@ class Conditioning:
         return next(iter(self.batched.values())).shape[0]
 
     def rows(self, index: torch.Tensor | slice | Sequence[int]) -> Conditioning:
+        """These rows of every batched entry (an entry may live on the host, e.g. lengths a family reads every
+        step without a device sync: a tensor index goes to each entry's own device)."""
         if isinstance(index, torch.Tensor):
-            index = index.to(next(iter(self.batched.values())).device)
+            return Conditioning({k: v[index.to(v.device)] for k, v in self.batched.items()}, self.shared, self.ragged)
         return Conditioning({k: v[index] for k, v in self.batched.items()}, self.shared, self.ragged)
 
     def with_(self, other: Conditioning | None) -> Conditioning:
@@ -148,6 +150,11 @@ class Family:
     # Perturbation kinds the denoiser applies to chosen rows of a batch, so their passes share a forward with the
     # unperturbed ones; ``predict`` then gets a list with one perturbation (or None) per row.
     row_perturbations: ClassVar[tuple[str, ...]] = ()
+    # Whether passes whose prompt encodings differ in length (``ragged``: a negative prompt shorter than the prompt)
+    # run as separate forwards, each at its own length with no mask, instead of one forward padded to the longest
+    # with a mask. A mask moves attention off its fastest kernels (flash, cuDNN), which costs more than the batch
+    # saves on a GPU; the family's diffusers pipeline runs them apart too.
+    ragged_passes_apart: ClassVar[bool] = False
     # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
     # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
     prediction_space: ClassVar[str] = "velocity"

@@ -30,6 +30,7 @@ class QwenImageFamily(PackedLatents, Family):
     context_parallel = True
     tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
     block_lists = ("transformer_blocks",)
+    ragged_passes_apart = True  # QwenImagePipeline's true CFG: two forwards, each prompt at its own length
     attention_roles = {"joint": ("transformer_blocks.*.attn",)}
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
 
@@ -86,7 +87,8 @@ class QwenImageFamily(PackedLatents, Family):
         with self.layer_skip(denoiser, perturbation):
             out = denoiser(
                 hidden_states=hidden, timestep=timestep.expand(b).to(x.dtype) / 1000, guidance=None,
-                encoder_hidden_states=embeds, encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                encoder_hidden_states=embeds,
+                encoder_hidden_states_mask=None if bool(mask.all()) else mask.to(embeds.device),
                 img_shapes=[self.image_shapes(geometry)] * b, attention_kwargs={}, return_dict=False,
             )[0]
         return {"latents": out[:, :tokens]}
@@ -200,7 +202,8 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
 
 
 def _prompt_conditioning(embeds: torch.Tensor, mask: torch.Tensor | None) -> Conditioning:
-    """Prompt embeddings and their 0/1 mask (diffusers returns None when nothing is padded)."""
-    if mask is None:
-        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    """Prompt embeddings and their 0/1 mask (diffusers returns None when nothing is padded). The mask is kept on the
+    host: each forward asks whether anything is padded, which read from a device tensor would make the host wait
+    for the GPU every step."""
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long) if mask is None else mask.cpu()
     return Conditioning({"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}, ragged=PROMPT_KEYS)

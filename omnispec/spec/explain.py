@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .checkpoint import CheckpointConfigs
+from .errors import SpecError
 from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
 from .policies import PARALLEL_AXES
@@ -117,9 +118,12 @@ def describe_weights(spec: PipelineSpec, configs: CheckpointConfigs | None, root
             continue
         dtype = component.dtype or spec.model.dtype
         if component.file is not None:
-            path = locate(component, root, f"model.components.{name}.file", spec.model.revision, fetch=False)
-            what = read_weights_file(path, f"model.components.{name}.file", trusted=True).describe() if path else \
-                "a Hub file, not fetched yet"
+            where = f"model.components.{name}.file"
+            try:
+                path = locate(component, root, where, spec.model.revision, fetch=False)
+                what = read_weights_file(path, where, trusted=True).describe() if path else "a Hub file, not fetched yet"
+            except SpecError as exc:  # explain describes the plan; loading is where a bad file stops the run
+                path, what = None, f"not readable here: {exc.problems[0].message}"
             out[name] = f"single file {path or component.file} ({what}), computes in {dtype}"
         elif configs is not None and name in configs.prequantized:
             out[name] = f"pre-quantized by its checkpoint: {configs.prequantized[name].describe()}"

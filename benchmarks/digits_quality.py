@@ -118,9 +118,9 @@ def prequantized_copy(method: str) -> Path:
     import tempfile
 
     from diffusers import TorchAoConfig
+    from omnispec.src_models.digits.model import DigitsDiT
 
     from omnispec.policies.quantization import torchao_config
-    from omnispec.src_models.digits.model import DigitsDiT
 
     source = ROOT / "src_models" / "digits" / "weights"
     folder = Path(tempfile.mkdtemp(prefix="digits-prequantized-")) / "weights"

@@ -99,6 +99,8 @@ SEQUENCE_CASES = {
     "flux-ulysses2": ("flux", "flux1-dev.yaml", "flux_dir", {"ulysses": 2}, []),
     "flux-ring2": ("flux", "flux1-dev.yaml", "flux_dir", {"ring": 2}, []),
     "wan-ring2-ulysses2": ("wan", "wan2.1-t2v-1.3b.yaml", "wan_dir", {"ring": 2, "ulysses": 2}, []),
+    # Wan2.2 TI2V's per-token timesteps split with the sequence
+    "wan_ti2v-ulysses2": ("wan", "wan2.2-ti2v-5b.yaml", "wan_ti2v_dir", {"ulysses": 2}, []),
     "flux-cfg2-ulysses2": ("flux", "flux1-dev.yaml", "flux_dir", {"cfg": 2, "ulysses": 2},
                            ["--set", "recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 2.0}]"]),
     # CFG-parallel spreads LTX-2's whole plan (cond, uncond, STG, modality) and gathers video and audio

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -15,7 +16,15 @@ from ..policies import apply_policies, check_policies, quantization, resolve_dev
 from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
 from ..spec.base import DEVICE_PATTERN
-from ..spec.checkpoint import CheckpointConfigs, checkpoint_problems, follow_checkpoint, read_configs, unresolved
+from ..spec.checkpoint import (
+    ESCAPE,
+    CheckpointConfigs,
+    checkpoint_problems,
+    follow_checkpoint,
+    read_configs,
+    unresolved,
+)
+from ..spec.errors import Problem
 from ..spec.explain import describe_weights
 from .components import check_source, load_components
 from .families import family_class
@@ -161,7 +170,23 @@ def _against_checkpoint(spec: PipelineSpec, root: str | None) -> tuple[PipelineS
                                    "model.source")
         return spec, None
     configs = read_configs(spec, root)
-    problems = checkpoint_problems(spec, configs)
+    problems = checkpoint_problems(spec, configs) + _model_index_problems(spec, configs)
     if problems:
         raise SpecError(problems)
     return follow_checkpoint(spec, configs), configs
+
+
+def _model_index_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
+    """Pipeline settings of the checkpoint that change how its model runs, against what the family runs."""
+    index = configs.model_index
+    if index is None or not spec.model.check_checkpoint:
+        return []
+    family = family_class(spec.model.family)
+    problems = []
+    for key, accepted in family.model_index_values.items():
+        if index.get(key) not in accepted:
+            problems.append(Problem("model.family", (
+                f"the checkpoint's model_index.json has {key}: {json.dumps(index.get(key))}, which family "
+                f"{family.name!r} does not run (it runs {key} {' or '.join(json.dumps(a) for a in accepted)}): "
+                f"another variant of the model, which another family runs (omnispec list); {ESCAPE}")))
+    return problems

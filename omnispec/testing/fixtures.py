@@ -93,11 +93,12 @@ def tiny_sd3(root: str | Path, seed: int = 0) -> Path:
     return Path(root)
 
 
-def _wan_transformer(in_channels: int = 16, **extra):
+def _wan_transformer(in_channels: int = 16, out_channels: int = 16, **extra):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=16,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+        out_channels=out_channels,
         text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra,
     ).eval()
@@ -129,6 +130,26 @@ def tiny_wan(root: str | Path, seed: int = 0, two_experts: bool = False) -> Path
         transformer_2=_wan_transformer() if two_experts else None,
         boundary_ratio=0.875 if two_experts else None,
     )
+    pipe.save_pretrained(root)
+    return Path(root)
+
+
+def tiny_wan_ti2v(root: str | Path, seed: int = 0) -> Path:
+    """Wan2.2 TI2V-5B layout: ``WanPipeline`` with ``expand_timesteps`` (a timestep per token), the Wan2.2 VAE
+    (residual, 2x2 pixel patches, 48 latent channels, 16x spatial) and UniPC at the checkpoint's flow_shift 5."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    _seeded(seed)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                           latents_mean=[0.05 * (i % 7 - 3) for i in range(48)],
+                           latents_std=[0.5 + 0.05 * (i % 11) for i in range(48)], dim_mult=[1, 1, 1, 1],
+                           num_res_blocks=1, scale_factor_spatial=16, scale_factor_temporal=4,
+                           temperal_downsample=[False, True, True]).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,
+                                        num_train_timesteps=1000)
+    pipe = WanPipeline(tokenizer=t5_tokenizer(), text_encoder=_t5("UMT5EncoderModel"), vae=vae, scheduler=scheduler,
+                       transformer=_wan_transformer(48, out_channels=48), transformer_2=None, boundary_ratio=None,
+                       expand_timesteps=True)
     pipe.save_pretrained(root)
     return Path(root)
 

@@ -25,6 +25,8 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "sd3.5-medium": ("tiny_sd3", {}, "sd3", ("recipe.phases.0.guidance.terms.1.layers=[1, 2]",)),
     "wan2.1-t2v-1.3b": ("tiny_wan", {}, "wan", ()),
     "wan2.2-t2v-a14b": ("tiny_wan", {"two_experts": True}, "wan", ()),
+    "wan2.2-ti2v-5b": ("tiny_wan_ti2v", {}, "wan", ()),
+    "wan2.2-ti2v-5b-i2v": ("tiny_wan_ti2v", {}, "wan", ()),
     "wan2.1-i2v-14b-480p": ("tiny_wan_i2v", {}, "wan_i2v", ()),
     "wan2.2-i2v-a14b": ("tiny_wan_i2v", {"two_experts": True}, "wan22_i2v", ()),
     "ltx2-t2v": ("tiny_ltx2", {}, "ltx2", ("recipe.phases.0.guidance.terms.1.layers=[1]",)),

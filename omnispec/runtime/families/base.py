@@ -155,6 +155,9 @@ class Family:
     # with a mask. A mask moves attention off its fastest kernels (flash, cuDNN), which costs more than the batch
     # saves on a GPU; the family's diffusers pipeline runs them apart too.
     ragged_passes_apart: ClassVar[bool] = False
+    # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
+    # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
+    model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
     # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
     # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
     prediction_space: ClassVar[str] = "velocity"

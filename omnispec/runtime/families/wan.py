@@ -19,6 +19,7 @@ class WanFamily(Family):
     attention_roles = {"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
     tensor_parallel_refusal = None
+    model_index_values = {"expand_timesteps": (None, False)}  # one timestep per sample (TI2V: family wan_ti2v)
 
     @classmethod
     def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan:

@@ -107,6 +107,31 @@ def wan_components() -> dict:
                                                   flow_shift=3.0, num_train_timesteps=1000))
 
 
+def wan_ti2v_components() -> dict:
+    """Wan2.2 TI2V-5B's transformer at its real config (24 heads of 128, 30 blocks, 48 latent channels) and the
+    Wan2.2 VAE's config (residual, 2x2 pixel patches, 16x spatial), as the checkpoint's convert script builds them."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    _, _, umt5, tok = _text_encoders(*SMOKE_TEXT, umt5=True) if SMOKE else _text_encoders(768, 4096, umt5=True)
+    size = dict(num_attention_heads=24, attention_head_dim=128, text_dim=4096, ffn_dim=14336, num_layers=30)
+    vae = dict(base_dim=160, decoder_base_dim=256, dim_mult=[1, 2, 4, 4])
+    if SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
+        vae = dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    with torch.device(DEVICE):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), in_channels=48, out_channels=48, freq_dim=256, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
+        ).to(torch.bfloat16)
+    vae = AutoencoderKLWan(z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                           scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True],
+                           latents_mean=[0.0] * 48, latents_std=[1.0] * 48, **vae)
+    return dict(transformer=transformer, text_encoder=umt5.to(DEVICE, torch.bfloat16).eval(), tokenizer=tok,
+                vae=vae.to(DEVICE, torch.float32).eval(),
+                scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=5.0, num_train_timesteps=1000))
+
+
 def _on_device(mods: dict, names: tuple[str, ...]) -> dict:
     for k in names:
         mods[k] = mods[k].to(DEVICE, torch.bfloat16).eval()
@@ -201,6 +226,12 @@ WORKLOADS = {
                 request=dict(height=480, width=832, frames=81, max_sequence_length=512), steps=(1, 3),
                 diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
                                       max_sequence_length=512)),
+    # a timestep per token on both sides (WanPipeline with expand_timesteps); 704x1280x121: 27,280 tokens a row
+    "wan_ti2v": dict(spec="wan2.2-ti2v-5b.yaml", components=wan_ti2v_components, pipeline="WanPipeline",
+                     diffusers_only=lambda: {"expand_timesteps": True},
+                     request=dict(height=704, width=1280, frames=121, max_sequence_length=512), steps=(1, 3),
+                     diffusers_kwargs=dict(height=704, width=1280, num_frames=121, guidance_scale=5.0,
+                                           max_sequence_length=512)),
     # true CFG with its per-token renorm on both sides (the spec's negative prompt " " is the model card's)
     "qwen_image": dict(spec="qwen-image.yaml", components=qwen_image_components, pipeline="QwenImagePipeline",
                        request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),

@@ -312,6 +312,16 @@ def test_a_file_of_another_size_or_incomplete_is_refused_before_loading(wan_dir,
         build_wan(wan_dir, short)
 
 
+def test_a_comfyui_scaled_fp8_file_is_refused(wan32, wan_state, tmp_path):
+    """Its weights are stored divided by per-layer ``scale_weight`` tensors that diffusers' converter drops."""
+    original = wan_original(wan_state)
+    original["blocks.0.self_attn.q.scale_weight"] = torch.ones(1)
+    original["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    file = write_safetensors(original, tmp_path / "scaled.safetensors")
+    with pytest.raises(SpecError, match="ComfyUI 'scaled fp8' file"):
+        build_wan(wan32, file)
+
+
 def test_a_pickled_or_missing_file_is_refused(wan_dir, tmp_path):
     with pytest.raises(SpecError, match="pickled weights file"):
         build_wan(wan_dir, tmp_path / "wan.ckpt")

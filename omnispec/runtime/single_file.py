@@ -115,6 +115,12 @@ def check_file(cls: type, weights: WeightsFile, config: dict[str, Any], family: 
                where: str) -> Detected:
     """Refuse, before any weight loads, a file that is not the model ``config`` describes: another family (for a
     denoiser), keys the converter cannot map, weights the model needs and the file lacks, shapes that differ."""
+    scaled = sorted(k for k in weights.tensors if k.endswith(".scale_weight") or k.rsplit(".", 1)[-1] == "scaled_fp8")
+    if scaled:  # ComfyUI's "scaled fp8": each weight is stored divided by its scale, which the converters drop
+        raise SpecError.single(f"{weights.path.name} is a ComfyUI 'scaled fp8' file ({scaled[0]} and "
+                               f"{len(scaled) - 1} more): its weights are stored divided by per-layer scales that "
+                               "diffusers' converter does not apply, so the model would load wrong; use the "
+                               "authors' file, a plain bf16/fp8 one, or a GGUF", where)
     detected = detect(weights) if role == "denoiser" else Detected(None)
     if family is not None and detected.families and family not in detected.families:
         raise SpecError.single(f"{weights.path.name} is a {detected.describe()} file (by its keys and shapes), not "

@@ -31,6 +31,12 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("diffusers.LTX2Pipeline", "_normalize_latents", "the video VAE's latent normalisation"),
     ("diffusers.LTX2Pipeline", "_denormalize_latents", "its inverse, before decoding"),
     ("diffusers.LTX2Pipeline", "_denormalize_audio_latents", "the audio VAE's, before decoding"),
+    ("diffusers.Flux2KleinPipeline", "_unpack_latents_with_ids", "FLUX.2's packed tokens back to their grid by "
+     "their position ids, before decoding"),
+    ("diffusers.Flux2KleinPipeline", "_unpatchify_latents", "FLUX.2's 2x2 channel patches back to the VAE's "
+     "latent layout"),
+    ("diffusers.pipelines.flux2.image_processor.Flux2ImageProcessor", "_resize_to_target_area", "a reference image "
+     "above 1 MP resized to 1 MP as the pipeline resizes it (no public form)"),
     ("diffusers.hooks.layer_skip", "_apply_layer_skip_hook", "skip-layer guidance's hook under a name we remove after "
      "the pass (the public apply_layer_skip has a fixed name and no removal)"),
     ("diffusers.hooks.hooks", "_set_cache_context", "a cache context on a module without CacheMixin (the digits DiT)"),
@@ -80,6 +86,18 @@ def prepare_latent_image_ids(pipeline: Any, *args: Any) -> Any:
 
 def encode_vae_image(pipeline: Any, image: Any, generator: Any) -> Any:
     return pipeline._encode_vae_image(image, generator=generator)
+
+
+def unpack_latents_with_ids(pipeline: Any, *args: Any) -> Any:
+    return type(pipeline)._unpack_latents_with_ids(*args)
+
+
+def unpatchify_latents(pipeline: Any, latents: Any) -> Any:
+    return type(pipeline)._unpatchify_latents(latents)
+
+
+def resize_to_target_area(processor: Any, image: Any, area: int) -> Any:
+    return processor._resize_to_target_area(image, area)
 
 
 def pack_audio_latents(pipeline: Any, latents: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -181,12 +180,5 @@ def _model_index_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> lis
     index = configs.model_index
     if index is None or not spec.model.check_checkpoint:
         return []
-    family = family_class(spec.model.family)
-    problems = []
-    for key, accepted in family.model_index_values.items():
-        if index.get(key) not in accepted:
-            problems.append(Problem("model.family", (
-                f"the checkpoint's model_index.json has {key}: {json.dumps(index.get(key))}, which family "
-                f"{family.name!r} does not run (it runs {key} {' or '.join(json.dumps(a) for a in accepted)}): "
-                f"another variant of the model, which another family runs (omnispec list); {ESCAPE}")))
-    return problems
+    return [Problem(where, f"{message}; {ESCAPE}") for where, message in
+            family_class(spec.model.family).index_problems(spec, index)]

@@ -344,6 +344,9 @@ def _schedule_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[P
     for where, schedule in _flow_schedules(spec):
         if schedule.sigmas is not None or schedule.shift == FROM_CHECKPOINT:
             continue  # explicit sigmas are the spec's own; from_checkpoint follows
+        if schedule.shift == "empirical" and config.get("use_dynamic_shifting") and \
+                config.get("time_shift_type", "exponential") == "exponential":
+            continue  # FLUX.2's pipelines compute mu themselves: the config's dynamic range is not used
         for key in _UNSUPPORTED:
             if config.get(key):
                 problems.append(Problem(where, f"the checkpoint's scheduler sets {key}, which a flow_match schedule "

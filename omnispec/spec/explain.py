@@ -30,7 +30,7 @@ def static_sigmas(spec: PipelineSpec, phase: Phase, steps: int) -> list[float] |
 
 
 def _static(schedule: FlowMatchSchedule) -> bool:
-    return schedule.shift not in ("dynamic", FROM_CHECKPOINT)
+    return schedule.shift not in ("dynamic", "empirical", FROM_CHECKPOINT)
 
 
 def phase_step_count(spec: PipelineSpec, phase: Phase, steps: int) -> int | None:

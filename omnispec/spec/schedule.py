@@ -25,7 +25,8 @@ class FlowMatchSchedule(SpecModel):
 
     ``shift`` is a static shift ``s*x / (1 + (s-1)*x)`` or ``dynamic``: the exponential time shift
     with ``mu`` interpolated from the image sequence length between ``base_seq_len`` and
-    ``max_seq_len`` (FLUX.1's ``calculate_shift``). ``shift_terminal`` stretches the schedule so the
+    ``max_seq_len`` (FLUX.1's ``calculate_shift``), or ``empirical``: the same time shift with FLUX.2's ``mu``,
+    fitted to both the sequence length and the step count. ``shift_terminal`` stretches the schedule so the
     last sigma equals it (LTX-style terminal stretch). ``shift: from_checkpoint`` takes the shift, its
     dynamic range and the terminal from the checkpoint's scheduler config at build.
     """
@@ -33,7 +34,7 @@ class FlowMatchSchedule(SpecModel):
     kind: Literal["flow_match"]
     steps: Steps | None = Field(default=None, description="Defaults to the request's steps.")
     sigmas: list[Unit] | None = Field(default=None, min_length=1, max_length=MAX_STEPS)
-    shift: float | Literal["dynamic"] | FromCheckpoint = 1.0
+    shift: float | Literal["dynamic", "empirical"] | FromCheckpoint = 1.0
     base_shift: float = 0.5
     max_shift: float = 1.15
     base_seq_len: int = 256
@@ -42,7 +43,8 @@ class FlowMatchSchedule(SpecModel):
 
     def describe(self, schedules: dict) -> str:
         """How explain names it (``schedules``: the recipe's shared ones)."""
-        shift = {"dynamic": "dynamic shift", FROM_CHECKPOINT: "shift from the checkpoint"}.get(
+        shift = {"dynamic": "dynamic shift", "empirical": "empirical shift", FROM_CHECKPOINT:
+                 "shift from the checkpoint"}.get(
             self.shift, f"shift {self.shift}")  # type: ignore[arg-type]
         return f"flow_match ({shift}{', explicit sigmas' if self.sigmas else ''})"
 
@@ -132,6 +134,18 @@ def dynamic_mu(schedule: FlowMatchSchedule, seq_len: int) -> float:
     return seq_len * slope + schedule.base_shift - slope * schedule.base_seq_len
 
 
+def empirical_mu(seq_len: int, steps: int) -> float:
+    """FLUX.2's ``mu``: linear in the sequence length at 10 and at 200 steps (two fitted lines), interpolated
+    linearly in the step count between them; past 4,300 tokens the 200-step line alone (diffusers'
+    ``compute_empirical_mu``, whose constants these are)."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    if seq_len > 4300:
+        return a2 * seq_len + b2
+    m_200, m_10 = a2 * seq_len + b2, a1 * seq_len + b1
+    slope = (m_200 - m_10) / 190.0
+    return slope * steps + m_200 - 200.0 * slope
+
+
 def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | None = None) -> list[float]:
     """Sigmas of each step followed by the terminal 0 (length ``steps + 1``)."""
     if schedule.sigmas is not None:
@@ -140,10 +154,10 @@ def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | No
         base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
     if schedule.shift == FROM_CHECKPOINT:
         raise ValueError("shift: from_checkpoint is resolved from the checkpoint's scheduler config at build")
-    if schedule.shift == "dynamic":
+    if schedule.shift in ("dynamic", "empirical"):
         if seq_len is None:
-            raise ValueError("a dynamic shift needs the image sequence length")
-        mu = dynamic_mu(schedule, seq_len)
+            raise ValueError(f"a {schedule.shift} shift needs the image sequence length")
+        mu = dynamic_mu(schedule, seq_len) if schedule.shift == "dynamic" else empirical_mu(seq_len, steps)
         shifted = [math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) if s > 0 else 0.0 for s in base]
     else:
         k = float(schedule.shift)

@@ -1,10 +1,10 @@
 """Offline tiny fixtures: random checkpoints in diffusers layout with tokenizers trained here."""
 
-from .fixtures import TINY_OVERRIDES, tiny_flux, tiny_ltx2, tiny_sd3, tiny_wan, tiny_wan_i2v
+from .fixtures import TINY_OVERRIDES, tiny_flux, tiny_flux2_klein, tiny_ltx2, tiny_sd3, tiny_wan, tiny_wan_i2v
 from .tokenizers import clip_tokenizer, gemma_tokenizer, t5_tokenizer
 
-__all__ = ["TINY_OVERRIDES", "clip_tokenizer", "gemma_tokenizer", "t5_tokenizer", "tiny_flux", "tiny_ltx2", "tiny_sd3",
-           "tiny_wan", "tiny_wan_i2v"]
+__all__ = ["TINY_OVERRIDES", "clip_tokenizer", "gemma_tokenizer", "t5_tokenizer", "tiny_flux", "tiny_flux2_klein",
+           "tiny_ltx2", "tiny_sd3", "tiny_wan", "tiny_wan_i2v"]
 
 from .fixtures import tiny_hunyuan_video15, tiny_qwen_image, tiny_wan_ti2v, tiny_z_image
 from .tokenizers import qwen_tokenizer, qwen_vl_processor

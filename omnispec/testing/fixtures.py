@@ -73,6 +73,45 @@ def tiny_flux(root: str | Path, seed: int = 0, guidance_embeds: bool = True) -> 
     return Path(root)
 
 
+def tiny_flux2_klein(root: str | Path, seed: int = 0, distilled: bool = False) -> Path:
+    """FLUX.2 [klein] layout: a 27-layer Qwen3 causal LM 16 wide (the prompt is its hidden states at layers 9, 18
+    and 27, stacked), a one-double one-single block transformer, FLUX.2's VAE at scale 2 with non-trivial batch-norm
+    statistics, and the real scheduler config (dynamic, exponential; the pipeline computes mu itself)."""
+    import transformers
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    from .tokenizers import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
+
+    _seeded(seed)
+    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=27, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, head_dim=8)).eval()
+    _seeded(seed)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
+        guidance_embeds=False).eval()
+    _seeded(seed)
+    vae = AutoencoderKLFlux2(
+        sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1, latent_channels=4,
+        norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False).eval()
+    with torch.no_grad():  # 16 = 4 latent channels x a 2x2 patch
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, 16))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 16))
+    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                max_shift=1.15, shift=3.0, time_shift_type="exponential",
+                                                use_dynamic_shifting=True)
+    Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=qwen_tokenizer(
+        QWEN3_CHAT_TEMPLATE), transformer=transformer, is_distilled=distilled).save_pretrained(root)
+    return Path(root)
+
+
 def tiny_sd3(root: str | Path, seed: int = 0) -> Path:
     """SD3.5 layout with three text encoders; 4 joint blocks so skip-layer guidance has layers to skip."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -295,6 +334,9 @@ TINY_OVERRIDES = {
             "recipe.defaults.frames=5", "recipe.defaults.steps=4", "recipe.defaults.max_sequence_length=16",
             "runtime.progress=false"],
 }
+TINY_OVERRIDES["flux2_klein"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=48",
+                                 "recipe.defaults.steps=3", "recipe.defaults.max_sequence_length=64",
+                                 "runtime.progress=false"]
 # Wan2.1 I2V splits its cross-attention context assuming 512 text tokens.
 TINY_OVERRIDES["wan_i2v"] = [*TINY_OVERRIDES["wan"], "recipe.defaults.max_sequence_length=512",
                              "model.components.image_encoder.dtype=float32"]

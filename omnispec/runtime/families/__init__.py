@@ -11,6 +11,7 @@ from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
 _BUILTIN = {
     "flux": "omnispec.runtime.families.flux:FluxFamily",
     "flux_kontext": "omnispec.runtime.families.flux_kontext:FluxKontextFamily",
+    "flux2_klein": "omnispec.runtime.families.flux2_klein:Flux2KleinFamily",
     "sd3": "omnispec.runtime.families.sd3:SD3Family",
     "wan": "omnispec.runtime.families.wan:WanFamily",
     "wan_i2v": "omnispec.runtime.families.wan_i2v:WanImageToVideoFamily",

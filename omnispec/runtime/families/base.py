@@ -9,6 +9,7 @@ encoding, packing and VAE normalisation equal diffusers' by construction.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
@@ -221,6 +222,19 @@ class Family:
         if len(request.images) > cls.max_images:
             raise SpecError.single(f"family {cls.name!r} conditions on at most {cls.max_images} image(s), got "
                                    f"{len(request.images)}", "request.image")
+
+    @classmethod
+    def index_problems(cls, spec: PipelineSpec, index: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """(where, why) for each setting of the checkpoint's ``model_index.json`` that this family, or this spec on
+        it, would run otherwise than diffusers runs it (checked before loading; ``model_index_values`` here)."""
+        problems = []
+        for key, accepted in cls.model_index_values.items():
+            if index.get(key) not in accepted:
+                problems.append(("model.family", (
+                    f"the checkpoint's model_index.json has {key}: {json.dumps(index.get(key))}, which family "
+                    f"{cls.name!r} does not run (it runs {key} {' or '.join(json.dumps(a) for a in accepted)}): "
+                    "another variant of the model, which another family runs (omnispec list)")))
+        return problems
 
     def make_helper(self, components: dict[str, Any]) -> Any:
         assert self.pipeline_class is not None

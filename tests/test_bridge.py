@@ -19,6 +19,7 @@ SOURCES = sorted(p for p in (ROOT / "omnispec").rglob("*.py") if "__pycache__" n
 # torch's own internals read outside the bridge (the bridge is diffusers'), each for a reason written where used.
 TORCH_INTERNALS = {
     "_parameters", "_buffers",  # offload/model.py: swapping a module's tensors in place without Module.to
+    "_version",  # offload/model.py: a tensor's in-place version counter, to copy back only what changed
     "_overloadpacket", "_cdata",  # estimate/counting.py: a dispatch mode telling ops and storages apart
     "_scaled_dot_product_flash_attention_for_cpu",  # parallel/sequence.py: the CPU kernel ring attention needs on gloo
 }

@@ -137,15 +137,18 @@ def _family_of(source: str, index: dict[str, Any] | None) -> str:
     if index is None:
         return _family_by_denoiser(source)
     pipeline = str(index.get("_class_name", ""))
-    by_pipeline = {}
+    by_pipeline: dict[str, list[str]] = {}
     for name in BUILTIN_FAMILIES:
-        cls = family_class(name).pipeline_class
-        if cls is not None:
-            by_pipeline.setdefault(cls.__name__, name)
+        for runs in family_class(name).checkpoint_pipelines():
+            by_pipeline.setdefault(runs, []).append(name)
     if pipeline not in by_pipeline:
         raise SpecError.single(f"model_index.json names pipeline {pipeline!r}, which no built-in family runs (they run "
                                f"{', '.join(sorted(by_pipeline))}); pass --family to choose one", "SOURCE")
-    return by_pipeline[pipeline]
+    # among the families of that pipeline, the first whose model_index settings this checkpoint has (Wan2.2 TI2V's
+    # expand_timesteps: the same WanPipeline, another family)
+    fitting = [name for name in by_pipeline[pipeline] if all(
+        index.get(key) in accepted for key, accepted in family_class(name).model_index_values.items())]
+    return (fitting or by_pipeline[pipeline])[0]
 
 
 def _family_by_denoiser(source: str) -> str:
@@ -268,6 +271,8 @@ def _schedule(schedule: dict[str, Any], scheduler: str | None, scheduler_class: 
     """The template's schedule following the checkpoint: flow matching with the scheduler's shift, the scheduler
     itself when it is another kind, a segment split at the checkpoint's boundary."""
     kind = schedule.get("kind", "flow_match")
+    if kind == "flow_match" and schedule.get("shift") == "empirical":
+        return schedule  # FLUX.2's pipelines compute mu themselves; the scheduler config's range is not theirs
     if kind == "segment":
         out = dict(schedule)
         for bound in ("low", "high"):

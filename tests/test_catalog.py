@@ -107,6 +107,9 @@ INIT_CASES = {
     "sd3": ("sd3_dir", None, None, TINY_OVERRIDES["sd3"], {}, None),
     "wan": ("wan22_dir", None, None, TINY_OVERRIDES["wan"], {}, None),
     "wan_i2v": ("wan_i2v_dir", None, None, TINY_OVERRIDES["wan_i2v"], {"image": "photo"}, None),
+    # the same WanPipeline as wan's checkpoints: told apart by model_index.json's expand_timesteps
+    "wan_ti2v": ("wan_ti2v_dir", None, None, [*TINY_OVERRIDES["wan"], "recipe.defaults.width=64"], {}, None),
+    "flux2_klein": ("flux2_klein_dir", None, None, TINY_OVERRIDES["flux2_klein"], {}, None),
     "ltx2": ("ltx2_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
     "ltx2_condition": ("ltx2_dir", None, "ltx2_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
     "digits": (None, None, None, ["runtime.progress=false"], {}, None),

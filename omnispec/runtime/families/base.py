@@ -224,6 +224,12 @@ class Family:
                                    f"{len(request.images)}", "request.image")
 
     @classmethod
+    def checkpoint_pipelines(cls) -> tuple[str, ...]:
+        """The pipeline classes a checkpoint's ``model_index.json`` names for the models this family runs (what
+        ``omnispec init`` matches): its helper pipeline's by default."""
+        return (cls.pipeline_class.__name__,) if cls.pipeline_class is not None else ()
+
+    @classmethod
     def index_problems(cls, spec: PipelineSpec, index: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(where, why) for each setting of the checkpoint's ``model_index.json`` that this family, or this spec on
         it, would run otherwise than diffusers runs it (checked before loading; ``model_index_values`` here)."""

@@ -22,6 +22,10 @@ class WanTI2VFamily(WanFamily):
     max_images = 1
     model_index_values = {"expand_timesteps": (True,)}
 
+    @classmethod
+    def checkpoint_pipelines(cls) -> tuple[str, ...]:
+        return ("WanPipeline", "WanImageToVideoPipeline")
+
     def make_helper(self, components):
         denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]
         return WanImageToVideoPipeline(

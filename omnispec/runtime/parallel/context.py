@@ -3,6 +3,7 @@ in mesh order) and each rank's place in it."""
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,15 @@ def _ensure_process_group(world: int, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    atexit.register(_leave_group)  # the group omnispec made is left before exit
+
+
+def _leave_group() -> None:
+    """Destroy the process group omnispec initialised: one torn down by the interpreter's exit with its threads
+    still running can abort the process (gloo: "terminate called without an active exception", exit -6) after
+    the outputs were written."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def setup(spec: PipelineSpec, device: torch.device, group: Any = None) -> ParallelContext | None:

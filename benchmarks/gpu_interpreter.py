@@ -132,6 +132,40 @@ def wan_ti2v_components() -> dict:
                                                   flow_shift=5.0, num_train_timesteps=1000))
 
 
+def flux2_klein_components() -> dict:
+    """FLUX.2 [klein] 4B's transformer at its published shape (5 double and 20 single blocks of 24 heads of 128,
+    prompts 3 x 2560 wide); a 27-layer Qwen3 2560 wide with a narrow MLP (the prompt is its hidden states at layers
+    9, 18 and 27), FLUX.2's VAE at its default config."""
+    import transformers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.tokenizers import QWEN3_CHAT_TEMPLATE
+
+    width, layers = (16, 27) if SMOKE else (2560, 27)
+    size = dict(num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
+                axes_dims_rope=(32, 32, 32, 32), in_channels=128)
+    if SMOKE:
+        size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                    axes_dims_rope=(4, 4, 4, 4), in_channels=16)
+    with torch.device(DEVICE):
+        transformer = Flux2Transformer2DModel(joint_attention_dim=3 * width, timestep_guidance_channels=256,
+                                              guidance_embeds=False, **size).to(torch.bfloat16)
+    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=width, intermediate_size=16 if SMOKE else 1024, num_hidden_layers=layers,
+        num_attention_heads=2 if SMOKE else 32, num_key_value_heads=2 if SMOKE else 8, head_dim=8 if SMOKE else 128,
+        vocab_size=512))
+    vae = AutoencoderKLFlux2(**(dict(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                                     norm_num_groups=4) if SMOKE else {}))
+    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                max_shift=1.15, shift=3.0, time_shift_type="exponential",
+                                                use_dynamic_shifting=True)
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(QWEN3_CHAT_TEMPLATE),
+                vae=vae, scheduler=scheduler)
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
 def _on_device(mods: dict, names: tuple[str, ...]) -> dict:
     for k in names:
         mods[k] = mods[k].to(DEVICE, torch.bfloat16).eval()
@@ -226,6 +260,12 @@ WORKLOADS = {
                 request=dict(height=480, width=832, frames=81, max_sequence_length=512), steps=(1, 3),
                 diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
                                       max_sequence_length=512)),
+    # the base model's CFG on both sides (two forwards against the empty prompt), 1024²: 4,096 image tokens
+    "flux2_klein": dict(spec="flux2-klein-base-4b.yaml", components=flux2_klein_components,
+                        pipeline="Flux2KleinPipeline", compare="images",
+                        request=dict(height=1024, width=1024, max_sequence_length=512),
+                        steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.0,
+                                                            max_sequence_length=512)),
     # a timestep per token on both sides (WanPipeline with expand_timesteps); 704x1280x121: 27,280 tokens a row
     "wan_ti2v": dict(spec="wan2.2-ti2v-5b.yaml", components=wan_ti2v_components, pipeline="WanPipeline",
                      diffusers_only=lambda: {"expand_timesteps": True},
@@ -370,7 +410,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **w["request"]), decode=False)
 
     def run_ref(n):
-        ref("a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+        ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **w["diffusers_kwargs"])
 
     lo, hi = w["steps"]
@@ -383,12 +423,15 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
             med, samples = per_step(run, lo, hi, repeats)
         results[label] = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
                           "mfu": flops / med / ceiling}
-    # Equality of the two runs' latents (same seed), bf16.
-    a = pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=lo, **w["request"]),
-                      decode=False).latents["latents"]
-    b = ref("a photo of a cat", num_inference_steps=lo, generator=torch.Generator("cpu").manual_seed(0),
-            output_type="latent", **w["diffusers_kwargs"])
+    # Equality of the two runs' latents (same seed), bf16; decoded images where the pipeline's "latent" output is
+    # not its loop's latents (FLUX.2 returns them unpacked and denormalised).
+    images = w.get("compare") == "images"
+    a = pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=lo, **w["request"]), decode=images)
+    a = torch.from_numpy(a.array) if images else a.latents["latents"]
+    b = ref(prompt="a photo of a cat", num_inference_steps=lo, generator=torch.Generator("cpu").manual_seed(0),
+            output_type="np" if images else "latent", **w["diffusers_kwargs"])
     b = (b.images if hasattr(b, "images") else b.frames)
+    b = torch.from_numpy(b) if images else b
     cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],

@@ -121,6 +121,13 @@ def test_offload_keeps_less_on_the_device(flux_dir, flux_estimate):
     streamed = sum(transformer.blocks.values())
     assert layerwise.weights_on_device["decode"] == sum(weights.values()) - streamed
     assert layerwise.weights_on_device["denoise"] == sum(weights.values()) - streamed + max(transformer.blocks.values())
+    # the host memory each strategy keeps the weights in: every moved component, or the streamed blocks
+    assert flux_estimate.host_bytes == 0
+    assert model.host_bytes == sum(weights.values())  # encoders, the denoiser and the VAE all take turns
+    assert layerwise.host_bytes == streamed
+    from omnispec.estimate import render_estimate
+
+    assert "host memory for offloaded weights" in render_estimate(model)
 
 
 def test_time_per_step_comes_from_a_device_kinds_published_peaks(flux_dir, flux_estimate):

@@ -188,6 +188,8 @@ def _peak(spec: PipelineSpec, result: Estimate, modules: dict[str, Any]) -> None
     stages = {stage: strategy.device_bytes(offload, stage, roles, result.components, result.device != "cpu")
               for stage, roles in STAGE_ROLES.items()}
     result.weights_on_device = stages
+    if not getattr(offload, "distributed", False):  # distributed offload: per rank, in the mesh lines
+        result.host_bytes = strategy.host_bytes(offload, result.components)
     per_rank(spec, family_class(spec.model.family), modules, result)
     peaks = {stage: stages[stage] + result.activation_bytes.get(stage, 0) for stage in stages}
     result.peak_stage = max(peaks, key=lambda s: peaks[s])

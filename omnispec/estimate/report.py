@@ -40,6 +40,7 @@ class Estimate:
     activation_bytes: dict[str, int] = field(default_factory=dict)  # stage -> peak live bytes
     peak_bytes: int | None = None
     peak_stage: str | None = None
+    host_bytes: int = 0  # weights the offload policy keeps in host memory (one copy, page-locked by default)
     weights_on_device: dict[str, int] = field(default_factory=dict)  # stage -> bytes
     ops: list[OpCount] = field(default_factory=list)
     compute_seconds: float | None = None  # per forward: its FLOPs at the device kind's peak and share
@@ -108,6 +109,9 @@ def render_estimate(e: Estimate) -> str:
         act = e.activation_bytes.get(e.peak_stage or "", 0)
         lines.append(f"  peak device memory: {_size(e.peak_bytes)} while {e.peak_stage} (weights {_size(weights)} + "
                      f"activations {_size(act)})")
+    if e.host_bytes:
+        lines.append(f"  host memory for offloaded weights: {_size(e.host_bytes)} (one copy, page-locked unless "
+                     "pin_memory: false)")
     if e.step_seconds is not None:
         line = (f"  time per step: {e.step_seconds * 1e3:.4g} ms ({e.forwards_per_step} forward(s) on {e.timed_for}: "
                 f"FLOPs {(e.compute_seconds or 0) * 1e3:.4g} ms; other ops {_size(e.moved_bytes or 0)} moved: "

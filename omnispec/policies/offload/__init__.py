@@ -26,6 +26,10 @@ class NoOffload:
                      accelerator: bool) -> int:
         return sum(c.bytes for c in components)
 
+    def host_bytes(self, policy: Any, components: list[Any]) -> int:
+        """Host memory the strategy keeps weights in for the pipeline's life (none: everything is on the device)."""
+        return 0
+
 
 NONE = NoOffload()
 

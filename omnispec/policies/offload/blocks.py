@@ -32,6 +32,10 @@ class BlockOffload:
         return (f"{policy.strategy}: denoiser blocks streamed {per_group} at a time"
                 f"{' with side-stream prefetch' if use_stream else ''}; other components on {device}")
 
+    def host_bytes(self, policy: Any, components: list[Any]) -> int:
+        """The denoisers' streamed blocks, kept in host memory between their onloads."""
+        return sum(sum(c.blocks.values()) for c in components if c.role == "denoiser" and c.blocks)
+
     def device_bytes(self, policy: Any, stage: str, roles: tuple[str, ...], components: list[Any],
                      accelerator: bool) -> int:
         """Everything but the denoisers' blocks; while denoising, one group of the largest blocks (two when

@@ -228,6 +228,10 @@ class ModelOffload:
         """The stage's own roles plus every role model offload never moves (resident, other)."""
         return sum(c.bytes for c in components if c.role in roles or c.role not in GROUPS)
 
+    def host_bytes(self, policy: Any, components: list[Any]) -> int:
+        """Every moved component's weights, in one host copy each (page-locked with ``pin_memory``)."""
+        return sum(c.bytes for c in components if c.role in GROUPS)
+
 
 def remove_model_offload(modules: dict[str, torch.nn.Module]) -> None:
     """An earlier build's model offload over these modules ends here."""

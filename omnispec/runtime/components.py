@@ -267,7 +267,6 @@ def _config_home(component: Component, home: str, revision: str | None) -> tuple
 def _default_config(cls: type, weights: Any, where: str) -> tuple[str, str | None]:
     """diffusers' own default checkpoint for the model the file is (``DIFFUSERS_DEFAULT_PIPELINE_PATHS``), whose
     config folder then describes it; offline and not cached, the user is told to give a source."""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
 
     detected = single_file.detect(weights)
@@ -276,8 +275,7 @@ def _default_config(cls: type, weights: Any, where: str) -> tuple[str, str | Non
         raise SpecError.single(f"{weights.path.name}: no config describes it: the component's folder in model.source "
                                f"has no config.json, and the file is {detected.describe()}; set model.source (or the "
                                "component's source) to the model's diffusers checkpoint", where)
-    single_file.converter(cls, where)
-    entry = next((e for n, e in SINGLE_FILE_LOADABLE_CLASSES.items() if cls.__name__ == n), {})
+    entry = single_file.loadable_entry(cls, where)
     repo = default["pretrained_model_name_or_path"]
     subfolder = default.get("subfolder") or entry.get("default_subfolder")
     from ..spec.hub import hub_file

@@ -94,15 +94,16 @@ def detect(weights: WeightsFile) -> Detected:
     return Detected(found)
 
 
-def converter(cls: type, where: str) -> Any:
-    """diffusers' converter from the original layout for ``cls``; a class without one is refused, naming why."""
+def loadable_entry(cls: type, where: str) -> dict[str, Any]:
+    """diffusers' single-file table entry for ``cls`` (its converter from the original layout, its default
+    subfolder), found as ``from_single_file`` finds it; a class without one is refused, naming why."""
     import diffusers
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     for name, entry in SINGLE_FILE_LOADABLE_CLASSES.items():
         base = getattr(diffusers, name, None)
         if isinstance(base, type) and issubclass(cls, base):
-            return entry["checkpoint_mapping_fn"]
+            return entry
     if not cls.__module__.startswith("diffusers"):
         raise SpecError.single(f"{cls.__name__} cannot load from one weights file: single files are diffusers' "
                                "models' (transformers' text encoders load from their folder)", where)
@@ -164,7 +165,7 @@ def _converted_shapes(cls: type, weights: WeightsFile, config: dict[str, Any],
     checkpoint = meta_checkpoint(weights)
     if not bridge.single_file_needs_conversion(expected, checkpoint):
         return {k: tuple(v.shape) for k, v in checkpoint.items()}
-    convert = converter(cls, where)
+    convert = loadable_entry(cls, where)["checkpoint_mapping_fn"]
     accepted = inspect.signature(convert).parameters
     kwargs = {"config": config} if "config" in accepted or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()) else {}
@@ -194,4 +195,4 @@ def load(cls: type, path: Path, weights: WeightsFile, config_root: str | None, s
     return cls.from_single_file(str(path), **kwargs)
 
 
-__all__ = ["Detected", "check_file", "converter", "detect", "load", "meta_checkpoint"]
+__all__ = ["Detected", "check_file", "detect", "load", "loadable_entry", "meta_checkpoint"]

@@ -69,8 +69,11 @@ class Flux2KleinFamily(Family):
         resized to 1 MP, then its size floored to the packed latent grid (16 px for the real VAE)."""
         from PIL import Image
 
-        if not isinstance(image, Image.Image):
-            image = Image.fromarray(_as_uint8(image))
+        if not isinstance(image, Image.Image):  # a checked float array (H, W, C) or tensor (C, H, W) in [0, 1]
+            processor = self.helper.image_processor
+            array = processor.pt_to_numpy(image[None].float().cpu()) if isinstance(image, torch.Tensor) else \
+                np.asarray(image, dtype=np.float32)[None]
+            image = processor.numpy_to_pil(array)[0]
         try:
             self.helper.image_processor.check_image_input(image)
         except ValueError as exc:
@@ -144,13 +147,3 @@ class Flux2KleinFamily(Family):
         image = vae.decode(spatial.to(vae.dtype), return_dict=False)[0]
         return Decoded(np.asarray(helper.image_processor.postprocess(image, output_type="np"), dtype=np.float32))
 
-
-def _as_uint8(image) -> np.ndarray:
-    """An (H, W, 3) uint8 array from a float [0, 1] array or a (C, H, W) tensor (request images are checked and
-    converted before they reach a family)."""
-    array = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
-    if array.ndim == 3 and array.shape[0] in (1, 3) and array.shape[-1] not in (1, 3):
-        array = array.transpose(1, 2, 0)
-    if array.dtype != np.uint8:
-        array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
-    return array

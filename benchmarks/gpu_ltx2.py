@@ -43,7 +43,7 @@ def components() -> dict:
     if SMOKE:
         from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
 
-        from omnispec.testing.fixtures import ltx2_components
+        from omnispec.testing.ltx2_fixtures import ltx2_components
 
         mods = ltx2_components(version="2.0")
         mods["latent_upsampler"] = LTX2LatentUpsamplerModel(in_channels=4, mid_channels=32, num_blocks_per_stage=1)

@@ -18,7 +18,7 @@ from omnispec.spec import flow_match_sigmas, load_spec
 from omnispec.testing import ltx_converted as lc
 from omnispec.testing import ltx_official as lo
 from omnispec.testing import video_metrics as vm
-from omnispec.testing.fixtures import ltx2_components
+from omnispec.testing.ltx2_fixtures import ltx2_components
 
 pytest.importorskip("ltx_core")
 lo.import_ltx()  # ltx-core's audio package, without torchaudio

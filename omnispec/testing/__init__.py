@@ -1,6 +1,7 @@
 """Offline tiny fixtures: random checkpoints in diffusers layout with tokenizers trained here."""
 
-from .fixtures import TINY_OVERRIDES, tiny_flux, tiny_flux2_klein, tiny_ltx2, tiny_sd3, tiny_wan, tiny_wan_i2v
+from .fixtures import TINY_OVERRIDES, tiny_flux, tiny_flux2_klein, tiny_sd3, tiny_wan, tiny_wan_i2v
+from .ltx2_fixtures import tiny_ltx2
 from .tokenizers import clip_tokenizer, gemma_tokenizer, t5_tokenizer
 
 __all__ = ["TINY_OVERRIDES", "clip_tokenizer", "gemma_tokenizer", "t5_tokenizer", "tiny_flux", "tiny_flux2_klein",

@@ -53,7 +53,9 @@ def tiny_checkpoint(spec: str | os.PathLike[str], folder: str | os.PathLike[str]
     label = builder.removeprefix("tiny_") + "".join(f"-{k}-{v}" for k, v in sorted(kwargs.items()))
     root = Path(folder) / label
     if not (root / "model_index.json").exists():
-        getattr(fixtures, builder)(root, **kwargs)
+        from .. import testing  # every builder, whichever fixtures module holds it
+
+        getattr(testing, builder)(root, **kwargs)
     overrides = [*fixtures.TINY_OVERRIDES[key], *extra]
     load_spec(name, overrides)  # the bundled spec runs on it as it is, but for these
     return root, overrides

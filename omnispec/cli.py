@@ -114,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", metavar="PATH[@FRAME]",
                    help="conditioning image (image-to-image, image-to-video, editing); repeat with @FRAME to place "
                         "images at frames of a video (e.g. --image first.png --image last.png@-1)")
+    p.add_argument("--mask", metavar="PATH", help="inpainting mask of the image's size: white is repainted, black "
+                                                   "kept (grey rounds at 0.5)")
+    p.add_argument("--mask-blur", type=int, metavar="RADIUS",
+                   help="blur the mask first (diffusers' Gaussian blur, radius in pixels)")
     p.add_argument("--strength", type=float, help="image-to-image: how far the image is re-noised (0..1)")
     p.add_argument("--fps", type=int, help="frame rate of a video request")
     p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i gets seed + i (default: runtime.seed)")

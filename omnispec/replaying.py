@@ -37,11 +37,11 @@ def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bo
     return load_spec(spec, list(overrides), trust_code=trust_code)
 
 
-def request_arguments(record: Record, spec: PipelineSpec, images: bool = True
+def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, mask: bool = True
                       ) -> tuple[list[str], list[int], dict[str, Any]]:
     """Prompts, seeds and request fields that reproduce the recorded request; fields equal to the recipe's defaults
-    are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out (the caller
-    gives others)."""
+    are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out and
+    ``mask=False`` the recorded mask (the caller gives others)."""
     request = record.request.model_dump(exclude={"prompts", "seeds", "images", "requested"})
     defaults = spec.recipe.defaults.model_dump()
     fields = {k: v for k, v in request.items() if v is not None and v != defaults.get(k)}
@@ -54,6 +54,8 @@ def request_arguments(record: Record, spec: PipelineSpec, images: bool = True
         fields.update({k: v for k, v in requested.model_dump().items() if v is not None})
     if record.request.images and images:
         fields.update(image_arguments(record.request.images))
+    if record.request.mask is not None and mask:
+        fields["mask"] = mask_argument(record.request.mask)
     return list(record.request.prompts), list(record.request.seeds), fields
 
 
@@ -82,6 +84,21 @@ def image_arguments(images: list[RecordedImage]) -> dict[str, Any]:
     if len(placed) == 1 and placed[0]["frame"] == 0:
         return {"image": placed[0]["image"]}
     return {"conditions": placed}
+
+
+def mask_argument(entry: RecordedImage) -> str:
+    """The recorded inpainting mask's path; the file must still hash to its recorded digest."""
+    from .spec.images import mask_condition
+
+    where = "request.mask"
+    if not entry.path:
+        raise SpecError.single("was given in memory, not as a file: pass the mask again (--mask / mask=)", where)
+    if path_kind(entry.path) != "file":
+        raise SpecError.single(f"{entry.path} is gone: pass the mask again (--mask / mask=)", where)
+    if mask_condition(entry.path, where).digest != entry.digest:
+        raise SpecError.single(f"{entry.path} has changed since (its pixels' digest differs): pass the original mask "
+                               "again (--mask / mask=)", where)
+    return entry.path
 
 
 def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None, device: str | None = None,

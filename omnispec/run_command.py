@@ -101,7 +101,7 @@ def _from_output(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, .
     if problems:
         raise SpecError(problems)
     spec = replay_spec(made_by, overrides, trust_code=args.trust_code)
-    prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image)
+    prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image, mask=not args.mask)
     select = made_by.sample
     if args.prompt is not None or args.seed is not None:  # a new request: from the file's own sample, if it has one
         if select is not None:

@@ -51,6 +51,7 @@ def _checkpoint(builder: str, folder: str, **kwargs):
 
 
 flux_dir = _checkpoint("tiny_flux", "flux")
+flux_fill_dir = _checkpoint("tiny_flux", "flux_fill", fill=True)
 flux2_klein_dir = _checkpoint("tiny_flux2_klein", "flux2_klein")
 sd3_dir = _checkpoint("tiny_sd3", "sd3")
 wan_dir = _checkpoint("tiny_wan", "wan")

@@ -109,6 +109,7 @@ INIT_CASES = {
     "wan_i2v": ("wan_i2v_dir", None, None, TINY_OVERRIDES["wan_i2v"], {"image": "photo"}, None),
     # the same WanPipeline as wan's checkpoints: told apart by model_index.json's expand_timesteps
     "wan_ti2v": ("wan_ti2v_dir", None, None, [*TINY_OVERRIDES["wan"], "recipe.defaults.width=64"], {}, None),
+    "flux_fill": ("flux_fill_dir", None, None, TINY_OVERRIDES["flux"], {"image": "photo", "mask": "mask"}, None),
     "flux2_klein": ("flux2_klein_dir", None, None, TINY_OVERRIDES["flux2_klein"], {}, None),
     "ltx2": ("ltx2_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
     "ltx2_condition": ("ltx2_dir", None, "ltx2_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
@@ -118,6 +119,9 @@ INIT_CASES = {
                         _qwen_processor),
     "qwen_image_edit_plus": ("qwen_edit_dir", "QwenImageEditPlusPipeline", None, TINY_OVERRIDES["qwen_image_edit"],
                              {"image": "photo"}, _qwen_processor),
+    # a text-to-image checkpoint (QwenImagePipeline): init drafts qwen_image unless told
+    "qwen_image_inpaint": ("qwen_image_dir", None, "qwen_image_inpaint", TINY_OVERRIDES["qwen_image"],
+                           {"image": "photo", "mask": "mask"}, None),
     "z_image": ("z_image_dir", None, None, TINY_OVERRIDES["z_image"], {}, None),
     "hunyuan_video15": ("hunyuan_video15_dir", None, None, TINY_OVERRIDES["hunyuan_video15"], {}, None),
     "hunyuan_video15_i2v": ("hunyuan_video15_i2v_dir", None, None, TINY_OVERRIDES["hunyuan_video15_i2v"],
@@ -141,6 +145,7 @@ def test_init_drafts_a_spec_that_validates_and_runs(family, request, tmp_path, p
     assert spec.model.family == family
     assert spec.model.source == str(source.resolve())
     made = {"photo": Image.open(photo)}
+    made["mask"] = Image.new("L", made["photo"].size, 255)  # repaint everything
     pipe = omnispec.build(spec, components=components(source) if components else None)
     result = pipe("a cat", seed=0, **{k: made[v] for k, v in fields.items()})
     assert result.array.size and np.isfinite(result.array).all()

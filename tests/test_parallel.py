@@ -108,13 +108,33 @@ SEQUENCE_CASES = {
                   ["--set", "recipe.phases.0.guidance.terms.1.layers=[1]"]),
     # a family added through docs/adding-a-family.md: its true CFG with norm-preserving rescale, split over ranks
     "qwen_image-cfg2": ("qwen_image", "qwen-image.yaml", "qwen_image_dir", {"cfg": 2}, []),
+    # inpainting: FLUX Fill's masked-image channels split with the noise tokens; Qwen-Image's keep-unmasked blend
+    # after each step gathered over CFG ranks (IMAGE and MASK: a 64x32 picture and its mask, written per test)
+    "flux_fill-ulysses2": ("flux", "flux1-fill-dev.yaml", "flux_fill_dir", {"ulysses": 2},
+                           ["--image", "IMAGE", "--mask", "MASK", "--strength", "0.8"]),
+    "qwen_image_inpaint-cfg2": ("qwen_image", "qwen-image-inpaint.yaml", "qwen_image_dir", {"cfg": 2},
+                                ["--image", "IMAGE", "--mask", "MASK"]),
 }
+
+
+def inpainting_files(folder, extra):
+    """``extra`` with IMAGE and MASK replaced by a 64x32 picture and a mask of its size written to ``folder``."""
+    from PIL import Image
+
+    paths = {"IMAGE": folder / "picture.png", "MASK": folder / "mask.png"}
+    if "IMAGE" in extra:
+        Image.fromarray((np.random.RandomState(3).rand(32, 64, 3) * 255).astype(np.uint8)).save(paths["IMAGE"])
+        held = np.zeros((32, 64), np.uint8)
+        held[:, 32:] = 255
+        Image.fromarray(held, "L").save(paths["MASK"])
+    return [str(paths.get(a, a)) for a in extra]
 
 
 @pytest.mark.parametrize("case", list(SEQUENCE_CASES))
 def test_sequence_parallel_equals_single_process(request, tmp_path, case):
     family, spec, ckpt_fixture, degrees, extra = SEQUENCE_CASES[case]
     ckpt = request.getfixturevalue(ckpt_fixture)
+    extra = inpainting_files(tmp_path, extra)
     ref = single(tiny_args(family, spec, ckpt, tmp_path / "ref.npy", *extra))
     assert ref.returncode == 0, ref.stderr
     flow = "{" + ", ".join(f"{k}: {v}" for k, v in degrees.items()) + "}"

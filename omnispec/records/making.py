@@ -17,6 +17,7 @@ from .schema import FORMAT, KEY
 
 if TYPE_CHECKING:
     from ..spec import PipelineSpec
+    from ..spec.images import ImageCondition
     from ..spec.request import Request
 
 _CONFIG_LIMIT = 64 << 20  # config files hashed for a local checkpoint (tokenizer.json may be tens of MB)
@@ -107,10 +108,16 @@ def spec_data(spec: PipelineSpec) -> dict[str, Any]:
 
 
 def request_data(request: Request) -> dict[str, Any]:
-    data = request.model_dump(mode="json", exclude={"images"}, exclude_none=True)
-    data["images"] = [{"frame": c.frame, "digest": c.digest, **({"path": str(Path(c.path).resolve())} if c.path
-                                                                 else {})} for c in request.images]
+    data = request.model_dump(mode="json", exclude={"images", "mask"}, exclude_none=True)
+    data["images"] = [_image_data(c) for c in request.images]
+    if request.mask is not None:
+        data["mask"] = _image_data(request.mask)
     return data
+
+
+def _image_data(condition: ImageCondition) -> dict[str, Any]:
+    return {"frame": condition.frame, "digest": condition.digest,
+            **({"path": str(Path(condition.path).resolve())} if condition.path else {})}
 
 
 def make_record(spec: dict[str, Any], request: Request, device: str, checkpoint: dict[str, Any] | None,

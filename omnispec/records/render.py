@@ -18,7 +18,7 @@ def render(record: Record, path: str | None = None) -> str:
         lines.append(f"  prompt {request.prompts[i]!r}, seed {request.seeds[i]}"
                      + (f" (sample {i} of {len(request.prompts)})" if sample is not None else ""))
     fields = ("height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale", "max_sequence_length",
-              "strength", "negative_prompt")
+              "strength", "mask_blur", "negative_prompt")
     settings = {k: getattr(request, k) for k in fields if getattr(request, k) not in (None, "")}
     lines.append("  " + ", ".join(f"{k} {v}" for k, v in settings.items()))
     if request.requested is not None:
@@ -27,6 +27,8 @@ def render(record: Record, path: str | None = None) -> str:
     for i, image in enumerate(request.images):
         lines.append(f"  image {i}: {image.path or '(in memory)'} at frame {image.frame}, "
                      f"sha256 {image.digest[:16]}...")
+    if request.mask is not None:
+        lines.append(f"  mask: {request.mask.path or '(in memory)'}, sha256 {request.mask.digest[:16]}...")
     checkpoint = record.checkpoint
     for described in checkpoint.roots.values():
         if isinstance(described, HubRoot):

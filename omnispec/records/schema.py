@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..spec.base import MAX_PROMPTS, Fps, Frames, Seed, SequenceLength, Size, SpecModel, Steps, Unit
+from ..spec.base import MAX_PROMPTS, Fps, Frames, MaskBlur, Seed, SequenceLength, Size, SpecModel, Steps, Unit
 from ..spec.errors import Problem, SpecError, from_validation_error
 from ..version import minor
 
@@ -60,6 +60,8 @@ class RecordedRequest(RecordModel):
     max_sequence_length: SequenceLength | None = None
     strength: Unit | None = None
     images: list[RecordedImage] = Field(default_factory=list)
+    mask: RecordedImage | None = Field(default=None, description="The inpainting mask (its frame is 0).")
+    mask_blur: MaskBlur | None = None
     requested: RequestedSize | None = Field(default=None, description=(
         "Sizes the caller asked for where the family generated others (image-to-image at the image's size, "
         "Kontext's area rule): requested vs. generated."))

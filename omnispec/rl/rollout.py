@@ -211,7 +211,7 @@ def rollout(
         latents = out.latents
         output_phase = pipe.spec.recipe.phases[pipe.spec.recipe.output_index() or 0].name
         if "x0" in clean and any(r.phase.name == output_phase for r in walk.phases):
-            latents = pipe.family.reimpose(clean["x0"], walk.images, walk.geometry)  # DanceGRPO: decode x0
+            latents = pipe.family.reimpose(clean["x0"], walk.images, walk.geometry, 0.0)  # DanceGRPO: decode x0
         decoded = pipe.family.decode(latents, out.geometry)
     return _record(run, walk, local, states, prompts=expanded, group_ids=group_ids - first_group, seeds=seeds,
                    array=decoded.array, sampler=sampler, weight_version=pipe.weight_version)
@@ -219,7 +219,10 @@ def rollout(
 
 def _record(run: Run, walk: Walk, mask: torch.Tensor, states: list[tuple[int, Streams, Streams, StepResult]],
             **fields: Any) -> Rollout:
-    """Gather the observed steps into (B, W + 1, ...) states on the device, copied to the host once."""
+    """Gather the observed steps into (B, W + 1, ...) states on the device, copied to the host once: the window's
+    first state, then what each step drew. A family's ``reimpose`` (the kept region of inpainting) turns a drawn
+    state into the next step's input; replay applies it again to a stored state, so each transition is scored
+    against the state the sampler drew, as the rollout scored it."""
     w = int(mask[0].sum())
     if bool((mask.sum(1) != w).any()):
         raise SpecError.single("every sample's window must have the same length", "sampler.window")
@@ -234,8 +237,9 @@ def _record(run: Run, walk: Walk, mask: torch.Tensor, states: list[tuple[int, St
         rows = torch.nonzero(mask[:, i]).flatten()
         k = position[rows, i]
         rows_d, k_d = rows.to(dev), k.to(dev)
+        first = rows_d[k_d == 0]
         for s in stored:
-            stored[s][rows_d, k_d] = x_in[s][rows_d]
+            stored[s][first, 0] = x_in[s][first]
             stored[s][rows_d, k_d + 1] = x_out[s][rows_d]
             per_stream[s][rows_d, k_d] = result.stream_log_probs[s][rows_d]  # type: ignore[index]
         idx[rows, k] = i
@@ -293,7 +297,7 @@ def log_prob(
     out_std = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=dev) for s in streams}
     out_std_t = {s: torch.empty((b, len(ks)), dtype=torch.float32, device=dev) for s in streams}
     means: dict[str, list[list[torch.Tensor | None]]] = {s: [[None] * len(ks) for _ in range(b)] for s in streams}
-    conditioned: set[int] = set()
+    sigmas: dict[int, list[float]] = {}  # per walk (by id), its sigmas: each stored state's noise level
     context = torch.enable_grad() if grad else torch.no_grad()
     with context:
         for col, k in enumerate(ks):
@@ -303,9 +307,9 @@ def log_prob(
             for g, rows in by_step.items():
                 walk = run.plan.walk_of(g)
                 i = g - walk.offset
-                if id(walk) not in conditioned:
+                if id(walk) not in sigmas:
                     run.condition(walk)
-                    conditioned.add(id(walk))
+                    sigmas[id(walk)] = walk.steps.sigmas.tolist()
                 set_adapter(run.spec, walk.owner(i).phase, run.components, pipe.adapters)
                 scorer = run.plan.scorer(walk, sampler)
                 chunk = micro_batch or len(rows)
@@ -314,7 +318,7 @@ def log_prob(
                     index = torch.tensor(sel)
                     images = walk.images.rows(index) if walk.images is not None else None
                     x = pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images,
-                                             walk.geometry)
+                                             walk.geometry, sigmas[id(walk)][i])
                     pred = run.prediction(walk, i, x, rows=sel)
                     result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(dev) for s in streams})
                     for s in streams:

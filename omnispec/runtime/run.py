@@ -98,13 +98,15 @@ class Run:
         if needs_noise and walk.begin < len(walk.steps):
             x = renoise(self.family, x, walk.steps.step_sigmas[walk.begin], geometry, self.generators)
         self.condition(walk)
-        return self.family.start(x, walk.images, geometry)
+        sigma = walk.steps.step_sigmas[walk.begin] if walk.begin < len(walk.steps) else 0.0
+        return self.family.start(x, walk.images, geometry, sigma)
 
     def _denoise(self, walk: Walk, x: Streams, observer: StepObserver | None) -> Streams:
         stepper = self.plan.stepper(walk, self.device)
         label = "+".join(run.phase.name for run in walk.phases)
         progress = self.spec.runtime.progress and (self.parallel is None or self.parallel.is_main)
         starts = {run.indices[0]: run for run in walk.phases if run.indices}
+        sigmas = walk.steps.sigmas.tolist()
         last: Streams | None = None
         for i in tqdm(range(walk.begin, len(walk.steps)), desc=label, disable=not progress, leave=False):
             if i in starts:
@@ -119,7 +121,7 @@ class Run:
             result = stepper.step(x, pred, i)
             if observer is not None:
                 observer(walk, i, x, result)
-            x = self.family.reimpose(result.next, walk.images, walk.geometry)
+            x = self.family.reimpose(result.next, walk.images, walk.geometry, sigmas[i + 1])
         return x
 
     # ---- the step body ------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ Frames = Annotated[int, Field(ge=1, le=MAX_FRAMES)]
 Fps = Annotated[int, Field(ge=1, le=MAX_FPS)]
 SequenceLength = Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+# Gaussian blur radius of an inpainting mask, in pixels (diffusers' ``VaeImageProcessor.blur``).
+MaskBlur = Annotated[int, Field(ge=0, le=1_024)]
 
 
 class SpecModel(BaseModel):

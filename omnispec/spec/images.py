@@ -218,4 +218,68 @@ def _checked_values(pixels: Any, kind: str, where: str) -> Any:
     return pixels
 
 
-__all__ = ["IMAGE_FORMATS", "ImageCondition", "image_condition", "open_image", "rgb"]
+def mask_condition(mask: Any, where: str = "request.mask") -> ImageCondition:
+    """An inpainting mask: white (values >= 0.5) is repainted, black kept, as diffusers' mask processors binarise it.
+
+    A path or PIL image becomes greyscale (PIL mode L); a mask with transparency is refused, since whether its alpha
+    or its colour marks the region is a guess. An 8-bit (H, W) array is the greyscale picture it is; a float array
+    (H, W) or (H, W, 1) and a float tensor (H, W) or (1, H, W) hold values in [0, 1]; anything with 3 channels is
+    refused (a mask has one). One image only: no batch axis."""
+    import numpy as np
+    from PIL import Image
+
+    is_tensor = hasattr(mask, "detach") and hasattr(mask, "dim")
+    if isinstance(mask, (str, Path)):
+        path = str(mask)
+        file = regular_file(path, where, "mask file")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(file, formats=IMAGE_FORMATS) as opened:  # the header only
+                    header = opened.mode, dict(opened.info)
+        except Exception:  # noqa: BLE001 - not a readable image: image_condition below says so in its words
+            header = None
+        if header is not None:
+            _refuse_alpha(*header, where, path)
+    elif isinstance(mask, Image.Image):
+        _refuse_alpha(mask.mode, mask.info, where, None)
+    elif isinstance(mask, np.ndarray) and mask.dtype == np.uint8:
+        if mask.ndim != 2 and not (mask.ndim == 3 and mask.shape[-1] == 1):
+            raise SpecError.single(f"an 8-bit mask array is (H, W) or (H, W, 1), got shape {mask.shape}", where)
+    elif isinstance(mask, np.ndarray):
+        if mask.ndim == 2:
+            mask = mask[..., None]
+        if mask.ndim != 3 or mask.shape[-1] != 1:
+            raise SpecError.single(f"a mask array is (H, W) or (H, W, 1), got shape {mask.shape}", where)
+    elif is_tensor:
+        if mask.dim() == 2:
+            mask = mask.unsqueeze(0)
+        if mask.dim() != 3 or mask.shape[0] != 1:
+            raise SpecError.single(f"a mask tensor is (H, W) or (1, H, W), got shape {tuple(mask.shape)}", where)
+    condition = image_condition(mask, 0, where)
+    if isinstance(condition.image, Image.Image):  # RGB after image_condition: back to the grey values it held
+        condition = condition.model_copy(update={"image": condition.image.convert("L")})
+    return condition
+
+
+def _refuse_alpha(mode: str, info: dict, where: str, path: str | None) -> None:
+    if mode in _ALPHA_MODES or (mode == "P" and "transparency" in info):
+        raise SpecError.single(f"{path + ': ' if path else ''}the mask has transparency (PIL mode {mode}); "
+                               "whether its alpha or its grey values mark the region to repaint is ambiguous: save it "
+                               "as greyscale, white where to repaint", where)
+    if mode not in ("1", "L", "P", "RGB", "I", "F", *_SIXTEEN_BIT):
+        raise SpecError.single(f"{path + ': ' if path else ''}a mask is a greyscale (or RGB) image, got PIL mode "
+                               f"{mode}", where)
+
+
+def pixel_size(image: Any) -> tuple[int, int]:
+    """(height, width) of a checked image or mask: PIL, (H, W, C) array or (C, H, W) tensor."""
+    if hasattr(image, "size") and not hasattr(image, "shape"):
+        width, height = image.size
+        return int(height), int(width)
+    if hasattr(image, "detach"):
+        return int(image.shape[-2]), int(image.shape[-1])
+    return int(image.shape[-3]), int(image.shape[-2])
+
+
+__all__ = ["IMAGE_FORMATS", "ImageCondition", "image_condition", "mask_condition", "open_image", "pixel_size", "rgb"]

@@ -23,13 +23,14 @@ from .guidance import GUIDANCE, GuidanceSpec
 from .kinds import Kinds
 from .schedule import SCHEDULES, SHARED_SCHEDULES, Schedule, SharedSchedule
 
-Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image"]
+Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image", "inpainting"]
 RequestField = Literal[
     "negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale", "max_sequence_length",
-    "strength",
+    "strength", "mask_blur",
 ]
-# Tasks whose requests must carry an image; the text-to-X tasks refuse one.
-IMAGE_TASKS = ("image-to-video", "image-to-image")
+# Tasks whose requests must carry an image; the text-to-X tasks refuse one. Inpainting also needs a mask, which
+# every other task refuses.
+IMAGE_TASKS = ("image-to-video", "image-to-image", "inpainting")
 
 
 class RequestDefaults(SpecModel):

@@ -15,6 +15,7 @@ from .base import (
     SEED_MIN,
     Fps,
     Frames,
+    MaskBlur,
     Seed,
     SequenceLength,
     Size,
@@ -23,7 +24,7 @@ from .base import (
     Unit,
 )
 from .errors import Problem, SpecError, SpecTypeError, from_validation_error
-from .images import ImageCondition, image_condition
+from .images import ImageCondition, image_condition, mask_condition, pixel_size
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS
 from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, takes_request_steps
@@ -57,6 +58,9 @@ class Request(SpecModel):
     max_sequence_length: Annotated[SequenceLength, Number] | None = None
     strength: Annotated[Unit, Number] | None = None
     images: list[ImageCondition] = Field(default_factory=list)
+    # Inpainting: white (>= 0.5 after diffusers' binarisation) is repainted, black kept; ``mask_blur`` blurs it first.
+    mask: ImageCondition | None = None
+    mask_blur: Annotated[MaskBlur, Number] | None = None
 
     @field_validator("sigmas")
     @classmethod
@@ -67,7 +71,9 @@ class Request(SpecModel):
 
     @property
     def image_digests(self) -> tuple[tuple[str, int], ...]:
-        return tuple((c.digest, c.frame) for c in self.images)
+        """What identifies the request's images and mask (part of the prompt-encoding cache key)."""
+        mask = ((self.mask.digest, -1, self.mask_blur or 0),) if self.mask is not None else ()
+        return tuple((c.digest, c.frame) for c in self.images) + mask
 
 
 # What diffusers' pipelines take as "guidance off" (``guidance_scale > 1`` turns CFG on; Z-Image's ``> 0``): on a
@@ -75,7 +81,7 @@ class Request(SpecModel):
 GUIDANCE_OFF = (0.0, 1.0)
 # Request fields a caller passes by keyword (``image`` and ``conditions`` become ``images``).
 _KEYWORDS = ("negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale",
-             "max_sequence_length", "strength", "image", "conditions")
+             "max_sequence_length", "strength", "image", "conditions", "mask", "mask_blur")
 
 
 def resolve_request(
@@ -86,7 +92,8 @@ def resolve_request(
 
     One seed per prompt: ``seed`` as a list gives each; an int ``S`` gives prompt ``i`` seed ``S + i``;
     ``None`` uses ``runtime.seed``. ``image`` is one image (PIL, numpy, torch tensor or path) at frame 0;
-    ``conditions`` a list of ``{image, frame}`` for video models that place images at frames. ``planning``
+    ``conditions`` a list of ``{image, frame}`` for video models that place images at frames; ``mask`` an inpainting
+    mask of the image's size (PIL, numpy, torch tensor or path; white repaints). ``planning``
     skips the image checks (a plan such as ``explain`` shows needs no image).
     """
     prompts = request_prompts(prompt)
@@ -117,6 +124,8 @@ def resolve_request(
         raise SpecError.single(f"recipe {spec.name!r} starts from noise, so strength has nothing to apply to",
                                "request.strength")
     images = _conditions(fields.pop("image", None), fields.pop("conditions", None))
+    mask = fields.pop("mask", None)
+    mask = mask_condition(mask, "request.mask") if mask is not None else None
     if fields.get("sigmas") is not None:
         fields["steps"] = _steps_of_sigmas(spec, fields.get("sigmas"), fields.get("steps"))
 
@@ -124,7 +133,7 @@ def resolve_request(
     values: dict[str, Any] = {k: v for k, v in defaults.items() if k in Request.model_fields}
     values.update({k: v for k, v in fields.items() if v is not None})
     try:
-        request = Request(prompts=prompts, seeds=seeds, images=images, **values)
+        request = Request(prompts=prompts, seeds=seeds, images=images, mask=mask, **values)
     except ValidationError as exc:
         raise from_validation_error(exc, values) from None
 
@@ -246,7 +255,7 @@ def _image_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
         return [Problem("request.image", f"recipe {spec.name!r} ({task}) needs an image: pass image= (CLI: --image PATH)")]
     if task not in IMAGE_TASKS and request.images:
         return [Problem("request.image", f"recipe {spec.name!r} ({task}) takes no image")]
-    problems = []
+    problems = _mask_problems(spec, request)
     for k, condition in enumerate(request.images):
         if task.endswith("video"):
             frames = request.frames or 1
@@ -256,6 +265,31 @@ def _image_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
         elif condition.frame != 0:
             problems.append(Problem(f"request.conditions.{k}.frame", f"an image task places images at frame 0, "
                                                                       f"not {condition.frame}"))
+    return problems
+
+
+def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
+    """An inpainting recipe needs a mask of its image's size; every other recipe refuses one."""
+    task, mask = spec.recipe.task, request.mask
+    if mask is None:
+        if task == "inpainting":
+            return [Problem("request.mask", f"recipe {spec.name!r} (inpainting) needs a mask: pass mask= (CLI: --mask "
+                                            "PATH), white where to repaint, black where to keep")]
+        if request.mask_blur is not None:
+            return [Problem("request.mask_blur", "mask_blur blurs a mask, and the request has none")]
+        return []
+    if task != "inpainting":
+        return [Problem("request.mask", f"recipe {spec.name!r} ({task}) takes no mask (an inpainting recipe does)")]
+    problems = []
+    if request.images:
+        image, held = pixel_size(request.images[0].image), pixel_size(mask.image)
+        if image != held:
+            problems.append(Problem("request.mask", f"the mask is {held[1]}x{held[0]} and the image {image[1]}x"
+                                                    f"{image[0]}: a mask marks the image's own pixels, so it must "
+                                                    "have the image's size"))
+    if request.mask_blur and not hasattr(mask.image, "filter"):
+        problems.append(Problem("request.mask_blur", "mask_blur blurs an image mask (a file or PIL image) with "
+                                                     "diffusers' Gaussian blur; blur an array or tensor yourself"))
     return problems
 
 

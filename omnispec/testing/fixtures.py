@@ -50,15 +50,17 @@ def _image_vae(latent_channels: int, **extra):
     ).eval()
 
 
-def tiny_flux(root: str | Path, seed: int = 0, guidance_embeds: bool = True) -> Path:
+def tiny_flux(root: str | Path, seed: int = 0, guidance_embeds: bool = True, fill: bool = False) -> Path:
     """FLUX.1-dev layout (``guidance_embeds=False`` gives schnell's: no guidance embedding, and its scheduler's
-    static shift 1); VAE scale 2, so 32 px -> 64 tokens."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    static shift 1); VAE scale 2, so 32 px -> 64 tokens. ``fill`` gives FLUX.1-Fill-dev's: a transformer taking the
+    noise, the masked image's latents and the mask folded into channels (16 + 16 + 16 = 48 in, 16 out),
+    ``FluxFillPipeline`` in model_index.json."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxFillPipeline, FluxPipeline, FluxTransformer2DModel
 
     _seeded(seed)
-    pipe = FluxPipeline(
+    pipe = (FluxFillPipeline if fill else FluxPipeline)(
         transformer=FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            patch_size=1, in_channels=48 if fill else 16, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
             axes_dims_rope=(4, 4, 8), guidance_embeds=guidance_embeds,
         ).eval(),

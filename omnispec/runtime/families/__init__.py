@@ -11,6 +11,7 @@ from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
 _BUILTIN = {
     "flux": "omnispec.runtime.families.flux:FluxFamily",
     "flux_kontext": "omnispec.runtime.families.flux_kontext:FluxKontextFamily",
+    "flux_fill": "omnispec.runtime.families.flux_fill:FluxFillFamily",
     "flux2_klein": "omnispec.runtime.families.flux2_klein:Flux2KleinFamily",
     "sd3": "omnispec.runtime.families.sd3:SD3Family",
     "wan": "omnispec.runtime.families.wan:WanFamily",
@@ -22,6 +23,7 @@ _BUILTIN = {
     "qwen_image": "omnispec.runtime.families.qwen_image:QwenImageFamily",
     "qwen_image_edit": "omnispec.runtime.families.qwen_image:QwenImageEditFamily",
     "qwen_image_edit_plus": "omnispec.runtime.families.qwen_image:QwenImageEditPlusFamily",
+    "qwen_image_inpaint": "omnispec.runtime.families.qwen_image:QwenImageInpaintFamily",
     "z_image": "omnispec.runtime.families.z_image:ZImageFamily",
     "hunyuan_video15": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15Family",
     "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",

@@ -323,13 +323,15 @@ class Family:
         return {name: randn_tensor(tuple(x.shape), generator=generators, device=x.device, dtype=x.dtype)
                 for name, x in latents.items()}
 
-    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
-        """A walk's first state with its conditioning in place (LTX-2 mixes the clean image tokens into the
-        noise by their mask); by default the same as ``reimpose``."""
-        return self.reimpose(latents, images, geometry)
+    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
+        """A walk's first state, at noise level ``sigma``, with its conditioning in place (LTX-2 mixes the clean
+        image tokens into the noise by their mask); by default the same as ``reimpose``."""
+        return self.reimpose(latents, images, geometry, sigma)
 
-    def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
-        """Put conditioning back after a step where the model needs it (first-frame latents of image-to-video)."""
+    def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
+        """Put conditioning back into a state at noise level ``sigma`` (after a step, or a stored state before one)
+        where the model needs it: first-frame latents of image-to-video, the kept region of inpainting (re-noised
+        to ``sigma``)."""
         return latents
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:

@@ -192,7 +192,7 @@ class LTX2Family(Family):
                                    "image or a path, or set image_crf: 0", where)
         return Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
 
-    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:
+    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
         """Noise where the mask is 0, the clean conditioning where it is 1, blended in between (a condition's
         strength): ``noise * (1 - mask) + clean * mask``, as both LTX-2 pipelines mix their first state."""
         if images is None:

@@ -1,24 +1,27 @@
-"""Qwen-Image text-to-image (``QwenImagePipeline``) and editing (``QwenImageEditPipeline``,
-``QwenImageEditPlusPipeline``).
+"""Qwen-Image text-to-image (``QwenImagePipeline``), editing (``QwenImageEditPipeline``,
+``QwenImageEditPlusPipeline``) and inpainting (``QwenImageInpaintPipeline``).
 
 Latents are packed 2x2 patches in the prompt embeddings' dtype. Prompts are Qwen2.5-VL hidden states after a fixed
 template, padded only to their own call's longest prompt, so they are ``ragged`` with a mask (passed as None when
 nothing is padded, as diffusers does). True CFG rescales the guided prediction to the cond pass's norm per token
 (``renorm: {over: token}``). Editing feeds the image to the text encoder with the prompt, appends the image's packed
 VAE latents (its mode: no generator draw) to the noise tokens of every forward, and keeps the noise tokens of the
-prediction; Edit-Plus does so for each of several images.
+prediction; Edit-Plus does so for each of several images. Inpainting runs the text-to-image model from the image
+re-noised and sets the kept region back after every step.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImageInpaintPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from diffusers.utils.torch_utils import randn_tensor
 
 from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
+from .inpainting import START_IMAGE, START_NOISE, InpaintMask
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_hidden_states_mask"})
 IMAGE_AREA = 1024 * 1024  # the editing pipelines size the reference image (and the default output) to this area
@@ -207,3 +210,62 @@ def _prompt_conditioning(embeds: torch.Tensor, mask: torch.Tensor | None) -> Con
     for the GPU every step."""
     mask = torch.ones(embeds.shape[:2], dtype=torch.long) if mask is None else mask.cpu()
     return Conditioning({"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}, ragged=PROMPT_KEYS)
+
+
+class QwenImageInpaintFamily(InpaintMask, QwenImageFamily):
+    """Qwen-Image inpainting (``QwenImageInpaintPipeline``): the text-to-image model started from the image
+    re-noised to ``strength``; after every step the kept region (mask 0) is set back to the clean image latents
+    re-noised to the new state's sigma with the start's own noise, and to the clean latents at the end."""
+
+    name = "qwen_image_inpaint"
+    pipeline_class = QwenImageInpaintPipeline
+    max_images = 1
+
+    def image_latents(self, request: Request, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        """Each sample's VAE posterior of the image stretched to the output size, normalised and packed."""
+        helper = self.helper
+        dtype = self.latent_dtype(None)
+        pixels = helper.image_processor.preprocess(request.images[0].image, height=geometry.height,
+                                                   width=geometry.width).to(self.device, torch.float32)
+        pixels = pixels.unsqueeze(2).to(helper.vae.dtype)
+        spatial = torch.cat([bridge.encode_vae_image(helper, pixels, g) for g in generators]).to(dtype)
+        b, c, _, h, w = spatial.shape
+        latents = {"latents": bridge.pack_latents(helper, spatial.transpose(1, 2), b, c, h, w)}
+        geometry.extra[START_IMAGE] = latents
+        return latents
+
+    def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        """Noise drawn (B, 1, C, h, w) and packed, as the inpainting pipeline draws it."""
+        h, w = self._latent_hw(geometry)
+        c, b = self.helper.transformer.config.in_channels // 4, len(generators)
+        noise = randn_tensor((b, 1, c, h, w), generator=generators, device=self.device, dtype=self.latent_dtype(None))
+        return {"latents": bridge.pack_latents(self.helper, noise, b, c, h, w)}
+
+    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        geometry.extra[START_NOISE] = noise = self.initial_latents(geometry, generators)
+        return noise
+
+    def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
+                      ) -> Conditioning | None:
+        """The packed mask (the binarised mask at the latent size, nearest, on every channel) with the start's clean
+        latents and noise, one row per sample. The pipeline also encodes the masked image, which this 16-channel
+        model never reads (no later draw depends on it either), so it is not computed here."""
+        clean, noise, _ = self.start_draws(request, geometry, generators)
+        helper = self.helper
+        h, w = self._latent_hw(geometry)
+        mask = torch.nn.functional.interpolate(self.mask_pixels(request, geometry), size=(h, w))
+        c = helper.transformer.config.in_channels // 4
+        packed = bridge.pack_latents(helper, mask.to(self.latent_dtype(None)).repeat(1, c, 1, 1), 1, c, h, w)
+        b = len(request.seeds)
+        return Conditioning({"inpaint_mask": packed.repeat(b, 1, 1), "inpaint_clean": clean["latents"],
+                             "inpaint_noise": noise["latents"]})
+
+    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
+        return latents  # the start is the image re-noised everywhere: nothing to set back yet
+
+    def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
+        assert images is not None
+        mask, clean, noise = (images.batched[k] for k in ("inpaint_mask", "inpaint_clean", "inpaint_noise"))
+        x = latents["latents"]
+        kept = clean if sigma == 0 else sigma * noise + (1.0 - sigma) * clean  # diffusers' scale_noise
+        return {"latents": ((1 - mask) * kept + mask * x).to(x.dtype)}

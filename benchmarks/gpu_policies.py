@@ -214,8 +214,16 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     twin = run_peer = None
     _release({})
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
-    run = _runner(_build(w["spec"], mods, ["policies.compile.mode=regional", *smoke_backend]), w["request"])
-    rows.append(_compiled_row("compile", "regional", run, flops, repeats, ceiling))
+    for variant in COMPILE_VARIANTS:
+        mode, *options = variant.split("+")
+        if SMOKE_COMPILE and options:  # inductor's modes: the smoke's aot_eager backend has none
+            continue
+        extra = [f"policies.compile.{option}=true" for option in options]
+        pipe = _build(w["spec"], mods, [f"policies.compile.mode={mode}", *smoke_backend, *extra])
+        rows.append(_compiled_row("compile", variant.replace("+", " + "), _runner(pipe, w["request"]), flops,
+                                  repeats, ceiling))
+        pipe = None
+        torch._dynamo.reset()  # the next variant compiles afresh, in its own mode
     return rows
 
 
@@ -258,6 +266,8 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
         rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
         pipe = run = twin = None
         _release({})
+    if not QUANT_PEER[0]:
+        return rows
     # peer: the same torchao config through torchao's quantize_ and diffusers' compile_repeated_blocks
     from torchao.quantization import quantize_
 
@@ -451,6 +461,8 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
 SMOKE_COMPILE: dict[str, str] = {}
 QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measured with quantization
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
+QUANT_PEER = [True]  # --no-quant-peer: omnispec's rows only (a second process timing a warm compile cache)
+COMPILE_VARIANTS = ["regional"]  # --compile-variants
 
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
          "model_offload": model_offload_part,
@@ -465,10 +477,16 @@ def main() -> None:
     parser.add_argument("--quant-compile", default="none,regional",
                         help="compile modes measured with fp8 quantization (the last one is the peer's)")
     parser.add_argument("--quant-granularity", choices=["tensor", "row"], default=None)
+    parser.add_argument("--no-quant-peer", action="store_true", help="skip the quant part's diffusers peer")
+    parser.add_argument("--compile-variants", default="regional",
+                        help="omnispec compile configurations of the compile part, comma-separated: a mode, each "
+                             "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     QUANT_COMPILE[:] = args.quant_compile.split(",")
+    COMPILE_VARIANTS[:] = args.compile_variants.split(",")
+    QUANT_PEER[:] = [not args.no_quant_peer]
     QUANT_GRANULARITY[:] = [args.quant_granularity]
     if args.smoke:
         gi.enable_smoke()

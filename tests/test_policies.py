@@ -163,6 +163,41 @@ def test_compile_gives_the_plain_output(flux_dir, plain_flux, mode):
     assert np.abs(out - plain_flux).max() <= 1e-5
 
 
+def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_hold(flux_dir, monkeypatch):
+    """The two options become torch.compile's mode; a denoiser call starts a new CUDA-graph generation; what would
+    read a graph's memory after the next replay (offload, caches, a whole-denoiser graph) is refused up front."""
+    import torch
+
+    from omnispec.spec import load_spec
+
+    load = lambda *o: load_spec(SPECS / "flux1-dev.yaml", list(o))  # noqa: E731
+    modes = {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
+             (True, True): "max-autotune"}
+    for (graphs, tune), mode in modes.items():
+        spec = load(f"policies.compile={{mode: regional, cudagraphs: {str(graphs).lower()}, "
+                    f"autotune: {str(tune).lower()}}}")
+        assert spec.policies.compile.inductor_mode == mode
+    for overrides, message in [
+        (["policies.compile={mode: none, cudagraphs: true}"], "apply to compiled code"),
+        (["policies.compile={mode: regional, backend: eager, autotune: true}"], "inductor's modes"),
+        (["policies.compile={mode: full, cudagraphs: true}"], "cudagraphs runs with mode regional"),
+        (["policies.compile={mode: regional, cudagraphs: true}", "policies.offload={strategy: model}"],
+         "replays the addresses it recorded"),
+        (["policies.compile={mode: regional, cudagraphs: true, fullgraph: false}", "policies.cache={kind: taylorseer}"],
+         "which a CUDA graph's next replay overwrites"),
+    ]:
+        with pytest.raises(SpecError, match=message):
+            load(*overrides)
+    compiled, marks = [], []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(kw))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    pipe, _ = run(flux_dir, "flux1-dev.yaml", "flux", "policies.compile={mode: regional, cudagraphs: true, "
+                  "autotune: true}", steps=2)
+    assert compiled and all(kw["mode"] == "max-autotune" for kw in compiled)
+    assert len(marks) == 2  # one generation per denoiser call
+    assert "cudagraphs, autotune" in pipe.explain()
+
+
 def test_magcache_needs_ratios_or_calibration():
     with pytest.raises(SpecError, match="mag_ratios"):
         omnispec.load_spec(SPECS / "flux1-dev.yaml", ["policies.cache={kind: magcache}"])

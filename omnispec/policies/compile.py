@@ -1,6 +1,11 @@
 """Compilation: ``regional`` compiles each denoiser's repeated blocks (diffusers' ``compile_repeated_blocks``,
 falling back to the family's block lists), ``full`` the whole denoiser. Compilation happens lazily on the
-first call: benchmarks warm up before timing."""
+first call: benchmarks warm up before timing.
+
+``cudagraphs`` (regional only) records each compiled block as a CUDA graph (inductor's CUDA-graph trees). Every
+denoiser call starts a new generation of them (``cudagraph_mark_step_begin``, from a hook on the denoiser, outside
+the compiled blocks), so a call may reuse the graph memory of the one before it: the denoiser's output comes from
+its uncompiled output layers, in memory of its own."""
 
 from __future__ import annotations
 
@@ -15,10 +20,14 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.mode == "none":
         return "none"
     kwargs = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
+    if policy.inductor_mode is not None:
+        kwargs["mode"] = policy.inductor_mode
     for name, c in spec.model.components.items():
         if c.role != "denoiser":
             continue
         module = components[name]
+        if policy.cudagraphs:
+            _new_generation_per_call(module)
         if policy.mode == "full":
             module.compile(**kwargs)
         elif bridge.has_repeated_blocks(module):
@@ -29,4 +38,15 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
                 raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
             for block in blocks:
                 block.compile(**kwargs)
-    return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic})"
+    options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
+    return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
+
+
+def _new_generation_per_call(module: Any) -> None:
+    import torch
+
+    def begin(_module: Any, _args: Any) -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+
+    if getattr(module, "_omnispec_cudagraph_generations", None) is None:  # once, however often it is built on
+        module._omnispec_cudagraph_generations = module.register_forward_pre_hook(begin)

@@ -205,6 +205,17 @@ def _policy_problems(spec: PipelineSpec):
             yield ("policies", "compile", "fullgraph"), (
                 f"the {policies.cache.kind} cache (policies.cache.kind) decides per step in hooks the compiler "
                 "must not trace; set policies.compile.fullgraph: false, or use cache kind step_mask")
+    if policies.compile.cudagraphs:
+        # a CUDA graph replays the device addresses it recorded: weights moved after it, or a step's cached
+        # tensors held until a later step (in graph memory the next replay overwrites), would be read stale
+        if policies.offload.strategy != "none":
+            yield ("policies", "compile", "cudagraphs"), (
+                f"{policies.offload.strategy} offload (policies.offload.strategy) moves the weights between calls, "
+                "and a CUDA graph replays the addresses it recorded; turn one of them off")
+        if policies.cache.kind != "none":
+            yield ("policies", "compile", "cudagraphs"), (
+                f"the {policies.cache.kind} cache (policies.cache.kind) keeps block outputs from one step to a later "
+                "one, which a CUDA graph's next replay overwrites; turn one of them off")
     if policies.compile.mode != "none":
         chosen_backends = {("default",): policies.attention.default} | {
             ("per_role", r): b for r, b in policies.attention.per_role.items()}

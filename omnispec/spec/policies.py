@@ -178,6 +178,33 @@ class CompilePolicy(SpecModel):
     backend: str = "inductor"
     dynamic: bool = False
     fullgraph: bool = True
+    cudagraphs: bool = Field(default=False, description=(
+        "Record each compiled region's kernels as a CUDA graph on its first calls and replay it after "
+        "(torch.compile's reduce-overhead mode): the host no longer launches each kernel. Inductor on CUDA only; "
+        "a call of new shapes records another graph."))
+    autotune: bool = Field(default=False, description=(
+        "Time inductor's Triton matmul templates against cuBLAS for each matmul shape and keep the fastest "
+        "(max-autotune): minutes more on the first compile, kept in inductor's cache after."))
+
+    @model_validator(mode="after")
+    def _inductor_options(self) -> CompilePolicy:
+        asked = [name for name in ("cudagraphs", "autotune") if getattr(self, name)]
+        if asked and self.mode == "none":
+            raise ValueError(f"{' and '.join(asked)} apply to compiled code; set mode regional or full")
+        if asked and self.backend != "inductor":
+            raise ValueError(f"{' and '.join(asked)} are inductor's modes; backend {self.backend!r} has neither")
+        if self.cudagraphs and self.mode == "full":
+            raise ValueError("cudagraphs runs with mode regional: each denoiser call starts the graphs' next "
+                             "generation from a hook outside the compiled blocks, and a whole-denoiser graph would "
+                             "hand out its output in memory the next call overwrites")
+        return self
+
+    @property
+    def inductor_mode(self) -> str | None:
+        """torch.compile's ``mode`` for these options (None: its default)."""
+        if self.cudagraphs:
+            return "max-autotune" if self.autotune else "reduce-overhead"
+        return "max-autotune-no-cudagraphs" if self.autotune else None
 
 
 class ParallelPolicy(SpecModel):

@@ -215,16 +215,20 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     _release({})
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
     for variant in COMPILE_VARIANTS:
-        mode, *options = variant.split("+")
-        if SMOKE_COMPILE and options:  # inductor's modes: the smoke's aot_eager backend has none
+        if SMOKE_COMPILE and "+" in variant:  # inductor's modes: the smoke's aot_eager backend has none
             continue
-        extra = [f"policies.compile.{option}=true" for option in options]
-        pipe = _build(w["spec"], mods, [f"policies.compile.mode={mode}", *smoke_backend, *extra])
+        pipe = _build(w["spec"], mods, [*_compile_overrides(variant), *smoke_backend])
         rows.append(_compiled_row("compile", variant.replace("+", " + "), _runner(pipe, w["request"]), flops,
                                   repeats, ceiling))
         pipe = None
         torch._dynamo.reset()  # the next variant compiles afresh, in its own mode
     return rows
+
+
+def _compile_overrides(variant: str) -> list[str]:
+    """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on."""
+    mode, *options = variant.split("+")
+    return [f"policies.compile.mode={mode}", *(f"policies.compile.{option}=true" for option in options)]
 
 
 def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceiling: float,
@@ -258,8 +262,8 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     policy = (f"policies.quantization={{transformer: {{method: {method}"
               + (f", granularity: {granularity}" if granularity else "") + "}}")
     modes = QUANT_COMPILE
-    for label, extra in ((f"{method} + {m} compile" if m != "none" else f"{method} eager",
-                          [f"policies.compile.mode={m}"]) for m in modes):
+    for label, extra in ((f"{method} + {m.replace('+', ' + ')} compile" if m != "none" else f"{method} eager",
+                          _compile_overrides(m)) for m in modes):
         twin = _plain_copy(mods["transformer"])
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
         run = _runner(pipe, w["request"])
@@ -275,7 +279,7 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
 
     twin = _plain_copy(mods["transformer"]).to(gi.DEVICE)
     quantize_(twin, torchao_config(method, granularity))
-    peer_mode = modes[-1]
+    peer_mode = modes[-1].split("+")[0]
     if peer_mode == "regional":
         twin.compile_repeated_blocks(fullgraph=True)
     elif peer_mode == "full":
@@ -475,7 +479,8 @@ def main() -> None:
     parser.add_argument("--parts", default="attention,compile,quant,model_offload,wan_attention,layerwise")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant-compile", default="none,regional",
-                        help="compile modes measured with fp8 quantization (the last one is the peer's)")
+                        help="compile modes measured with fp8 quantization, options after a '+' as in "
+                             "--compile-variants (the last one's mode is the peer's)")
     parser.add_argument("--quant-granularity", choices=["tensor", "row"], default=None)
     parser.add_argument("--no-quant-peer", action="store_true", help="skip the quant part's diffusers peer")
     parser.add_argument("--compile-variants", default="regional",

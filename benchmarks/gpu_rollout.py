@@ -244,6 +244,10 @@ def main() -> None:
                         help="also time omnispec with attention forced to sdpa (auto's choice is in the breakdown)")
     parser.add_argument("--replay-check-only", action="store_true",
                         help="only roll out once and replay --replay-batch of the samples (issue 15's bound); no timing")
+    parser.add_argument("--quantized-base", metavar="METHOD[:GRANULARITY]", default=None,
+                        help="add rows with the denoiser's base weights quantized by omnispec (e.g. fp8_dynamic:row) "
+                             "under a fresh LoRA of the same shape, regional compile: rollout time, replay with "
+                             "gradients, replay ratio (--smoke: int8_weight_only)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -314,6 +318,8 @@ def main() -> None:
         compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                                            overrides=[*overrides, "policies.compile.mode=regional", *smoke_backend]),
                       n, run_ours, run_base, save, fast_sampler)
+    if args.quantized_base:
+        quantized_rows(args, mods, overrides, n, run_ours, save)
     baseline = statistics.median(times["flow-grpo loop (diffusers)"])
     print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")
     for row in result["rows"]:
@@ -392,6 +398,45 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
     if aware_ro is not None:
         save(replay_ratio(compiled, lambda tag: aware_ro, args.replay_batch,
                           "replay ratio check, compiled, window-aware"))
+
+
+def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> None:
+    """Rollouts on a quantized base with a trainable LoRA beside it (the trained weights stay bf16; rollout and
+    replay both run through the same quantized base, so the ratio stays exactly 1): a copy of the transformer
+    without its LoRA is quantized by omnispec's policy at build, then given a fresh LoRA of the benchmark's shape
+    (quantizing first keeps torchao off the LoRA's own linears; peft wraps the quantized linears)."""
+    import omnispec
+    from peft import LoraConfig
+
+    method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
+    twin = copy.deepcopy(mods["transformer"])
+    twin.delete_adapters(twin.active_adapters())
+    policy = f"{{transformer: {{method: {method}" + (f", granularity: {granularity}" if granularity else "") + "}}"
+    smoke_backend = ["policies.compile.backend=aot_eager"] if args.smoke else []
+    pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components={**mods, "transformer": twin},
+                          device=gi.DEVICE, overrides=[*overrides, f"policies.quantization={policy}",
+                                                       "policies.compile.mode=regional", *smoke_backend])
+    pipe.components["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
+    label = f"omnispec rollout, {method}{' ' + granularity if granularity else ''} base + bf16 LoRA + regional compile"
+    with torch.no_grad(), gi.CompileWatch() as watch:
+        first, _ = _timed(run_ours, "qw", pipe)
+        times = [_timed(run_ours, f"q{r}", pipe)[0] for r in range(args.compile_repeats)]
+        ro = run_ours("qreplay", pipe)
+    med = statistics.median(times)
+    save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
+          "dynamo": watch.summary()})
+    save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {method} base"))
+    part = ro.select(range(args.replay_batch))
+    try:  # replay with gradients into the LoRA, through the quantized base
+        samples = [_timed(lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs.sum().backward(), k)[0]
+                   for k in (0, 0, 1, 1)]
+        lora = [p.grad for name, p in pipe.components["transformer"].named_parameters() if "lora_B" in name]
+        save({"config": f"omnispec log_prob with gradients, {method} base", "ms_per_step": statistics.median(
+            samples[1:]) * 1e3, "samples_per_replay": args.replay_batch, "samples_ms": [s * 1e3 for s in samples],
+              "lora_b_grads_nonzero": sum(g is not None and bool(g.abs().sum() > 0) for g in lora), "lora_b": len(lora)})
+    except Exception as exc:  # noqa: BLE001 - the rollout rows above stand
+        save({"config": f"omnispec log_prob with gradients, {method} base",
+              "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
 
 
 if __name__ == "__main__":

@@ -42,45 +42,39 @@ def mask():
     return Image.fromarray(values, "L")
 
 
+def reference(root, pipeline: str):
+    import diffusers
+
+    pipe = getattr(diffusers, pipeline).from_pretrained(str(root), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def fill_reference(root):
-    from diffusers import FluxFillPipeline
-
-    pipe = FluxFillPipeline.from_pretrained(str(root), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return reference(root, "FluxFillPipeline")
 
 
-def qwen_reference(root):
-    from diffusers import QwenImageInpaintPipeline
+# spec -> (checkpoint fixture, overrides, diffusers pipeline, its guidance arguments): each spec's own defaults
+PARITY = {
+    "flux1-fill-dev": ("flux_fill_dir", FILL, "FluxFillPipeline", dict(guidance_scale=30.0, max_sequence_length=16)),
+    "qwen-image-inpaint": ("qwen_image_dir", QWEN, "QwenImageInpaintPipeline",
+                           dict(negative_prompt=" ", true_cfg_scale=4.0, max_sequence_length=512)),
+}
 
-    pipe = QwenImageInpaintPipeline.from_pretrained(str(root), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
-
-@pytest.mark.parametrize("strength", [1.0, 0.7])
-def test_flux_fill_equals_diffusers(flux_fill_dir, picture, mask, strength):
-    pipe = omnispec.build(SPECS / "flux1-fill-dev.yaml", source=str(flux_fill_dir), overrides=FILL)
+@pytest.mark.parametrize("spec,strength", [("flux1-fill-dev", 1.0), ("flux1-fill-dev", 0.7),
+                                           ("qwen-image-inpaint", 0.6), ("qwen-image-inpaint", 1.0)])
+def test_inpainting_equals_diffusers(request, picture, mask, spec, strength):
+    """Two prompts batched here against one diffusers call per seed."""
+    fixture, overrides, pipeline, guidance = PARITY[spec]
+    root = request.getfixturevalue(fixture)
+    pipe = omnispec.build(SPECS / f"{spec}.yaml", source=str(root), overrides=overrides)
     prompts = ["a red door", "a blue sky"]
     ours = pipe(prompts, seed=[0, 1], image=picture, mask=mask, strength=strength, height=32, width=64)
-    ref = fill_reference(flux_fill_dir)
+    ref = reference(root, pipeline)
     for i, (prompt, seed) in enumerate(zip(prompts, (0, 1))):
         theirs = ref(prompt=prompt, image=picture, mask_image=mask, height=32, width=64, strength=strength,
-                     num_inference_steps=3, guidance_scale=30.0, max_sequence_length=16, generator=gen(seed),
-                     output_type="np").images[0]
-        assert np.abs(ours.array[i] - theirs).max() <= TOL
-
-
-@pytest.mark.parametrize("strength", [0.6, 1.0])
-def test_qwen_image_inpaint_equals_diffusers(qwen_image_dir, picture, mask, strength):
-    pipe = omnispec.build(SPECS / "qwen-image-inpaint.yaml", source=str(qwen_image_dir), overrides=QWEN)
-    prompts = ["a red door", "a blue sky"]
-    ours = pipe(prompts, seed=[0, 1], image=picture, mask=mask, strength=strength, height=32, width=64)
-    ref = qwen_reference(qwen_image_dir)
-    for i, (prompt, seed) in enumerate(zip(prompts, (0, 1))):
-        theirs = ref(prompt=prompt, negative_prompt=" ", image=picture, mask_image=mask, height=32, width=64,
-                     strength=strength, num_inference_steps=3, true_cfg_scale=4.0, max_sequence_length=512,
-                     generator=gen(seed), output_type="np").images[0]
+                     num_inference_steps=3, generator=gen(seed), output_type="np", **guidance).images[0]
         assert np.abs(ours.array[i] - theirs).max() <= TOL
 
 

@@ -22,6 +22,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     kwargs = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
     if policy.inductor_mode is not None:
         kwargs["mode"] = policy.inductor_mode
+    _allow_block_variants()
     for name, c in spec.model.components.items():
         if c.role != "denoiser":
             continue
@@ -40,6 +41,21 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
                 block.compile(**kwargs)
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
     return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
+
+
+# Graphs one compiled block's code may hold. Regional compile compiles a block class once per variant it meets: its
+# configurations (SD3's dual-attention and last blocks), grad mode (a rollout without, its replay with gradients),
+# LoRA-wrapped or quantized weights. Dynamo's default of 8 is met by SD3.5 with a LoRA replayed with gradients;
+# past it a fullgraph compile fails the run, and a non-fullgraph one runs the block eagerly, whose numbers differ.
+BLOCK_VARIANTS = 64
+
+
+def _allow_block_variants() -> None:
+    """Raise dynamo's per-code recompile limit (process-wide) to ``BLOCK_VARIANTS``, never lower it."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, BLOCK_VARIANTS)
 
 
 def _new_generation_per_call(module: Any) -> None:

@@ -405,8 +405,9 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     replay both run through the same quantized base, so the ratio stays exactly 1): a copy of the transformer
     without its LoRA is quantized by omnispec's policy at build, then given a fresh LoRA of the benchmark's shape
     (quantizing first keeps torchao off the LoRA's own linears; peft wraps the quantized linears)."""
-    import omnispec
     from peft import LoraConfig
+
+    import omnispec
 
     method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
     twin = copy.deepcopy(mods["transformer"])

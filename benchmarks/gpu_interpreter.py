@@ -64,7 +64,9 @@ SMOKE_WAN_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks
                      temperal_downsample=[False, True, True])
 
 
-def flux_components() -> dict:
+def flux_components(fill: bool = False) -> dict:
+    """FLUX.1-dev's modules; ``fill``: FLUX.1-Fill-dev's transformer, which also takes the masked image's packed
+    latents and the mask folded into channels (64 + 64 + 256 = 384 inputs at the real size, 64 outputs)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     clip, tok, t5, tok2 = _text_encoders(*SMOKE_TEXT) if SMOKE else _text_encoders(768, 4096)
@@ -72,9 +74,12 @@ def flux_components() -> dict:
     size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                 joint_attention_dim=SMOKE_TEXT[1], pooled_projection_dim=SMOKE_TEXT[0],
                 axes_dims_rope=(4, 4, 8)) if SMOKE else {}
+    vae_size = SMOKE_IMAGE_VAE if SMOKE else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+    if fill:
+        scale = 2 ** (len(vae_size["block_out_channels"]) - 1)
+        size |= dict(in_channels=2 * 64 + 4 * scale * scale, out_channels=64)
     with torch.device(DEVICE):
         transformer = FluxTransformer2DModel(guidance_embeds=True, **size).to(torch.bfloat16)
-    vae_size = SMOKE_IMAGE_VAE if SMOKE else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
                         up_block_types=("UpDecoderBlock2D",) * 4, shift_factor=0.1159, scaling_factor=0.3611,
                         use_quant_conv=False, use_post_quant_conv=False, **vae_size)
@@ -272,6 +277,18 @@ WORKLOADS = {
                      request=dict(height=704, width=1280, frames=121, max_sequence_length=512), steps=(1, 3),
                      diffusers_kwargs=dict(height=704, width=1280, num_frames=121, guidance_scale=5.0,
                                            max_sequence_length=512)),
+    # inpainting at strength 1 on both sides (all steps run: per-step times compare), the right half repainted
+    "flux_fill": dict(spec="flux1-fill-dev.yaml", components=lambda: flux_components(fill=True),
+                      pipeline="FluxFillPipeline", inpaint=True,
+                      request=dict(height=1024, width=1024, max_sequence_length=512, strength=1.0), steps=(2, 6),
+                      diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=30.0, max_sequence_length=512,
+                                            strength=1.0)),
+    "qwen_image_inpaint": dict(spec="qwen-image-inpaint.yaml", components=lambda: qwen_image_components(),
+                               pipeline="QwenImageInpaintPipeline", inpaint=True,
+                               request=dict(height=1024, width=1024, max_sequence_length=512, strength=1.0),
+                               steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0,
+                                                                   negative_prompt=" ", max_sequence_length=512,
+                                                                   strength=1.0)),
     # true CFG with its per-token renorm on both sides (the spec's negative prompt " " is the model card's)
     "qwen_image": dict(spec="qwen-image.yaml", components=qwen_image_components, pipeline="QwenImagePipeline",
                        request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
@@ -393,6 +410,17 @@ def per_request(run, steps: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(samples), samples
 
 
+def inpainting_inputs(height: int, width: int):
+    """A random RGB picture and a mask repainting its right half."""
+    import numpy as np
+    from PIL import Image
+
+    picture = Image.fromarray((np.random.RandomState(0).rand(height, width, 3) * 255).astype(np.uint8))
+    held = np.zeros((height, width), np.uint8)
+    held[:, width // 2:] = 255
+    return picture, Image.fromarray(held, "L")
+
+
 def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
     import diffusers
 
@@ -413,6 +441,10 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **w["diffusers_kwargs"])
 
+    if w.get("inpaint"):  # an image and a mask of its size, the same for both sides
+        image, mask = inpainting_inputs(w["request"]["height"], w["request"]["width"])
+        w = {**w, "request": {**w["request"], "image": image, "mask": mask},
+             "diffusers_kwargs": {**w["diffusers_kwargs"], "image": image, "mask_image": mask}}
     lo, hi = w["steps"]
     if not SMOKE:  # --smoke: no timing worth warming up for
         run_ours(lo), run_ref(lo)  # warm-up

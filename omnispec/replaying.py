@@ -42,7 +42,7 @@ def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, m
     """Prompts, seeds and request fields that reproduce the recorded request; fields equal to the recipe's defaults
     are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out and
     ``mask=False`` the recorded mask (the caller gives others)."""
-    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "requested"})
+    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "mask", "requested"})
     defaults = spec.recipe.defaults.model_dump()
     fields = {k: v for k, v in request.items() if v is not None and v != defaults.get(k)}
     if fields.get("negative_prompt") == "":

@@ -100,7 +100,7 @@ def test_mask_rules_are_one_clear_error_each(flux_fill_dir, flux_dir, picture, m
         (dict(image=picture, mask=np.zeros((32, 64, 3), np.float32)), "a mask array is"),
         (dict(image=picture, mask=np.full((32, 64), 1.5, np.float32)), r"values lie in \[0, 1\]"),
         (dict(image=picture, mask=torch.zeros(3, 32, 64)), "a mask tensor is"),
-        (dict(image=picture, mask=np.zeros((32, 64), np.float32), mask_blur=4), "blur an array or tensor yourself"),
+        (dict(image=picture, mask=np.zeros((32, 64), np.float32), mask_blur=4), "blur a float array or tensor yourself"),
         (dict(image=picture, mask=str(tmp_path / "missing.png")), "missing.png"),
         (dict(mask=mask), "needs an image"),
     ]
@@ -139,6 +139,10 @@ def test_the_mask_is_in_the_encoding_key_the_record_and_the_replay(flux_fill_dir
     record = omnispec.records.read(out)
     assert record.request.mask.path == str(held.resolve()) and record.request.mask_blur == 2
     assert record.request.mask.digest == resolve_request(spec, "x", 0, image=picture, mask=str(held)).mask.digest
+    from omnispec.replaying import request_arguments
+
+    assert request_arguments(record, spec)[2]["mask"] == str(held.resolve())
+    assert "mask" not in request_arguments(record, spec, mask=False)[2]  # the caller gives another
     again = tmp_path / "again.png"
     done = subprocess.run([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
                           cwd=ROOT)
@@ -164,6 +168,41 @@ def test_rollouts_replay_exactly(flux_fill_dir, qwen_image_dir, picture, mask, s
     # another micro-batch: exact on the GPU in bf16 (BENCHMARKS.md), within CPU GEMM blocking noise here
     ratio = (pipe.log_prob(ro, grad=False, micro_batch=1).log_probs.cpu() - ro.log_probs).exp()
     assert (ratio - 1).abs().max().item() <= 1e-5
+
+
+def test_a_later_walk_replays_exactly(qwen_image_dir, picture, mask):
+    """A second walk starts from the first's latents re-noised: its first state gets the kept region at the start
+    (as every later state does), so replay, which sets it on every stored state, scores the same first step."""
+    phase = ("{name: %s, denoiser: transformer, input: %s, schedule: {kind: flow_match, shift: %s}, "
+             "guidance: {terms: [{kind: true_cfg, scale: 4.0}], renorm: {over: token}}}")
+    phases = (f"recipe.phases=[{phase % ('generate', '{kind: image}', 'from_checkpoint')}, "
+              f"{phase % ('refine', '{kind: previous, renoise: 0.8}', '1.0')}]")
+    pipe = omnispec.build(SPECS / "qwen-image-inpaint.yaml", source=str(qwen_image_dir), overrides=[*QWEN, phases])
+    ro = pipe.rollout(["a red door"], group_size=2, seed=5, image=picture, mask=mask, strength=0.9,
+                      sampler={"kind": "sde", "window": {"kind": "fixed", "start": 4, "length": 1}})
+    assert ro.step_indices.tolist() == [[4], [4]]  # the window is the second walk's first step
+    assert torch.equal(pipe.log_prob(ro, grad=False).log_probs.cpu(), ro.log_probs)
+
+
+def test_families_and_checkpoints_that_do_not_inpaint_are_refused_before_loading(flux_dir, flux_fill_dir, picture,
+                                                                                 mask, tmp_path):
+    from omnispec.spec import load_spec
+
+    with pytest.raises(SpecError, match="family 'flux' does not inpaint"):
+        omnispec.build(SPECS / "flux1-dev-img2img.yaml", source=str(flux_dir), overrides=[*FILL, "recipe.task=inpainting"])
+    with pytest.raises(SpecError, match="family 'flux_fill' runs the task inpainting only"):
+        omnispec.build(SPECS / "flux1-fill-dev.yaml", source=str(flux_fill_dir),
+                       overrides=[*FILL, "recipe.task=image-to-image"])
+    with pytest.raises(SpecError, match="names 'FluxPipeline', not FluxFillPipeline"):
+        omnispec.build(SPECS / "flux1-fill-dev.yaml", source=str(flux_dir), overrides=FILL)
+    with pytest.raises(SpecError, match="the checkpoint is FLUX.1 Fill's"):
+        omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_fill_dir), overrides=FILL)
+    trns = tmp_path / "trns.png"
+    mask.save(trns, transparency=0)  # a tRNS colour: transparency without an alpha channel
+    from omnispec.spec.request import resolve_request
+
+    with pytest.raises(SpecError, match="the mask has transparency"):
+        resolve_request(load_spec(SPECS / "flux1-fill-dev.yaml", FILL), "x", 0, image=picture, mask=str(trns))
 
 
 def test_policies_run_or_are_refused_with_the_reason(flux_fill_dir, qwen_image_dir, picture, mask):

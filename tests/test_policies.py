@@ -196,6 +196,18 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
     assert compiled and all(kw["mode"] == "max-autotune" for kw in compiled)
     assert len(marks) == 2  # one generation per denoiser call
     assert "cudagraphs, autotune" in pipe.explain()
+    dit = pipe.components["transformer"]
+    assert dit._forward_pre_hooks
+    for block in dit.transformer_blocks:  # what compile_repeated_blocks would have left
+        block._compiled_call_impl, block._omnispec_compiled = (lambda *a, **k: None), True
+    mine = dit.single_transformer_blocks[0]
+    mine._compiled_call_impl = marker = (lambda *a, **k: None)  # compiled by the caller, not by a build
+    again = omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components),
+                           overrides=[*TINY_OVERRIDES["flux"]], device="cpu")
+    assert not dit._forward_pre_hooks and again.components["transformer"] is dit
+    assert all(b._compiled_call_impl is None for b in dit.transformer_blocks)  # the rebuild starts uncompiled
+    assert mine._compiled_call_impl is marker
+    mine._compiled_call_impl = None
 
 
 def test_magcache_needs_ratios_or_calibration():

@@ -17,6 +17,9 @@ from ..spec import PipelineSpec, SpecError
 
 def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -> str:
     policy = spec.policies.compile
+    for name, c in spec.model.components.items():  # a rebuild over the same modules starts from them uncompiled
+        if c.role == "denoiser":
+            _uncompiled(components[name])
     if policy.mode == "none":
         return "none"
     kwargs = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
@@ -39,6 +42,9 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
                 raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
             for block in blocks:
                 block.compile(**kwargs)
+        for sub in module.modules():  # what this build compiled, which the next build over the module undoes
+            if getattr(sub, "_compiled_call_impl", None) is not None:
+                sub._omnispec_compiled = True
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
     return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
 
@@ -59,10 +65,26 @@ def _allow_block_variants() -> None:
 
 
 def _new_generation_per_call(module: Any) -> None:
+    """Each call without gradients starts a new generation of the CUDA graphs. With gradients (an RL replay) none is
+    marked: the graph trees then keep the outputs a pending backward needs, which a marked step would give up."""
     import torch
 
     def begin(_module: Any, _args: Any) -> None:
-        torch.compiler.cudagraph_mark_step_begin()
+        if not torch.is_grad_enabled():
+            torch.compiler.cudagraph_mark_step_begin()
 
-    if getattr(module, "_omnispec_cudagraph_generations", None) is None:  # once, however often it is built on
-        module._omnispec_cudagraph_generations = module.register_forward_pre_hook(begin)
+    module._omnispec_cudagraph_generations = module.register_forward_pre_hook(begin)
+
+
+def _uncompiled(module: Any) -> None:
+    """``module`` and its blocks as an earlier build found them: the forwards that build compiled
+    (``Module.compile``'s ``_compiled_call_impl``) plain again, its CUDA-graph generation hook gone; what the caller
+    compiled before handing the module in stays."""
+    handle = getattr(module, "_omnispec_cudagraph_generations", None)
+    if handle is not None:
+        handle.remove()
+        module._omnispec_cudagraph_generations = None
+    for sub in module.modules():
+        if getattr(sub, "_omnispec_compiled", False):
+            sub._compiled_call_impl = None
+            sub._omnispec_compiled = False

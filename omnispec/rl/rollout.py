@@ -40,7 +40,9 @@ class Rollout:
     prompts: list[str]
     group_ids: torch.Tensor  # (B,)
     seeds: list[int]  # (B,) initial-noise seeds; SDE noise uses seed + SDE_SEED_OFFSET
-    states: dict[str, torch.Tensor]  # per stream (B, W + 1, ...) float32: before each stochastic step, then after the last
+    # per stream (B, W + 1, ...) float32: the window's first input, then what each stochastic step drew (before the
+    # family's reimpose, which replay applies again)
+    states: dict[str, torch.Tensor]
     log_probs: torch.Tensor  # (B, W) float32, summed over streams
     stream_log_probs: dict[str, torch.Tensor]  # per stream (B, W)
     sigmas: torch.Tensor  # (B, W)

@@ -263,7 +263,7 @@ def mask_condition(mask: Any, where: str = "request.mask") -> ImageCondition:
 
 
 def _refuse_alpha(mode: str, info: dict, where: str, path: str | None) -> None:
-    if mode in _ALPHA_MODES or (mode == "P" and "transparency" in info):
+    if mode in _ALPHA_MODES or "transparency" in info:  # an alpha channel, or a tRNS colour (any mode)
         raise SpecError.single(f"{path + ': ' if path else ''}the mask has transparency (PIL mode {mode}); "
                                "whether its alpha or its grey values mark the region to repaint is ambiguous: save it "
                                "as greyscale, white where to repaint", where)

@@ -212,10 +212,11 @@ def _policy_problems(spec: PipelineSpec):
             yield ("policies", "compile", "cudagraphs"), (
                 f"{policies.offload.strategy} offload (policies.offload.strategy) moves the weights between calls, "
                 "and a CUDA graph replays the addresses it recorded; turn one of them off")
-        if policies.cache.kind != "none":
+        if policies.cache.hooked:
             yield ("policies", "compile", "cudagraphs"), (
                 f"the {policies.cache.kind} cache (policies.cache.kind) keeps block outputs from one step to a later "
-                "one, which a CUDA graph's next replay overwrites; turn one of them off")
+                "one, which a CUDA graph's next replay overwrites; turn one of them off (step_mask, which reuses "
+                "whole predictions, runs with it)")
     if policies.compile.mode != "none":
         chosen_backends = {("default",): policies.attention.default} | {
             ("per_role", r): b for r, b in policies.attention.per_role.items()}

@@ -180,8 +180,8 @@ class CompilePolicy(SpecModel):
     fullgraph: bool = True
     cudagraphs: bool = Field(default=False, description=(
         "Record each compiled region's kernels as a CUDA graph on its first calls and replay it after "
-        "(torch.compile's reduce-overhead mode): the host no longer launches each kernel. Inductor on CUDA only; "
-        "a call of new shapes records another graph."))
+        "(torch.compile's reduce-overhead mode): the host no longer launches each kernel. Inductor on CUDA (elsewhere "
+        "it runs without graphs); regional only; a call of new shapes records another graph."))
     autotune: bool = Field(default=False, description=(
         "Time inductor's Triton matmul templates against cuBLAS for each matmul shape and keep the fastest "
         "(max-autotune): minutes more on the first compile, kept in inductor's cache after."))

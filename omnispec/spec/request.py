@@ -288,8 +288,9 @@ def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
                                                     f"{image[0]}: a mask marks the image's own pixels, so it must "
                                                     "have the image's size"))
     if request.mask_blur and not hasattr(mask.image, "filter"):
-        problems.append(Problem("request.mask_blur", "mask_blur blurs an image mask (a file or PIL image) with "
-                                                     "diffusers' Gaussian blur; blur an array or tensor yourself"))
+        problems.append(Problem("request.mask_blur", "mask_blur blurs an image mask (a file, a PIL image or an "
+                                                     "8-bit array) with diffusers' Gaussian blur; blur a float array "
+                                                     "or tensor yourself"))
     return problems
 
 

@@ -174,6 +174,8 @@ class Family:
     skip_layer_refusal: ClassVar[str | None] = None
     # ``model.options`` this family reads, with their defaults.
     options: ClassVar[Mapping[str, Any]] = {}
+    # Whether the family inpaints (reads the request's mask): it runs the task ``inpainting`` and only that one.
+    inpaints: ClassVar[bool] = False
 
     @classmethod
     def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan | None:
@@ -209,6 +211,10 @@ class Family:
             if unknown:
                 problems.append(f"phase {phase.name!r} scales streams {unknown}; family {cls.name!r} has "
                                 f"{', '.join(cls.streams)}")
+        if cls.inpaints != (spec.recipe.task == "inpainting"):
+            problems.append(f"family {cls.name!r} runs the task inpainting only (it needs the request's mask)"
+                            if cls.inpaints else f"family {cls.name!r} does not inpaint: it would ignore the mask of "
+                            "an inpainting task (an inpainting family does: omnispec list)")
         unknown_options = sorted(set(spec.model.options) - set(cls.options))
         if unknown_options:
             have = ", ".join(cls.options) or "none"

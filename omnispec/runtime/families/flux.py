@@ -30,6 +30,22 @@ class FluxFamily(PackedLatents, Family):
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")
 
+    @classmethod
+    def index_problems(cls, spec, index) -> list[tuple[str, str]]:
+        """A FLUX.1 Fill checkpoint's transformer takes the masked image beside the noise (384 input channels):
+        only family flux_fill runs it, and flux_fill runs nothing else."""
+        problems = super().index_problems(spec, index)
+        fill = index.get("_class_name") == "FluxFillPipeline"
+        if fill and cls.name != "flux_fill":
+            problems.append(("model.family", "the checkpoint is FLUX.1 Fill's (FluxFillPipeline in model_index.json), "
+                                             "whose transformer also takes a masked image: run it with the spec "
+                                             "flux1-fill-dev (family flux_fill)"))
+        elif not fill and cls.name == "flux_fill":
+            problems.append(("model.family", f"family 'flux_fill' runs FLUX.1 Fill's transformer, and the checkpoint's "
+                                             f"model_index.json names {index.get('_class_name')!r}, not "
+                                             "FluxFillPipeline"))
+        return problems
+
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
         embeds, pooled, text_ids = self.helper.encode_prompt(
             prompt=prompts, prompt_2=None, device=self.device,

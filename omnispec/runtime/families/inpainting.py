@@ -26,6 +26,7 @@ class InpaintMask:
     ``mask_processor`` (binarising at 0.5, greyscale, resized with the image) and whose ``image_latents`` and
     ``noise`` keep their draws under ``START_IMAGE`` / ``START_NOISE``."""
 
+    inpaints = True
     helper: Any
     device: torch.device
 

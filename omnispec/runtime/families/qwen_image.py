@@ -260,10 +260,10 @@ class QwenImageInpaintFamily(InpaintMask, QwenImageFamily):
         return Conditioning({"inpaint_mask": packed.repeat(b, 1, 1), "inpaint_clean": clean["latents"],
                              "inpaint_noise": noise["latents"]})
 
-    def start(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
-        return latents  # the start is the image re-noised everywhere: nothing to set back yet
-
     def reimpose(self, latents: Streams, images: Conditioning | None, geometry: Geometry, sigma: float) -> Streams:
+        """Also the walk's start (Family.start): a first walk's start is the image re-noised everywhere, which this
+        leaves as it is; a later walk's start (from the previous walk's latents) gets its kept region here, so
+        generation and replay (which reimposes every stored state) see the same first state."""
         assert images is not None
         mask, clean, noise = (images.batched[k] for k in ("inpaint_mask", "inpaint_clean", "inpaint_noise"))
         x = latents["latents"]

@@ -171,6 +171,15 @@ def flux2_klein_components() -> dict:
     return _on_device(mods, ("text_encoder", "vae"))
 
 
+def _sd3_components() -> dict:
+    """SD3.5-medium's modules at their real sizes (the rollout benchmark's), without its LoRA."""
+    from . import gpu_rollout
+
+    # run as __main__, this module is not the gpu_interpreter that gpu_rollout imported: hand it the settings
+    gpu_rollout.gi.SMOKE, gpu_rollout.gi.DEVICE = SMOKE, DEVICE
+    return gpu_rollout.sd3_components(lora=False)
+
+
 def _on_device(mods: dict, names: tuple[str, ...]) -> dict:
     for k in names:
         mods[k] = mods[k].to(DEVICE, torch.bfloat16).eval()
@@ -279,16 +288,26 @@ WORKLOADS = {
                                            max_sequence_length=512)),
     # inpainting at strength 1 on both sides (all steps run: per-step times compare), the right half repainted
     "flux_fill": dict(spec="flux1-fill-dev.yaml", components=lambda: flux_components(fill=True),
-                      pipeline="FluxFillPipeline", inpaint=True,
+                      pipeline="FluxFillPipeline", inputs=("image", "mask"),
                       request=dict(height=1024, width=1024, max_sequence_length=512, strength=1.0), steps=(2, 6),
                       diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=30.0, max_sequence_length=512,
                                             strength=1.0)),
     "qwen_image_inpaint": dict(spec="qwen-image-inpaint.yaml", components=lambda: qwen_image_components(),
-                               pipeline="QwenImageInpaintPipeline", inpaint=True,
+                               pipeline="QwenImageInpaintPipeline", inputs=("image", "mask"),
                                request=dict(height=1024, width=1024, max_sequence_length=512, strength=1.0),
                                steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0,
                                                                    negative_prompt=" ", max_sequence_length=512,
                                                                    strength=1.0)),
+    # CFG 4.5 on both sides (the spec's skip-layer term is at scale 0: off); no LoRA
+    "sd3": dict(spec="sd3.5-medium.yaml", components=lambda: _sd3_components(), pipeline="StableDiffusion3Pipeline",
+                request=dict(height=1024, width=1024, max_sequence_length=256), steps=(2, 6),
+                diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.5, max_sequence_length=256)),
+    # the reference image's 4,096 tokens after the noise tokens (1024² in, 1024² out, no resize on either side)
+    "flux_kontext": dict(spec="flux1-kontext-dev.yaml", components=flux_components, pipeline="FluxKontextPipeline",
+                         inputs=("image",), overrides=["model.options.auto_resize=false"],
+                         request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                         diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=2.5, max_sequence_length=512,
+                                               _auto_resize=False)),
     # true CFG with its per-token renorm on both sides (the spec's negative prompt " " is the model card's)
     "qwen_image": dict(spec="qwen-image.yaml", components=qwen_image_components, pipeline="QwenImagePipeline",
                        request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
@@ -410,7 +429,7 @@ def per_request(run, steps: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(samples), samples
 
 
-def inpainting_inputs(height: int, width: int):
+def conditioning_inputs(height: int, width: int):
     """A random RGB picture and a mask repainting its right half."""
     import numpy as np
     from PIL import Image
@@ -430,7 +449,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     w = WORKLOADS[name]
     mods = w["components"]()
     pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=DEVICE,
-                          overrides=["runtime.progress=false", *overrides])
+                          overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])
     ref = getattr(diffusers, w["pipeline"])(**mods, **w.get("diffusers_only", dict)())  # e.g. HunyuanVideo's guider
     ref.set_progress_bar_config(disable=True)
 
@@ -441,10 +460,11 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **w["diffusers_kwargs"])
 
-    if w.get("inpaint"):  # an image and a mask of its size, the same for both sides
-        image, mask = inpainting_inputs(w["request"]["height"], w["request"]["width"])
-        w = {**w, "request": {**w["request"], "image": image, "mask": mask},
-             "diffusers_kwargs": {**w["diffusers_kwargs"], "image": image, "mask_image": mask}}
+    if w.get("inputs"):  # an image (and a mask of its size), the same for both sides
+        given = dict(zip(("image", "mask"), conditioning_inputs(w["request"]["height"], w["request"]["width"])))
+        ours = {k: given[k] for k in w["inputs"]}
+        theirs = {{"mask": "mask_image"}.get(k, k): v for k, v in ours.items()}
+        w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
     lo, hi = w["steps"]
     if not SMOKE:  # --smoke: no timing worth warming up for
         run_ours(lo), run_ref(lo)  # warm-up

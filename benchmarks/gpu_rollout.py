@@ -38,7 +38,7 @@ CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
-def sd3_components() -> dict:
+def sd3_components(lora: bool = True) -> dict:
     import transformers
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
@@ -81,7 +81,8 @@ def sd3_components() -> dict:
     from peft import LoraConfig
 
     mods["transformer"].eval().requires_grad_(False)
-    mods["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
+    if lora:
+        mods["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
     return mods
 
 

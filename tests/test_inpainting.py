@@ -103,6 +103,8 @@ def test_mask_rules_are_one_clear_error_each(flux_fill_dir, flux_dir, picture, m
         (dict(image=picture, mask=np.zeros((32, 64), np.float32), mask_blur=4), "blur a float array or tensor yourself"),
         (dict(image=picture, mask=str(tmp_path / "missing.png")), "missing.png"),
         (dict(mask=mask), "needs an image"),
+        (dict(image=picture, mask=[mask]), "a mask is a PIL image, a numpy array, a torch tensor or a path, got list"),
+        (dict(image=picture, mask=""), "an empty path where a mask file was expected"),
     ]
     for fields, message in cases:
         with pytest.raises(SpecError, match=message):

@@ -56,6 +56,8 @@ def user_path(path: str | os.PathLike[str]) -> Path:
 def regular_file(path: str | os.PathLike[str], where: str = "", what: str = "file") -> Path:
     """``path`` as a ``Path`` when it is a regular file (links followed); otherwise ``SpecError`` saying what it is,
     decided from ``stat`` alone: a FIFO or a device is never opened (opening one can block forever)."""
+    if not os.fspath(path):  # Path("") is the working directory
+        raise SpecError.single(f"an empty path where a {what} was expected", where)
     p = Path(path)
     try:
         info = p.stat()

@@ -251,7 +251,10 @@ def mask_condition(mask: Any, where: str = "request.mask") -> ImageCondition:
             mask = mask[..., None]
         if mask.ndim != 3 or mask.shape[-1] != 1:
             raise SpecError.single(f"a mask array is (H, W) or (H, W, 1), got shape {mask.shape}", where)
-    elif is_tensor:
+    elif not is_tensor:
+        raise SpecTypeError.single(f"a mask is a PIL image, a numpy array, a torch tensor or a path, got "
+                                   f"{type(mask).__name__}", where)
+    else:
         if mask.dim() == 2:
             mask = mask.unsqueeze(0)
         if mask.dim() != 3 or mask.shape[0] != 1:

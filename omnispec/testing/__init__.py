@@ -7,11 +7,11 @@ from .tokenizers import clip_tokenizer, gemma_tokenizer, t5_tokenizer
 __all__ = ["TINY_OVERRIDES", "clip_tokenizer", "gemma_tokenizer", "t5_tokenizer", "tiny_flux", "tiny_flux2_klein",
            "tiny_ltx2", "tiny_sd3", "tiny_wan", "tiny_wan_i2v"]
 
-from .fixtures import tiny_hunyuan_video15, tiny_qwen_image, tiny_wan_ti2v, tiny_z_image
+from .fixtures import tiny_hunyuan_video15, tiny_qwen_image, tiny_wan_ti2v, tiny_wan_vace, tiny_z_image
 from .tokenizers import qwen_tokenizer, qwen_vl_processor
 
 __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny_qwen_image", "tiny_wan_ti2v",
-            "tiny_z_image"]
+            "tiny_wan_vace", "tiny_z_image"]
 
 from .offline import TINY_SPECS, tiny_checkpoint
 

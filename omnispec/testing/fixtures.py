@@ -175,6 +175,21 @@ def tiny_wan(root: str | Path, seed: int = 0, two_experts: bool = False) -> Path
     return Path(root)
 
 
+def tiny_wan_vace(root: str | Path, seed: int = 0) -> Path:
+    """``WanVACEPipeline`` layout: the tiny Wan transformer with a control branch (3 blocks, VACE layers 0 and 2, 96
+    control channels, as diffusers' VACE test) and UniPC as the real checkpoints."""
+    from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+    _seeded(seed)
+    transformer = WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=3, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=[0, 2], vace_in_channels=96).eval()
+    WanVACEPipeline(tokenizer=t5_tokenizer(), text_encoder=_t5("UMT5EncoderModel"), vae=_wan_vae(),
+                    scheduler=_unipc(), transformer=transformer).save_pretrained(root)
+    return Path(root)
+
+
 def tiny_wan_ti2v(root: str | Path, seed: int = 0) -> Path:
     """Wan2.2 TI2V-5B layout: ``WanPipeline`` with ``expand_timesteps`` (a timestep per token), the Wan2.2 VAE
     (residual, 2x2 pixel patches, 48 latent channels, 16x spatial) and UniPC at the checkpoint's flow_shift 5."""

@@ -17,6 +17,7 @@ _BUILTIN = {
     "wan": "omnispec.runtime.families.wan:WanFamily",
     "wan_i2v": "omnispec.runtime.families.wan_i2v:WanImageToVideoFamily",
     "wan_ti2v": "omnispec.runtime.families.wan_ti2v:WanTI2VFamily",
+    "wan_vace": "omnispec.runtime.families.wan_vace:WanVACEFamily",
     "ltx2": "omnispec.runtime.families.ltx2:LTX2Family",
     "ltx2_condition": "omnispec.runtime.families.ltx2:LTX2ConditionFamily",
     "digits": "omnispec.runtime.families.digits:DigitsFamily",

@@ -1,0 +1,93 @@
+"""Wan VACE (``WanVACEPipeline``): Wan text-to-video with a control branch, run here for keyframes: images placed at
+frames of the video (first and last frame, or any), built into the control video and mask as diffusers' VACE
+example builds them (each image resized to the output size at its frame, grey frames elsewhere; the mask black at
+the images' frames, white where the model generates).
+
+The control video and mask go through the pipeline's own ``preprocess_conditions``, ``prepare_video_latents`` (VAE
+latents of the kept and the generated parts, by their mode: no generator draw) and ``prepare_masks`` (the mask folded
+8 x 8 into channels): 96 control channels, the same for every sample and both CFG passes. The transformer adds each
+VACE block's hint after its main block, scaled by ``model.options.conditioning_scale`` (one number for every layer;
+diffusers also takes one per layer, which a spec option, a scalar, cannot hold).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import WanVACEPipeline
+from PIL import Image
+
+from ...spec import PipelineSpec, SpecError
+from ...spec.request import Request
+from .base import Conditioning, Geometry, Perturbation, Streams
+from .wan import WanFamily
+
+GREY = (128, 128, 128)  # diffusers' example: 127.5 in the original code, which PIL cannot hold
+
+
+class WanVACEFamily(WanFamily):
+    name = "wan_vace"
+    pipeline_class = WanVACEPipeline
+    max_images = 16  # keyframes
+    context_parallel = False
+    context_parallel_refusal = "WanVACETransformer3DModel has no context-parallel plan in diffusers 0.42"
+    tensor_parallel_refusal = "no tensor-parallel plan is written for the VACE blocks yet"
+    # the VACE hints are added between the main blocks, outside what the block hooks skip or reuse
+    cache_limits = {kind: "not checked against the VACE hints added between the blocks; use step_mask"
+                    for kind in ("first_block", "magcache", "taylorseer")}
+    options = {"conditioning_scale": 1.0}
+    model_index_values = {}
+
+    @classmethod
+    def check_spec(cls, spec: PipelineSpec) -> None:
+        super().check_spec(spec)
+        scale = {**cls.options, **spec.model.options}["conditioning_scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise SpecError.single(f"conditioning_scale is a number (every VACE layer's hint scale), got {scale!r}",
+                                   "model.options.conditioning_scale")
+
+    def make_helper(self, components):
+        denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]
+        return WanVACEPipeline(
+            tokenizer=components["tokenizer"], text_encoder=components["text_encoder"], vae=components["vae"],
+            scheduler=components.get("scheduler"), transformer=components.get(denoisers[0]),
+        )
+
+    def keyframes(self, request: Request, geometry: Geometry) -> tuple[list, list]:
+        """The control video and mask (lists of PIL frames) of the request's images at their frames."""
+        frames = geometry.frames or 1
+        size = (geometry.width, geometry.height)
+        video = [Image.new("RGB", size, GREY) for _ in range(frames)]
+        mask = [Image.new("L", size, 255) for _ in range(frames)]
+        for k, condition in enumerate(request.images):
+            if not (hasattr(condition.image, "resize") and hasattr(condition.image, "mode")):
+                raise SpecError.single("family 'wan_vace' places its keyframes as PIL images: pass a PIL image or a "
+                                       "path", f"request.conditions.{k}")
+            at = condition.frame % frames
+            video[at] = condition.image.resize(size)  # as diffusers' example: PIL's default resampling
+            mask[at] = Image.new("L", size, 0)
+        return video, mask
+
+    def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
+                      ) -> Conditioning | None:
+        helper, device = self.helper, self.device
+        video, mask = self.keyframes(request, geometry) if request.images else (None, None)
+        frames = geometry.frames or 1
+        video, mask, references = helper.preprocess_conditions(video, mask, None, 1, geometry.height, geometry.width,
+                                                               frames, torch.float32, device)
+        latents = helper.prepare_video_latents(video, mask, references, None, device)
+        control = torch.cat([latents, helper.prepare_masks(mask, references, None)], dim=1)
+        scale = [float(self.settings["conditioning_scale"])] * len(helper.transformer.config.vace_layers)
+        dtype = helper.transformer.dtype
+        return Conditioning({"control": control.to(dtype).repeat(len(generators), 1, 1, 1, 1)},
+                            {"control_scale": torch.tensor(scale).to(device, dtype)})
+
+    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
+                perturbation: Perturbation | None = None) -> Streams:
+        x = latents["latents"]
+        with self.layer_skip(denoiser, perturbation):
+            return {"latents": denoiser(
+                hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
+                encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype),
+                control_hidden_states=cond.batched["control"],
+                control_hidden_states_scale=cond.shared["control_scale"], return_dict=False,
+            )[0]}

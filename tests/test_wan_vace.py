@@ -1,0 +1,91 @@
+"""Wan VACE (family ``wan_vace``) for keyframes: images at frames of the video built into the control video and
+mask as diffusers' VACE example builds them, equal to WanVACEPipeline on the same tiny checkpoint and seed (one call
+per seed: the pipeline takes one prompt and one generator); conditioning scales; rollouts replay exactly."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import omnispec
+from omnispec.spec import SpecError
+from omnispec.testing import TINY_OVERRIDES
+
+from conftest import ROOT, SPECS
+
+TOL = 1e-4
+OVERRIDES = [*TINY_OVERRIDES["wan"], "recipe.defaults.frames=9"]
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return [Image.fromarray((np.random.RandomState(i).rand(24, 40, 3) * 255).astype(np.uint8)) for i in (1, 2)]
+
+
+def reference(root):
+    from diffusers import WanVACEPipeline
+
+    pipe = WanVACEPipeline.from_pretrained(str(root), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def example_video_and_mask(images_at: dict[int, Image.Image], height: int, width: int, frames: int):
+    """diffusers' VACE docstring example (prepare_video_and_mask), for any frames."""
+    video = [Image.new("RGB", (width, height), (128, 128, 128)) for _ in range(frames)]
+    mask = [Image.new("L", (width, height), 255) for _ in range(frames)]
+    for at, image in images_at.items():
+        video[at] = image.resize((width, height))
+        mask[at] = Image.new("L", (width, height), 0)
+    return video, mask
+
+
+@pytest.mark.parametrize("case", ["first-last", "middle", "scale"])
+def test_keyframes_equal_diffusers(wan_vace_dir, frames, case):
+    extra = ["model.options.conditioning_scale=0.5"] if case == "scale" else []
+    pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b.yaml", source=str(wan_vace_dir), overrides=[*OVERRIDES, *extra])
+    placed = {0: frames[0], 8: frames[1]} if case != "middle" else {4: frames[0]}
+    conditions = [{"image": image, "frame": at - 9 if at == 8 else at} for at, image in placed.items()]
+    prompts = ["a bird takes off", "a boat at sea"]
+    ours = pipe(prompts, seed=[3, 4], conditions=conditions, negative_prompt="blurry")
+    ref = reference(wan_vace_dir)
+    video, mask = example_video_and_mask(placed, 32, 32, 9)
+    for i, (prompt, seed) in enumerate(zip(prompts, (3, 4))):
+        theirs = ref(prompt=prompt, negative_prompt="blurry", video=video, mask=mask, height=32, width=32,
+                     num_frames=9, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=16,
+                     conditioning_scale=0.5 if case == "scale" else 1.0,
+                     generator=torch.Generator("cpu").manual_seed(seed), output_type="np").frames[0]
+        assert ours.array[i].shape == theirs.shape
+        assert np.abs(ours.array[i] - theirs).max() <= TOL
+
+
+def test_through_the_cli_and_refusals(wan_vace_dir, frames, tmp_path):
+    first, out = tmp_path / "first.png", tmp_path / "clip.npy"
+    frames[0].save(first)
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    done = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-vace-1.3b.yaml"),
+                           "--source", str(wan_vace_dir), *sets, "--prompt", "a bird", "--image", f"{first}@0",
+                           "--image", f"{first}@-1", "--output", str(out), "-q"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert np.load(out).shape == (1, 9, 32, 32, 3)
+    with pytest.raises(SpecError, match="conditioning_scale is a number"):
+        omnispec.build(SPECS / "wan2.1-vace-1.3b.yaml", source=str(wan_vace_dir),
+                       overrides=[*OVERRIDES, "model.options.conditioning_scale=high"])
+    with pytest.raises(SpecError, match="not checked against the VACE hints"):
+        omnispec.build(SPECS / "wan2.1-vace-1.3b.yaml", source=str(wan_vace_dir),
+                       overrides=[*OVERRIDES, "policies.cache={kind: taylorseer}"])
+    with pytest.raises(SpecError, match="no context-parallel plan"):
+        omnispec.load_spec(SPECS / "wan2.1-vace-1.3b.yaml", ["policies.parallel.ulysses=2"])
+        omnispec.build(SPECS / "wan2.1-vace-1.3b.yaml", source=str(wan_vace_dir),
+                       overrides=[*OVERRIDES, "policies.parallel.ulysses=2"])
+
+
+def test_rollouts_replay_exactly(wan_vace_dir, frames):
+    pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
+    ro = pipe.rollout("a bird", group_size=2, seed=5, sampler={"kind": "sde", "multistep": "euler"},
+                      conditions=[{"image": frames[0], "frame": 0}, {"image": frames[1], "frame": -1}])
+    assert torch.equal(pipe.log_prob(ro, grad=False).log_probs.cpu(), ro.log_probs)

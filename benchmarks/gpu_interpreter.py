@@ -92,7 +92,8 @@ def flux_components(fill: bool = False) -> dict:
     return mods
 
 
-def wan_components() -> dict:
+def wan_components(with_transformer: bool = True) -> dict:
+    """Wan2.1 T2V 14B's modules (``with_transformer=False``: all but the transformer, for the VACE workload)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     _, _, umt5, tok = _text_encoders(*SMOKE_TEXT, umt5=True) if SMOKE else _text_encoders(768, 4096, umt5=True)
@@ -100,16 +101,47 @@ def wan_components() -> dict:
     size = dict(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824, num_layers=40)
     if SMOKE:
         size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
-    with torch.device(DEVICE):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
-        ).to(torch.bfloat16)
+    transformer = None
+    if with_transformer:
+        with torch.device(DEVICE):
+            transformer = WanTransformer3DModel(
+                patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
+            ).to(torch.bfloat16)
     vae = AutoencoderKLWan(**SMOKE_WAN_VAE) if SMOKE else AutoencoderKLWan()
     return dict(transformer=transformer, text_encoder=umt5.to(DEVICE, torch.bfloat16).eval(), tokenizer=tok,
                 vae=vae.to(DEVICE, torch.float32).eval(),
                 scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                   flow_shift=3.0, num_train_timesteps=1000))
+
+
+def wan_vace_components() -> dict:
+    """Wan2.1 VACE 1.3B's transformer at its real config (30 blocks of 12 heads of 128, VACE layers every second
+    block, 96 control channels), Wan2.1's VAE; text encoders as the Wan workload's."""
+    from diffusers import WanVACETransformer3DModel
+
+    mods = wan_components(with_transformer=False)
+    size = dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30,
+                vace_layers=list(range(0, 30, 2)))
+    if SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=2, vace_layers=[0])
+    with torch.device(DEVICE):
+        mods["transformer"] = WanVACETransformer3DModel(
+            patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=SMOKE_TEXT[1] if SMOKE else 4096,
+            freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+            vace_in_channels=96, **size).to(torch.bfloat16)
+    return mods
+
+
+def vace_keyframes(height: int, width: int, frames: int):
+    """A first and a last frame: omnispec's ``conditions``, and diffusers' VACE example's video and mask of them."""
+    from PIL import Image
+
+    first, last = conditioning_inputs(height, width)[0], conditioning_inputs(height, width)[0].rotate(180)
+    video = [first, *[Image.new("RGB", (width, height), (128, 128, 128))] * (frames - 2), last]
+    black, white = Image.new("L", (width, height), 0), Image.new("L", (width, height), 255)
+    return ([{"image": first, "frame": 0}, {"image": last, "frame": -1}],
+            {"video": video, "mask": [black, *[white] * (frames - 2), black]})
 
 
 def wan_ti2v_components() -> dict:
@@ -280,6 +312,11 @@ WORKLOADS = {
                         request=dict(height=1024, width=1024, max_sequence_length=512),
                         steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.0,
                                                             max_sequence_length=512)),
+    # keyframes (first and last frame) on both sides: 96 control channels beside the noise, VACE hints every 2nd block
+    "wan_vace": dict(spec="wan2.1-vace-1.3b.yaml", components=wan_vace_components, pipeline="WanVACEPipeline",
+                     inputs=("keyframes",), request=dict(height=480, width=832, frames=81, max_sequence_length=512),
+                     steps=(1, 3), diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
+                                                         max_sequence_length=512)),
     # a timestep per token on both sides (WanPipeline with expand_timesteps); 704x1280x121: 27,280 tokens a row
     "wan_ti2v": dict(spec="wan2.2-ti2v-5b.yaml", components=wan_ti2v_components, pipeline="WanPipeline",
                      diffusers_only=lambda: {"expand_timesteps": True},
@@ -460,7 +497,11 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **w["diffusers_kwargs"])
 
-    if w.get("inputs"):  # an image (and a mask of its size), the same for both sides
+    if w.get("inputs") == ("keyframes",):  # VACE: omnispec's conditions, diffusers' video and mask of them
+        conditions, theirs = vace_keyframes(w["request"]["height"], w["request"]["width"], w["request"]["frames"])
+        w = {**w, "request": {**w["request"], "conditions": conditions},
+             "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
+    elif w.get("inputs"):  # an image (and a mask of its size), the same for both sides
         given = dict(zip(("image", "mask"), conditioning_inputs(w["request"]["height"], w["request"]["width"])))
         ours = {k: given[k] for k in w["inputs"]}
         theirs = {{"mask": "mask_image"}.get(k, k): v for k, v in ours.items()}

@@ -22,6 +22,8 @@ TORCH_INTERNALS = {
     "_version",  # offload/model.py: a tensor's in-place version counter, to copy back only what changed
     "_overloadpacket", "_cdata",  # estimate/counting.py: a dispatch mode telling ops and storages apart
     "_scaled_dot_product_flash_attention_for_cpu",  # parallel/sequence.py: the CPU kernel ring attention needs on gloo
+    "_dynamo",  # policies/compile.py: dynamo's per-code recompile limit (torch._dynamo.config; no public setter)
+    "_compiled_call_impl",  # policies/compile.py: Module.compile's compiled forward, undone by a rebuild
 }
 
 

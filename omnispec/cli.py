@@ -114,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", metavar="PATH[@FRAME]",
                    help="conditioning image (image-to-image, image-to-video, editing); repeat with @FRAME to place "
                         "images at frames of a video (e.g. --image first.png --image last.png@-1)")
+    p.add_argument("--reference", action="append", metavar="PATH",
+                   help="a reference image the output should show (a subject, a style; Wan VACE), repeatable")
     p.add_argument("--mask", metavar="PATH", help="inpainting mask of the image's size: white is repainted, black "
                                                    "kept (grey rounds at 0.5)")
     p.add_argument("--mask-blur", type=int, metavar="RADIUS",

@@ -37,12 +37,12 @@ def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bo
     return load_spec(spec, list(overrides), trust_code=trust_code)
 
 
-def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, mask: bool = True
-                      ) -> tuple[list[str], list[int], dict[str, Any]]:
+def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, mask: bool = True,
+                      references: bool = True) -> tuple[list[str], list[int], dict[str, Any]]:
     """Prompts, seeds and request fields that reproduce the recorded request; fields equal to the recipe's defaults
-    are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out and
-    ``mask=False`` the recorded mask (the caller gives others)."""
-    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "mask", "requested"})
+    are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out, ``mask=False``
+    the recorded mask and ``references=False`` the recorded reference images (the caller gives others)."""
+    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "mask", "references", "requested"})
     defaults = spec.recipe.defaults.model_dump()
     fields = {k: v for k, v in request.items() if v is not None and v != defaults.get(k)}
     if fields.get("negative_prompt") == "":
@@ -56,34 +56,41 @@ def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, m
         fields.update(image_arguments(record.request.images))
     if record.request.mask is not None and mask:
         fields["mask"] = mask_argument(record.request.mask)
+    if record.request.references and references:
+        fields["references"] = [placed["image"] for placed in _recorded_files(
+            record.request.references, "request.references", "--reference / references=")]
     return list(record.request.prompts), list(record.request.seeds), fields
 
 
 def image_arguments(images: list[RecordedImage]) -> dict[str, Any]:
     """The recorded conditioning images, opened from their paths; each must still hash to its recorded digest."""
+    placed = _recorded_files(images, "request.images", "--image / image=")
+    if len(placed) == 1 and placed[0]["frame"] == 0:
+        return {"image": placed[0]["image"]}
+    return {"conditions": placed}
+
+
+def _recorded_files(images: list[RecordedImage], where: str, option: str) -> list[dict[str, Any]]:
+    """``{image: path, frame}`` of recorded images, each still at its path with its recorded digest (else one
+    problem per image, naming ``option`` to pass it again)."""
     from .spec.images import image_condition
 
     placed = []
     problems = []
     for i, entry in enumerate(images):
-        where = f"request.images.{i}"
+        at = f"{where}.{i}"
         if not entry.path:
-            problems.append(Problem(where, "was given in memory, not as a file: pass the image again (--image / "
-                                    "image=)"))
-            continue
-        if path_kind(entry.path) != "file":
-            problems.append(Problem(where, f"{entry.path} is gone: pass the image again (--image / image=)"))
-            continue
-        if image_condition(entry.path, 0, where).digest != entry.digest:
-            problems.append(Problem(where, f"{entry.path} has changed since (its pixels' digest differs): pass the "
-                                    "original image again (--image / image=)"))
-            continue
-        placed.append({"image": entry.path, "frame": entry.frame})
+            problems.append(Problem(at, f"was given in memory, not as a file: pass the image again ({option})"))
+        elif path_kind(entry.path) != "file":
+            problems.append(Problem(at, f"{entry.path} is gone: pass the image again ({option})"))
+        elif image_condition(entry.path, 0, at).digest != entry.digest:
+            problems.append(Problem(at, f"{entry.path} has changed since (its pixels' digest differs): pass the "
+                                    f"original image again ({option})"))
+        else:
+            placed.append({"image": entry.path, "frame": entry.frame})
     if problems:
         raise SpecError(problems)
-    if len(placed) == 1 and placed[0]["frame"] == 0:
-        return {"image": placed[0]["image"]}
-    return {"conditions": placed}
+    return placed
 
 
 def mask_argument(entry: RecordedImage) -> str:

@@ -38,6 +38,8 @@ def run_command(args: argparse.Namespace) -> int:
         fields.pop("image", None)
         fields.pop("conditions", None)
         fields.update(image_fields(args.image))
+    if args.reference:
+        fields["references"] = list(args.reference)
     request = _collect(problems, lambda: resolve_request(spec, prompts, seeds, **fields)) if prompts else None
     problems += lora_problems(args.lora or [])
 
@@ -101,7 +103,8 @@ def _from_output(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, .
     if problems:
         raise SpecError(problems)
     spec = replay_spec(made_by, overrides, trust_code=args.trust_code)
-    prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image, mask=not args.mask)
+    prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image, mask=not args.mask,
+                                               references=not args.reference)
     select = made_by.sample
     if args.prompt is not None or args.seed is not None:  # a new request: from the file's own sample, if it has one
         if select is not None:

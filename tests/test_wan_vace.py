@@ -62,6 +62,51 @@ def test_keyframes_equal_diffusers(wan_vace_dir, frames, case):
         assert np.abs(ours.array[i] - theirs).max() <= TOL
 
 
+@pytest.mark.parametrize("case", ["references", "references-and-keyframes"])
+def test_reference_images_equal_diffusers(wan_vace_dir, frames, case):
+    """Two references of another aspect (fitted onto white canvases) prepend two latent frames, which the output
+    drops; with keyframes the two combine."""
+    spec = "wan2.1-vace-1.3b-r2v" if case == "references" else "wan2.1-vace-1.3b"
+    pipe = omnispec.build(SPECS / f"{spec}.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
+    placed = {} if case == "references" else {0: frames[0]}
+    extra = {"conditions": [{"image": frames[0], "frame": 0}]} if placed else {}
+    ours = pipe("a bird", seed=6, references=frames, negative_prompt="blurry", **extra)
+    video, mask = example_video_and_mask(placed, 32, 32, 9) if placed else (None, None)
+    theirs = reference(wan_vace_dir)(prompt="a bird", negative_prompt="blurry", video=video, mask=mask,
+                                     reference_images=frames, height=32, width=32, num_frames=9, num_inference_steps=4,
+                                     guidance_scale=5.0, max_sequence_length=16,
+                                     generator=torch.Generator("cpu").manual_seed(6), output_type="np").frames[0]
+    assert ours.array[0].shape == theirs.shape == (9, 32, 32, 3)
+    assert np.abs(ours.array[0] - theirs).max() <= TOL
+    alone = pipe("a bird", seed=6, negative_prompt="blurry", **extra) if placed else None
+    assert alone is None or np.abs(alone.array - ours.array).max() > 1e-3  # the references act
+
+
+def test_references_are_refused_by_families_without_them_and_recorded(flux_dir, wan_vace_dir, frames, tmp_path):
+    with pytest.raises(SpecError, match="family 'flux' takes no reference image"):
+        omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=TINY_OVERRIDES["flux"])(
+            "x", seed=0, references=frames[0])
+    ref, out = tmp_path / "subject.png", tmp_path / "clip.npy"
+    frames[1].save(ref)
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    run = [sys.executable, "-m", "omnispec", "run"]
+    done = subprocess.run([*run, str(SPECS / "wan2.1-vace-1.3b-r2v.yaml"), "--source", str(wan_vace_dir), *sets,
+                           "--prompt", "a bird", "--reference", str(ref), "--output", str(out), "-q"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    record = omnispec.records.read(out)
+    assert [r.path for r in record.request.references] == [str(ref.resolve())]
+    again = tmp_path / "again.npy"
+    done = subprocess.run([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert np.array_equal(np.load(out), np.load(again))
+    frames[0].save(ref)  # the reference changed since
+    done = subprocess.run([*run, "--from", str(out), "--output", str(tmp_path / "x.npy"), "-q"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 2 and "error: request.references.0" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_through_the_cli_and_refusals(wan_vace_dir, frames, tmp_path):
     first, out = tmp_path / "first.png", tmp_path / "clip.npy"
     frames[0].save(first)
@@ -87,5 +132,6 @@ def test_through_the_cli_and_refusals(wan_vace_dir, frames, tmp_path):
 def test_rollouts_replay_exactly(wan_vace_dir, frames):
     pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
     ro = pipe.rollout("a bird", group_size=2, seed=5, sampler={"kind": "sde", "multistep": "euler"},
-                      conditions=[{"image": frames[0], "frame": 0}, {"image": frames[1], "frame": -1}])
+                      conditions=[{"image": frames[0], "frame": 0}, {"image": frames[1], "frame": -1}],
+                      references=frames[1])
     assert torch.equal(pipe.log_prob(ro, grad=False).log_probs.cpu(), ro.log_probs)

@@ -108,8 +108,10 @@ def spec_data(spec: PipelineSpec) -> dict[str, Any]:
 
 
 def request_data(request: Request) -> dict[str, Any]:
-    data = request.model_dump(mode="json", exclude={"images", "mask"}, exclude_none=True)
+    data = request.model_dump(mode="json", exclude={"images", "mask", "references"}, exclude_none=True)
     data["images"] = [_image_data(c) for c in request.images]
+    if request.references:
+        data["references"] = [_image_data(c) for c in request.references]
     if request.mask is not None:
         data["mask"] = _image_data(request.mask)
     return data

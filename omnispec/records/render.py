@@ -27,6 +27,8 @@ def render(record: Record, path: str | None = None) -> str:
     for i, image in enumerate(request.images):
         lines.append(f"  image {i}: {image.path or '(in memory)'} at frame {image.frame}, "
                      f"sha256 {image.digest[:16]}...")
+    for i, image in enumerate(request.references):
+        lines.append(f"  reference {i}: {image.path or '(in memory)'}, sha256 {image.digest[:16]}...")
     if request.mask is not None:
         lines.append(f"  mask: {request.mask.path or '(in memory)'}, sha256 {request.mask.digest[:16]}...")
     checkpoint = record.checkpoint

@@ -62,6 +62,7 @@ class RecordedRequest(RecordModel):
     images: list[RecordedImage] = Field(default_factory=list)
     mask: RecordedImage | None = Field(default=None, description="The inpainting mask (its frame is 0).")
     mask_blur: MaskBlur | None = None
+    references: list[RecordedImage] = Field(default_factory=list, description="Reference images (frame 0).")
     requested: RequestedSize | None = Field(default=None, description=(
         "Sizes the caller asked for where the family generated others (image-to-image at the image's size, "
         "Kontext's area rule): requested vs. generated."))

@@ -29,6 +29,7 @@ MAX_SEQUENCE_LENGTH = 65_536  # prompt tokens
 # is decoded: a 4096 x 4096 RGBA file decodes, converts and hashes within 1.5 GB.
 MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_PROMPTS = 1_024  # prompts of one request (each one is a sample a replay makes again)
+MAX_REFERENCES = 16  # reference images of one request
 MAX_LORA_SCALE = 1_000.0  # |scale| of a LoRA slot (real ones lie within a few units; 1e308 overflows to NaN)
 # Modules registered while one component is built from its config: FLUX.1's transformer has 1,275, Wan 14B's 1,138,
 # LTX-2's 3,674. A config describing a million layers (a few bytes of JSON) is refused at this count instead of

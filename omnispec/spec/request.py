@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator
 
 from .base import (
     MAX_PROMPTS,
+    MAX_REFERENCES,
     MAX_STEPS,
     SEED_MAX,
     SEED_MIN,
@@ -61,6 +62,8 @@ class Request(SpecModel):
     # Inpainting: white (>= 0.5 after diffusers' binarisation) is repainted, black kept; ``mask_blur`` blurs it first.
     mask: ImageCondition | None = None
     mask_blur: Annotated[MaskBlur, Number] | None = None
+    # Images the output should show (a subject, a style), not placed at frames: Wan VACE's reference images.
+    references: list[ImageCondition] = Field(default_factory=list, max_length=MAX_REFERENCES)
 
     @field_validator("sigmas")
     @classmethod
@@ -73,7 +76,8 @@ class Request(SpecModel):
     def image_digests(self) -> tuple[tuple[str, int], ...]:
         """What identifies the request's images and mask (part of the prompt-encoding cache key)."""
         mask = ((self.mask.digest, -1, self.mask_blur or 0),) if self.mask is not None else ()
-        return tuple((c.digest, c.frame) for c in self.images) + mask
+        references = tuple((c.digest, "reference") for c in self.references)
+        return tuple((c.digest, c.frame) for c in self.images) + mask + references
 
 
 # What diffusers' pipelines take as "guidance off" (``guidance_scale > 1`` turns CFG on; Z-Image's ``> 0``): on a
@@ -81,7 +85,7 @@ class Request(SpecModel):
 GUIDANCE_OFF = (0.0, 1.0)
 # Request fields a caller passes by keyword (``image`` and ``conditions`` become ``images``).
 _KEYWORDS = ("negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale",
-             "max_sequence_length", "strength", "image", "conditions", "mask", "mask_blur")
+             "max_sequence_length", "strength", "image", "conditions", "mask", "mask_blur", "references")
 
 
 def resolve_request(
@@ -126,6 +130,7 @@ def resolve_request(
     images = _conditions(fields.pop("image", None), fields.pop("conditions", None))
     mask = fields.pop("mask", None)
     mask = mask_condition(mask, "request.mask") if mask is not None else None
+    references = _references(fields.pop("references", None))
     if fields.get("sigmas") is not None:
         fields["steps"] = _steps_of_sigmas(spec, fields.get("sigmas"), fields.get("steps"))
 
@@ -133,7 +138,7 @@ def resolve_request(
     values: dict[str, Any] = {k: v for k, v in defaults.items() if k in Request.model_fields}
     values.update({k: v for k, v in fields.items() if v is not None})
     try:
-        request = Request(prompts=prompts, seeds=seeds, images=images, mask=mask, **values)
+        request = Request(prompts=prompts, seeds=seeds, images=images, mask=mask, references=references, **values)
     except ValidationError as exc:
         raise from_validation_error(exc, values) from None
 
@@ -268,6 +273,17 @@ def _image_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
     return problems
 
 
+def _references(given: Any) -> list[ImageCondition]:
+    """Reference images: one image or a list of at most ``MAX_REFERENCES``, each checked as a conditioning image."""
+    if given is None:
+        return []
+    items = list(given) if isinstance(given, (list, tuple)) else [given]
+    if len(items) > MAX_REFERENCES:
+        raise SpecError.single(f"{len(items)} reference images, above the limit of {MAX_REFERENCES}",
+                               "request.references")
+    return [image_condition(item, 0, f"request.references.{k}") for k, item in enumerate(items)]
+
+
 def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
     """An inpainting recipe needs a mask of its image's size; every other recipe refuses one."""
     task, mask = spec.recipe.task, request.mask
@@ -323,4 +339,5 @@ def _conditions(image: Any, conditions: Sequence[Any] | None) -> list[ImageCondi
 def request_fields(mapping: Mapping[str, Any]) -> dict[str, Any]:
     """The scalar request fields present (not None) in a mapping such as parsed CLI options (images are
     passed as ``image``/``conditions`` by the caller)."""
-    return {k: v for k, v in mapping.items() if k in _KEYWORDS and k not in ("image", "conditions") and v is not None}
+    return {k: v for k, v in mapping.items()
+            if k in _KEYWORDS and k not in ("image", "conditions", "references") and v is not None}

@@ -34,6 +34,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "wan2.1-i2v-14b-480p": ("tiny_wan_i2v", {}, "wan_i2v", ()),
     "wan2.1-vace-1.3b": ("tiny_wan_vace", {}, "wan", ()),
     "wan2.1-vace-14b": ("tiny_wan_vace", {}, "wan", ()),
+    "wan2.1-vace-1.3b-r2v": ("tiny_wan_vace", {}, "wan", ()),
     "wan2.2-i2v-a14b": ("tiny_wan_i2v", {"two_experts": True}, "wan22_i2v", ()),
     "ltx2-t2v": ("tiny_ltx2", {}, "ltx2", ("recipe.phases.0.guidance.terms.1.layers=[1]",)),
     "ltx2-i2v": ("tiny_ltx2", {}, "ltx2", ("recipe.phases.0.guidance.terms.1.layers=[1]",)),

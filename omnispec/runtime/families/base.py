@@ -146,8 +146,9 @@ class Family:
     required: ClassVar[Mapping[str, str]] = {}
     # Modalities a ``modality`` guidance term may isolate (switch off the cross-attention into).
     modalities: ClassVar[tuple[str, ...]] = ()
-    # How many request images the family conditions on (0: text only).
+    # How many request images the family conditions on (0: text only), and how many reference images.
     max_images: ClassVar[int] = 0
+    max_references: ClassVar[int] = 0
     # Perturbation kinds the denoiser applies to chosen rows of a batch, so their passes share a forward with the
     # unperturbed ones; ``predict`` then gets a list with one perturbation (or None) per row.
     row_perturbations: ClassVar[tuple[str, ...]] = ()
@@ -228,6 +229,10 @@ class Family:
         if len(request.images) > cls.max_images:
             raise SpecError.single(f"family {cls.name!r} conditions on at most {cls.max_images} image(s), got "
                                    f"{len(request.images)}", "request.image")
+        if len(request.references) > cls.max_references:
+            takes = f"at most {cls.max_references}" if cls.max_references else "no"
+            raise SpecError.single(f"family {cls.name!r} takes {takes} reference image(s), got "
+                                   f"{len(request.references)}", "request.references")
 
     @classmethod
     def checkpoint_pipelines(cls) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
-"""Wan VACE (``WanVACEPipeline``): Wan text-to-video with a control branch, run here for keyframes: images placed at
-frames of the video (first and last frame, or any), built into the control video and mask as diffusers' VACE
-example builds them (each image resized to the output size at its frame, grey frames elsewhere; the mask black at
-the images' frames, white where the model generates).
+"""Wan VACE (``WanVACEPipeline``): Wan text-to-video with a control branch, run here for keyframes and reference
+images. Keyframes are images placed at frames of the video (first and last frame, or any), built into the control
+video and mask as diffusers' VACE example builds them (each image resized to the output size at its frame, grey
+frames elsewhere; the mask black at the images' frames, white where the model generates). Reference images (a
+subject, a style) are fitted onto white canvases of the output size and prepended to the video as frames of their
+own: the noise has one more latent frame per reference, which decoding drops.
 
 The control video and mask go through the pipeline's own ``preprocess_conditions``, ``prepare_video_latents`` (VAE
 latents of the kept and the generated parts, by their mode: no generator draw) and ``prepare_masks`` (the mask folded
@@ -18,7 +20,7 @@ from PIL import Image
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
-from .base import Conditioning, Geometry, Perturbation, Streams
+from .base import Conditioning, Decoded, Geometry, Perturbation, Streams
 from .wan import WanFamily
 
 GREY = (128, 128, 128)  # diffusers' example: 127.5 in the original code, which PIL cannot hold
@@ -28,6 +30,7 @@ class WanVACEFamily(WanFamily):
     name = "wan_vace"
     pipeline_class = WanVACEPipeline
     max_images = 16  # keyframes
+    max_references = 4
     context_parallel = False
     context_parallel_refusal = "WanVACETransformer3DModel has no context-parallel plan in diffusers 0.42"
     tensor_parallel_refusal = "no tensor-parallel plan is written for the VACE blocks yet"
@@ -52,6 +55,16 @@ class WanVACEFamily(WanFamily):
             scheduler=components.get("scheduler"), transformer=components.get(denoisers[0]),
         )
 
+    def geometry(self, request: Request, size_scale: float) -> Geometry:
+        geometry = super().geometry(request, size_scale)
+        geometry.extra["vace_references"] = len(request.references)
+        return geometry
+
+    def latent_shape(self, geometry: Geometry) -> tuple[int, int, int]:
+        """The video's latent frames after one frame per reference image (the pipeline's ``num_frames + R * 4``)."""
+        frames, height, width = super().latent_shape(geometry)
+        return frames + geometry.extra.get("vace_references", 0), height, width
+
     def keyframes(self, request: Request, geometry: Geometry) -> tuple[list, list]:
         """The control video and mask (lists of PIL frames) of the request's images at their frames."""
         frames = geometry.frames or 1
@@ -59,11 +72,8 @@ class WanVACEFamily(WanFamily):
         video = [Image.new("RGB", size, GREY) for _ in range(frames)]
         mask = [Image.new("L", size, 255) for _ in range(frames)]
         for k, condition in enumerate(request.images):
-            if not (hasattr(condition.image, "resize") and hasattr(condition.image, "mode")):
-                raise SpecError.single("family 'wan_vace' places its keyframes as PIL images: pass a PIL image or a "
-                                       "path", f"request.conditions.{k}")
             at = condition.frame % frames
-            video[at] = condition.image.resize(size)  # as diffusers' example: PIL's default resampling
+            video[at] = self._pil(condition.image, f"request.conditions.{k}").resize(size)  # as diffusers' example: PIL's default resampling
             mask[at] = Image.new("L", size, 0)
         return video, mask
 
@@ -72,14 +82,27 @@ class WanVACEFamily(WanFamily):
         helper, device = self.helper, self.device
         video, mask = self.keyframes(request, geometry) if request.images else (None, None)
         frames = geometry.frames or 1
-        video, mask, references = helper.preprocess_conditions(video, mask, None, 1, geometry.height, geometry.width,
-                                                               frames, torch.float32, device)
+        given = [self._pil(c.image, f"request.references.{k}") for k, c in enumerate(request.references)] or None
+        video, mask, references = helper.preprocess_conditions(video, mask, given, 1, geometry.height,
+                                                               geometry.width, frames, torch.float32, device)
         latents = helper.prepare_video_latents(video, mask, references, None, device)
         control = torch.cat([latents, helper.prepare_masks(mask, references, None)], dim=1)
         scale = [float(self.settings["conditioning_scale"])] * len(helper.transformer.config.vace_layers)
         dtype = helper.transformer.dtype
         return Conditioning({"control": control.to(dtype).repeat(len(generators), 1, 1, 1, 1)},
                             {"control_scale": torch.tensor(scale).to(device, dtype)})
+
+    @staticmethod
+    def _pil(image, where: str):
+        if not (hasattr(image, "resize") and hasattr(image, "mode")):
+            raise SpecError.single("family 'wan_vace' fits its reference images as PIL images: pass a PIL image or a "
+                                   "path", where)
+        return image
+
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
+        """The video without the reference images' leading latent frames."""
+        skip = geometry.extra.get("vace_references", 0)
+        return super().decode({"latents": latents["latents"][:, :, skip:]}, geometry)
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:

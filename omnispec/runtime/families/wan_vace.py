@@ -38,7 +38,6 @@ class WanVACEFamily(WanFamily):
     cache_limits = {kind: "not checked against the VACE hints added between the blocks; use step_mask"
                     for kind in ("first_block", "magcache", "taylorseer")}
     options = {"conditioning_scale": 1.0}
-    model_index_values = {}
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
@@ -73,7 +72,8 @@ class WanVACEFamily(WanFamily):
         mask = [Image.new("L", size, 255) for _ in range(frames)]
         for k, condition in enumerate(request.images):
             at = condition.frame % frames
-            video[at] = self._pil(condition.image, f"request.conditions.{k}").resize(size)  # as diffusers' example: PIL's default resampling
+            image = self._pil(condition.image, f"request.conditions.{k}")
+            video[at] = image.resize(size)  # as diffusers' example: PIL's default resampling
             mask[at] = Image.new("L", size, 0)
         return video, mask
 
@@ -95,8 +95,8 @@ class WanVACEFamily(WanFamily):
     @staticmethod
     def _pil(image, where: str):
         if not (hasattr(image, "resize") and hasattr(image, "mode")):
-            raise SpecError.single("family 'wan_vace' fits its reference images as PIL images: pass a PIL image or a "
-                                   "path", where)
+            raise SpecError.single("family 'wan_vace' resizes its keyframes and reference images as PIL images: pass "
+                                   "a PIL image or a path", where)
         return image
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:

@@ -111,7 +111,8 @@ INIT_CASES = {
     "wan_ti2v": ("wan_ti2v_dir", None, None, [*TINY_OVERRIDES["wan"], "recipe.defaults.width=64"], {}, None),
     "flux_fill": ("flux_fill_dir", None, None, TINY_OVERRIDES["flux"], {"image": "photo", "mask": "mask"}, None),
     "flux2_klein": ("flux2_klein_dir", None, None, TINY_OVERRIDES["flux2_klein"], {}, None),
-    "wan_vace": ("wan_vace_dir", None, None, TINY_OVERRIDES["wan"], {"image": "photo"}, None),
+    # the plainest VACE template is the text-to-video one (references optional): no image
+    "wan_vace": ("wan_vace_dir", None, None, TINY_OVERRIDES["wan"], {}, None),
     "ltx2": ("ltx2_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
     "ltx2_condition": ("ltx2_dir", None, "ltx2_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
     "digits": (None, None, None, ["runtime.progress=false"], {}, None),

@@ -78,7 +78,12 @@ class WanFamily(Family):
             return {"latents": denoiser(
                 hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
                 encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype), return_dict=False,
+                **self.model_inputs(cond),
             )[0]}
+
+    def model_inputs(self, cond: Conditioning) -> dict:
+        """Further keyword inputs of the transformer call (VACE's control branch); none for Wan itself."""
+        return {}
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         vae = self.helper.vae

@@ -20,7 +20,7 @@ from PIL import Image
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Geometry, Perturbation, Streams
+from .base import Conditioning, Decoded, Geometry, Streams
 from .wan import WanFamily
 
 GREY = (128, 128, 128)  # diffusers' example: 127.5 in the original code, which PIL cannot hold
@@ -104,13 +104,6 @@ class WanVACEFamily(WanFamily):
         skip = geometry.extra.get("vace_references", 0)
         return super().decode({"latents": latents["latents"][:, :, skip:]}, geometry)
 
-    def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
-                perturbation: Perturbation | None = None) -> Streams:
-        x = latents["latents"]
-        with self.layer_skip(denoiser, perturbation):
-            return {"latents": denoiser(
-                hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
-                encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype),
-                control_hidden_states=cond.batched["control"],
-                control_hidden_states_scale=cond.shared["control_scale"], return_dict=False,
-            )[0]}
+    def model_inputs(self, cond: Conditioning) -> dict:
+        return {"control_hidden_states": cond.batched["control"],
+                "control_hidden_states_scale": cond.shared["control_scale"]}

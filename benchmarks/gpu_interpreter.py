@@ -137,7 +137,8 @@ def vace_keyframes(height: int, width: int, frames: int):
     """A first and a last frame: omnispec's ``conditions``, and diffusers' VACE example's video and mask of them."""
     from PIL import Image
 
-    first, last = conditioning_inputs(height, width)[0], conditioning_inputs(height, width)[0].rotate(180)
+    first = conditioning_inputs(height, width)[0]
+    last = first.rotate(180)
     video = [first, *[Image.new("RGB", (width, height), (128, 128, 128))] * (frames - 2), last]
     black, white = Image.new("L", (width, height), 0), Image.new("L", (width, height), 255)
     return ([{"image": first, "frame": 0}, {"image": last, "frame": -1}],

@@ -39,6 +39,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def reference(pipeline, path, **components):
+    """The diffusers pipeline a parity test compares against: ``pipeline`` (a class, or its name in diffusers)
+    loaded in float32 from ``path`` with ``components`` replaced, its progress bar off."""
+    import torch
+
+    if isinstance(pipeline, str):
+        import diffusers
+
+        pipeline = getattr(diffusers, pipeline)
+    pipe = pipeline.from_pretrained(str(path), dtype=torch.float32, **components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generators(*seeds):
+    """One CPU generator per seed, as omnispec and diffusers seed a batch."""
+    import torch
+
+    return [torch.Generator("cpu").manual_seed(s) for s in seeds]
+
+
 # Tiny checkpoints, built once per test session and shared by every test file.
 def _checkpoint(builder: str, folder: str, **kwargs):
     @pytest.fixture(scope="session")

@@ -11,16 +11,11 @@ from omnispec.cli import main
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import SPECS
+from conftest import SPECS, reference
 
 TOL = 1e-4
 KONTEXT = [*TINY_OVERRIDES["flux"], "recipe.defaults.height=48", "model.options={max_area: 1536, auto_resize: false}"]
 
-
-def reference(cls, path):
-    pipe = cls.from_pretrained(str(path), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def gen(seed):

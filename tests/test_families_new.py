@@ -10,19 +10,11 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES, qwen_vl_processor
 
-from conftest import SPECS
+from conftest import SPECS, generators, reference
 
 TOL = 1e-4
 
 
-def reference(cls, path, **components):
-    pipe = cls.from_pretrained(str(path), dtype=torch.float32, **components)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def gen(*seeds):
-    return [torch.Generator("cpu").manual_seed(s) for s in seeds]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +33,7 @@ def test_qwen_image_true_cfg_with_its_norm_rescale_matches_diffusers(qwen_image_
     ours = pipe(prompts, seed=[0, 1], negative_prompt="blurry")
     ref = reference(QwenImagePipeline, qwen_image_dir)(
         prompts, negative_prompt=["blurry"] * 2, true_cfg_scale=4.0, height=32, width=64, num_inference_steps=3,
-        generator=gen(0, 1), output_type="np").images
+        generator=generators(0, 1), output_type="np").images
     assert ours.array.shape == ref.shape == (2, 32, 64, 3)
     assert np.abs(ours.array - ref).max() <= TOL
 
@@ -62,7 +54,7 @@ def test_qwen_image_edit_matches_diffusers(qwen_edit_dir, qwen_processor, pictur
     ours = pipe(prompts, seed=2, image=picture, negative_prompt="blurry", height=64, width=32)
     ref = reference(QwenImageEditPipeline, qwen_edit_dir, processor=qwen_processor)
     images = np.concatenate([ref(image=picture, prompt=p, negative_prompt="blurry", true_cfg_scale=4.0, height=64,
-                                 width=32, num_inference_steps=2, generator=gen(s), output_type="np").images
+                                 width=32, num_inference_steps=2, generator=generators(s), output_type="np").images
                              for s, p in enumerate(prompts, start=2)])
     assert ours.array.shape == images.shape == (2, 64, 32, 3)
     assert np.abs(ours.array - images).max() <= TOL
@@ -82,7 +74,7 @@ def test_qwen_image_edit_plus_with_two_images_and_zero_cond_t_matches_diffusers(
     transformer = QwenImageTransformer2DModel.from_pretrained(qwen_edit_dir, subfolder="transformer", zero_cond_t=True)
     ref = reference(QwenImageEditPlusPipeline, qwen_edit_dir, processor=qwen_processor, transformer=transformer)(
         image=images, prompt="make it blue", negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32,
-        num_inference_steps=2, generator=gen(3), output_type="np").images
+        num_inference_steps=2, generator=generators(3), output_type="np").images
     assert np.abs(ours.array - ref).max() <= TOL
 
 
@@ -107,7 +99,7 @@ def test_z_image_matches_diffusers(z_image_dir, case):
     kwargs = dict(guidance_scale=3.0, cfg_normalization=0.5, cfg_truncation=0.2) if cfg else dict(guidance_scale=0.0)
     ref = reference(ZImagePipeline, z_image_dir)(
         list(prompts), negative_prompt=["blurry"] * 2, height=32, width=48, num_inference_steps=4,
-        max_sequence_length=64, generator=gen(4, 5), output_type="np", **kwargs).images
+        max_sequence_length=64, generator=generators(4, 5), output_type="np", **kwargs).images
     assert np.abs(ours.array - ref).max() <= TOL
 
 
@@ -130,7 +122,7 @@ def test_hunyuan_video15_t2v_matches_diffusers(hunyuan_video15_dir):
     ours = pipe(prompts, seed=[6, 7], negative_prompt="blurry")
     ref = reference(HunyuanVideo15Pipeline, hunyuan_video15_dir)
     frames = np.concatenate([ref(p, negative_prompt="blurry", height=16, width=32, num_frames=9, num_inference_steps=2,
-                                 generator=gen(s)[0], output_type="np").frames for p, s in zip(prompts, (6, 7))])
+                                 generator=generators(s)[0], output_type="np").frames for p, s in zip(prompts, (6, 7))])
     assert ours.array.shape == frames.shape == (2, 9, 16, 32, 3)
     assert np.abs(ours.array - frames).max() <= TOL
 
@@ -143,7 +135,7 @@ def test_hunyuan_video15_i2v_matches_diffusers(hunyuan_video15_i2v_dir, picture)
     ours = pipe("a cat", seed=8, image=picture, negative_prompt="blurry")
     ref = reference(HunyuanVideo15ImageToVideoPipeline, hunyuan_video15_i2v_dir)(
         image=picture, prompt="a cat", negative_prompt="blurry", num_frames=9, num_inference_steps=2,
-        generator=gen(8)[0], output_type="np").frames
+        generator=generators(8)[0], output_type="np").frames
     assert ours.array.shape == ref.shape
     assert np.abs(ours.array - ref).max() <= TOL
 

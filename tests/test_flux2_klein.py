@@ -14,7 +14,7 @@ import omnispec
 from omnispec.spec import SpecError, load_spec
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, generators, reference
 
 TOL = 1e-4
 OVERRIDES = TINY_OVERRIDES["flux2_klein"]
@@ -22,16 +22,6 @@ EDIT = [o for o in OVERRIDES if ".height" not in o and ".width" not in o]
 CFG = ["recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.0}]"]
 
 
-def reference(root):
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(str(root), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def gen(*seeds):
-    return [torch.Generator("cpu").manual_seed(s) for s in seeds]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +49,9 @@ def test_text_to_image_equals_diffusers(flux2_klein_dir, case):
     pipe = omnispec.build(SPECS / f"{spec}.yaml", source=str(flux2_klein_dir), overrides=OVERRIDES)
     prompts = ["a photo of a cat", "a red car in the snow"]
     ours = pipe(prompts, seed=[0, 1])
-    ref = reference(flux2_klein_dir)(prompt=prompts, height=32, width=48, num_inference_steps=3,
+    ref = reference("Flux2KleinPipeline", flux2_klein_dir)(prompt=prompts, height=32, width=48, num_inference_steps=3,
                                      guidance_scale=4.0 if case == "base-cfg" else 1.0, max_sequence_length=64,
-                                     generator=gen(0, 1), output_type="np").images
+                                     generator=generators(0, 1), output_type="np").images
     assert ours.array.shape == (2, 32, 48, 3)
     assert np.abs(ours.array - ref).max() <= TOL
 
@@ -70,8 +60,8 @@ def test_editing_from_two_references_equals_diffusers(flux2_klein_dir, pictures)
     """Without a size the output takes the first reference's (64x80); each reference keeps its own tokens."""
     pipe = omnispec.build(SPECS / "flux2-klein-4b-edit.yaml", source=str(flux2_klein_dir), overrides=[*EDIT, *CFG])
     ours = pipe("make it blue", seed=2, conditions=pictures)
-    ref = reference(flux2_klein_dir)(image=pictures, prompt="make it blue", num_inference_steps=3, guidance_scale=4.0,
-                                     max_sequence_length=64, generator=gen(2), output_type="np").images
+    ref = reference("Flux2KleinPipeline", flux2_klein_dir)(image=pictures, prompt="make it blue", num_inference_steps=3, guidance_scale=4.0,
+                                     max_sequence_length=64, generator=generators(2), output_type="np").images
     assert ours.array.shape == (1, 64, 80, 3)
     assert np.abs(ours.array - ref).max() <= TOL
     alone = pipe("make it blue", seed=2, image=pictures[0]).array

@@ -16,7 +16,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, reference
 
 TOL = 1e-4
 # without a size the output takes the image's (32x64 here)
@@ -42,16 +42,6 @@ def mask():
     return Image.fromarray(values, "L")
 
 
-def reference(root, pipeline: str):
-    import diffusers
-
-    pipe = getattr(diffusers, pipeline).from_pretrained(str(root), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def fill_reference(root):
-    return reference(root, "FluxFillPipeline")
 
 
 # spec -> (checkpoint fixture, overrides, diffusers pipeline, its guidance arguments): each spec's own defaults
@@ -71,7 +61,7 @@ def test_inpainting_equals_diffusers(request, picture, mask, spec, strength):
     pipe = omnispec.build(SPECS / f"{spec}.yaml", source=str(root), overrides=overrides)
     prompts = ["a red door", "a blue sky"]
     ours = pipe(prompts, seed=[0, 1], image=picture, mask=mask, strength=strength, height=32, width=64)
-    ref = reference(root, pipeline)
+    ref = reference(pipeline, root)
     for i, (prompt, seed) in enumerate(zip(prompts, (0, 1))):
         theirs = ref(prompt=prompt, image=picture, mask_image=mask, height=32, width=64, strength=strength,
                      num_inference_steps=3, generator=gen(seed), output_type="np", **guidance).images[0]
@@ -82,7 +72,7 @@ def test_a_blurred_mask_equals_diffusers_blur_then_fill(flux_fill_dir, picture, 
     """``mask_blur`` is diffusers' own ``mask_processor.blur`` applied before the call, as its docs do by hand."""
     pipe = omnispec.build(SPECS / "flux1-fill-dev.yaml", source=str(flux_fill_dir), overrides=FILL)
     ours = pipe("a red door", seed=4, image=picture, mask=mask, mask_blur=6).array[0]
-    ref = fill_reference(flux_fill_dir)
+    ref = reference("FluxFillPipeline", flux_fill_dir)
     blurred = ref.mask_processor.blur(mask, blur_factor=6)
     theirs = ref(prompt="a red door", image=picture, mask_image=blurred, height=32, width=64, num_inference_steps=3,
                  guidance_scale=30.0, max_sequence_length=16, generator=gen(4), output_type="np").images[0]

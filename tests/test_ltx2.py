@@ -10,7 +10,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import SPECS
+from conftest import SPECS, reference
 
 TOL = 1e-4
 STG_ON_BLOCK_1 = "recipe.phases.0.guidance.terms.1.layers=[1]"  # the tiny transformer has two blocks
@@ -20,11 +20,6 @@ GUIDED = {"guidance_scale": 3.0, "audio_guidance_scale": 7.0, "stg_scale": 1.0, 
 POSITIVE = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0,
             "modality_scale": 1.0, "audio_modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_rescale": 0.0}
 
-
-def reference(cls, path):
-    pipe = cls.from_pretrained(str(path), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def gen(seed):

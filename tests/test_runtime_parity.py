@@ -6,15 +6,10 @@ import torch
 import omnispec
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import SPECS
+from conftest import SPECS, reference
 
 TOL = 1e-4
 
-
-def reference(cls, path, **kwargs):
-    pipe = cls.from_pretrained(str(path), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def gen(seed):

@@ -14,7 +14,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, reference
 
 TOL = 1e-4
 OVERRIDES = [*TINY_OVERRIDES["wan"], "recipe.defaults.width=64"]
@@ -24,11 +24,6 @@ CALL = dict(height=32, width=64, num_frames=5, num_inference_steps=4, max_sequen
 def picture():
     return Image.fromarray((np.random.RandomState(0).rand(40, 72, 3) * 255).astype(np.uint8))
 
-
-def reference(cls, root):
-    pipe = cls.from_pretrained(str(root), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def gen(*seeds):

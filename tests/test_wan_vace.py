@@ -14,7 +14,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, reference
 
 TOL = 1e-4
 OVERRIDES = [*TINY_OVERRIDES["wan"], "recipe.defaults.frames=9"]
@@ -24,13 +24,6 @@ OVERRIDES = [*TINY_OVERRIDES["wan"], "recipe.defaults.frames=9"]
 def frames():
     return [Image.fromarray((np.random.RandomState(i).rand(24, 40, 3) * 255).astype(np.uint8)) for i in (1, 2)]
 
-
-def reference(root):
-    from diffusers import WanVACEPipeline
-
-    pipe = WanVACEPipeline.from_pretrained(str(root), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def example_video_and_mask(images_at: dict[int, Image.Image], height: int, width: int, frames: int):
@@ -51,7 +44,7 @@ def test_keyframes_equal_diffusers(wan_vace_dir, frames, case):
     conditions = [{"image": image, "frame": at - 9 if at == 8 else at} for at, image in placed.items()]
     prompts = ["a bird takes off", "a boat at sea"]
     ours = pipe(prompts, seed=[3, 4], conditions=conditions, negative_prompt="blurry")
-    ref = reference(wan_vace_dir)
+    ref = reference("WanVACEPipeline", wan_vace_dir)
     video, mask = example_video_and_mask(placed, 32, 32, 9)
     for i, (prompt, seed) in enumerate(zip(prompts, (3, 4))):
         theirs = ref(prompt=prompt, negative_prompt="blurry", video=video, mask=mask, height=32, width=32,
@@ -72,7 +65,7 @@ def test_reference_images_equal_diffusers(wan_vace_dir, frames, case):
     extra = {"conditions": [{"image": frames[0], "frame": 0}]} if placed else {}
     ours = pipe("a bird", seed=6, references=frames, negative_prompt="blurry", **extra)
     video, mask = example_video_and_mask(placed, 32, 32, 9) if placed else (None, None)
-    theirs = reference(wan_vace_dir)(prompt="a bird", negative_prompt="blurry", video=video, mask=mask,
+    theirs = reference("WanVACEPipeline", wan_vace_dir)(prompt="a bird", negative_prompt="blurry", video=video, mask=mask,
                                      reference_images=frames, height=32, width=32, num_frames=9, num_inference_steps=4,
                                      guidance_scale=5.0, max_sequence_length=16,
                                      generator=torch.Generator("cpu").manual_seed(6), output_type="np").frames[0]

@@ -17,7 +17,7 @@ from ... import bridge
 from ...spec.request import Request
 from .base import Conditioning, Geometry, Perturbation, Streams
 from .flux import FluxFamily
-from .inpainting import START_IMAGE, START_NOISE, InpaintMask
+from .inpainting import START_IMAGE, InpaintMask
 
 
 class FluxFillFamily(InpaintMask, FluxFamily):
@@ -36,10 +36,6 @@ class FluxFillFamily(InpaintMask, FluxFamily):
         latents = {"latents": self.pack("latents", spatial.to(self.latent_dtype(None)), geometry)}
         geometry.extra[START_IMAGE] = latents
         return latents
-
-    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
-        geometry.extra[START_NOISE] = noise = super().noise(latents, geometry, generators)
-        return noise
 
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:

@@ -23,12 +23,17 @@ START_IMAGE, START_NOISE = "inpaint_start_image", "inpaint_start_noise"
 
 class InpaintMask:
     """Mixin, before a ``Family`` subclass, for families whose helper pipeline has diffusers' inpainting
-    ``mask_processor`` (binarising at 0.5, greyscale, resized with the image) and whose ``image_latents`` and
-    ``noise`` keep their draws under ``START_IMAGE`` / ``START_NOISE``."""
+    ``mask_processor`` (binarising at 0.5, greyscale, resized with the image) and whose ``image_latents`` keeps its
+    draws under ``START_IMAGE`` (the mixin keeps the noise under ``START_NOISE``)."""
 
     inpaints = True
     helper: Any
     device: torch.device
+
+    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
+        """The family's own noise, kept for the conditioning (``START_NOISE``)."""
+        geometry.extra[START_NOISE] = noise = super().noise(latents, geometry, generators)  # type: ignore[misc]
+        return noise
 
     def mask_pixels(self, request: Request, geometry: Geometry) -> torch.Tensor:
         """The mask at the output size, (1, 1, H, W) float32 of 0 (keep) and 1 (repaint): blurred first when the

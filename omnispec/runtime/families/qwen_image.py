@@ -21,7 +21,7 @@ from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
-from .inpainting import START_IMAGE, START_NOISE, InpaintMask
+from .inpainting import START_IMAGE, InpaintMask
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_hidden_states_mask"})
 IMAGE_AREA = 1024 * 1024  # the editing pipelines size the reference image (and the default output) to this area
@@ -240,10 +240,6 @@ class QwenImageInpaintFamily(InpaintMask, QwenImageFamily):
         c, b = self.helper.transformer.config.in_channels // 4, len(generators)
         noise = randn_tensor((b, 1, c, h, w), generator=generators, device=self.device, dtype=self.latent_dtype(None))
         return {"latents": bridge.pack_latents(self.helper, noise, b, c, h, w)}
-
-    def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
-        geometry.extra[START_NOISE] = noise = self.initial_latents(geometry, generators)
-        return noise
 
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:

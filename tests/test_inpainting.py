@@ -116,7 +116,7 @@ def test_the_mask_is_in_the_encoding_key_the_record_and_the_replay(flux_fill_dir
     from omnispec.spec.request import resolve_request
 
     spec = load_spec(SPECS / "flux1-fill-dev.yaml", FILL)
-    keys = {resolve_request(spec, "x", 0, image=picture, mask=m, mask_blur=b).image_digests
+    keys = {resolve_request(spec, "x", 0, image=picture, mask=m, mask_blur=b).condition_digests
             for m, b in ((mask, None), (mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT), None), (mask, 2))}
     assert len(keys) == 3
     image, held, out = tmp_path / "photo.png", tmp_path / "mask.png", tmp_path / "filled.png"

@@ -193,7 +193,7 @@ class Pipeline:
             self._encodings.clear()
             self._encodings_version = self.weight_version
         unique = list(dict.fromkeys(prompts))
-        key = (tuple(unique), request.max_sequence_length, request.image_digests)
+        key = (tuple(unique), request.max_sequence_length, request.condition_digests)
         encoded = self._encodings.get(key)
         if encoded is None:
             encoded = self.family.encode(unique, request)

@@ -74,7 +74,8 @@ class Request(SpecModel):
 
     @property
     def condition_digests(self) -> tuple[tuple, ...]:
-        """What identifies the request's images, mask and reference images (part of the prompt-encoding cache key)."""
+        """What identifies the request's images, mask and reference images (part of the prompt-encoding cache
+        key)."""
         mask = ((self.mask.digest, -1, self.mask_blur or 0),) if self.mask is not None else ()
         references = tuple((c.digest, "reference") for c in self.references)
         return tuple((c.digest, c.frame) for c in self.images) + mask + references

@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--baseline-batch", type=int, default=8)
     parser.add_argument("--replay-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the eager sides (--no-eager: only the compiled and quantized rows, for a call "
+                             "with less time; implies --no-details)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure omnispec with policies.compile.mode=regional (after the eager runs)")
     parser.add_argument("--compile-repeats", type=int, default=2)
@@ -302,17 +305,17 @@ def main() -> None:
         sides["omnispec rollout, attention sdpa"] = lambda tag: run_ours(tag, sdpa)
     with torch.no_grad():  # warm-up: kernels, allocator, autotuning, auto attention's trials at the timed shapes
         base.sample(_prompts("w", 2), seed=0)
-        for label, side in sides.items():
+        for label, side in sides.items() if args.eager else ():
             side("w")
-    times: dict[str, list[float]] = {label: [] for label in sides}
-    for r in range(args.repeats):  # interleaved, so drift hits every side alike
+    times: dict[str, list[float]] = {label: [] for label in sides} if args.eager else {}
+    for r in range(args.repeats if args.eager else 0):  # interleaved, so drift hits every side alike
         with torch.no_grad():
             for i, (label, side) in enumerate(sides.items()):
                 times[label].append(_timed(side, f"{i}-{r}")[0])
     for label, samples in times.items():
         med = statistics.median(samples)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
-    if args.details:
+    if args.details and args.eager:
         details(args, pipe, base, mods, n, run_ours, run_base, save, statistics.median(times["flow-grpo loop (diffusers)"]))
     if args.compile:
         smoke_backend = ["policies.compile.backend=aot_eager"] if args.smoke else []  # inductor's CPU codegen: minutes
@@ -321,8 +324,9 @@ def main() -> None:
                       n, run_ours, run_base, save, fast_sampler)
     if args.quantized_base:
         quantized_rows(args, mods, overrides, n, run_ours, save)
-    baseline = statistics.median(times["flow-grpo loop (diffusers)"])
-    print(f"| config | s per {n} images | images/s | vs flow-grpo loop |")
+    loop = next(row for row in result["rows"] if row["config"].startswith("flow-grpo loop"))
+    baseline = loop["seconds"]
+    print(f"| config | s per {n} images | images/s | vs {loop['config']} |")
     for row in result["rows"]:
         if "images_per_s" in row:
             print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | {baseline / row['seconds']:.2f}x |")

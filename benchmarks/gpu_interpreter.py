@@ -115,6 +115,33 @@ def wan_components(with_transformer: bool = True) -> dict:
                                                   flow_shift=3.0, num_train_timesteps=1000))
 
 
+def wan_i2v_components() -> dict:
+    """Wan2.1 I2V 14B's transformer at its real config (36 input channels: noise, the first frame's latents and its
+    mask; image cross-attention of 1280-wide CLIP features), a one-layer CLIP vision tower of the real width (it runs
+    once per request), the Wan workload's text encoder and VAE."""
+    import transformers
+    from diffusers import WanTransformer3DModel
+
+    mods = wan_components(with_transformer=False)
+    size = dict(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824, num_layers=40,
+                image_dim=1280, added_kv_proj_dim=5120)
+    vision = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=16, image_size=224, patch_size=14)
+    if SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1,
+                    image_dim=16, added_kv_proj_dim=32)
+        vision = dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, image_size=32, patch_size=8)
+    with torch.device(DEVICE):
+        mods["transformer"] = WanTransformer3DModel(
+            patch_size=(1, 2, 2), in_channels=36, out_channels=16, freq_dim=256, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size).to(torch.bfloat16)
+    mods["image_encoder"] = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        num_hidden_layers=1, **vision)).to(DEVICE, torch.float32).eval()  # float32, as the spec loads it
+    side = vision["image_size"]
+    mods["image_processor"] = transformers.CLIPImageProcessor(size={"shortest_edge": side},
+                                                              crop_size={"height": side, "width": side})
+    return mods
+
+
 def wan_vace_components() -> dict:
     """Wan2.1 VACE 1.3B's transformer at its real config (30 blocks of 12 heads of 128, VACE layers every second
     block, 96 control channels), Wan2.1's VAE; text encoders as the Wan workload's."""
@@ -287,10 +314,41 @@ def hunyuan_video15_components() -> dict:
     glyphs = transformers.T5EncoderModel(transformers.T5Config(
         d_model=1472, d_kv=64, d_ff=1024, num_layers=1, num_heads=6, vocab_size=384, decoder_start_token_id=0,
         pad_token_id=0, eos_token_id=1))
+    # --smoke: the VAE's 16x / 4x compression and 32 latent channels, narrow
+    vae = AutoencoderKLHunyuanVideo15(**(dict(block_out_channels=(32,) * 5, layers_per_block=1) if SMOKE else {}))
     mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(), text_encoder_2=glyphs,
-                tokenizer_2=transformers.ByT5Tokenizer(), vae=AutoencoderKLHunyuanVideo15(),
+                tokenizer_2=transformers.ByT5Tokenizer(), vae=vae,
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
     return _on_device(mods, ("text_encoder", "text_encoder_2", "vae"))
+
+
+def hunyuan_video15_i2v_components() -> dict:
+    """HunyuanVideo-1.5 480p image-to-video: the transformer at its real config with ``task_type="i2v"``, a
+    one-layer SigLIP vision tower of the real width (1152; it runs once per request), the text encoders and VAE of
+    the text-to-video workload."""
+    import transformers
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    mods = hunyuan_video15_components()
+    # --smoke: a 64-pixel bucket (the image's size), as the t2v workload's request
+    smoke = dict(num_layers=1, num_refiner_layers=1, target_size=64) if SMOKE else {}
+    with torch.device(DEVICE):
+        mods["transformer"] = HunyuanVideo15Transformer3DModel(task_type="i2v", **smoke).to(torch.bfloat16)
+    mods["image_encoder"] = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+        hidden_size=1152, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16, image_size=384,
+        patch_size=14)).to(DEVICE, torch.bfloat16).eval()
+    mods["feature_extractor"] = transformers.SiglipImageProcessor(size={"height": 384, "width": 384})
+    return mods
+
+
+def qwen_image_edit_components() -> dict:
+    """Qwen-Image's modules with the ``Qwen2VLProcessor`` the editing pipelines feed the image through (built
+    without its video processor, which needs torchvision)."""
+    from omnispec.testing import qwen_vl_processor
+
+    mods = qwen_image_components()
+    mods["processor"] = qwen_vl_processor(mods["tokenizer"])
+    return mods
 
 
 def hunyuan_video15_guider() -> dict:
@@ -313,6 +371,12 @@ WORKLOADS = {
                         request=dict(height=1024, width=1024, max_sequence_length=512),
                         steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.0,
                                                             max_sequence_length=512)),
+    # the first frame's latents and mask beside the noise, CLIP image features in cross-attention; 33 frames (9 latent
+    # frames, 14,040 tokens a row) so that two repeats fit one call at 14B
+    "wan_i2v": dict(spec="wan2.1-i2v-14b-480p.yaml", components=wan_i2v_components, pipeline="WanImageToVideoPipeline",
+                    inputs=("image",), request=dict(height=480, width=832, frames=33, max_sequence_length=512),
+                    steps=(1, 3), diffusers_kwargs=dict(height=480, width=832, num_frames=33, guidance_scale=5.0,
+                                                        max_sequence_length=512)),
     # keyframes (first and last frame) on both sides: 96 control channels beside the noise, VACE hints every 2nd block
     "wan_vace": dict(spec="wan2.1-vace-1.3b.yaml", components=wan_vace_components, pipeline="WanVACEPipeline",
                      inputs=("keyframes",), request=dict(height=480, width=832, frames=81, max_sequence_length=512),
@@ -354,6 +418,21 @@ WORKLOADS = {
     "z_image": dict(spec="z-image-turbo.yaml", components=z_image_components, pipeline="ZImagePipeline",
                     request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
                     diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=0.0, max_sequence_length=512)),
+    # the output size is the image's aspect bucket on both sides (a 480x848 image: the 16:9 bucket); 33 frames
+    "hunyuan_video15_i2v": dict(spec="hunyuanvideo-1.5-i2v.yaml", components=hunyuan_video15_i2v_components,
+                                pipeline="HunyuanVideo15ImageToVideoPipeline", diffusers_only=hunyuan_video15_guider,
+                                inputs=("image",), image_size=(480, 848), request=dict(frames=33), steps=(1, 3),
+                                diffusers_kwargs=dict(num_frames=33)),
+    # the reference image's 4,096 tokens after the noise tokens, and fed to the text encoder's vision tower
+    "qwen_image_edit": dict(spec="qwen-image-edit.yaml", components=qwen_image_edit_components,
+                            pipeline="QwenImageEditPipeline", inputs=("image",),
+                            request=dict(height=1024, width=1024), steps=(2, 6),
+                            diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0, negative_prompt=" ")),
+    "qwen_image_edit_plus": dict(spec="qwen-image-edit-plus.yaml", components=qwen_image_edit_components,
+                                 pipeline="QwenImageEditPlusPipeline", inputs=("image",),
+                                 request=dict(height=1024, width=1024), steps=(2, 6),
+                                 diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0,
+                                                       negative_prompt=" ")),
     # 480x848x121: 49290 video tokens, so cond and uncond run as separate forwards on both sides
     "hunyuan_video15": dict(spec="hunyuanvideo-1.5-t2v.yaml", components=hunyuan_video15_components,
                             pipeline="HunyuanVideo15Pipeline", diffusers_only=hunyuan_video15_guider,
@@ -369,9 +448,12 @@ def enable_smoke() -> None:
     SMOKE, DEVICE = True, "cpu"
     for w in WORKLOADS.values():
         w["steps"] = (1, 2)
-        w["request"] |= {"height": 64, "width": 64} | ({"frames": 5} if "frames" in w["request"] else {})
-        w["diffusers_kwargs"] |= {"height": 64, "width": 64} | (
+        sized = "image_size" not in w  # a family that takes its size from the image: the image's size only
+        w["request"] |= ({"height": 64, "width": 64} if sized else {}) | (
+            {"frames": 5} if "frames" in w["request"] else {})
+        w["diffusers_kwargs"] |= ({"height": 64, "width": 64} if sized else {}) | (
             {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        w["image_size"] = (64, 64)
 
 
 def flops_per_step(run, steps: int = 1) -> float:
@@ -503,7 +585,8 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         w = {**w, "request": {**w["request"], "conditions": conditions},
              "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
     elif w.get("inputs"):  # an image (and a mask of its size), the same for both sides
-        given = dict(zip(("image", "mask"), conditioning_inputs(w["request"]["height"], w["request"]["width"])))
+        size = w.get("image_size") or (w["request"]["height"], w["request"]["width"])
+        given = dict(zip(("image", "mask"), conditioning_inputs(*size)))
         ours = {k: given[k] for k in w["inputs"]}
         theirs = {{"mask": "mask_image"}.get(k, k): v for k, v in ours.items()}
         w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}

@@ -116,8 +116,13 @@ def _parser() -> argparse.ArgumentParser:
                         "images at frames of a video (e.g. --image first.png --image last.png@-1)")
     p.add_argument("--reference", action="append", metavar="PATH",
                    help="a reference image the output should show (a subject, a style; Wan VACE), repeatable")
+    p.add_argument("--video", metavar="PATH",
+                   help="video-to-video: the video the output follows frame by frame (a control video such as poses "
+                        "or depth, or one to repaint): an animated GIF/WebP/PNG, or MP4/MOV/WebM with the video extra; "
+                        "its frame count and size are the output's unless --frames/--height/--width say otherwise")
     p.add_argument("--mask", metavar="PATH", help="inpainting mask of the image's size: white is repainted, black "
-                                                   "kept (grey rounds at 0.5)")
+                                                   "kept (grey rounds at 0.5); with --video one image for every frame "
+                                                   "or an animated file with a mask per frame")
     p.add_argument("--mask-blur", type=int, metavar="RADIUS",
                    help="blur the mask first (diffusers' Gaussian blur, radius in pixels)")
     p.add_argument("--strength", type=float, help="image-to-image: how far the image is re-noised (0..1)")

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import records
-from .records.schema import Record, RecordedImage
+from .records.schema import Record, RecordedImage, RecordedVideo
 from .spec import PipelineSpec, Problem, SpecError, SpecTypeError, load_spec
 from .spec.files import path_kind
 from .spec.request import resolve_request
@@ -38,11 +38,13 @@ def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bo
 
 
 def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, mask: bool = True,
-                      references: bool = True) -> tuple[list[str], list[int], dict[str, Any]]:
+                      references: bool = True, video: bool = True) -> tuple[list[str], list[int], dict[str, Any]]:
     """Prompts, seeds and request fields that reproduce the recorded request; fields equal to the recipe's defaults
     are left to it (a recipe may refuse them given). ``images=False`` leaves the recorded images out, ``mask=False``
-    the recorded mask and ``references=False`` the recorded reference images (the caller gives others)."""
-    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "mask", "references", "requested"})
+    the recorded mask, ``references=False`` the recorded reference images and ``video=False`` the recorded video
+    (the caller gives others)."""
+    request = record.request.model_dump(exclude={"prompts", "seeds", "images", "video", "mask", "references",
+                                                 "requested"})
     defaults = spec.recipe.defaults.model_dump()
     fields = {k: v for k, v in request.items() if v is not None and v != defaults.get(k)}
     if fields.get("negative_prompt") == "":
@@ -54,8 +56,10 @@ def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, m
         fields.update({k: v for k, v in requested.model_dump().items() if v is not None})
     if record.request.images and images:
         fields.update(image_arguments(record.request.images))
+    if record.request.video is not None and video:
+        fields["video"] = recorded_file(record.request.video, "request.video", "video", "--video / video=")
     if record.request.mask is not None and mask:
-        fields["mask"] = mask_argument(record.request.mask)
+        fields["mask"] = recorded_file(record.request.mask, "request.mask", "mask", "--mask / mask=")
     if record.request.references and references:
         fields["references"] = [placed["image"] for placed in _recorded_files(
             record.request.references, "request.references", "--reference / references=")]
@@ -93,18 +97,23 @@ def _recorded_files(images: list[RecordedImage], where: str, option: str) -> lis
     return placed
 
 
-def mask_argument(entry: RecordedImage) -> str:
-    """The recorded inpainting mask's path; the file must still hash to its recorded digest."""
+def recorded_file(entry: RecordedImage | RecordedVideo, where: str, what: str, option: str) -> str:
+    """The path of a recorded mask or video (a mask per frame is a video of masks); the file must still hash to
+    its recorded digest."""
     from .spec.images import mask_condition
+    from .spec.videos import video_condition
 
-    where = "request.mask"
     if not entry.path:
-        raise SpecError.single("was given in memory, not as a file: pass the mask again (--mask / mask=)", where)
+        raise SpecError.single(f"was given in memory, not as a file: pass the {what} again ({option})", where)
     if path_kind(entry.path) != "file":
-        raise SpecError.single(f"{entry.path} is gone: pass the mask again (--mask / mask=)", where)
-    if mask_condition(entry.path, where).digest != entry.digest:
-        raise SpecError.single(f"{entry.path} has changed since (its pixels' digest differs): pass the original mask "
-                               "again (--mask / mask=)", where)
+        raise SpecError.single(f"{entry.path} is gone: pass the {what} again ({option})", where)
+    if isinstance(entry, RecordedVideo):
+        digest = video_condition(entry.path, where, mask=what == "mask").digest
+    else:
+        digest = mask_condition(entry.path, where).digest
+    if digest != entry.digest:
+        raise SpecError.single(f"{entry.path} has changed since (its pixels' digest differs): pass the original "
+                               f"{what} again ({option})", where)
     return entry.path
 
 

@@ -104,7 +104,7 @@ def _from_output(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, .
         raise SpecError(problems)
     spec = replay_spec(made_by, overrides, trust_code=args.trust_code)
     prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image, mask=not args.mask,
-                                               references=not args.reference)
+                                               references=not args.reference, video=not args.video)
     select = made_by.sample
     if args.prompt is not None or args.seed is not None:  # a new request: from the file's own sample, if it has one
         if select is not None:

@@ -165,6 +165,10 @@ def test_the_cli_estimate_answers_in_seconds(flux_dir, capsys):
     ("sd3.5-medium.yaml", "sd3_dir", TINY_OVERRIDES["sd3"]),
     ("ltx2-t2v.yaml", "ltx2_dir", TINY_OVERRIDES["ltx2"]),
     ("digits.yaml", None, ["runtime.progress=false"]),
+    # tasks whose requests need more than an image: grey stand-ins of the default size (a mask, a video)
+    ("flux1-fill-dev.yaml", "flux_fill_dir", [*TINY_OVERRIDES["flux"], "recipe.defaults.height=32",
+                                              "recipe.defaults.width=32"]),
+    ("wan2.1-vace-1.3b-v2v.yaml", "wan_vace_dir", [*TINY_OVERRIDES["wan"], "recipe.defaults.frames=9"]),
 ])
 def test_each_family_is_counted_on_meta(spec, fixture, overrides, request):
     source = str(request.getfixturevalue(fixture)) if fixture else None

@@ -128,3 +128,82 @@ def test_rollouts_replay_exactly(wan_vace_dir, frames):
                       conditions=[{"image": frames[0], "frame": 0}, {"image": frames[1], "frame": -1}],
                       references=frames[1])
     assert torch.equal(pipe.log_prob(ro, grad=False).log_probs.cpu(), ro.log_probs)
+
+
+# ---- video-to-video: a control video, with or without masks ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clip():
+    """A 9-frame 32x32 video and a random mask per frame."""
+    video = [Image.fromarray((np.random.RandomState(20 + i).rand(32, 32, 3) * 255).astype(np.uint8)) for i in range(9)]
+    masks = [Image.fromarray(((np.random.RandomState(40 + i).rand(32, 32) > 0.5) * 255).astype(np.uint8), "L")
+             for i in range(9)]
+    return video, masks
+
+
+@pytest.mark.parametrize("case", ["control", "mask-per-frame", "one-mask", "mask-and-references"])
+def test_video_equals_diffusers(wan_vace_dir, clip, frames, case):
+    video, masks = clip
+    mask = {"control": None, "one-mask": masks[0]}.get(case, masks)
+    references = frames if case == "mask-and-references" else None
+    pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b-v2v.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
+    ours = pipe(["a bird", "a boat"], seed=[3, 4], video=video, mask=mask, references=references,
+                negative_prompt="blurry")
+    theirs_mask = [mask] * 9 if case == "one-mask" else mask
+    ref = reference("WanVACEPipeline", wan_vace_dir)
+    for i, (prompt, seed) in enumerate(zip(["a bird", "a boat"], (3, 4))):
+        theirs = ref(prompt=prompt, negative_prompt="blurry", video=video, mask=theirs_mask,
+                     reference_images=references, height=32, width=32, num_frames=9, num_inference_steps=4,
+                     guidance_scale=5.0, max_sequence_length=16, generator=torch.Generator("cpu").manual_seed(seed),
+                     output_type="np").frames[0]
+        assert ours.array[i].shape == theirs.shape == (9, 32, 32, 3)
+        assert np.abs(ours.array[i] - theirs).max() <= TOL
+    if case == "mask-per-frame":  # the mask acts: all white (the default) is another output
+        white = pipe(["a bird", "a boat"], seed=[3, 4], video=video, negative_prompt="blurry")
+        assert np.abs(white.array - ours.array).max() > 1e-3
+
+
+def test_video_through_the_cli_records_and_replays(wan_vace_dir, clip, tmp_path):
+    video, masks = clip
+    clip_file, mask_file, out = tmp_path / "clip.webp", tmp_path / "mask.png", tmp_path / "out.npy"
+    video[0].save(clip_file, save_all=True, append_images=video[1:], lossless=True)
+    masks[0].save(mask_file, save_all=True, append_images=masks[1:])  # an APNG: a mask per frame
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    run = [sys.executable, "-m", "omnispec", "run"]
+    done = subprocess.run([*run, str(SPECS / "wan2.1-vace-1.3b-v2v.yaml"), "--source", str(wan_vace_dir), *sets,
+                           "--prompt", "a bird", "--video", str(clip_file), "--mask", str(mask_file),
+                           "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b-v2v.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
+    same = pipe("a bird", seed=0, video=video, mask=masks)  # the files hold these very frames (lossless)
+    assert np.abs(np.load(out) - same.array).max() <= TOL
+    record = omnispec.records.read(out)
+    assert record.request.video.frames == 9 and record.request.video.path == str(clip_file.resolve())
+    assert record.request.mask.frames == 9 and record.request.frames == 9
+    shown = subprocess.run([sys.executable, "-m", "omnispec", "explain", str(out)], capture_output=True,
+                           text=True, cwd=ROOT)
+    assert "video: " in shown.stdout and "9 frames" in shown.stdout, shown.stdout + shown.stderr
+    again = tmp_path / "again.npy"
+    done = subprocess.run([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert np.array_equal(np.load(out), np.load(again))
+    masks[1].save(mask_file, save_all=True, append_images=masks[2:] + masks[:1])  # the mask changed since
+    done = subprocess.run([*run, "--from", str(out), "--output", str(tmp_path / "x.npy"), "-q"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 2 and "error: request.mask" in done.stderr and "has changed" in done.stderr
+    assert "Traceback" not in done.stderr
+    (tmp_path / "broken.mp4").write_bytes(b"\0\0\0\x18ftypisom" + bytes(64))
+    done = subprocess.run([*run, str(SPECS / "wan2.1-vace-1.3b-v2v.yaml"), "--source", str(wan_vace_dir), *sets,
+                           "--prompt", "a bird", "--video", str(tmp_path / "broken.mp4"), "--output",
+                           str(tmp_path / "y.npy"), "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.startswith("error: request.video:"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_video_rollouts_replay_exactly(wan_vace_dir, clip):
+    video, masks = clip
+    pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b-v2v.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
+    ro = pipe.rollout("a bird", group_size=2, seed=5, sampler={"kind": "sde", "multistep": "euler"}, video=video,
+                      mask=masks[0])
+    assert torch.equal(pipe.log_prob(ro, grad=False).log_probs.cpu(), ro.log_probs)

@@ -109,6 +109,26 @@ def _modules(spec: PipelineSpec, root: Path) -> tuple[dict[str, Any], list[Compo
     return modules, counts
 
 
+def _stand_in_inputs(spec: PipelineSpec, fields: dict[str, Any]) -> dict[str, Any]:
+    """Grey pictures for what the recipe's task needs and ``fields`` does not give (an image, an inpainting mask, a
+    video), at the recipe's default size: an estimate's costs depend on their sizes, not their pixels."""
+    from PIL import Image
+
+    from ..spec.recipe import IMAGE_TASKS, VIDEO_TASKS
+
+    task, defaults = spec.recipe.task, spec.recipe.defaults
+    height = fields.get("height") or defaults.height or 512
+    size = (fields.get("width") or defaults.width or height, height)
+    given: dict[str, Any] = {}
+    if task in IMAGE_TASKS and "image" not in fields and "conditions" not in fields:
+        given["image"] = Image.new("RGB", size, (128, 128, 128))
+    if task == "inpainting" and "mask" not in fields:
+        given["mask"] = Image.new("L", size, 255)
+    if task in VIDEO_TASKS and "video" not in fields:
+        given["video"] = [Image.new("RGB", size, (128, 128, 128))] * (fields.get("frames") or defaults.frames or 1)
+    return given
+
+
 def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fields: dict[str, Any]) -> None:
     """One request's first denoiser forward (and its decode) on meta: FLOPs, op shapes, peak live bytes."""
     from ..runtime.families import Conditioning, family_class
@@ -122,15 +142,9 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
         result.notes.append("FLOPs not counted: a component could not be built on the meta device")
         return
     meta = torch.device("meta")
-    images = {}
-    if spec.recipe.task.startswith("image") and "image" not in fields and "conditions" not in fields:
-        from PIL import Image
-
-        side = spec.recipe.defaults.height or 512
-        images = {"image": Image.new("RGB", (spec.recipe.defaults.width or side, side), (128, 128, 128))}
-    request = resolve_request(spec, "a photo of a cat", 0, **images, **fields)
-    result.request = {k: v for k, v in request.model_dump(exclude={"images", "prompts", "seeds"}).items()
-                      if v not in (None, "")}
+    request = resolve_request(spec, "a photo of a cat", 0, **_stand_in_inputs(spec, fields), **fields)
+    result.request = {k: v for k, v in request.model_dump(
+        exclude={"images", "video", "mask", "references", "prompts", "seeds"}).items() if v not in (None, "")}
     result.steps = request.steps
     shadow = Shadow()
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..spec.files import path_kind, regular_file, user_path
+from ..spec.videos import VideoCondition
 from ..version import library_versions
 from .schema import FORMAT, KEY
 
@@ -108,18 +109,27 @@ def spec_data(spec: PipelineSpec) -> dict[str, Any]:
 
 
 def request_data(request: Request) -> dict[str, Any]:
-    data = request.model_dump(mode="json", exclude={"images", "mask", "references"}, exclude_none=True)
+    data = request.model_dump(mode="json", exclude={"images", "video", "mask", "references"}, exclude_none=True)
     data["images"] = [_image_data(c) for c in request.images]
     if request.references:
         data["references"] = [_image_data(c) for c in request.references]
+    if request.video is not None:
+        data["video"] = _video_data(request.video)
     if request.mask is not None:
-        data["mask"] = _image_data(request.mask)
+        data["mask"] = _video_data(request.mask) if isinstance(request.mask, VideoCondition) else _image_data(request.mask)
     return data
 
 
 def _image_data(condition: ImageCondition) -> dict[str, Any]:
-    return {"frame": condition.frame, "digest": condition.digest,
-            **({"path": str(Path(condition.path).resolve())} if condition.path else {})}
+    return {"frame": condition.frame, "digest": condition.digest, **_path_data(condition.path)}
+
+
+def _video_data(condition: VideoCondition) -> dict[str, Any]:
+    return {"frames": len(condition.frames), "digest": condition.digest, **_path_data(condition.path)}
+
+
+def _path_data(path: str | None) -> dict[str, str]:
+    return {"path": str(Path(path).resolve())} if path else {}
 
 
 def make_record(spec: dict[str, Any], request: Request, device: str, checkpoint: dict[str, Any] | None,

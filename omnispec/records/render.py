@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..spec import load_spec
 from ..spec.errors import printable
 from ..spec.explain import explain_spec, render_explain
-from .schema import HubRoot, Record
+from .schema import HubRoot, Record, RecordedVideo
 
 
 def render(record: Record, path: str | None = None) -> str:
@@ -29,8 +29,12 @@ def render(record: Record, path: str | None = None) -> str:
                      f"sha256 {image.digest[:16]}...")
     for i, image in enumerate(request.references):
         lines.append(f"  reference {i}: {image.path or '(in memory)'}, sha256 {image.digest[:16]}...")
+    if request.video is not None:
+        lines.append(f"  video: {request.video.path or '(in memory)'}, {request.video.frames} frames, "
+                     f"sha256 {request.video.digest[:16]}...")
     if request.mask is not None:
-        lines.append(f"  mask: {request.mask.path or '(in memory)'}, sha256 {request.mask.digest[:16]}...")
+        frames = f", {request.mask.frames} frames" if isinstance(request.mask, RecordedVideo) else ""
+        lines.append(f"  mask: {request.mask.path or '(in memory)'}{frames}, sha256 {request.mask.digest[:16]}...")
     checkpoint = record.checkpoint
     for described in checkpoint.roots.values():
         if isinstance(described, HubRoot):

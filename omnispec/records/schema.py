@@ -37,6 +37,14 @@ class RecordedImage(RecordModel):
     path: str | None = None
 
 
+class RecordedVideo(RecordModel):
+    """A conditioning video of the request (or a mask per frame): its frame count, its pixels' digest, its file."""
+
+    frames: Frames
+    digest: Annotated[str, Field(pattern=_DIGEST)]
+    path: str | None = None
+
+
 class RequestedSize(RecordModel):
     """The size the caller asked for where the family generated another."""
 
@@ -60,7 +68,9 @@ class RecordedRequest(RecordModel):
     max_sequence_length: SequenceLength | None = None
     strength: Unit | None = None
     images: list[RecordedImage] = Field(default_factory=list)
-    mask: RecordedImage | None = Field(default=None, description="The inpainting mask (its frame is 0).")
+    video: RecordedVideo | None = Field(default=None, description="The video of a video-to-video request.")
+    mask: RecordedImage | RecordedVideo | None = Field(
+        default=None, description="The mask: one image (its frame is 0), or a mask per frame of the video.")
     mask_blur: MaskBlur | None = None
     references: list[RecordedImage] = Field(default_factory=list, description="Reference images (frame 0).")
     requested: RequestedSize | None = Field(default=None, description=(
@@ -187,5 +197,5 @@ def version_drift(recorded: Versions, installed: dict[str, str | None]) -> list[
     return drift
 
 __all__ = ["FORMAT", "KEY", "CheckpointRecord", "HubAdapter", "HubRoot", "LocalAdapter", "LocalRoot", "Record",
-           "RecordModel", "RecordedImage", "RecordedRequest", "ReplayOf", "RequestedSize", "Versions", "parse_record",
+           "RecordModel", "RecordedImage", "RecordedRequest", "RecordedVideo", "ReplayOf", "RequestedSize", "Versions", "parse_record",
            "version_drift"]

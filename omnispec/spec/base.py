@@ -28,6 +28,9 @@ MAX_SEQUENCE_LENGTH = 65_536  # prompt tokens
 # A conditioning image (all images of an array's or tensor's batch together), read from its header before any pixel
 # is decoded: a 4096 x 4096 RGBA file decodes, converts and hashes within 1.5 GB.
 MAX_IMAGE_PIXELS = 4096 * 4096
+# A conditioning video: all its frames' pixels together (each frame within MAX_IMAGE_PIXELS), decoded as RGB within
+# 0.5 GB: 81 frames of 1280 x 1280, 121 of 1280 x 720 with room to spare.
+MAX_VIDEO_PIXELS = 1 << 27
 MAX_PROMPTS = 1_024  # prompts of one request (each one is a sample a replay makes again)
 MAX_REFERENCES = 16  # reference images of one request
 MAX_LORA_SCALE = 1_000.0  # |scale| of a LoRA slot (real ones lie within a few units; 1e308 overflows to NaN)

@@ -23,7 +23,7 @@ from .guidance import GUIDANCE, GuidanceSpec
 from .kinds import Kinds
 from .schedule import SCHEDULES, SHARED_SCHEDULES, Schedule, SharedSchedule
 
-Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image", "inpainting"]
+Task = Literal["text-to-image", "text-to-video", "image-to-video", "image-to-image", "inpainting", "video-to-video"]
 RequestField = Literal[
     "negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale", "max_sequence_length",
     "strength", "mask_blur",
@@ -31,6 +31,8 @@ RequestField = Literal[
 # Tasks whose requests must carry an image; the text-to-X tasks refuse one. Inpainting also needs a mask, which
 # every other task refuses.
 IMAGE_TASKS = ("image-to-video", "image-to-image", "inpainting")
+# Tasks whose requests must carry a video (and may carry a mask of it); every other task refuses one.
+VIDEO_TASKS = ("video-to-video",)
 
 
 class RequestDefaults(SpecModel):

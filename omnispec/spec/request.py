@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
@@ -27,8 +28,9 @@ from .base import (
 from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .images import ImageCondition, image_condition, mask_condition, pixel_size
 from .pipeline import PipelineSpec
-from .recipe import IMAGE_TASKS
+from .recipe import IMAGE_TASKS, VIDEO_TASKS
 from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, takes_request_steps
+from .videos import VideoCondition, is_video_file, video_condition
 
 
 def _number(value: Any) -> Any:
@@ -59,8 +61,11 @@ class Request(SpecModel):
     max_sequence_length: Annotated[SequenceLength, Number] | None = None
     strength: Annotated[Unit, Number] | None = None
     images: list[ImageCondition] = Field(default_factory=list)
+    # A video the output follows (video-to-video: a control video, e.g. poses or depth, or a video to repaint).
+    video: VideoCondition | None = None
     # Inpainting: white (>= 0.5 after diffusers' binarisation) is repainted, black kept; ``mask_blur`` blurs it first.
-    mask: ImageCondition | None = None
+    # With a video: one image for every frame, or a mask per frame (a ``VideoCondition`` of greyscale frames).
+    mask: ImageCondition | VideoCondition | None = None
     mask_blur: Annotated[MaskBlur, Number] | None = None
     # Images the output should show (a subject, a style), not placed at frames: Wan VACE's reference images.
     references: list[ImageCondition] = Field(default_factory=list, max_length=MAX_REFERENCES)
@@ -74,11 +79,12 @@ class Request(SpecModel):
 
     @property
     def condition_digests(self) -> tuple[tuple, ...]:
-        """What identifies the request's images, mask and reference images (part of the prompt-encoding cache
-        key)."""
+        """What identifies the request's images, video, mask and reference images (part of the prompt-encoding
+        cache key)."""
         mask = ((self.mask.digest, -1, self.mask_blur or 0),) if self.mask is not None else ()
+        video = ((self.video.digest, "video"),) if self.video is not None else ()
         references = tuple((c.digest, "reference") for c in self.references)
-        return tuple((c.digest, c.frame) for c in self.images) + mask + references
+        return tuple((c.digest, c.frame) for c in self.images) + video + mask + references
 
 
 # What diffusers' pipelines take as "guidance off" (``guidance_scale > 1`` turns CFG on; Z-Image's ``> 0``): on a
@@ -86,7 +92,7 @@ class Request(SpecModel):
 GUIDANCE_OFF = (0.0, 1.0)
 # Request fields a caller passes by keyword (``image`` and ``conditions`` become ``images``).
 _KEYWORDS = ("negative_prompt", "height", "width", "frames", "fps", "steps", "sigmas", "guidance_scale",
-             "max_sequence_length", "strength", "image", "conditions", "mask", "mask_blur", "references")
+             "max_sequence_length", "strength", "image", "conditions", "video", "mask", "mask_blur", "references")
 
 
 def resolve_request(
@@ -97,8 +103,10 @@ def resolve_request(
 
     One seed per prompt: ``seed`` as a list gives each; an int ``S`` gives prompt ``i`` seed ``S + i``;
     ``None`` uses ``runtime.seed``. ``image`` is one image (PIL, numpy, torch tensor or path) at frame 0;
-    ``conditions`` a list of ``{image, frame}`` for video models that place images at frames; ``mask`` an inpainting
-    mask of the image's size (PIL, numpy, torch tensor or path; white repaints). ``planning``
+    ``conditions`` a list of ``{image, frame}`` for video models that place images at frames; ``video`` a video
+    (frames, an 8-bit array or a path; see ``spec.videos``), whose frame count and size are the request's unless it
+    sets them; ``mask`` an inpainting mask of the image's size (PIL, numpy, torch tensor or path; white repaints),
+    or with a video one such image for every frame or a mask per frame (a list, an animated file). ``planning``
     skips the image checks (a plan such as ``explain`` shows needs no image).
     """
     prompts = request_prompts(prompt)
@@ -129,17 +137,23 @@ def resolve_request(
         raise SpecError.single(f"recipe {spec.name!r} starts from noise, so strength has nothing to apply to",
                                "request.strength")
     images = _conditions(fields.pop("image", None), fields.pop("conditions", None))
-    mask = fields.pop("mask", None)
-    mask = mask_condition(mask, "request.mask") if mask is not None else None
+    video = fields.pop("video", None)
+    video = video_condition(video, "request.video") if video is not None else None
+    mask = _mask(fields.pop("mask", None), recipe.task in VIDEO_TASKS)
     references = _references(fields.pop("references", None))
     if fields.get("sigmas") is not None:
         fields["steps"] = _steps_of_sigmas(spec, fields.get("sigmas"), fields.get("steps"))
 
     defaults = recipe.defaults.model_dump()
     values: dict[str, Any] = {k: v for k, v in defaults.items() if k in Request.model_fields}
+    if video is not None:  # the video's length and size, where the request does not set them
+        height, width = video.size
+        values.update({k: v for k, v in (("frames", len(video.frames)), ("height", height), ("width", width))
+                       if fields.get(k) is None})
     values.update({k: v for k, v in fields.items() if v is not None})
     try:
-        request = Request(prompts=prompts, seeds=seeds, images=images, mask=mask, references=references, **values)
+        request = Request(prompts=prompts, seeds=seeds, images=images, video=video, mask=mask, references=references,
+                          **values)
     except ValidationError as exc:
         raise from_validation_error(exc, values) from None
 
@@ -261,7 +275,7 @@ def _image_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
         return [Problem("request.image", f"recipe {spec.name!r} ({task}) needs an image: pass image= (CLI: --image PATH)")]
     if task not in IMAGE_TASKS and request.images:
         return [Problem("request.image", f"recipe {spec.name!r} ({task}) takes no image")]
-    problems = _mask_problems(spec, request)
+    problems = _video_problems(spec, request) + _mask_problems(spec, request)
     for k, condition in enumerate(request.images):
         if task.endswith("video"):
             frames = request.frames or 1
@@ -285,9 +299,47 @@ def _references(given: Any) -> list[ImageCondition]:
     return [image_condition(item, 0, f"request.references.{k}") for k, item in enumerate(items)]
 
 
+def _mask(given: Any, video_task: bool) -> ImageCondition | VideoCondition | None:
+    """The request's mask: one image, or in a video task a mask per frame (a list of masks, a file holding several
+    frames, an 8-bit (F, H, W) array or tensor)."""
+    if given is None:
+        return None
+    shape = tuple(getattr(given, "shape", ()))
+    per_frame = video_task and (isinstance(given, (list, tuple))
+                                or isinstance(given, (str, Path)) and is_video_file(given, "request.mask", "mask file")
+                                or str(getattr(given, "dtype", "")) in ("uint8", "torch.uint8")
+                                and (len(shape) == 4 or len(shape) == 3 and shape[-1] != 1))
+    return video_condition(given, "request.mask", mask=True) if per_frame else mask_condition(given, "request.mask")
+
+
+def _video_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
+    """A video-to-video recipe needs a video, of the request's frame count and size; every other recipe refuses
+    one."""
+    task, video = spec.recipe.task, request.video
+    if video is None:
+        return [Problem("request.video", f"recipe {spec.name!r} ({task}) needs a video: pass video= (CLI: --video "
+                                         "PATH)")] if task in VIDEO_TASKS else []
+    if task not in VIDEO_TASKS:
+        return [Problem("request.video", f"recipe {spec.name!r} ({task}) takes no video (a video-to-video recipe "
+                                         "does)")]
+    problems = []
+    if request.frames != len(video.frames):
+        problems.append(Problem("request.frames", f"the video has {len(video.frames)} frames and the request asks for "
+                                                  f"{request.frames}: the output follows the video frame by frame (leave "
+                                                  "frames out to take the video's, or cut the video)"))
+    if (request.height, request.width) != video.size:
+        problems.append(Problem("request.video", f"the video is {video.size[1]}x{video.size[0]} and the output "
+                                                 f"{request.width}x{request.height}: resize the video, or leave height "
+                                                 "and width out to take the video's"))
+    return problems
+
+
 def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
-    """An inpainting recipe needs a mask of its image's size; every other recipe refuses one."""
+    """An inpainting recipe needs a mask of its image's size; a video-to-video recipe may take one of its video's
+    size (one image or one per frame); every other recipe refuses one."""
     task, mask = spec.recipe.task, request.mask
+    if task in VIDEO_TASKS:
+        return _video_mask_problems(request)
     if mask is None:
         if task == "inpainting":
             return [Problem("request.mask", f"recipe {spec.name!r} (inpainting) needs a mask: pass mask= (CLI: --mask "
@@ -296,7 +348,8 @@ def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
             return [Problem("request.mask_blur", "mask_blur blurs a mask, and the request has none")]
         return []
     if task != "inpainting":
-        return [Problem("request.mask", f"recipe {spec.name!r} ({task}) takes no mask (an inpainting recipe does)")]
+        return [Problem("request.mask", f"recipe {spec.name!r} ({task}) takes no mask (an inpainting or a "
+                                        "video-to-video recipe does)")]
     problems = []
     if request.images:
         image, held = pixel_size(request.images[0].image), pixel_size(mask.image)
@@ -308,6 +361,25 @@ def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
         problems.append(Problem("request.mask_blur", "mask_blur blurs an image mask (a file, a PIL image or an "
                                                      "8-bit array) with diffusers' Gaussian blur; blur a float array "
                                                      "or tensor yourself"))
+    return problems
+
+
+def _video_mask_problems(request: Request) -> list[Problem]:
+    mask, video = request.mask, request.video
+    problems = []
+    if request.mask_blur is not None:
+        problems.append(Problem("request.mask_blur", "mask_blur is for inpainting masks: a video's mask is used as "
+                                                     "given (as diffusers' video pipelines use it)"))
+    if mask is None or video is None:
+        return problems
+    held = mask.size if isinstance(mask, VideoCondition) else pixel_size(mask.image)
+    if held != video.size:
+        problems.append(Problem("request.mask", f"the mask is {held[1]}x{held[0]} and the video {video.size[1]}x"
+                                                f"{video.size[0]}: a mask marks the video's own pixels, so it must "
+                                                "have the video's size"))
+    if isinstance(mask, VideoCondition) and len(mask.frames) != len(video.frames):
+        problems.append(Problem("request.mask", f"{len(mask.frames)} mask frames for a video of {len(video.frames)}: "
+                                                "one mask per frame, or one image for every frame"))
     return problems
 
 

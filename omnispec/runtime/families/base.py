@@ -177,6 +177,8 @@ class Family:
     options: ClassVar[Mapping[str, Any]] = {}
     # Whether the family inpaints (reads the request's mask): it runs the task ``inpainting`` and only that one.
     inpaints: ClassVar[bool] = False
+    # Whether the family follows a request's video (and its mask): the task ``video-to-video``.
+    takes_video: ClassVar[bool] = False
 
     @classmethod
     def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan | None:
@@ -216,6 +218,9 @@ class Family:
             problems.append(f"family {cls.name!r} runs the task inpainting only (it needs the request's mask)"
                             if cls.inpaints else f"family {cls.name!r} does not inpaint: it would ignore the mask of "
                             "an inpainting task (an inpainting family does: omnispec list)")
+        if spec.recipe.task == "video-to-video" and not cls.takes_video:
+            problems.append(f"family {cls.name!r} takes no video: it would ignore the video of a video-to-video task "
+                            "(omnispec list shows the families that take one)")
         unknown_options = sorted(set(spec.model.options) - set(cls.options))
         if unknown_options:
             have = ", ".join(cls.options) or "none"

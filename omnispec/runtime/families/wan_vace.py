@@ -1,9 +1,12 @@
-"""Wan VACE (``WanVACEPipeline``): Wan text-to-video with a control branch, run here for keyframes and reference
-images. Keyframes are images placed at frames of the video (first and last frame, or any), built into the control
-video and mask as diffusers' VACE example builds them (each image resized to the output size at its frame, grey
-frames elsewhere; the mask black at the images' frames, white where the model generates). Reference images (a
-subject, a style) are fitted onto white canvases of the output size and prepended to the video as frames of their
-own: the noise has one more latent frame per reference, which decoding drops.
+"""Wan VACE (``WanVACEPipeline``): Wan text-to-video with a control branch, run here for keyframes, a control
+video with its masks, and reference images. Keyframes are images placed at frames of the video (first and last
+frame, or any), built into the control video and mask as diffusers' VACE example builds them (each image resized to
+the output size at its frame, grey frames elsewhere; the mask black at the images' frames, white where the model
+generates). A request's video (video-to-video) is the control video itself, frame for frame (poses, depth, edges,
+or a video to repaint); its mask, one image for every frame or one per frame, marks in white what is generated
+(without one, every pixel is: the video only guides). Reference images (a subject, a style) are fitted onto white
+canvases of the output size and prepended to the video as frames of their own: the noise has one more latent frame
+per reference, which decoding drops.
 
 The control video and mask go through the pipeline's own ``preprocess_conditions``, ``prepare_video_latents`` (VAE
 latents of the kept and the generated parts, by their mode: no generator draw) and ``prepare_masks`` (the mask folded
@@ -31,6 +34,7 @@ class WanVACEFamily(WanFamily):
     pipeline_class = WanVACEPipeline
     max_images = 16  # keyframes
     max_references = 4
+    takes_video = True
     context_parallel = False
     context_parallel_refusal = "WanVACETransformer3DModel has no context-parallel plan in diffusers 0.42"
     tensor_parallel_refusal = "no tensor-parallel plan is written for the VACE blocks yet"
@@ -77,10 +81,20 @@ class WanVACEFamily(WanFamily):
             mask[at] = Image.new("L", size, 0)
         return video, mask
 
+    @staticmethod
+    def control(request: Request) -> tuple[list | None, list | None]:
+        """The request's video and its mask as frame lists (a mask image stands for every frame), or None."""
+        if request.video is None:
+            return None, None
+        mask = request.mask
+        if mask is not None:
+            mask = mask.frames if hasattr(mask, "frames") else [mask.image] * len(request.video.frames)
+        return list(request.video.frames), mask
+
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:
         helper, device = self.helper, self.device
-        video, mask = self.keyframes(request, geometry) if request.images else (None, None)
+        video, mask = self.keyframes(request, geometry) if request.images else self.control(request)
         frames = geometry.frames or 1
         given = [self._pil(c.image, f"request.references.{k}") for k, c in enumerate(request.references)] or None
         video, mask, references = helper.preprocess_conditions(video, mask, given, 1, geometry.height,

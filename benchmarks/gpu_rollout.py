@@ -242,6 +242,10 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure omnispec with policies.compile.mode=regional (after the eager runs)")
     parser.add_argument("--compile-repeats", type=int, default=2)
+    parser.add_argument("--rollout-compile", default="", metavar="VARIANT[,VARIANT...]",
+                        help="also time omnispec's rollout under these compile variants, each a mode with options "
+                             "after '+' (e.g. regional+cudagraphs), built after the compiled rows (--smoke: regional "
+                             "on aot_eager, the options dropped)")
     parser.add_argument("--details", action=argparse.BooleanOptionalAction, default=True,
                         help="per-module breakdown, the denoiser bound, and replay timing")
     parser.add_argument("--sdpa-variant", action="store_true",
@@ -322,6 +326,8 @@ def main() -> None:
         compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                                            overrides=[*overrides, "policies.compile.mode=regional", *smoke_backend]),
                       n, run_ours, run_base, save, fast_sampler)
+    if args.rollout_compile:
+        variant_rows(args, mods, overrides, n, run_ours, save)
     if args.quantized_base:
         quantized_rows(args, mods, overrides, n, run_ours, save)
     loop = next(row for row in result["rows"] if row["config"].startswith("flow-grpo loop"))
@@ -403,6 +409,29 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
     if aware_ro is not None:
         save(replay_ratio(compiled, lambda tag: aware_ro, args.replay_batch,
                           "replay ratio check, compiled, window-aware"))
+
+
+def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> None:
+    """omnispec's exact rollout under further compile variants (``regional+cudagraphs``: CUDA graphs for the
+    fixed-shape block calls), each in a build of its own over the same modules (which undoes the earlier builds'
+    compilation), timed as the regional row and replayed through the same graphs."""
+    import omnispec
+
+    for variant in args.rollout_compile.split(","):
+        mode, *options = variant.split("+")
+        sets = ([f"policies.compile.mode={mode}", "policies.compile.backend=aot_eager"] if args.smoke else
+                [f"policies.compile.mode={mode}", *(f"policies.compile.{option}=true" for option in options)])
+        pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
+                              overrides=[*overrides, *sets])
+        label = f"omnispec rollout + {variant.replace('+', ' + ')} compile"
+        with torch.no_grad(), gi.CompileWatch() as watch:
+            first, _ = _timed(run_ours, f"v{variant}", pipe)
+            times = [_timed(run_ours, f"v{variant}{r}", pipe)[0] for r in range(args.compile_repeats)]
+            ro = run_ours(f"v{variant}replay", pipe)
+        med = statistics.median(times)
+        save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
+              "dynamo": watch.summary()})
+        save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {variant}"))
 
 
 def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> None:

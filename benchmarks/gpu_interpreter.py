@@ -315,7 +315,7 @@ def hunyuan_video15_components() -> dict:
         d_model=1472, d_kv=64, d_ff=1024, num_layers=1, num_heads=6, vocab_size=384, decoder_start_token_id=0,
         pad_token_id=0, eos_token_id=1))
     # --smoke: the VAE's 16x / 4x compression and 32 latent channels, narrow
-    vae = AutoencoderKLHunyuanVideo15(**(dict(block_out_channels=(32,) * 5, layers_per_block=1) if SMOKE else {}))
+    vae = AutoencoderKLHunyuanVideo15(**(dict(block_out_channels=(64,) * 5, layers_per_block=1) if SMOKE else {}))
     mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(), text_encoder_2=glyphs,
                 tokenizer_2=transformers.ByT5Tokenizer(), vae=vae,
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))

@@ -172,6 +172,10 @@ def test_the_video_sets_frames_and_size_unless_the_request_does(v2v):
     with pytest.raises(SpecError, match="the video is 48x32 and the output 64x32"):
         resolve_request(v2v, "x", 0, video=frames, width=64)
     assert request.condition_digests != resolve_request(v2v, "x", 0, video=frames[::-1]).condition_digests
+    with pytest.raises(SpecError, match=r"frames 10 must be k\*4\+1 \(e.g. 9\) \(the video's: cut or resize"):
+        resolve_request(v2v, "x", 0, video=pictures(count=10, height=32, width=48))
+    with pytest.raises(SpecError, match=r"height 30 is not a multiple of 16 \(the video's"):
+        resolve_request(v2v, "x", 0, video=pictures(count=9, height=30, width=48))
 
 
 def test_masks_of_a_video(v2v, tmp_path):

@@ -158,6 +158,11 @@ def resolve_request(
         raise from_validation_error(exc, values) from None
 
     problems = request_problems(spec, request, planning=planning)
+    if video is not None:  # a length or size the video gave, which the recipe cannot take: say where it came from
+        taken = {"request.frames": fields.get("frames") is None,
+                 "request": fields.get("height") is None or fields.get("width") is None}
+        problems = [Problem(p.path, f"{p.message} (the video's: cut or resize the video)") if taken.get(p.path) else p
+                    for p in problems]
     if problems:
         raise SpecError(problems)
     return request

@@ -116,7 +116,8 @@ def request_data(request: Request) -> dict[str, Any]:
     if request.video is not None:
         data["video"] = _video_data(request.video)
     if request.mask is not None:
-        data["mask"] = _video_data(request.mask) if isinstance(request.mask, VideoCondition) else _image_data(request.mask)
+        per_frame = isinstance(request.mask, VideoCondition)
+        data["mask"] = _video_data(request.mask) if per_frame else _image_data(request.mask)
     return data
 
 

@@ -197,5 +197,5 @@ def version_drift(recorded: Versions, installed: dict[str, str | None]) -> list[
     return drift
 
 __all__ = ["FORMAT", "KEY", "CheckpointRecord", "HubAdapter", "HubRoot", "LocalAdapter", "LocalRoot", "Record",
-           "RecordModel", "RecordedImage", "RecordedRequest", "RecordedVideo", "ReplayOf", "RequestedSize", "Versions", "parse_record",
-           "version_drift"]
+           "RecordModel", "RecordedImage", "RecordedRequest", "RecordedVideo", "ReplayOf", "RequestedSize", "Versions",
+           "parse_record", "version_drift"]

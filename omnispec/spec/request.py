@@ -329,9 +329,9 @@ def _video_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
                                          "does)")]
     problems = []
     if request.frames != len(video.frames):
-        problems.append(Problem("request.frames", f"the video has {len(video.frames)} frames and the request asks for "
-                                                  f"{request.frames}: the output follows the video frame by frame (leave "
-                                                  "frames out to take the video's, or cut the video)"))
+        problems.append(Problem("request.frames", f"the video has {len(video.frames)} frames and the request asks "
+                                                  f"for {request.frames}: the output follows the video frame by frame "
+                                                  "(leave frames out to take the video's, or cut the video)"))
     if (request.height, request.width) != video.size:
         problems.append(Problem("request.video", f"the video is {video.size[1]}x{video.size[0]} and the output "
                                                  f"{request.width}x{request.height}: resize the video, or leave height "

@@ -66,8 +66,8 @@ def video_condition(video: Any, where: str = "request.video", mask: bool = False
                                f"and shape {tuple(video.shape)}: float frames are refused, their range is a guess",
                                where)
     else:
-        raise SpecTypeError.single(f"a video is a list of frames, an 8-bit (F, H, W, C) array or tensor, or a path, got "
-                                   f"{type(video).__name__}", where)
+        raise SpecTypeError.single("a video is a list of frames, an 8-bit (F, H, W, C) array or tensor, or a path, "
+                                   f"got {type(video).__name__}", where)
     if not frames:
         raise SpecError.single(f"{path + ': ' if path else ''}the video has no frames", where)
     frames = [_mask_frame(f, k, where, path) for k, f in enumerate(frames)] if mask else [rgb(f, where) for f in frames]
@@ -164,29 +164,29 @@ def _demuxed(file: Path, container: str, path: str, where: str) -> Iterator[Any]
 
 def _check_frame(size: tuple[int, int], k: int, path: str | None, where: str) -> None:
     width, height = size
+    named = f"{path}: " if path else ""
     if width * height > MAX_IMAGE_PIXELS:
-        raise SpecError.single(f"{path + ': ' if path else ''}frame {k} is {width}x{height}, {width * height:,} pixels, "
-                               f"above the limit of {MAX_IMAGE_PIXELS:,} for a frame", where)
+        raise SpecError.single(f"{named}frame {k} is {width}x{height}, {width * height:,} pixels, above the limit of "
+                               f"{MAX_IMAGE_PIXELS:,} for a frame", where)
     if width * height == 0:
-        raise SpecError.single(f"{path + ': ' if path else ''}frame {k} is empty ({width}x{height})", where)
+        raise SpecError.single(f"{named}frame {k} is empty ({width}x{height})", where)
 
 
 def _bounded(frames: Iterator[Any], where: str, path: str | None = None) -> Iterator[Any]:
     """The frames, while they have the first one's size and stay within ``MAX_FRAMES`` and ``MAX_VIDEO_PIXELS``."""
-    first, total = None, 0
+    first, total, named = None, 0, f"{path}: " if path else ""
     for k, frame in enumerate(frames):
         if k >= MAX_FRAMES:
-            raise SpecError.single(f"{path + ': ' if path else ''}more than {MAX_FRAMES:,} frames, the limit of a "
-                                   "video", where)
+            raise SpecError.single(f"{named}more than {MAX_FRAMES:,} frames, the limit of a video", where)
         _check_frame(frame.size, k, path, where)
         first = first or frame.size
         if frame.size != first:
-            raise SpecError.single(f"{path + ': ' if path else ''}frame {k} is {frame.size[0]}x{frame.size[1]}, frame 0 "
-                                   f"{first[0]}x{first[1]}: a video's frames have one size", where)
+            raise SpecError.single(f"{named}frame {k} is {frame.size[0]}x{frame.size[1]}, frame 0 {first[0]}x"
+                                   f"{first[1]}: a video's frames have one size", where)
         total += first[0] * first[1]
         if total > MAX_VIDEO_PIXELS:
-            raise SpecError.single(f"{path + ': ' if path else ''}{k + 1} frames of {first[0]}x{first[1]} pass the "
-                                   f"limit of {MAX_VIDEO_PIXELS:,} pixels for a video", where)
+            raise SpecError.single(f"{named}{k + 1} frames of {first[0]}x{first[1]} pass the limit of "
+                                   f"{MAX_VIDEO_PIXELS:,} pixels for a video", where)
         yield frame
 
 
@@ -220,7 +220,8 @@ def _stacked_frames(stack: Any, where: str) -> Iterator[Any]:
     for k in range(frames):
         frame = stack[k]
         frame = frame.detach().cpu().numpy() if hasattr(frame, "detach") else np.asarray(frame)
-        yield Image.fromarray(np.ascontiguousarray(frame[..., 0] if frame.ndim == 3 and frame.shape[-1] == 1 else frame))
+        grey = frame.ndim == 3 and frame.shape[-1] == 1
+        yield Image.fromarray(np.ascontiguousarray(frame[..., 0] if grey else frame))
 
 
 def _is_uint8_stack(value: Any) -> bool:

@@ -23,6 +23,7 @@ from PIL import Image
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
+from ...spec.videos import VideoCondition
 from .base import Conditioning, Decoded, Geometry, Streams
 from .wan import WanFamily
 
@@ -88,7 +89,7 @@ class WanVACEFamily(WanFamily):
             return None, None
         mask = request.mask
         if mask is not None:
-            mask = mask.frames if hasattr(mask, "frames") else [mask.image] * len(request.video.frames)
+            mask = mask.frames if isinstance(mask, VideoCondition) else [mask.image] * len(request.video.frames)
         return list(request.video.frames), mask
 
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]

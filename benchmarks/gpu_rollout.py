@@ -242,6 +242,9 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure omnispec with policies.compile.mode=regional (after the eager runs)")
     parser.add_argument("--compile-repeats", type=int, default=2)
+    parser.add_argument("--compiled-loop-only", action="store_true",
+                        help="of the compiled rows, time only the loop over the compiled blocks (the peer of the "
+                             "--rollout-compile and --quantized-base rows, in a call with less time)")
     parser.add_argument("--rollout-compile", default="", metavar="VARIANT[,VARIANT...]",
                         help="also time omnispec's rollout under these compile variants, each a mode with options "
                              "after '+' (e.g. regional+cudagraphs), built after the compiled rows (--smoke: regional "
@@ -384,6 +387,14 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
     the gain is compilation, which any loop could add, and how much is omnispec's batching; then omnispec
     compiled and window-aware."""
     aware = f"omnispec rollout + regional compile, window-aware (every {args.outside_every})"
+    if args.compiled_loop_only:
+        with torch.no_grad():
+            first_loop, _ = _timed(run_base, "cwb")  # compiles the blocks the build above marked
+            times = [_timed(run_base, f"cb{r}")[0] for r in range(args.compile_repeats)]
+        med = statistics.median(times)
+        save({"config": "flow-grpo loop + compile_repeated_blocks", "seconds": med, "images_per_s": n / med,
+              "samples_s": times, "first_call_s": first_loop})
+        return
     with torch.no_grad(), gi.CompileWatch() as watch:
         first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
         first_loop, _ = _timed(run_base, "cwb")

@@ -17,6 +17,9 @@ eager run measured in the same call, with diffusers' own calls as peers where th
 - wan_attention (Wan 14B attention shapes at 480x832x81, CFG; 8 of the 40 blocks, since only the ratio between
   backends is asked): every usable backend and ``auto``.
 - layerwise (Wan 14B 480x832x81, CFG): ``offload: layerwise`` vs resident, and diffusers' ``enable_group_offload``.
+- profile (FLUX.1-dev 1024², not in the default parts): eager and each ``--compile-variants`` configuration under
+  torch.profiler: device time per step by kernel kind (attention, matmul, inductor's fused kernels, copies, other),
+  the largest kernels, and the wall time per step beside the device's busy time.
 Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not decoded.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -223,6 +227,65 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
         pipe = None
         torch._dynamo.reset()  # the next variant compiles afresh, in its own mode
     return rows
+
+
+# Kernel families of a profiled step, by kernel name (first match wins): where a compiled step's device time goes.
+KERNEL_KINDS = (("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+                ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm_|addmm", re.I)),
+                ("fused by inductor", re.compile(r"^triton_", re.I)),
+                ("copy and cast", re.compile(r"copy|cast|memcpy|memset|to_copy", re.I)))
+
+
+def profile_part(repeats: int, ceiling: float) -> list[dict]:
+    """Where a FLUX step's device time goes under each ``--compile-variants`` configuration (eager first): the
+    kernels of one profiled request of ``1 + repeats`` steps after a warm-up (its prompt encoding, one-layer stand-ins
+    here, counts in), grouped by kind (attention, matmul, inductor's fused kernels, copies, the rest) in ms per step,
+    the largest kernels, and the wall time per step beside the device's busy time (their gap: the host)."""
+    mods, w, run_plain, _, _ = _flux_plain("profile", "eager (timed)", 1, ceiling)
+    smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
+    rows = [_profiled("eager", run_plain, repeats)]
+    for variant in COMPILE_VARIANTS:
+        if SMOKE_COMPILE and "+" in variant:
+            continue
+        pipe = _build(w["spec"], mods, [*_compile_overrides(variant), *smoke_backend])
+        rows.append(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
+        pipe = None
+        torch._dynamo.reset()
+    return rows
+
+
+def _profiled(label: str, run, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        run(2)  # warm-up: compilation, autotuning, the allocator
+        run(1)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gi.DEVICE == "cuda" else [])
+        gi._sync()
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            run(1 + steps)
+            gi._sync()
+        wall = time.perf_counter() - start
+    device = gi.DEVICE == "cuda"
+    kernels = {}
+    for event in prof.key_averages():
+        spent = event.self_device_time_total if device else event.self_cpu_time_total  # microseconds
+        if spent > 0 and (not device or event.device_type.name == "CUDA"):
+            kernels[event.key] = (kernels.get(event.key, (0.0, 0))[0] + spent, event.count)
+    per_step = {name: (us / 1e3 / (1 + steps), count / (1 + steps)) for name, (us, count) in kernels.items()}
+    kinds: dict[str, float] = {}
+    for name, (ms, _) in per_step.items():
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    busy = sum(kinds.values())
+    largest = sorted(per_step.items(), key=lambda item: -item[1][0])[:12]
+    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps, "wall_ms_per_step": wall * 1e3 / (1 + steps),
+           "device_busy_ms_per_step": busy, "kinds_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+           "largest": [{"kernel": name[:120], "ms_per_step": ms, "calls_per_step": calls}
+                       for name, (ms, calls) in largest]}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def _compile_overrides(variant: str) -> list[str]:
@@ -471,7 +534,7 @@ COMPILE_VARIANTS = ["regional"]  # --compile-variants
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
          "model_offload": model_offload_part,
          "offload_requests": lambda repeats, ceiling: model_offload_part(repeats, ceiling, per_step=False),
-         "wan_attention": wan_attention_part, "layerwise": layerwise_part}
+         "wan_attention": wan_attention_part, "layerwise": layerwise_part, "profile": profile_part}
 
 
 def main() -> None:
@@ -516,6 +579,10 @@ def main() -> None:
         elif "ms_per_step" not in r and "request_s" in r:
             print(f"| {r['part']} | {r['config']} | request {r['request_s']:.2f} s, new prompt "
                   f"{r['request_new_prompt_s']:.2f} s | | |")
+        elif r["part"] == "profile":
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["kinds_ms_per_step"].items())
+            print(f"| profile | {r['config']} | wall {r['wall_ms_per_step']:.1f}, device busy "
+                  f"{r['device_busy_ms_per_step']:.1f} ({kinds}) | | |")
         elif "ms_per_call" in r:
             print(f"| {r['part']} | {r['config']} | {r['ms_per_call']:.2f} per call | {r['mfu']:.0%} | |")
         else:

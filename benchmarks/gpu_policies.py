@@ -280,8 +280,8 @@ def _profiled(label: str, run, steps: int) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + ms
     busy = sum(kinds.values())
     largest = sorted(per_step.items(), key=lambda item: -item[1][0])[:12]
-    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps, "wall_ms_per_step": wall * 1e3 / (1 + steps),
-           "device_busy_ms_per_step": busy, "kinds_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps,
+           "wall_ms_per_step": wall * 1e3 / (1 + steps), "device_busy_ms_per_step": busy, "kinds_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
            "largest": [{"kernel": name[:120], "ms_per_step": ms, "calls_per_step": calls}
                        for name, (ms, calls) in largest]}
     print(json.dumps(row), flush=True)

@@ -107,6 +107,17 @@ def test_broken_and_foreign_files_are_one_error(tmp_path):
         video_condition(str(tmp_path))
 
 
+def test_the_demuxer_may_open_no_other_file(tmp_path):
+    """The demuxer is chosen from magic bytes (MP4, Matroska: neither opens other files), and behind that choice
+    every nested open is refused: shown here with FFmpeg's HLS demuxer forced on a playlist, which would read its
+    segment file."""
+    (tmp_path / "secret.ts").write_bytes(b"\x47" * 188)
+    playlist = tmp_path / "list.m3u8"
+    playlist.write_text("#EXTM3U\n#EXT-X-VERSION:3\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\nsecret.ts\n#EXT-X-ENDLIST\n")
+    with pytest.raises(SpecError, match=r"may not open other resources \(.*secret\.ts\)"):
+        list(videos_module._demuxed(playlist, "hls", str(playlist), "request.video"))
+
+
 def test_a_fifo_is_refused_without_being_opened(tmp_path):
     fifo = tmp_path / "video.mp4"
     os.mkfifo(fifo)

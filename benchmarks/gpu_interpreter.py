@@ -468,10 +468,24 @@ def flops_per_step(run, steps: int = 1) -> float:
     return float(counter.get_total_flops())
 
 
+# Phases of a compilation, as torch._dynamo.utils.compile_times names them: all of it, dynamo's bytecode tracing,
+# AOTAutograd, inductor's code generation (a warm inductor cache shortens the last, never the first two).
+COMPILE_PHASES = {"total": "_compile.compile_inner", "dynamo tracing": "bytecode_tracing",
+                  "aot autograd": "create_aot_dispatcher_function", "inductor": "fx_codegen_and_compile"}
+
+
+def _compile_seconds() -> dict[str, float]:
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    spent = dict(zip(names, (float(v) for v in values)))
+    return {phase: spent.get(name, 0.0) for phase, name in COMPILE_PHASES.items()}
+
+
 class CompileWatch:
-    """Counts what dynamo does while a block runs: frames compiled, graphs, graph breaks, and recompiles
-    with their first guard failures. A compiled region that recompiles per block, or breaks its graph,
-    shows here rather than as an unexplained slow or noisy step time."""
+    """Counts what dynamo does while a block runs: frames compiled, graphs, graph breaks, recompiles with
+    their first guard failures, and the seconds each compilation phase took. A compiled region that recompiles
+    per block, or breaks its graph, shows here rather than as an unexplained slow or noisy step time."""
 
     def __init__(self) -> None:
         self.recompiles: list[str] = []
@@ -483,6 +497,7 @@ class CompileWatch:
 
         self._start = {"graphs": counters["stats"]["unique_graphs"],
                        "breaks": sum(counters["graph_break"].values())}
+        self._seconds = _compile_seconds()
         torch._logging.set_logs(recompiles=True)
         self._logger = logging.getLogger("torch._dynamo.guards.__recompiles")
         self._handler = logging.Handler()
@@ -507,7 +522,9 @@ class CompileWatch:
         return {"graphs": counters["stats"]["unique_graphs"] - self._start["graphs"],
                 "graph_breaks": sum(breaks.values()) - self._start["breaks"],
                 "graph_break_reasons": [r[:160] for r, _ in breaks.most_common(3)],
-                "recompiles": len(self.recompiles), "recompile_reasons": list(dict.fromkeys(r[:200] for r in reasons))[:6]}
+                "recompiles": len(self.recompiles),
+                "recompile_reasons": list(dict.fromkeys(r[:200] for r in reasons))[:6],
+                "compile_seconds": {k: round(v - self._seconds[k], 2) for k, v in _compile_seconds().items()}}
 
 
 def free_device_memory() -> None:

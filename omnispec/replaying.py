@@ -79,22 +79,11 @@ def _recorded_files(images: list[RecordedImage], where: str, option: str) -> lis
     problem per image, naming ``option`` to pass it again)."""
     from .spec.images import image_condition
 
-    placed = []
-    problems = []
-    for i, entry in enumerate(images):
-        at = f"{where}.{i}"
-        if not entry.path:
-            problems.append(Problem(at, f"was given in memory, not as a file: pass the image again ({option})"))
-        elif path_kind(entry.path) != "file":
-            problems.append(Problem(at, f"{entry.path} is gone: pass the image again ({option})"))
-        elif image_condition(entry.path, 0, at).digest != entry.digest:
-            problems.append(Problem(at, f"{entry.path} has changed since (its pixels' digest differs): pass the "
-                                    f"original image again ({option})"))
-        else:
-            placed.append({"image": entry.path, "frame": entry.frame})
-    if problems:
-        raise SpecError(problems)
-    return placed
+    problems = [_changed(entry, f"{where}.{i}", "image", option, lambda path, at: image_condition(path, 0, at))
+                for i, entry in enumerate(images)]
+    if any(problems):
+        raise SpecError([p for p in problems if p is not None])
+    return [{"image": entry.path, "frame": entry.frame} for entry in images]
 
 
 def recorded_file(entry: RecordedImage | RecordedVideo, where: str, what: str, option: str) -> str:
@@ -103,18 +92,25 @@ def recorded_file(entry: RecordedImage | RecordedVideo, where: str, what: str, o
     from .spec.images import mask_condition
     from .spec.videos import video_condition
 
+    read = ((lambda path, at: video_condition(path, at, mask=what == "mask")) if isinstance(entry, RecordedVideo)
+            else mask_condition)
+    problem = _changed(entry, where, what, option, read)
+    if problem is not None:
+        raise SpecError([problem])
+    return str(entry.path)
+
+
+def _changed(entry: RecordedImage | RecordedVideo, where: str, what: str, option: str, read: Any) -> Problem | None:
+    """Why a recorded file cannot be passed again as it is (given in memory, gone, or its pixels changed: ``read``
+    opens it as the request did), or None."""
     if not entry.path:
-        raise SpecError.single(f"was given in memory, not as a file: pass the {what} again ({option})", where)
+        return Problem(where, f"was given in memory, not as a file: pass the {what} again ({option})")
     if path_kind(entry.path) != "file":
-        raise SpecError.single(f"{entry.path} is gone: pass the {what} again ({option})", where)
-    if isinstance(entry, RecordedVideo):
-        digest = video_condition(entry.path, where, mask=what == "mask").digest
-    else:
-        digest = mask_condition(entry.path, where).digest
-    if digest != entry.digest:
-        raise SpecError.single(f"{entry.path} has changed since (its pixels' digest differs): pass the original "
-                               f"{what} again ({option})", where)
-    return entry.path
+        return Problem(where, f"{entry.path} is gone: pass the {what} again ({option})")
+    if read(entry.path, where).digest != entry.digest:
+        return Problem(where, f"{entry.path} has changed since (its pixels' digest differs): pass the original "
+                              f"{what} again ({option})")
+    return None
 
 
 def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None, device: str | None = None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
@@ -30,7 +29,7 @@ from .images import ImageCondition, image_condition, mask_condition, pixel_size
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS, VIDEO_TASKS
 from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, takes_request_steps
-from .videos import VideoCondition, is_video_file, video_condition
+from .videos import VideoCondition, holds_mask_frames, video_condition
 
 
 def _number(value: Any) -> Any:
@@ -309,12 +308,9 @@ def _mask(given: Any, video_task: bool) -> ImageCondition | VideoCondition | Non
     frames, an 8-bit (F, H, W) array or tensor)."""
     if given is None:
         return None
-    shape = tuple(getattr(given, "shape", ()))
-    per_frame = video_task and (isinstance(given, (list, tuple))
-                                or isinstance(given, (str, Path)) and is_video_file(given, "request.mask", "mask file")
-                                or str(getattr(given, "dtype", "")) in ("uint8", "torch.uint8")
-                                and (len(shape) == 4 or len(shape) == 3 and shape[-1] != 1))
-    return video_condition(given, "request.mask", mask=True) if per_frame else mask_condition(given, "request.mask")
+    if video_task and holds_mask_frames(given, "request.mask"):
+        return video_condition(given, "request.mask", mask=True)
+    return mask_condition(given, "request.mask")
 
 
 def _video_problems(spec: PipelineSpec, request: Request) -> list[Problem]:

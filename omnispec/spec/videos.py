@@ -74,6 +74,17 @@ def video_condition(video: Any, where: str = "request.video", mask: bool = False
     return VideoCondition(frames=frames, digest=_digest(frames, "mask" if mask else "video"), path=path)
 
 
+def holds_mask_frames(mask: Any, where: str) -> bool:
+    """Whether a video task's mask is a mask per frame rather than one image for every frame: a list, a file holding
+    several frames, or an 8-bit (F, H, W) / (F, H, W, 1) array or tensor (an (H, W, 1) one is one image)."""
+    if isinstance(mask, (list, tuple)):
+        return True
+    if isinstance(mask, (str, Path)):
+        return is_video_file(mask, where, "mask file")
+    shape = tuple(getattr(mask, "shape", ()))
+    return _is_uint8_stack(mask) and not (len(shape) == 3 and shape[-1] == 1)
+
+
 def is_video_file(path: str | Path, where: str, what: str = "file") -> bool:
     """Whether the file at ``path`` holds several frames: an animated image, or a container FFmpeg would demux."""
     from PIL import Image
@@ -263,4 +274,4 @@ def _digest(frames: list[Any], kind: str) -> str:
     return digest.hexdigest()[:32]
 
 
-__all__ = ["ANIMATED_FORMATS", "VideoCondition", "is_video_file", "read_video", "video_condition"]
+__all__ = ["ANIMATED_FORMATS", "VideoCondition", "holds_mask_frames", "is_video_file", "read_video", "video_condition"]

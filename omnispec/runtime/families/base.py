@@ -22,6 +22,7 @@ from ... import bridge
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.base import MAX_SIZE
 from ...spec.guidance import term_of
+from ...spec.images import pixel_size
 from ...spec.request import Request
 
 # The state a phase denoises: named latent streams (``latents`` for image and video models; ``video`` and
@@ -285,12 +286,7 @@ class Family:
     def image_size(self, image: Any) -> tuple[int, int]:
         """(height, width) of a conditioning image (PIL, (H, W, C) array or (C, H, W) tensor), floored to the
         recipe's size multiple and kept within its bounds."""
-        if hasattr(image, "size") and not hasattr(image, "shape"):
-            width, height = image.size
-        elif isinstance(image, torch.Tensor):
-            height, width = int(image.shape[-2]), int(image.shape[-1])
-        else:
-            height, width = int(image.shape[-3]), int(image.shape[-2])
+        height, width = pixel_size(image)
         constraints = self.spec.recipe.constraints
         m = constraints.size_multiple_of
         low, high = -(-constraints.min_size // m) * m, (constraints.max_size or MAX_SIZE) // m * m

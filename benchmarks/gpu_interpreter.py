@@ -553,6 +553,18 @@ def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(samples), samples
 
 
+def per_step_sides(sides: dict, lo: int, hi: int, repeats: int) -> dict[str, tuple[float, list[float]]]:
+    """``per_step`` for several sides at once, one sample of each per round, the order reversed every other round:
+    clocks that drift during a call (the GPU warming up, a neighbour's load) then hit every side alike, where
+    timing one side's repeats after the other's would put the whole drift between them."""
+    samples: dict[str, list[float]] = {label: [] for label in sides}
+    order = list(sides)
+    for r in range(repeats):
+        for label in order if r % 2 == 0 else order[::-1]:
+            samples[label].append(per_step(sides[label], lo, hi, 1)[1][0])
+    return {label: (statistics.median(times), times) for label, times in samples.items()}
+
+
 def per_request(run, steps: int, repeats: int) -> tuple[float, list[float]]:
     """Median seconds of a whole ``steps``-step request without gradients, and the samples."""
     samples = []
@@ -611,12 +623,10 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     if not SMOKE:  # --smoke: no timing worth warming up for
         run_ours(lo), run_ref(lo)  # warm-up
     flops = flops_per_step(run_ours)
-    results = {}
-    for label, run in (("diffusers", run_ref), ("omnispec", run_ours)):
-        with torch.no_grad():
-            med, samples = per_step(run, lo, hi, repeats)
-        results[label] = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
-                          "mfu": flops / med / ceiling}
+    with torch.no_grad():
+        timed = per_step_sides({"diffusers": run_ref, "omnispec": run_ours}, lo, hi, repeats)
+    results = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling}
+               for label, (med, samples) in timed.items()}
     # Equality of the two runs' latents (same seed), bf16; decoded images where the pipeline's "latent" output is
     # not its loop's latents (FLUX.2 returns them unpacked and denormalised).
     images = w.get("compare") == "images"

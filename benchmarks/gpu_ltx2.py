@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_interpreter import flops_per_step, free_device_memory, matmul_ceiling, per_step
+from benchmarks.gpu_interpreter import flops_per_step, free_device_memory, matmul_ceiling, per_step, per_step_sides
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = False
@@ -153,11 +153,9 @@ def step_part(mods: dict, repeats: int, ceiling: float) -> dict:
         if not SMOKE:
             ours(2), theirs(2)  # warm-up
         flops = flops_per_step(ours, steps=2) / 2
-        rows = {}
-        for label, run in (("diffusers", theirs), ("omnispec", ours)):
-            med, samples = per_step(run, lo, hi, repeats)
-            rows[label] = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
-                           "mfu": flops / med / ceiling}
+        timed = per_step_sides({"diffusers": theirs, "omnispec": ours}, lo, hi, repeats)
+        rows = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
+                        "mfu": flops / med / ceiling} for label, (med, samples) in timed.items()}
         a = ours(2).latents
         video, audio = theirs(2)
     unpacked = pipe.family.unpack("video", a["video"], pipe.family.geometry(pipe.request(PROMPT, 0, **SIZE), 1.0))

@@ -6,7 +6,10 @@ Both run the same in-memory modules (omnispec gets them through ``build(..., com
 same prompt, size and seed, with latents returned undecoded. Per-step time is the difference between
 a long and a short run divided by the step difference, so prompt encoding and set-up cancel out. MFU
 is FLOPs per step (counted by torch's FlopCounterMode on one denoiser forward) over the measured
-bf16 matmul ceiling of this GPU.
+bf16 matmul ceiling of this GPU. Rounds alternate between the two sides (``per_step_sides``).
+
+The workloads cover every family with a diffusers pipeline (all but the embedded digits model, which has none);
+``ltx2`` and ``ltx2_condition`` are timed by ``benchmarks/gpu_ltx2.py``'s step and keyframes parts.
 """
 
 from __future__ import annotations
@@ -358,6 +361,11 @@ def hunyuan_video15_guider() -> dict:
 
 
 WORKLOADS = {
+    # LTX-2 (audio and video): its modules, size (512x768x121) and guidance plan live in gpu_ltx2, which times it
+    # the same way; ltx2 is the t2v plan against LTX2Pipeline, ltx2_condition first- and last-frame keyframes
+    # against LTX2ConditionPipeline.
+    "ltx2": dict(ltx2_part="step"),
+    "ltx2_condition": dict(ltx2_part="keyframes"),
     "flux": dict(spec="flux1-dev.yaml", components=flux_components, pipeline="FluxPipeline",
                  request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
                  diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=3.5, max_sequence_length=512)),
@@ -447,6 +455,8 @@ def enable_smoke() -> None:
     global SMOKE, DEVICE
     SMOKE, DEVICE = True, "cpu"
     for w in WORKLOADS.values():
+        if "ltx2_part" in w:  # sized by gpu_ltx2's own smoke mode
+            continue
         w["steps"] = (1, 2)
         sized = "image_size" not in w  # a family that takes its size from the image: the image's size only
         w["request"] |= ({"height": 64, "width": 64} if sized else {}) | (
@@ -596,6 +606,10 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     from omnispec.spec.request import resolve_request
 
     w = WORKLOADS[name]
+    if "ltx2_part" in w:
+        from benchmarks import gpu_ltx2
+
+        return gpu_ltx2.interpreter_row(name, w["ltx2_part"], repeats, ceiling, list(overrides), SMOKE)
     mods = w["components"]()
     pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=DEVICE,
                           overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])

@@ -1,13 +1,15 @@
 """LTX-2 on one GPU: omnispec against diffusers on the same in-memory modules (real LTX-2 19B transformer config,
 random bf16 weights, 512x768, 121 frames at 24 fps).
 
-``python -m benchmarks.gpu_ltx2 [--parts step,two_stage,memory,fp8] [--repeats 3] [--request-repeats 2]
+``python -m benchmarks.gpu_ltx2 [--parts step,keyframes,two_stage,memory,fp8] [--repeats 3] [--request-repeats 2]
 [--json FILE] [--smoke]``
 
 - ``step``: per-step time with CFG + STG + modality guidance on both streams (ltx2-t2v's plan) against
   ``LTX2Pipeline``, as the difference of a 4-step and a 2-step run over 2 steps (a 1-step LTX-2 schedule
   stretched to its terminal sigma is undefined in diffusers); MFU from FLOPs counted on one step; latent cosine
   of the two 2-step runs.
+- ``keyframes``: the same for ltx2-keyframes (the ``ltx2_condition`` family: images at the first and the last
+  frame) against ``LTX2ConditionPipeline`` with the same two conditions.
 - ``two_stage``: a whole ltx2-two-stage request (half-size draft with full guidance, latent upsample, 3 refine
   steps, decode of video and audio) against diffusers' chain of LTX2Pipeline -> LTX2LatentUpsamplePipeline ->
   LTX2Pipeline, as diffusers' docs chain them. Neither side loads the distilled LoRA (no Hub here).
@@ -134,19 +136,42 @@ def _build(spec: str, mods: dict, extra: list[str] = ()):
                           overrides=[*_one_stage_spec_overrides(), *extra])
 
 
-def step_part(mods: dict, repeats: int, ceiling: float) -> dict:
+def step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
     from diffusers.pipelines.ltx2 import LTX2Pipeline
 
-    pipe = _build("ltx2-t2v.yaml", mods)
-    ref = LTX2Pipeline(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
+    return _step_rows("step", _build("ltx2-t2v.yaml", mods, overrides), LTX2Pipeline, mods, {}, {}, repeats, ceiling)
+
+
+def keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx2_condition family: ltx2-keyframes with an image at the first and at the last frame, against
+    ``LTX2ConditionPipeline`` with the same two conditions. The first replaces latent frame 0's tokens, the last is
+    appended as one latent frame of keyframe tokens (6,144 video tokens become 6,912 at 512x768x121)."""
+    from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2VideoCondition
+    from PIL import Image
+
+    from benchmarks.gpu_interpreter import conditioning_inputs
+
+    first, _ = conditioning_inputs(SIZE["height"], SIZE["width"])
+    last = first.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    ours = {"conditions": [{"image": first, "frame": 0}, {"image": last, "frame": -1}]}
+    theirs = {"conditions": [LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)]}
+    return _step_rows("keyframes", _build("ltx2-keyframes.yaml", mods, overrides), LTX2ConditionPipeline, mods, ours,
+                      theirs, repeats, ceiling)
+
+
+def _step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: dict, theirs_kwargs: dict, repeats: int,
+               ceiling: float) -> dict:
+    """Per-step time of omnispec's pipeline against ``pipeline_class`` on the same modules (one round of each per
+    repeat, interleaved), MFU, and the cosine of the two 2-step runs' video latents (unpacked, keyframes dropped)."""
+    ref = pipeline_class(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
     ref.set_progress_bar_config(disable=True)
 
     def ours(n):
-        return pipe.generate(pipe.request(PROMPT, 0, steps=n, **SIZE), decode=False)
+        return pipe.generate(pipe.request(PROMPT, 0, steps=n, **SIZE, **ours_kwargs), decode=False)
 
     def theirs(n):
         return ref(prompt=PROMPT, num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
-                   output_type="latent", return_dict=False, **_diffusers_size(), **_guidance_kwargs())
+                   output_type="latent", return_dict=False, **_diffusers_size(), **_guidance_kwargs(), **theirs_kwargs)
 
     lo, hi = (2, 3) if SMOKE else (2, 4)  # --smoke: fewer steps (one would give diffusers NaN sigmas), no warm-up
     with torch.no_grad():
@@ -158,9 +183,10 @@ def step_part(mods: dict, repeats: int, ceiling: float) -> dict:
                         "mfu": flops / med / ceiling} for label, (med, samples) in timed.items()}
         a = ours(2).latents
         video, audio = theirs(2)
-    unpacked = pipe.family.unpack("video", a["video"], pipe.family.geometry(pipe.request(PROMPT, 0, **SIZE), 1.0))
+    geometry = pipe.family.geometry(pipe.request(PROMPT, 0, **SIZE, **ours_kwargs), 1.0)
+    unpacked = pipe.family.unpack("video", a["video"], geometry)
     cos = torch.nn.functional.cosine_similarity(unpacked.float().flatten(), video.float().flatten(), dim=0).item()
-    return {"part": "step", "tflop_per_step": flops / 1e12, **rows,
+    return {"part": part, "tflop_per_step": flops / 1e12, **rows,
             "ratio": rows["omnispec"]["ms_per_step"] / rows["diffusers"]["ms_per_step"], "video_latent_cosine": cos}
 
 
@@ -286,11 +312,34 @@ def fp8_part(mods: dict, repeats: int, ceiling: float) -> dict:
             "speedup": bf16_ms / fp8_ms, "first_call_s": compile_s, "latent_cosine": cos}
 
 
-PARTS = {"step": step_part, "two_stage": two_stage_part, "memory": memory_part, "fp8": fp8_part}
+PARTS = {"step": step_part, "keyframes": keyframes_part, "two_stage": two_stage_part, "memory": memory_part,
+         "fp8": fp8_part}
+
+
+def enable_smoke() -> None:
+    """Tiny LTX-2 modules on the CPU at 32x32x5 (checks the script only)."""
+    global SMOKE, DEVICE
+    import benchmarks.gpu_interpreter as gi
+
+    SMOKE, DEVICE = True, "cpu"
+    gi.DEVICE = "cpu"
+    SIZE.update(height=32, width=32, frames=5, fps=25)
+
+
+def interpreter_row(workload: str, part: str, repeats: int, ceiling: float, overrides: list[str],
+                    smoke: bool) -> dict:
+    """A ``gpu_interpreter`` row (its keys) from the ``step`` or ``keyframes`` part, so that one command times
+    every family; LTX-2's modules, size and guidance stay here."""
+    if smoke:
+        enable_smoke()
+    row = PARTS[part](components(), repeats, ceiling, overrides)
+    free_device_memory()
+    return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],
+            "diffusers": row["diffusers"], "omnispec": row["omnispec"], "ratio": row["ratio"],
+            "latent_cosine": row["video_latent_cosine"]}
 
 
 def main() -> None:
-    global SMOKE, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="step,two_stage,memory")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of per-step timings")
@@ -299,11 +348,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     if args.smoke:
-        import benchmarks.gpu_interpreter as gi
-
-        SMOKE, DEVICE = True, "cpu"
-        gi.DEVICE = "cpu"
-        SIZE.update(height=32, width=32, frames=5, fps=25)
+        enable_smoke()
     ceiling = 1e12 if SMOKE else matmul_ceiling()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     print(f"{device}  torch {torch.__version__}  bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s", flush=True)
@@ -311,7 +356,7 @@ def main() -> None:
     mods = components()
     for name in args.parts.split(","):
         part = PARTS[name]
-        if name in ("step", "fp8"):
+        if name in ("step", "keyframes", "fp8"):
             row = part(mods, args.repeats, ceiling)
         else:
             row = part(mods, args.request_repeats if name == "two_stage" else args.repeats)

@@ -19,7 +19,7 @@ SMOKES = [
     ("estimate_vs_measured", [], 1),
     ("gpu_soak", [], 1),
     ("gpu_lora_hotswap", [], 1),
-    ("gpu_interpreter", ["--repeats", "1"], 1),
+    ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,ltx2_condition"], 1),  # LTX-2: gpu_ltx2's code
     ("gpu_ltx2", ["--repeats", "1"], 1),
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
     # compile part's code again: left out to keep the suite short
@@ -61,3 +61,13 @@ def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp
     assert rows, f"{module} --smoke printed no result row:\n{done.stdout[-2000:]}"
     failed = [row for row in rows if "error" in row and not any(b in str(row.get("config")) for b in CUDA_ONLY)]
     assert not failed, f"{module} --smoke rows report errors: {failed}"
+
+
+def test_the_interpreter_benchmark_has_a_workload_for_every_family_with_a_diffusers_pipeline():
+    """A family added without a GPU workload would never be timed against its pipeline (issue 27's first
+    deliverable); the digits model is omnispec's own and has no diffusers pipeline to time against."""
+    from benchmarks.gpu_interpreter import WORKLOADS
+
+    from omnispec.spec import BUILTIN_FAMILIES
+
+    assert sorted(set(BUILTIN_FAMILIES) - {"digits"} - set(WORKLOADS)) == []

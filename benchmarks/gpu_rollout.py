@@ -484,9 +484,11 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
         samples = [_timed(lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs.sum().backward(), k)[0]
                    for k in (0, 0, 1, 1)]
         lora = [p.grad for name, p in pipe.components["transformer"].named_parameters() if "lora_B" in name]
+        replayed = pipe.log_prob(part, steps=[0, 1], grad=True).log_probs.detach().cpu()  # what a trainer's ratio reads
         save({"config": f"omnispec log_prob with gradients, {method} base", "ms_per_step": statistics.median(
             samples[1:]) * 1e3, "samples_per_replay": args.replay_batch, "samples_ms": [s * 1e3 for s in samples],
-              "lora_b_grads_nonzero": sum(g is not None and bool(g.abs().sum() > 0) for g in lora), "lora_b": len(lora)})
+              "lora_b_grads_nonzero": sum(g is not None and bool(g.abs().sum() > 0) for g in lora), "lora_b": len(lora),
+              "max_abs_ratio_minus_1": (replayed - part.log_probs[:, :2]).exp().sub(1).abs().max().item()})
     except Exception as exc:  # noqa: BLE001 - the rollout rows above stand
         save({"config": f"omnispec log_prob with gradients, {method} base",
               "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})

@@ -5,6 +5,11 @@ A spec keys methods by component name or role; ``load_kwargs`` gives ``from_pret
 Components handed to ``build`` already in memory (a trainer's, a benchmark's) never pass through
 ``from_pretrained``; ``quantize_in_memory`` gives them the same torchao config through torchao's own
 ``quantize_``, which is what diffusers' torchao quantizer applies after loading.
+
+torchao's quantized linears compute forwards only: ``_scaled_mm`` (fp8) has no derivative, and int8 dynamic
+quantization cuts the graph at the activation, so a LoRA replayed with gradients through such a base would get
+an error, or silently no gradient from every layer above its own. ``keep_input_gradients`` gives those linears
+the backward bitsandbytes' QLoRA layers have: dL/dx through the dequantized weight, the forward untouched.
 """
 
 from __future__ import annotations
@@ -77,6 +82,50 @@ def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, modu
         module.to(device)
     quantize_(module, torchao_config(q.method, q.granularity), filter_fn=wanted)
     return f"{name}: {q.method} (torchao quantize_, in memory)"
+
+
+class _InputGradientThroughDequantized(torch.autograd.Function):
+    """``linear(x, weight, bias)`` as the quantized weight computes it, with dL/dx = dL/dy @ dequantize(weight)
+    (the straight-through rule for the activation's quantization) and dL/dbias when the bias trains; the quantized
+    weight itself is frozen."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.bias_trains = bias is not None and bias.requires_grad
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        (weight,) = ctx.saved_tensors
+        grad_x = grad @ weight.dequantize().to(grad.dtype)
+        return grad_x, None, grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_trains else None
+
+
+class QuantizedLinear(torch.nn.Linear):
+    """A ``Linear`` holding a torchao quantized weight whose input gets gradients (see the module docstring).
+    Without gradients it is ``Linear.forward`` itself, so rollouts and no-grad replays run the same kernels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        trains = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        if torch.is_grad_enabled() and trains:
+            return _InputGradientThroughDequantized.apply(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def keep_input_gradients(modules: dict[str, Any]) -> int:
+    """Make every plain ``Linear`` with a torchao weight a ``QuantizedLinear`` (quantized at load, in memory, or
+    in a pre-quantized checkpoint); returns how many. Its class changes, nothing else: peft wraps it as any
+    ``Linear``, and its state dict is the same."""
+    changed = 0
+    for module in modules.values():
+        if not isinstance(module, torch.nn.Module):
+            continue
+        for child in module.modules():
+            if type(child) is torch.nn.Linear and type(child.weight).__module__.startswith("torchao."):
+                child.__class__ = QuantizedLinear
+                changed += 1
+    return changed
 
 
 def load_kwargs(spec: PipelineSpec, name: str, component: Component, cls: type) -> dict[str, Any]:

@@ -102,6 +102,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
     quantized = [note for name in given if (note := quantization.quantize_in_memory(
         spec, name, spec.model.components[name], given[name], target))]
+    quantization.keep_input_gradients(modules)
     load_adapter_slots(spec, modules, family_cls.pipeline_class, loras)
     distribute_axes(parallel, spec, family_cls, modules, target)
     applied = apply_policies(spec, family_cls, modules, target)

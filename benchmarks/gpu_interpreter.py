@@ -537,6 +537,47 @@ class CompileWatch:
                 "compile_seconds": {k: round(v - self._seconds[k], 2) for k, v in _compile_seconds().items()}}
 
 
+class StackSampler:
+    """Where the main thread spends a long first call: its Python stack sampled every ``interval`` seconds from a
+    side thread. ``top()`` gives the functions seen in the most samples (inclusive), so time that dynamo's
+    compile metrics do not count (kernel compilation in worker processes, autotuning at first launch, guard
+    evaluation, the run itself) still shows where it went."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval, self.samples = interval, 0
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self) -> "StackSampler":
+        import sys
+        import threading
+
+        main, self._stop = threading.main_thread().ident, threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval):
+                frame, seen = sys._current_frames().get(main), set()
+                while frame is not None:
+                    code = frame.f_code
+                    seen.add(f"{'/'.join(code.co_filename.split('/')[-2:])}:{code.co_name}")
+                    frame = frame.f_back
+                for key in seen:
+                    self.counts[key] = self.counts.get(key, 0) + 1
+                self.samples += 1
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def top(self, n: int = 25) -> dict:
+        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
+        return {"samples": self.samples, "interval_s": self.interval,
+                "functions": {key: round(count * self.interval, 1) for key, count in ranked}}
+
+
 def free_device_memory() -> None:
     """Collect dropped modules and return the device cache, so the next build starts from an empty GPU."""
     gc.collect()

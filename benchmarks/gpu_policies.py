@@ -299,13 +299,15 @@ def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceilin
     """A compiled configuration's row: compilation time, what dynamo did (recompiles, graph breaks) over
     compilation and the timed runs, steady per-step time, and the denoiser's cosine to ``reference``."""
     with gi.CompileWatch() as watch:
-        if module is not None:
-            out, first = _first_output(run, module)
-            extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
-        else:
-            first, extra = _first_call_s(run), {}
+        with gi.StackSampler() as stacks:  # the first call's time that dynamo's metrics do not count
+            if module is not None:
+                out, first = _first_output(run, module)
+                extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
+            else:
+                first, extra = _first_call_s(run), {}
         measured = _measure(run, 2, 4, repeats, flops, ceiling)
-    row = {"part": part, "config": label, "first_call_s": first, **extra, **measured, "dynamo": watch.summary()}
+    row = {"part": part, "config": label, "first_call_s": first, **extra, **measured, "dynamo": watch.summary(),
+           "first_call_stacks": stacks.top(15)}
     print(json.dumps(row), flush=True)
     return row
 

@@ -287,3 +287,11 @@ def test_rebuilding_without_offload_or_cache_leaves_no_hooks(flux_dir, plain_flu
               for sub, child in m.named_modules() if hasattr(child, "_diffusers_hook")]
     assert hooked == []
     assert np.abs(again("a cat", seed=0).array - plain_flux).max() <= 1e-6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_per_row_fp8_on_float32_weights_is_refused_before_loading(flux_dir):
+    """torchao asserts on it mid-load; the policy check names the field instead."""
+    with pytest.raises(SpecError, match="granularity: torchao's per-row fp8 scales take bfloat16 weights only"):
+        run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={transformer: {method: fp8_dynamic, "
+            "granularity: row}}")

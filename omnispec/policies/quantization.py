@@ -45,6 +45,9 @@ def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:
         if importlib.util.find_spec(lib) is None:
             problems.append(Problem(where, f"{q.method} needs {lib}: pip install 'omnispec-diffusion[quant]'"))
             continue
+        if q.method == "fp8_dynamic" and q.granularity == "row" and spec.model.dtype != "bfloat16":
+            problems.append(Problem(f"policies.quantization.{key}.granularity", "torchao's per-row fp8 scales take "
+                                    f"bfloat16 weights only; model.dtype is {spec.model.dtype}"))
         if q.method in CUDA_ONLY_METHODS and device.type != "cuda":
             problems.append(Problem(where, f"{q.method} runs only on CUDA; the target is {device}"))
         elif q.method.startswith("fp8") and device.type == "cuda":
@@ -98,7 +101,8 @@ class _InputGradientThroughDequantized(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         (weight,) = ctx.saved_tensors
-        grad_x = grad @ weight.dequantize().to(grad.dtype)
+        # torchao before 0.18 wraps int8 dynamic weights in an activation-quantizing tensor that cannot dequantize
+        grad_x = grad @ getattr(weight, "original_weight_tensor", weight).dequantize().to(grad.dtype)
         return grad_x, None, grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_trains else None
 
 

@@ -67,7 +67,6 @@ def test_the_interpreter_benchmark_has_a_workload_for_every_family_with_a_diffus
     """A family added without a GPU workload would never be timed against its pipeline (issue 27's first
     deliverable); the digits model is omnispec's own and has no diffusers pipeline to time against."""
     from benchmarks.gpu_interpreter import WORKLOADS
-
     from omnispec.spec import BUILTIN_FAMILIES
 
     assert sorted(set(BUILTIN_FAMILIES) - {"digits"} - set(WORKLOADS)) == []

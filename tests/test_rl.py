@@ -265,4 +265,7 @@ def test_a_lora_over_a_dynamically_quantized_base_gets_gradients_and_replays_exa
     ref.load_state_dict({n: p for n, p in dit.state_dict().items() if "lora" in n}, strict=False)
     plain.log_prob(ro, steps=[0], grad=True).log_probs.sum().backward()
     want = torch.cat([p.grad.flatten() for n, p in ref.named_parameters() if "lora" in n])
-    assert got.abs().sum() > 0 and torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=0) > 0.98
+    # the forwards differ by the activations' quantization: int8 in float32 agreed to 0.9986 on the CPU, fp8 in
+    # bfloat16 (e4m3 activations) to 0.9926 on the CPU's _scaled_mm
+    cosine = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=0).item()
+    assert got.abs().sum() > 0 and cosine > (0.99 if dtype == "float32" else 0.95), cosine

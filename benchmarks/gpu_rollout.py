@@ -260,8 +260,9 @@ def main() -> None:
                              "under a fresh LoRA of the same shape, regional compile: rollout time, replay with "
                              "gradients, replay ratio (--smoke: int8_weight_only)")
     parser.add_argument("--quantized-first", action="store_true",
-                        help="time the --quantized-base rows before the compiled ones (in a call with less time, the "
-                             "rows whose cold compile is longest get the time first)")
+                        help="time the --quantized-base rollout rows before the compiled ones (in a call with less "
+                             "time, the rows whose cold compile is longest get the time first); the gradient replay, "
+                             "whose backward compiles anew, still comes last")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -327,8 +328,9 @@ def main() -> None:
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
     if args.details and args.eager:
         details(args, pipe, base, mods, n, run_ours, run_base, save, statistics.median(times["flow-grpo loop (diffusers)"]))
-    if args.quantized_base and args.quantized_first:
-        quantized_rows(args, mods, overrides, n, run_ours, save)
+    quantized = None
+    if args.quantized_base and args.quantized_first:  # its gradient rows after the loop's, so the ratio comes first
+        quantized = quantized_rows(args, mods, overrides, n, run_ours, save)
     if args.compile:
         smoke_backend = ["policies.compile.backend=aot_eager"] if args.smoke else []  # inductor's CPU codegen: minutes
         compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
@@ -337,7 +339,9 @@ def main() -> None:
     if args.rollout_compile:
         variant_rows(args, mods, overrides, n, run_ours, save)
     if args.quantized_base and not args.quantized_first:
-        quantized_rows(args, mods, overrides, n, run_ours, save)
+        quantized = quantized_rows(args, mods, overrides, n, run_ours, save)
+    if quantized is not None:
+        quantized_gradient_rows(args, *quantized, save)
     loop = next(row for row in result["rows"] if row["config"].startswith("flow-grpo loop"))
     print(f"| config | s per {n} images | images/s | vs {loop['config']} |")
     for row in result["rows"]:
@@ -450,7 +454,7 @@ def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save)
         save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {variant}"))
 
 
-def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> None:
+def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> tuple:
     """Rollouts on a quantized base with a trainable LoRA beside it (the trained weights stay bf16; rollout and
     replay both run through the same quantized base, so the ratio stays exactly 1): a copy of the transformer
     without its LoRA is quantized by omnispec's policy at build, then given a fresh LoRA of the benchmark's shape
@@ -481,8 +485,13 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
           "dynamo": watch.summary()})
     save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {method} base"))
-    part = ro.select(range(args.replay_batch))
-    try:  # replay with gradients into the LoRA, through the quantized base
+    return pipe, ro.select(range(args.replay_batch)), method
+
+
+def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
+    """Replay with gradients into the LoRA through the quantized base (its backward compiles anew): time per step,
+    which LoRA weights got gradients, and the ratio a trainer reads."""
+    try:
         samples = [_timed(lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs.sum().backward(), k)[0]
                    for k in (0, 0, 1, 1)]
         lora = [p.grad for name, p in pipe.components["transformer"].named_parameters() if "lora_B" in name]
@@ -493,7 +502,7 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
               "max_abs_ratio_minus_1": (replayed - part.log_probs[:, :2]).exp().sub(1).abs().max().item()})
     except Exception as exc:  # noqa: BLE001 - the rollout rows above stand
         save({"config": f"omnispec log_prob with gradients, {method} base",
-              "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+              "error": f"{type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:4])[:600]}"})
 
 
 if __name__ == "__main__":

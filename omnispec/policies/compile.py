@@ -5,7 +5,11 @@ first call: benchmarks warm up before timing.
 ``cudagraphs`` (regional only) records each compiled block as a CUDA graph (inductor's CUDA-graph trees). Every
 denoiser call starts a new generation of them (``cudagraph_mark_step_begin``, from a hook on the denoiser, outside
 the compiled blocks), so a call may reuse the graph memory of the one before it: the denoiser's output comes from
-its uncompiled output layers, in memory of its own."""
+its uncompiled output layers, in memory of its own.
+
+``eager_rounding`` (default on, inductor only) keeps eager's low-precision roundings inside fused kernels. Inductor
+otherwise keeps a fused intermediate in float32 in an inference graph but saves it rounded in a training graph, so a
+rollout (no gradients) and its replay with gradients would compute different log-probs under compile."""
 
 from __future__ import annotations
 
@@ -22,9 +26,9 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             _uncompiled(components[name])
     if policy.mode == "none":
         return "none"
-    kwargs = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
-    if policy.inductor_mode is not None:
-        kwargs["mode"] = policy.inductor_mode
+    kwargs: dict[str, Any] = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
+    if policy.backend == "inductor" and (options := _inductor_options(policy)):
+        kwargs["options"] = options
     _allow_block_variants()
     for name, c in spec.model.components.items():
         if c.role != "denoiser":
@@ -46,7 +50,19 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             if getattr(sub, "_compiled_call_impl", None) is not None:
                 sub._omnispec_compiled = True
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
+    options += ", eager rounding" if policy.eager_rounding and policy.backend == "inductor" else ""
     return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
+
+
+def _inductor_options(policy: Any) -> dict[str, Any]:
+    """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
+    so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked."""
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(policy.inductor_mode)) if policy.inductor_mode else {}
+    if policy.eager_rounding:
+        options["emulate_precision_casts"] = True
+    return options
 
 
 # Graphs one compiled block's code may hold. Regional compile compiles a block class once per variant it meets: its

@@ -185,6 +185,12 @@ class CompilePolicy(SpecModel):
     autotune: bool = Field(default=False, description=(
         "Time inductor's Triton matmul templates against cuBLAS for each matmul shape and keep the fastest "
         "(max-autotune): minutes more on the first compile, kept in inductor's cache after."))
+    eager_rounding: bool = Field(default=True, description=(
+        "Inductor keeps every bfloat16/float16 rounding eager would make inside its fused kernels (its "
+        "emulate_precision_casts), so the inference graphs of a rollout and the training graphs of its replay with "
+        "gradients compute the same numbers: the replay ratio stays exactly 1 under compile. Off, fused kernels keep "
+        "intermediates in float32 where the training graph saves them rounded (a bf16 replay with gradients then "
+        "moved log-probs by about 1e-3 on the CPU). Inductor only; other backends compute as they do."))
 
     @model_validator(mode="after")
     def _inductor_options(self) -> CompilePolicy:

@@ -221,7 +221,7 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     for variant in COMPILE_VARIANTS:
         if SMOKE_COMPILE and "+" in variant:  # inductor's modes: the smoke's aot_eager backend has none
             continue
-        pipe = _build(w["spec"], mods, [*_compile_overrides(variant), *smoke_backend])
+        pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
         rows.append(_compiled_row("compile", variant.replace("+", " + "), _runner(pipe, w["request"]), flops,
                                   repeats, ceiling))
         pipe = None
@@ -247,7 +247,7 @@ def profile_part(repeats: int, ceiling: float) -> list[dict]:
     for variant in COMPILE_VARIANTS:
         if SMOKE_COMPILE and "+" in variant:
             continue
-        pipe = _build(w["spec"], mods, [*_compile_overrides(variant), *smoke_backend])
+        pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
         rows.append(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
         pipe = None
         torch._dynamo.reset()
@@ -288,10 +288,12 @@ def _profiled(label: str, run, steps: int) -> dict:
     return row
 
 
-def _compile_overrides(variant: str) -> list[str]:
-    """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on."""
+def compile_overrides(variant: str) -> list[str]:
+    """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on;
+    ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``)."""
     mode, *options = variant.split("+")
-    return [f"policies.compile.mode={mode}", *(f"policies.compile.{option}=true" for option in options)]
+    return [f"policies.compile.mode={mode}", *(f"policies.compile.{option.removeprefix('no_')}="
+                                               f"{'false' if option.startswith('no_') else 'true'}" for option in options)]
 
 
 def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceiling: float,
@@ -328,7 +330,7 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
               + (f", granularity: {granularity}" if granularity else "") + "}}")
     modes = QUANT_COMPILE
     for label, extra in ((f"{method} + {m.replace('+', ' + ')} compile" if m != "none" else f"{method} eager",
-                          _compile_overrides(m)) for m in modes):
+                          compile_overrides(m)) for m in modes):
         twin = _plain_copy(mods["transformer"])
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
         run = _runner(pipe, w["request"])

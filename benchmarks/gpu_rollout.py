@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
+from . import gpu_policies as gp
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
@@ -438,9 +439,9 @@ def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save)
     import omnispec
 
     for variant in args.rollout_compile.split(","):
-        mode, *options = variant.split("+")
+        mode = variant.split("+")[0]
         sets = ([f"policies.compile.mode={mode}", "policies.compile.backend=aot_eager"] if args.smoke else
-                [f"policies.compile.mode={mode}", *(f"policies.compile.{option}=true" for option in options)])
+                gp.compile_overrides(variant))
         pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                               overrides=[*overrides, *sets])
         label = f"omnispec rollout + {variant.replace('+', ' + ')} compile"

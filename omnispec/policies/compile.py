@@ -27,7 +27,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.mode == "none":
         return "none"
     kwargs: dict[str, Any] = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
-    if policy.backend == "inductor" and (options := _inductor_options(policy)):
+    if policy.backend == "inductor" and (options := _torch_compile_options(policy)):
         kwargs["options"] = options
     _allow_block_variants()
     for name, c in spec.model.components.items():
@@ -54,7 +54,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
 
 
-def _inductor_options(policy: Any) -> dict[str, Any]:
+def _torch_compile_options(policy: Any) -> dict[str, Any]:
     """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
     so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked."""
     import torch._inductor

@@ -24,6 +24,8 @@ TORCH_INTERNALS = {
     "_scaled_dot_product_flash_attention_for_cpu",  # parallel/sequence.py: the CPU kernel ring attention needs on gloo
     "_dynamo",  # policies/compile.py: dynamo's per-code recompile limit (torch._dynamo.config; no public setter)
     "_compiled_call_impl",  # policies/compile.py: Module.compile's compiled forward, undone by a rebuild
+    "_inductor",  # policies/compile.py: a mode's options (torch._inductor.list_mode_options, as torch.compile's
+                  # docstring names it), since torch.compile takes a mode or options, not both
 }
 
 

@@ -234,6 +234,8 @@ def test_a_lora_over_a_dynamically_quantized_base_gets_gradients_and_replays_exa
     log-probs, with gradients or without, equal the rollout's (the rollout of GRPO over an fp8 base)."""
     from peft import LoraConfig
 
+    from omnispec.policies.quantization import dequantized
+
     dtype = "bfloat16" if method.startswith("fp8") else "float32"
     overrides = ["runtime.progress=false", "recipe.defaults.steps=4", f"runtime.device={device}",
                  f"model.dtype={dtype}"]
@@ -260,8 +262,7 @@ def test_a_lora_over_a_dynamically_quantized_base_gets_gradients_and_replays_exa
     for name, module in dit.named_modules():
         if type(module).__name__ == "QuantizedLinear":
             plain_linear = ref.get_submodule(name.removesuffix(".base_layer"))
-            plain_linear.weight.data = getattr(module.weight, "original_weight_tensor", module.weight).dequantize().to(
-                plain_linear.weight.dtype)
+            plain_linear.weight.data = dequantized(module.weight).to(plain_linear.weight.dtype)
     torch.manual_seed(0)
     ref.add_adapter(lora)
     ref.load_state_dict({n: p for n, p in dit.state_dict().items() if "lora" in n}, strict=False)

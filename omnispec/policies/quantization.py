@@ -87,6 +87,12 @@ def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, modu
     return f"{name}: {q.method} (torchao quantize_, in memory)"
 
 
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """A torchao weight's values in its high-precision dtype. torchao before 0.18 wraps int8 dynamic weights in an
+    activation-quantizing tensor that cannot dequantize itself; its inner weight can."""
+    return getattr(weight, "original_weight_tensor", weight).dequantize()
+
+
 class _InputGradientThroughDequantized(torch.autograd.Function):
     """``linear(x, weight, bias)`` as the quantized weight computes it, with dL/dx = dL/dy @ dequantize(weight)
     (the straight-through rule for the activation's quantization) and dL/dbias when the bias trains; the quantized
@@ -101,8 +107,7 @@ class _InputGradientThroughDequantized(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         (weight,) = ctx.saved_tensors
-        # torchao before 0.18 wraps int8 dynamic weights in an activation-quantizing tensor that cannot dequantize
-        grad_x = grad @ getattr(weight, "original_weight_tensor", weight).dequantize().to(grad.dtype)
+        grad_x = grad @ dequantized(weight).to(grad.dtype)
         return grad_x, None, grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_trains else None
 
 

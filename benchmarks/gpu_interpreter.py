@@ -539,30 +539,39 @@ class CompileWatch:
 
 class StackSampler:
     """Where the main thread spends a long first call: its Python stack sampled every ``interval`` seconds from a
-    side thread. ``top()`` gives the functions seen in the most samples (inclusive), so time that dynamo's
-    compile metrics do not count (kernel compilation in worker processes, autotuning at first launch, guard
-    evaluation, the run itself) still shows where it went."""
+    side thread, so time that dynamo's compile metrics do not count (kernel compilation in worker processes,
+    autotuning at first launch, guard evaluation, the run itself) still shows where it went. ``top()`` gives the
+    innermost frames seen most (where the time is spent, the last frames of the stack) and the functions seen most
+    anywhere on the stack. With ``dump_to``, ``top()`` is also written there every ``dump_every_s`` seconds, so a
+    call cut by a timeout still leaves its samples."""
 
-    def __init__(self, interval: float = 0.5) -> None:
-        self.interval, self.samples = interval, 0
+    def __init__(self, interval: float = 0.5, dump_to: Path | None = None, dump_every_s: float = 15.0) -> None:
+        self.interval, self.samples, self.dump_to, self.dump_every_s = interval, 0, dump_to, dump_every_s
         self.counts: dict[str, int] = {}
+        self.innermost: dict[str, int] = {}
 
     def __enter__(self) -> "StackSampler":
         import sys
         import threading
 
         main, self._stop = threading.main_thread().ident, threading.Event()
+        every = max(1, round(self.dump_every_s / self.interval))
 
         def sample() -> None:
             while not self._stop.wait(self.interval):
-                frame, seen = sys._current_frames().get(main), set()
+                frame, stack = sys._current_frames().get(main), []
                 while frame is not None:
                     code = frame.f_code
-                    seen.add(f"{'/'.join(code.co_filename.split('/')[-2:])}:{code.co_name}")
+                    stack.append(f"{'/'.join(code.co_filename.split('/')[-2:])}:{code.co_name}")
                     frame = frame.f_back
-                for key in seen:
+                for key in set(stack):
                     self.counts[key] = self.counts.get(key, 0) + 1
+                if stack:
+                    leaf = " < ".join(stack[:4])
+                    self.innermost[leaf] = self.innermost.get(leaf, 0) + 1
                 self.samples += 1
+                if self.dump_to is not None and self.samples % every == 0:
+                    self.dump_to.write_text(json.dumps(self.top(), indent=1))
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
@@ -571,11 +580,16 @@ class StackSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self.dump_to is not None:
+            self.dump_to.write_text(json.dumps(self.top(), indent=1))
 
     def top(self, n: int = 25) -> dict:
-        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
-        return {"samples": self.samples, "interval_s": self.interval,
-                "functions": {key: round(count * self.interval, 1) for key, count in ranked}}
+        def ranked(counts: dict[str, int]) -> dict[str, float]:
+            return {key: round(count * self.interval, 1)
+                    for key, count in sorted(counts.items(), key=lambda kv: -kv[1])[:n]}
+
+        return {"samples": self.samples, "interval_s": self.interval, "innermost": ranked(self.innermost),
+                "functions": ranked(self.counts)}
 
 
 def free_device_memory() -> None:

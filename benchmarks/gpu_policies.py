@@ -301,7 +301,10 @@ def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceilin
     """A compiled configuration's row: compilation time, what dynamo did (recompiles, graph breaks) over
     compilation and the timed runs, steady per-step time, and the denoiser's cosine to ``reference``."""
     with gi.CompileWatch() as watch:
-        with gi.StackSampler() as stacks:  # the first call's time that dynamo's metrics do not count
+        # the first call's time that dynamo's metrics do not count, in a file as it comes (a cut call keeps it)
+        dump = STACKS_DIR[0] / f"first_call_stacks_{re.sub(r'[^a-z0-9]+', '_', label.lower())}.json" \
+            if STACKS_DIR else None
+        with gi.StackSampler(dump_to=dump) as stacks:
             if module is not None:
                 out, first = _first_output(run, module)
                 extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
@@ -534,6 +537,7 @@ QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measu
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
 QUANT_PEER = [True]  # --no-quant-peer: omnispec's rows only (a second process timing a warm compile cache)
 COMPILE_VARIANTS = ["regional"]  # --compile-variants
+STACKS_DIR: list[Path] = []  # --json's folder: first calls' stack samples, written as they come
 
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
          "model_offload": model_offload_part,
@@ -560,6 +564,7 @@ def main() -> None:
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]
     QUANT_GRANULARITY[:] = [args.quant_granularity]
+    STACKS_DIR[:] = [args.json.parent] if args.json else []
     if args.smoke:
         gi.enable_smoke()
         SMOKE_COMPILE["backend"] = "aot_eager"

@@ -70,3 +70,29 @@ def test_the_interpreter_benchmark_has_a_workload_for_every_family_with_a_diffus
     from omnispec.spec import BUILTIN_FAMILIES
 
     assert sorted(set(BUILTIN_FAMILIES) - {"digits"} - set(WORKLOADS)) == []
+
+
+def test_the_stack_sampler_names_where_a_long_call_waits_and_leaves_a_file_while_it_runs(tmp_path):
+    """A first call cut by a device call's limit printed nothing of where its minutes went; the sampler's file is
+    written while the call runs, and its innermost frames name the function that waited, not only its callers."""
+    import time
+
+    from benchmarks.gpu_interpreter import StackSampler
+
+    dump = tmp_path / "stacks.json"
+
+    def compile_that_waits() -> None:
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            if dump.exists():
+                return
+            time.sleep(0.01)
+
+    with StackSampler(interval=0.02, dump_to=dump, dump_every_s=0.1) as stacks:
+        compile_that_waits()
+        assert dump.exists(), "nothing written while the call ran"
+    top = stacks.top()
+    assert top["samples"] >= 5
+    first = next(iter(top["innermost"]))
+    assert "compile_that_waits" in first, top["innermost"]
+    assert json.loads(dump.read_text())["samples"] == top["samples"]

@@ -187,9 +187,16 @@ def _time_backend(backend: str, q: torch.Tensor, repeats: int = 5) -> float:
 
 def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int, head_dim: int,
            dtype: torch.dtype, device: torch.device, grad: bool = False) -> str:
-    """The fastest candidate for this call shape (sdpa unless another beats it by ``AUTO_MARGIN``), timed once per
-    process; with ``grad`` the trial is a forward and a backward, so only backends that can train are chosen."""
-    key = (role, batch, heads, tokens, head_dim, dtype, str(device), grad)
+    """The fastest candidate for this attention shape (sdpa unless another beats it by ``AUTO_MARGIN``), timed once
+    per process by the first call of that shape, at that call's batch; with ``grad`` that trial is a forward and a
+    backward, so a process that trains first chooses only backends that can train.
+
+    The choice is one per role, heads, tokens and head size, with or without gradients and whatever the batch: a
+    replay with gradients, in micro-batches of any size, must run the forward kernel its rollout ran, or its
+    log-probs move. On an H200 a choice timed apart for training put a bf16 digits replay 4e-4 off its rollout's
+    log-probs, and 0.0 once shared. A backend chosen by a rollout whose backward then fails falls back for the
+    gradient only (``_GuardedAttention``); the forward, and so the ratio, stays the rollout's."""
+    key = (role, heads, tokens, head_dim, dtype, str(device))
     if key not in AUTO_CHOICES:
         if len(candidates) == 1:
             AUTO_CHOICES[key] = candidates[0]
@@ -411,7 +418,7 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
                 skipped = ", ".join(f"{b} ({r})" for b, r in reasons.items() if r)
                 plan.per_role[role] = "auto"
                 plan.notes[role] = (f"auto over [{', '.join(candidates)}], timed per shape on first use (forward "
-                                    "and backward where gradients flow: replay with grad)"
+                                    "and backward if that use trains), one choice per shape with or without gradients"
                                     + (f"; unusable here: {skipped}" if skipped else ""))
                 hook_for: Callable[[], ModelHook] = lambda r=role, c=candidates, h=heads, d=head_dim: AutoBackendHook(r, c, h, d)  # noqa: E731
             else:

@@ -58,10 +58,16 @@ def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:
 
 
 def torchao_config(method: str, granularity: str | None = None) -> Any:
+    """torchao's config for ``method``, leaving the process's compiler settings alone: by default each torchao
+    config, once applied, turns on inductor's coordinate-descent tuning in every direction for the whole process
+    (and torchao 0.17 also sets float32 matmuls to TF32). That tuning benchmarks Triton configs at every new
+    kernel's first launch: a quantized digits rollout took 88 s to compile on an H200 and an SD3.5-size one did
+    not finish in 575 s, and every compiled pipeline of the process, bf16 or not, inherited both. Compile settings
+    are the compile policy's (``autotune`` turns that tuning on where asked)."""
     import torchao.quantization as tq
 
     kwargs = {"granularity": {"tensor": tq.PerTensor, "row": tq.PerRow}[granularity]()} if granularity else {}
-    return getattr(tq, _TORCHAO_CONFIGS[method])(**kwargs)
+    return getattr(tq, _TORCHAO_CONFIGS[method])(**kwargs, set_inductor_config=False)
 
 
 def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, module: Any,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -590,6 +591,13 @@ class StackSampler:
 
         return {"samples": self.samples, "interval_s": self.interval, "innermost": ranked(self.innermost),
                 "functions": ranked(self.counts)}
+
+
+def stacks_file(results: Path | None, label: str) -> Path | None:
+    """Where a ``StackSampler`` for ``label`` writes, beside the results file (None without one)."""
+    if results is None:
+        return None
+    return results.with_name(f"{results.stem}_stacks_{re.sub(r'[^a-z0-9]+', '_', label.lower()).strip('_')}.json")
 
 
 def free_device_memory() -> None:

@@ -302,9 +302,7 @@ def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceilin
     compilation and the timed runs, steady per-step time, and the denoiser's cosine to ``reference``."""
     with gi.CompileWatch() as watch:
         # the first call's time that dynamo's metrics do not count, in a file as it comes (a cut call keeps it)
-        dump = STACKS_DIR[0] / f"first_call_stacks_{re.sub(r'[^a-z0-9]+', '_', label.lower())}.json" \
-            if STACKS_DIR else None
-        with gi.StackSampler(dump_to=dump) as stacks:
+        with gi.StackSampler(dump_to=gi.stacks_file(RESULTS[0], f"first call {label}")) as stacks:
             if module is not None:
                 out, first = _first_output(run, module)
                 extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
@@ -537,7 +535,7 @@ QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measu
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
 QUANT_PEER = [True]  # --no-quant-peer: omnispec's rows only (a second process timing a warm compile cache)
 COMPILE_VARIANTS = ["regional"]  # --compile-variants
-STACKS_DIR: list[Path] = []  # --json's folder: first calls' stack samples, written as they come
+RESULTS: list[Path | None] = [None]  # --json: first calls' stack samples are written beside it
 
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
          "model_offload": model_offload_part,
@@ -564,7 +562,7 @@ def main() -> None:
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]
     QUANT_GRANULARITY[:] = [args.quant_granularity]
-    STACKS_DIR[:] = [args.json.parent] if args.json else []
+    RESULTS[:] = [args.json]
     if args.smoke:
         gi.enable_smoke()
         SMOKE_COMPILE["backend"] = "aot_eager"

@@ -478,8 +478,7 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     with torch.no_grad(), gi.CompileWatch() as watch:
         # dynamo's metrics counted 31 of this call's 433 s on the H200; the samples go to a file as they come, since
         # a later call's first rollout outlasted its 575 s limit
-        dump = args.json.with_name(f"{args.json.stem}_first_rollout_stacks.json") if args.json else None
-        with gi.StackSampler(dump_to=dump) as stacks:
+        with gi.StackSampler(dump_to=gi.stacks_file(args.json, "first rollout")) as stacks:
             first, _ = _timed(run_ours, "qw", pipe)
         print(f"[{label}] first rollout {first:.1f} s: {watch.summary()}", flush=True)
         save({"config": f"{label}: where the first rollout's time went", "first_call_s": first, **stacks.top()})

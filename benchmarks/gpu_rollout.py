@@ -260,6 +260,10 @@ def main() -> None:
                         help="add rows with the denoiser's base weights quantized by omnispec (e.g. fp8_dynamic:row) "
                              "under a fresh LoRA of the same shape, regional compile: rollout time, replay with "
                              "gradients, replay ratio (--smoke: int8_weight_only)")
+    parser.add_argument("--quantized-compile", default="regional", metavar="VARIANT[,VARIANT...]",
+                        help="compile variants of the --quantized-base rows, as in --rollout-compile (e.g. "
+                             "regional,regional+cudagraphs), each on a fresh quantized copy; the gradient replay runs "
+                             "through the last (--smoke: regional on aot_eager)")
     parser.add_argument("--quantized-first", action="store_true",
                         help="time the --quantized-base rollout rows before the compiled ones (in a call with less "
                              "time, the rows whose cold compile is longest get the time first); the gradient replay, "
@@ -343,12 +347,13 @@ def main() -> None:
         quantized = quantized_rows(args, mods, overrides, n, run_ours, save)
     if quantized is not None:
         quantized_gradient_rows(args, *quantized, save)
-    loop = next(row for row in result["rows"] if row["config"].startswith("flow-grpo loop"))
-    print(f"| config | s per {n} images | images/s | vs {loop['config']} |")
+    # --no-eager --no-compile (only the quantized rows) times no loop: the table then has no ratio column filled
+    loop = next((row for row in result["rows"] if row["config"].startswith("flow-grpo loop")), None)
+    print(f"| config | s per {n} images | images/s | vs {loop['config'] if loop else 'no loop timed'} |")
     for row in result["rows"]:
         if "images_per_s" in row:
-            print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | "
-                  f"{loop['seconds'] / row['seconds']:.2f}x |")
+            ratio = f"{loop['seconds'] / row['seconds']:.2f}x" if loop else ""
+            print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | {ratio} |")
         elif "ms_per_step" in row:
             print(f"| {row['config']} | {row['ms_per_step']:.1f} ms per step of {row['samples_per_replay']} samples | | |")
 
@@ -457,28 +462,39 @@ def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save)
 
 def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> tuple:
     """Rollouts on a quantized base with a trainable LoRA beside it (the trained weights stay bf16; rollout and
-    replay both run through the same quantized base, so the ratio stays exactly 1): a copy of the transformer
-    without its LoRA is quantized by omnispec's policy at build, then given a fresh LoRA of the benchmark's shape
-    (quantizing first keeps torchao off the LoRA's own linears; peft wraps the quantized linears)."""
+    replay both run through the same quantized base, so the ratio stays exactly 1): for each ``--quantized-compile``
+    variant, a copy of the transformer without its LoRA is quantized by omnispec's policy at build, then given a
+    fresh LoRA of the benchmark's shape (quantizing first keeps torchao off the LoRA's own linears; peft wraps the
+    quantized linears). Returns the last variant's pipeline and replay part, for the gradient rows."""
+    method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
+    policy = f"{{transformer: {{method: {method}" + (f", granularity: {granularity}" if granularity else "") + "}}"
+    last = None
+    for variant in args.quantized_compile.split(","):
+        last = None  # the earlier variant's quantized copy goes before the next one is made
+        gi.free_device_memory()
+        last = _quantized_variant_rows(args, mods, [*overrides, f"policies.quantization={policy}"], variant,
+                                       run_ours, save, f"{method}{' ' + granularity if granularity else ''}", n)
+    return (*last, method)
+
+
+def _quantized_variant_rows(args, mods: dict, overrides: list[str], variant: str, run_ours, save, base: str,
+                            n: int) -> tuple:
     from peft import LoraConfig
 
     import omnispec
 
-    method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
     twin = copy.deepcopy(mods["transformer"])
     twin.delete_adapters(twin.active_adapters())
-    policy = f"{{transformer: {{method: {method}" + (f", granularity: {granularity}" if granularity else "") + "}}"
-    smoke_backend = ["policies.compile.backend=aot_eager"] if args.smoke else []
+    sets = ([f"policies.compile.mode={variant.split('+')[0]}", "policies.compile.backend=aot_eager"] if args.smoke
+            else gp.compile_overrides(variant))
     pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components={**mods, "transformer": twin},
-                          device=gi.DEVICE, overrides=[*overrides, f"policies.quantization={policy}",
-                                                       "policies.compile.mode=regional", *smoke_backend])
+                          device=gi.DEVICE, overrides=[*overrides, *sets])
     pipe.components["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
-    label = f"omnispec rollout, {method}{' ' + granularity if granularity else ''} base + bf16 LoRA + regional compile"
+    label = f"omnispec rollout, {base} base + bf16 LoRA + {variant.replace('+', ' + ')} compile"
     print(f"[{label}] built; first rollout (compiles) starts", flush=True)  # a cut call still shows how far it got
     with torch.no_grad(), gi.CompileWatch() as watch:
-        # dynamo's metrics counted 31 of this call's 433 s on the H200; the samples go to a file as they come, since
-        # a later call's first rollout outlasted its 575 s limit
-        with gi.StackSampler(dump_to=gi.stacks_file(args.json, "first rollout")) as stacks:
+        # the samples go to a file as they come, since a first rollout once outlasted its call's 575 s
+        with gi.StackSampler(dump_to=gi.stacks_file(args.json, f"first rollout {variant}")) as stacks:
             first, _ = _timed(run_ours, "qw", pipe)
         print(f"[{label}] first rollout {first:.1f} s: {watch.summary()}", flush=True)
         save({"config": f"{label}: where the first rollout's time went", "first_call_s": first, **stacks.top()})
@@ -487,8 +503,8 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     med = statistics.median(times)
     save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
           "dynamo": watch.summary()})
-    save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {method} base"))
-    return pipe, ro.select(range(args.replay_batch)), method
+    save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {base} base, {variant}"))
+    return pipe, ro.select(range(args.replay_batch))
 
 
 def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:

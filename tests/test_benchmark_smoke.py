@@ -25,7 +25,8 @@ SMOKES = [
     # compile part's code again: left out to keep the suite short
     ("gpu_policies", ["--repeats", "1", "--parts", "attention,compile,wan_attention,layerwise,quant,model_offload",
                       "--quant-compile", "none"], 1),
-    ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row"], 1),  # --smoke quantizes int8 (the CPU has no fp8)
+    # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used
+    ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+cudagraphs"], 1),
     ("gpu_parallel", ["--repeats", "1"], 2),
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code
 ]

@@ -91,24 +91,25 @@ def test_in_memory_components_are_quantized_like_loaded_ones(flux_dir):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
-def test_quantizing_leaves_the_process_compiler_settings_alone(flux_dir, monkeypatch):
+def test_quantizing_leaves_the_process_compiler_settings_alone(flux_dir):
     """torchao's configs turn on inductor's coordinate-descent tuning for the whole process when applied (and
     torchao 0.17 TF32 matmuls): every later compile then benchmarked each kernel at first launch (an SD3.5-size
-    fp8 rollout did not finish compiling in 575 s on an H200). Loaded or in memory, quantizing changes neither."""
+    fp8 rollout did not finish compiling in 575 s on an H200). Loaded or in memory, quantizing changes neither.
+    Inductor's own ``config.patch`` sets and restores the settings: pytest's monkeypatch deletes a config entry on
+    undo (its module's attributes are not in ``__dict__``), and every later compile of the process then failed."""
     import torch
     import torch._inductor.config as inductor
     from diffusers import FluxTransformer2DModel
 
-    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
-    monkeypatch.setattr(inductor, "coordinate_descent_check_all_directions", False)
     precision = torch.get_float32_matmul_precision()
     policy = "policies.quantization={transformer: {method: int8_weight_only}}"
-    run(flux_dir, "flux1-dev.yaml", "flux", policy)
-    given = FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer")
-    omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), components={"transformer": given},
-                   overrides=[*TINY_OVERRIDES["flux"], policy])
-    assert type(given.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
-    assert not inductor.coordinate_descent_tuning and not inductor.coordinate_descent_check_all_directions
+    with inductor.patch(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False):
+        run(flux_dir, "flux1-dev.yaml", "flux", policy)
+        given = FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer")
+        omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), components={"transformer": given},
+                       overrides=[*TINY_OVERRIDES["flux"], policy])
+        assert type(given.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+        assert not inductor.coordinate_descent_tuning and not inductor.coordinate_descent_check_all_directions
     assert torch.get_float32_matmul_precision() == precision
 
 

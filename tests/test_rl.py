@@ -295,3 +295,21 @@ def test_replay_with_gradients_equals_the_rollout_in_bfloat16(device, compile_mo
         assert replay.log_probs.grad_fn is not None
         off = (replay.log_probs.detach().cpu() - ro.log_probs).abs().max().item()
         assert off == 0.0, f"micro-batch {micro}: replay with gradients is {off} off the rollout's log-probs"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_rows_log_prob_is_the_same_bits_whatever_rows_are_scored_with_it(device):
+    """A replay scores a sample in another micro-batch than its rollout did, and a trainer's ratio reads the
+    difference: each row's log-prob must not depend on the batch around it (on an H200 a batch-wide reduction
+    put a row of 4 one float32 ulp off the same row alone). Shapes: latents of images and of a video, one of them
+    of an odd element count, so rows of a batch start at unaligned addresses."""
+    from omnispec.runtime.samplers import gaussian_log_prob
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(16, 64, 64), (4, 8, 8), (16, 5, 30, 52), (3, 7, 11)]:
+        sample, mean = (torch.randn(8, *shape, generator=g).to(device) for _ in range(2))
+        std = torch.rand(8, *[1] * len(shape), generator=g).add(0.1).to(device)
+        batch = gaussian_log_prob(sample, mean, std).cpu()
+        for lo, hi in [(0, 1), (3, 4), (1, 5), (7, 8), (2, 8)]:
+            alone = gaussian_log_prob(sample[lo:hi], mean[lo:hi], std[lo:hi]).cpu()
+            assert torch.equal(alone, batch[lo:hi]), (shape, lo, hi, (alone - batch[lo:hi]).abs().max().item())

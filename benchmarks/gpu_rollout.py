@@ -437,6 +437,14 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
                           "replay ratio check, compiled, window-aware"))
 
 
+def _variant_overrides(args, variant: str) -> list[str]:
+    """A compile variant's overrides (``regional+cudagraphs``); --smoke keeps its mode on aot_eager, options dropped
+    (inductor's CPU codegen takes minutes, and CUDA graphs need CUDA)."""
+    if args.smoke:
+        return [f"policies.compile.mode={variant.split('+')[0]}", "policies.compile.backend=aot_eager"]
+    return gp.compile_overrides(variant)
+
+
 def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> None:
     """omnispec's exact rollout under further compile variants (``regional+cudagraphs``: CUDA graphs for the
     fixed-shape block calls), each in a build of its own over the same modules (which undoes the earlier builds'
@@ -444,9 +452,7 @@ def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save)
     import omnispec
 
     for variant in args.rollout_compile.split(","):
-        mode = variant.split("+")[0]
-        sets = ([f"policies.compile.mode={mode}", "policies.compile.backend=aot_eager"] if args.smoke else
-                gp.compile_overrides(variant))
+        sets = _variant_overrides(args, variant)
         pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
                               overrides=[*overrides, *sets])
         label = f"omnispec rollout + {variant.replace('+', ' + ')} compile"
@@ -485,8 +491,7 @@ def _quantized_variant_rows(args, mods: dict, overrides: list[str], variant: str
 
     twin = copy.deepcopy(mods["transformer"])
     twin.delete_adapters(twin.active_adapters())
-    sets = ([f"policies.compile.mode={variant.split('+')[0]}", "policies.compile.backend=aot_eager"] if args.smoke
-            else gp.compile_overrides(variant))
+    sets = _variant_overrides(args, variant)
     pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components={**mods, "transformer": twin},
                           device=gi.DEVICE, overrides=[*overrides, *sets])
     pipe.components["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))

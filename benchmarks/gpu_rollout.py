@@ -383,15 +383,22 @@ def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) 
               "samples_ms": [s * 1e3 for s in samples]})
         mods["transformer"].zero_grad(set_to_none=True)
     save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, "replay ratio check"))
+    save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, "replay ratio check, with gradients", grad_steps=[0, 1]))
 
 
-def replay_ratio(pipe, run_ours, batch: int, label: str) -> dict:
+def replay_ratio(pipe, run_ours, batch: int, label: str, grad_steps: list[int] | None = None) -> dict:
     """Replay the first ``batch`` samples of a rollout (so the forwards group rows differently than the
-    rollout's did) and report how far exp(replayed - stored log-prob) is from 1."""
+    rollout's did) and report how far exp(replayed - stored log-prob) is from 1; with ``grad_steps``, those window
+    steps replayed with gradients, as a trainer's first ratio reads them (their graphs held at once: a few steps)."""
     with torch.no_grad():
         rollout = run_ours("replay")
     part = rollout.select(range(batch))
-    ratio = (pipe.log_prob(part, grad=False).log_probs.cpu() - part.log_probs).exp()
+    if grad_steps is None:
+        replayed, stored = pipe.log_prob(part, grad=False).log_probs.cpu(), part.log_probs
+    else:
+        replayed = pipe.log_prob(part, steps=grad_steps, grad=True).log_probs.detach().cpu()
+        stored = part.log_probs[:, grad_steps]
+    ratio = (replayed - stored).exp()
     return {"config": label, "max_abs_ratio_minus_1": (ratio - 1).abs().max().item(), "replayed_samples": len(part.log_probs),
             "rollout_samples": len(rollout.log_probs), "latent_dtype": str(rollout.latents.dtype)}
 
@@ -432,6 +439,9 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
              | ({"dynamo": watch.summary()} if label.startswith("omnispec") else {}))
     # replay through the same compiled blocks (no grad: the inference graphs), other micro-batch
     save(replay_ratio(compiled, lambda tag: compiled_ro, args.replay_batch, "replay ratio check, compiled"))
+    # the training graphs compile here: a minute on the GPU
+    save(replay_ratio(compiled, lambda tag: compiled_ro, args.replay_batch, "replay ratio check, compiled, with "
+                      "gradients", grad_steps=[0, 1]))
     if aware_ro is not None:
         save(replay_ratio(compiled, lambda tag: aware_ro, args.replay_batch,
                           "replay ratio check, compiled, window-aware"))

@@ -393,14 +393,20 @@ def replay_ratio(pipe, run_ours, batch: int, label: str, grad_steps: list[int] |
     with torch.no_grad():
         rollout = run_ours("replay")
     part = rollout.select(range(batch))
+    return {"config": label, "max_abs_ratio_minus_1": ratio_off(pipe, part, grad_steps),
+            "replayed_samples": len(part.log_probs), "rollout_samples": len(rollout.log_probs),
+            "latent_dtype": str(rollout.latents.dtype)}
+
+
+def ratio_off(pipe, part, grad_steps: list[int] | None = None) -> float:
+    """max |exp(replayed - stored log-prob) - 1| over ``part``: every window step without gradients, or
+    ``grad_steps`` with them."""
     if grad_steps is None:
         replayed, stored = pipe.log_prob(part, grad=False).log_probs.cpu(), part.log_probs
     else:
         replayed = pipe.log_prob(part, steps=grad_steps, grad=True).log_probs.detach().cpu()
         stored = part.log_probs[:, grad_steps]
-    ratio = (replayed - stored).exp()
-    return {"config": label, "max_abs_ratio_minus_1": (ratio - 1).abs().max().item(), "replayed_samples": len(part.log_probs),
-            "rollout_samples": len(rollout.log_probs), "latent_dtype": str(rollout.latents.dtype)}
+    return (replayed - stored).exp().sub(1).abs().max().item()
 
 
 def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> None:
@@ -529,11 +535,10 @@ def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
         samples = [_timed(lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs.sum().backward(), k)[0]
                    for k in (0, 0, 1, 1)]
         lora = [p.grad for name, p in pipe.components["transformer"].named_parameters() if "lora_B" in name]
-        replayed = pipe.log_prob(part, steps=[0, 1], grad=True).log_probs.detach().cpu()  # what a trainer's ratio reads
         save({"config": f"omnispec log_prob with gradients, {method} base", "ms_per_step": statistics.median(
             samples[1:]) * 1e3, "samples_per_replay": args.replay_batch, "samples_ms": [s * 1e3 for s in samples],
               "lora_b_grads_nonzero": sum(g is not None and bool(g.abs().sum() > 0) for g in lora), "lora_b": len(lora),
-              "max_abs_ratio_minus_1": (replayed - part.log_probs[:, :2]).exp().sub(1).abs().max().item()})
+              "max_abs_ratio_minus_1": ratio_off(pipe, part, grad_steps=[0, 1])})  # what a trainer's ratio reads
     except Exception as exc:  # noqa: BLE001 - the rollout rows above stand
         save({"config": f"omnispec log_prob with gradients, {method} base",
               "error": f"{type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:4])[:600]}"})

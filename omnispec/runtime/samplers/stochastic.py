@@ -40,17 +40,14 @@ class Transition:
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """log N(sample; mean, std^2) per element, averaged over every non-batch dimension (float32)."""
     std = std.to(torch.float32)
-    # contiguous operands: the reduction order (so the last bit of the mean) must not depend on whether the
-    # sample is a slice of a stored rollout or a fresh draw
-    lp = -((sample.detach().float().contiguous() - mean.float().contiguous()) ** 2) / (2 * std**2) - torch.log(std) \
-        - HALF_LOG_2PI
+    lp = -((sample.detach().float() - mean.float()) ** 2) / (2 * std**2) - torch.log(std) - HALF_LOG_2PI
     return row_means(lp)
 
 
 def squared_error_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """``-(sample - mean)^2`` averaged over every non-batch dimension: the Gaussian log-density with every
     constant removed, as Flow-GRPO and Flow-CPS score CPS steps (finite where the std is 0)."""
-    lp = -((sample.detach().float().contiguous() - mean.float().contiguous()) ** 2)
+    lp = -((sample.detach().float() - mean.float()) ** 2)
     return row_means(lp)
 
 
@@ -58,9 +55,10 @@ def row_means(values: torch.Tensor) -> torch.Tensor:
     """Each row's mean over its non-batch elements, every row reduced on its own: a CUDA reduction over a batch
     splits its work by the batch's size, so a row's last bit depended on how many rows were scored with it, and a
     replay in another micro-batch (1 against the rollout's 4 on an H200) read log-probs one float32 ulp off. A row
-    alone, copied to a fresh buffer (its alignment, so its vectorized loads, no longer depend on its place in the
-    batch), is reduced the same way in a rollout and in any replay; the batch is one micro-batch, so the launches
-    per row cost little beside the denoiser."""
+    alone, copied to a fresh buffer (its layout and alignment, so its vectorized loads, no longer depend on its place
+    in the batch, nor on whether the sample is a slice of a stored rollout or a fresh draw), is reduced the same way
+    in a rollout and in any replay; the batch is one micro-batch, so the launches per row cost little beside the
+    denoiser."""
     flat = values.reshape(values.shape[0], -1)
     if not len(flat):
         return flat.mean(dim=1)

@@ -186,6 +186,41 @@ def test_compile_gives_the_plain_output(flux_dir, plain_flux, mode):
     assert np.abs(out - plain_flux).max() <= 1e-5
 
 
+def test_compiling_the_vae_decoder_gives_the_plain_output_and_a_rebuild_undoes_it(sd3_dir, plain_sd3):
+    pipe, out = run(sd3_dir, "sd3.5-medium.yaml", "sd3", "policies.compile={mode: regional, backend: eager, vae: true}")
+    assert np.abs(out - plain_sd3).max() <= 1e-5
+    decoder = pipe.components["vae"].decoder
+    assert decoder._compiled_call_impl is not None
+    assert "VAE decoders compiled: vae" in pipe.explain(as_dict=True)["applied"]["compile"]
+    omnispec.build(SPECS / "sd3.5-medium.yaml", components=dict(pipe.components), device="cpu",
+                   overrides=[*TINY_OVERRIDES["sd3"], "policies.compile={mode: regional, backend: eager}"])
+    assert decoder._compiled_call_impl is None
+
+
+def test_inductor_picks_reductions_by_rule_unless_autotune_times_them():
+    """A reduction's launch configuration sets its summation order; timed at first launch, the rollout's inference
+    kernel and its replay's training kernel could add a row up differently."""
+    from omnispec.policies.compile import _torch_compile_options
+    from omnispec.spec import load_spec
+
+    def options(compile_policy: str) -> dict:
+        return _torch_compile_options(load_spec(SPECS / "flux1-dev.yaml", [f"policies.compile={compile_policy}"])
+                                      .policies.compile)
+
+    assert options("{mode: regional}") == {"emulate_precision_casts": True, "deterministic": True}
+    assert "deterministic" not in options("{mode: regional, autotune: true}")
+    assert options("{mode: regional, fixed_reductions: false, eager_rounding: false}") == {}
+
+
+def test_vae_compile_needs_a_compiled_run_and_takes_any_backend():
+    from omnispec.spec import load_spec
+
+    with pytest.raises(SpecError, match="vae apply to compiled code"):
+        load_spec(SPECS / "sd3.5-medium.yaml", ["policies.compile={vae: true}"])
+    spec = load_spec(SPECS / "sd3.5-medium.yaml", ["policies.compile={mode: regional, backend: aot_eager, vae: true}"])
+    assert spec.policies.compile.vae
+
+
 def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_hold(flux_dir, monkeypatch):
     """The two options become torch.compile's mode; a denoiser call starts a new CUDA-graph generation; what would
     read a graph's memory after the next replay (offload, caches, a whole-denoiser graph) is refused up front."""
@@ -204,6 +239,7 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
         (["policies.compile={mode: none, cudagraphs: true}"], "apply to compiled code"),
         (["policies.compile={mode: regional, backend: eager, autotune: true}"], "inductor's modes"),
         (["policies.compile={mode: full, cudagraphs: true}"], "cudagraphs runs with mode regional"),
+        (["policies.compile={mode: regional, autotune: true, fixed_reductions: true}"], "set one of them"),
         (["policies.compile={mode: regional, cudagraphs: true}", "policies.offload={strategy: model}"],
          "replays the addresses it recorded"),
         (["policies.compile={mode: regional, cudagraphs: true, fullgraph: false}", "policies.cache={kind: taylorseer}"],
@@ -218,7 +254,7 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
                   "autotune: true}", steps=2)
     import torch._inductor
 
-    want = {**torch._inductor.list_mode_options("max-autotune"), "emulate_precision_casts": True}
+    want = {**torch._inductor.list_mode_options("max-autotune"), "emulate_precision_casts": True}  # autotune: timed
     assert compiled and all(kw["options"] == want and "mode" not in kw for kw in compiled)
     assert len(marks) == 2  # one generation per denoiser call
     assert "cudagraphs, autotune" in pipe.explain()

@@ -68,6 +68,16 @@ def test_rollout_refuses_bad_arguments_before_any_forward(pipe, no_forward, kwar
     assert not isinstance(info.value, ForwardRan)
 
 
+@pytest.mark.parametrize("granularity", ["", ", granularity: tensor"])
+def test_rollout_refuses_per_tensor_fp8_whose_scale_couples_the_batch(pipe, no_forward, monkeypatch, granularity):
+    """One activation scale over a forward's rows: a sample's log-probs would depend on its batch-mates."""
+    spec = omnispec.load_spec(SPECS / "digits.yaml", [
+        *OVERRIDES, f"policies.quantization={{denoiser: {{method: fp8_dynamic{granularity}}}}}"])
+    monkeypatch.setattr(pipe, "spec", spec)  # the check reads the spec; the weights need not be fp8 on this CPU
+    with pytest.raises(SpecError, match=r"^policies.quantization.denoiser.granularity: fp8_dynamic with per-tensor"):
+        omnispec.rl.rollout(pipe, "one", group_size=2, sampler={"kind": "sde"})
+
+
 def test_rollout_refuses_a_window_that_does_not_fit_before_the_denoiser_runs(pipe):
     def refuse(*_):
         raise ForwardRan

@@ -1,6 +1,6 @@
 """Compilation: ``regional`` compiles each denoiser's repeated blocks (diffusers' ``compile_repeated_blocks``,
-falling back to the family's block lists), ``full`` the whole denoiser. Compilation happens lazily on the
-first call: benchmarks warm up before timing.
+falling back to the family's block lists), ``full`` the whole denoiser; ``vae`` also compiles each VAE's decoder
+whole. Compilation happens lazily on the first call: benchmarks warm up before timing.
 
 ``cudagraphs`` (regional only) records each compiled block as a CUDA graph (inductor's CUDA-graph trees). Every
 denoiser call starts a new generation of them (``cudagraph_mark_step_begin``, from a hook on the denoiser, outside
@@ -9,11 +9,16 @@ its uncompiled output layers, in memory of its own.
 
 ``eager_rounding`` (default on, inductor only) keeps eager's low-precision roundings inside fused kernels. Inductor
 otherwise keeps a fused intermediate in float32 in an inference graph but saves it rounded in a training graph, so a
-rollout (no gradients) and its replay with gradients would compute different log-probs under compile."""
+rollout (no gradients) and its replay with gradients would compute different log-probs under compile.
+``fixed_reductions`` (default on unless ``autotune``) is the same promise for sums: inductor times a reduction kernel's candidate launch
+configurations at its first launch unless told to pick by rule (``deterministic``), and the configuration sets the
+order a row adds up in; the inference and training kernels of one norm are timed apart."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from .. import bridge
 from ..spec import PipelineSpec, SpecError
@@ -22,7 +27,7 @@ from ..spec import PipelineSpec, SpecError
 def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -> str:
     policy = spec.policies.compile
     for name, c in spec.model.components.items():  # a rebuild over the same modules starts from them uncompiled
-        if c.role == "denoiser":
+        if c.role in ("denoiser", "vae") and hasattr(components.get(name), "modules"):
             _uncompiled(components[name])
     if policy.mode == "none":
         return "none"
@@ -46,22 +51,55 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
                 raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
             for block in blocks:
                 block.compile(**kwargs)
-        for sub in module.modules():  # what this build compiled, which the next build over the module undoes
-            if getattr(sub, "_compiled_call_impl", None) is not None:
-                sub._omnispec_compiled = True
+        _mark_compiled(module)
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
-    options += ", eager rounding" if policy.eager_rounding and policy.backend == "inductor" else ""
-    return f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
+    if policy.backend == "inductor":
+        options += ", eager rounding" if policy.eager_rounding else ""
+        options += ", fixed reductions" if policy.reductions_fixed else ""
+    decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
+    return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
+            + decoders)
 
 
-def _torch_compile_options(policy: Any) -> dict[str, Any]:
+def _compile_vae_decoders(spec: PipelineSpec, components: dict[str, Any]) -> str:
+    """Compile the ``decoder`` of every VAE component whole; returns explain's note. Not full-graph: video VAEs
+    decode chunk by chunk through caches of their own, where a break is better than a refusal. No CUDA graphs: a
+    decoder's output is the run's result, which the next decode's graph replay would overwrite."""
+    policy = spec.policies.compile
+    kwargs: dict[str, Any] = {"fullgraph": False, "dynamic": policy.dynamic, "backend": policy.backend}
+    if policy.backend == "inductor" and (options := _torch_compile_options(policy, graphs=False)):
+        kwargs["options"] = options
+    compiled = []
+    for name, c in spec.model.components.items():
+        decoder = getattr(components.get(name), "decoder", None) if c.role == "vae" else None
+        if isinstance(decoder, torch.nn.Module):
+            decoder.compile(**kwargs)
+            _mark_compiled(decoder)
+            compiled.append(name)
+    if not compiled:
+        raise SpecError.single("no VAE component here has a decoder to compile", "policies.compile.vae")
+    return f"; VAE decoders compiled: {', '.join(compiled)}"
+
+
+def _mark_compiled(module: Any) -> None:
+    """Mark what this build compiled (``Module.compile``'s forwards), which the next build over the module undoes."""
+    for sub in module.modules():
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            sub._omnispec_compiled = True
+
+
+def _torch_compile_options(policy: Any, graphs: bool = True) -> dict[str, Any]:
     """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
-    so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked."""
+    so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked. ``graphs``
+    false drops the CUDA graphs from the mode (autotune stays)."""
     import torch._inductor
 
-    options = dict(torch._inductor.list_mode_options(policy.inductor_mode)) if policy.inductor_mode else {}
+    mode = policy.inductor_mode if graphs else ("max-autotune-no-cudagraphs" if policy.autotune else None)
+    options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     if policy.eager_rounding:
         options["emulate_precision_casts"] = True
+    if policy.reductions_fixed:
+        options["deterministic"] = True
     return options
 
 

@@ -33,8 +33,8 @@ _TORCHAO_CONFIGS = {
 
 
 def method_for(spec: PipelineSpec, name: str, component: Component) -> Quantization | None:
-    q = spec.policies.quantization
-    return q.get(name) or q.get(component.role)
+    key = spec.policies.quantization_key(name, component.role)
+    return spec.policies.quantization[key] if key is not None else None
 
 
 def check(spec: PipelineSpec, device: torch.device) -> list[Problem]:

@@ -35,6 +35,16 @@ def check_pipeline(pipe: Pipeline) -> None:
         raise SpecError.single(f"the {cache.kind} cache decides per step from state a replay cannot rebuild, so a "
                                "cached rollout would not replay exactly; use cache kind step_mask (computing every "
                                "stochastic step), the sampler's outside_window, or none", "policies.cache.kind")
+    policies = pipe.spec.policies
+    for name, component in pipe.spec.model.components.items():
+        key = policies.quantization_key(name, component.role) if component.role == "denoiser" else None
+        q = policies.quantization[key] if key is not None else None
+        if q is not None and q.method == "fp8_dynamic" and q.granularity != "row":
+            raise SpecError.single(
+                f"fp8_dynamic with per-tensor scales (granularity {q.granularity or 'unset: torchao defaults to tensor'}) "
+                "takes one activation scale over every row of a forward, so a sample's log-probs would depend on the "
+                "samples batched with it and a replay at another micro-batch would not be exact; set granularity: row",
+                f"policies.quantization.{key}.granularity")
     if pipe.parallel is not None and pipe.parallel.samples > 1:
         axis = "data" if pipe.parallel.data > 1 else "shard"
         raise SpecError.single(f"rollouts split samples over processes with RolloutPool, not policies.parallel.{axis}",

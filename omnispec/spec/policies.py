@@ -185,25 +185,43 @@ class CompilePolicy(SpecModel):
     autotune: bool = Field(default=False, description=(
         "Time inductor's Triton matmul templates against cuBLAS for each matmul shape and keep the fastest "
         "(max-autotune): minutes more on the first compile, kept in inductor's cache after."))
+    vae: bool = Field(default=False, description=(
+        "Also compile each VAE's decoder whole (one graph per latent shape, graph breaks allowed, no CUDA graphs): "
+        "inductor fuses its norms and activations and lays its convolutions out channels-last."))
     eager_rounding: bool = Field(default=True, description=(
         "Inductor keeps every bfloat16/float16 rounding eager would make inside its fused kernels (its "
         "emulate_precision_casts), so the inference graphs of a rollout and the training graphs of its replay with "
         "gradients compute the same numbers: the replay ratio stays exactly 1 under compile. Off, fused kernels keep "
         "intermediates in float32 where the training graph saves them rounded (a bf16 replay with gradients then "
         "moved log-probs by about 1e-3 on the CPU). Inductor only; other backends compute as they do."))
+    fixed_reductions: bool | None = Field(default=None, description=(
+        "Inductor picks each reduction kernel's launch configuration (block size, warps) by rule instead of timing "
+        "the candidates at its first launch (its deterministic mode). The configuration sets the order a row's sum "
+        "adds up in, and timing can pick differently for a rollout's inference kernel and its replay's training "
+        "kernel, or in another process. Inductor only. Default: on, unless autotune (which times every choice, "
+        "matmuls too, and which this mode would stop)."))
 
     @model_validator(mode="after")
     def _inductor_options(self) -> CompilePolicy:
-        asked = [name for name in ("cudagraphs", "autotune") if getattr(self, name)]
+        asked = [name for name in ("cudagraphs", "autotune", "vae") if getattr(self, name)]
         if asked and self.mode == "none":
             raise ValueError(f"{' and '.join(asked)} apply to compiled code; set mode regional or full")
-        if asked and self.backend != "inductor":
-            raise ValueError(f"{' and '.join(asked)} are inductor's modes; backend {self.backend!r} has neither")
+        modes = [name for name in asked if name != "vae"]
+        if modes and self.backend != "inductor":
+            raise ValueError(f"{' and '.join(modes)} are inductor's modes; backend {self.backend!r} has neither")
+        if self.autotune and self.fixed_reductions:
+            raise ValueError("autotune times the kernels' launch choices and fixed_reductions picks them by rule "
+                             "(inductor's deterministic mode, which skips the matmul search too); set one of them")
         if self.cudagraphs and self.mode == "full":
             raise ValueError("cudagraphs runs with mode regional: each denoiser call starts the graphs' next "
                              "generation from a hook outside the compiled blocks, and a whole-denoiser graph would "
                              "hand out its output in memory the next call overwrites")
         return self
+
+    @property
+    def reductions_fixed(self) -> bool:
+        """Whether inductor picks reduction configurations by rule (``fixed_reductions``, by default unless autotune)."""
+        return self.fixed_reductions if self.fixed_reductions is not None else not self.autotune
 
     @property
     def inductor_mode(self) -> str | None:
@@ -299,6 +317,10 @@ class Policies(SpecModel):
     compile: CompilePolicy = Field(default_factory=CompilePolicy)
     parallel: ParallelPolicy = Field(default_factory=ParallelPolicy)
     vae: VaePolicy = Field(default_factory=VaePolicy)
+
+    def quantization_key(self, name: str, role: str) -> str | None:
+        """The ``quantization`` entry that applies to component ``name`` of ``role``: its name's, else its role's."""
+        return next((key for key in (name, role) if key in self.quantization), None)
 
 
 CACHES.held_by(Policies)

@@ -405,5 +405,8 @@ class PackedLatents:
 
 
 def decode_images(helper: Any, decoded: torch.Tensor) -> np.ndarray:
-    """VAE output in [-1, 1] (B, C, H, W) -> float32 (B, H, W, C) in [0, 1] via diffusers' postprocess."""
-    return helper.image_processor.postprocess(decoded, output_type="np").astype(np.float32)
+    """VAE output in [-1, 1] (B, C, H, W) -> float32 (B, H, W, C) in [0, 1]: diffusers' postprocess denormalizes
+    (``output_type="pt"``, on the tensor's device), then the layout and float32 conversion its ``"np"`` output would
+    make on the host run where the tensor is (the same values: a widening cast is exact), so the host only copies."""
+    images = helper.image_processor.postprocess(decoded, output_type="pt")
+    return images.permute(0, 2, 3, 1).float().cpu().numpy()

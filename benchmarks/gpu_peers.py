@@ -727,7 +727,8 @@ def fp8_part(wl: Workload, args) -> None:
     original.to("cpu")  # the bf16 original waits on the host: the peaks below are the quantized copies' own
     gi.free_device_memory()
     modes = (["none"] if args.fp8_eager else []) + ["regional"]
-    for mode in modes:  # omnispec first: cache-dit's quantization patches torchao process-wide
+    engines = args.fp8_engines.split(",")
+    for mode in modes if "omnispec" in engines else ():  # omnispec first: cache-dit's patches torchao process-wide
         label = f"{method}{' + compile: regional' if mode == 'regional' else ' eager'}"
         try:
             twin = gp._plain_copy(original)
@@ -740,7 +741,7 @@ def fp8_part(wl: Workload, args) -> None:
         pipe = twin = None
         gi.free_device_memory()
         torch._dynamo.reset()
-    for mode in modes:
+    for mode in modes if "cache-dit" in engines else ():
         label = "float8_per_row" + (" + compile path" if mode == "regional" else " eager")
         with process_wide_compile_settings():
             try:
@@ -1188,6 +1189,8 @@ def main() -> None:
     parser.add_argument("--dbcache-threshold", default="0.08", help="cache-dit residual_diff_threshold(s)")
     parser.add_argument("--search-probes", type=int, default=7, help="omnispec threshold runs per matched row")
     parser.add_argument("--fp8-eager", action="store_true", help="also the eager fp8 rows (slow, unfused)")
+    parser.add_argument("--fp8-engines", default="omnispec,cache-dit",
+                        help="whose fp8 rows the fp8 part times (cache-dit alone gives its long compile the call)")
     parser.add_argument("--compile-extra", action="store_true",
                         help="also omnispec regional compile under cache-dit's inductor settings")
     parser.add_argument("--offload-steps", type=int, default=4)

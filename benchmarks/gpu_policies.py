@@ -326,20 +326,25 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     run_plain = None
     _release(mods, ("transformer",))  # the bf16 original waits on the host: peaks below are the twin's own
     method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
-    granularity = QUANT_GRANULARITY[0] if method == "fp8_dynamic" else None
-    policy = (f"policies.quantization={{transformer: {{method: {method}"
-              + (f", granularity: {granularity}" if granularity else "") + "}}")
+    granularities = QUANT_GRANULARITY if method == "fp8_dynamic" else [None]
     modes = QUANT_COMPILE
-    for label, extra in ((f"{method} + {m.replace('+', ' + ')} compile" if m != "none" else f"{method} eager",
-                          compile_overrides(m)) for m in modes):
+    for granularity, mode in itertools.product(granularities, modes):  # each on a fresh copy of one set of weights
+        policy = (f"policies.quantization={{transformer: {{method: {method}"
+                  + (f", granularity: {granularity}" if granularity else "")
+                  + (f", exclude: [{', '.join(QUANT_EXCLUDE)}]" if QUANT_EXCLUDE else "") + "}}")
+        label = (f"{method}{' ' + granularity if granularity else ''}"
+                 + (f" (not {', '.join(QUANT_EXCLUDE)})" if QUANT_EXCLUDE else "")
+                 + (f" + {mode.replace('+', ' + ')} compile" if mode != "none" else " eager"))
         twin = _plain_copy(mods["transformer"])
-        pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *extra])
+        pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *compile_overrides(mode)])
         run = _runner(pipe, w["request"])
         rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
         pipe = run = twin = None
         _release({})
+        torch._dynamo.reset()  # the next configuration compiles afresh
     if not QUANT_PEER[0]:
         return rows
+    granularity = granularities[0]
     # peer: the same torchao config through torchao's quantize_ and diffusers' compile_repeated_blocks
     from torchao.quantization import quantize_
 
@@ -533,6 +538,7 @@ def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
 SMOKE_COMPILE: dict[str, str] = {}
 QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measured with quantization
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
+QUANT_EXCLUDE: list[str] = []  # --quant-exclude: modules the quant part's policy leaves unquantized
 QUANT_PEER = [True]  # --no-quant-peer: omnispec's rows only (a second process timing a warm compile cache)
 COMPILE_VARIANTS = ["regional"]  # --compile-variants
 RESULTS: list[Path | None] = [None]  # --json: first calls' stack samples are written beside it
@@ -550,8 +556,13 @@ def main() -> None:
     parser.add_argument("--quant-compile", default="none,regional",
                         help="compile modes measured with fp8 quantization, options after a '+' as in "
                              "--compile-variants (the last one's mode is the peer's)")
-    parser.add_argument("--quant-granularity", choices=["tensor", "row"], default=None)
+    parser.add_argument("--quant-granularity", default=None, metavar="GRANULARITY[,GRANULARITY...]",
+                        help="fp8 scale granularities of the quant part (tensor, row), each with every --quant-compile "
+                             "mode, in this order; the first is the peer's (default: torchao's)")
     parser.add_argument("--no-quant-peer", action="store_true", help="skip the quant part's diffusers peer")
+    parser.add_argument("--quant-exclude", default="", metavar="MODULE[,MODULE...]",
+                        help="the quant part's quantization.exclude (e.g. FLUX's modulation linears: "
+                             "norm1,norm1_context,norm,norm_out)")
     parser.add_argument("--compile-variants", default="regional",
                         help="omnispec compile configurations of the compile part, comma-separated: a mode, each "
                              "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune)")
@@ -561,8 +572,11 @@ def main() -> None:
     QUANT_COMPILE[:] = args.quant_compile.split(",")
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]
-    QUANT_GRANULARITY[:] = [args.quant_granularity]
+    QUANT_GRANULARITY[:] = args.quant_granularity.split(",") if args.quant_granularity else [None]
+    if unknown := set(QUANT_GRANULARITY) - {None, "tensor", "row"}:
+        parser.error(f"--quant-granularity: unknown {sorted(unknown)}; choose tensor or row")
     RESULTS[:] = [args.json]
+    QUANT_EXCLUDE[:] = [m for m in args.quant_exclude.split(",") if m]
     if args.smoke:
         gi.enable_smoke()
         SMOKE_COMPILE["backend"] = "aot_eager"

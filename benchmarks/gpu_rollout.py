@@ -176,26 +176,32 @@ def _timed(fn, *args) -> tuple[float, object]:
 
 
 def breakdown(pipeline, run) -> dict:
-    """Seconds spent in prompt encoding, the denoiser and VAE decoding during one ``run`` (synchronised)."""
+    """Seconds spent in prompt encoding, the denoiser and VAE decoding during one ``run`` (synchronised). The calls
+    are timed around the modules' own entry points (the T5 encoder's and the denoiser's ``forward``, the VAE's
+    ``decode``), outside anything compiled, so a compiled VAE decoder is timed whole."""
     spent = {"t5_encode_s": 0.0, "denoiser_s": 0.0, "vae_decode_s": 0.0}
     parts = pipeline.components  # a name -> module dict on both omnispec's and diffusers' pipelines
-    modules = {"t5_encode_s": parts["text_encoder_3"], "denoiser_s": parts["transformer"],
-               "vae_decode_s": parts["vae"].decoder}
-    handles, starts = [], {}
-    for key, module in modules.items():
-        def pre(_m, _a, key=key):
+    entries = {"t5_encode_s": (parts["text_encoder_3"], "forward"), "denoiser_s": (parts["transformer"], "forward"),
+               "vae_decode_s": (parts["vae"], "decode")}
+    def timed(key: str, call):
+        def run_timed(*args, **kwargs):
             gi._sync()
-            starts[key] = time.perf_counter()
-
-        def post(_m, _a, _o, key=key):
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
             gi._sync()
-            spent[key] += time.perf_counter() - starts[key]
+            spent[key] += time.perf_counter() - start
+            return out
 
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    with torch.no_grad():
-        total, _ = _timed(run)
-    for h in handles:
-        h.remove()
+        return run_timed
+
+    for key, (owner, method) in entries.items():
+        setattr(owner, method, timed(key, getattr(owner, method)))  # an instance attribute before the class's method
+    try:
+        with torch.no_grad():
+            total, _ = _timed(run)
+    finally:
+        for owner, method in entries.values():
+            delattr(owner, method)
     return spent | {"total_s": total, "other_s": total - sum(spent.values())}
 
 
@@ -264,6 +270,9 @@ def main() -> None:
                         help="compile variants of the --quantized-base rows, as in --rollout-compile (e.g. "
                              "regional,regional+cudagraphs), each on a fresh quantized copy; the gradient replay runs "
                              "through the last (--smoke: regional on aot_eager)")
+    parser.add_argument("--quantized-exclude", default="", metavar="MODULE[,MODULE...]",
+                        help="modules the --quantized-base policy leaves in bf16 (its quantization.exclude), e.g. "
+                             "SD3's modulation linears: norm1,norm1_context,norm_out")
     parser.add_argument("--quantized-first", action="store_true",
                         help="time the --quantized-base rollout rows before the compiled ones (in a call with less "
                              "time, the rows whose cold compile is longest get the time first); the gradient replay, "
@@ -453,11 +462,18 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
                           "replay ratio check, compiled, window-aware"))
 
 
+# compile options that are inductor's alone, which --smoke's aot_eager backend drops
+INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions")
+
+
 def _variant_overrides(args, variant: str) -> list[str]:
-    """A compile variant's overrides (``regional+cudagraphs``); --smoke keeps its mode on aot_eager, options dropped
-    (inductor's CPU codegen takes minutes, and CUDA graphs need CUDA)."""
+    """A compile variant's overrides (``regional+cudagraphs``, ``regional+vae``); --smoke keeps its mode and its
+    other options on aot_eager, inductor's options dropped (inductor's CPU codegen takes minutes, and CUDA graphs
+    need CUDA)."""
     if args.smoke:
-        return [f"policies.compile.mode={variant.split('+')[0]}", "policies.compile.backend=aot_eager"]
+        mode, *options = variant.split("+")
+        kept = [o for o in options if o.removeprefix("no_") not in INDUCTOR_OPTIONS]
+        return [*gp.compile_overrides("+".join([mode, *kept])), "policies.compile.backend=aot_eager"]
     return gp.compile_overrides(variant)
 
 
@@ -489,13 +505,16 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     fresh LoRA of the benchmark's shape (quantizing first keeps torchao off the LoRA's own linears; peft wraps the
     quantized linears). Returns the last variant's pipeline and replay part, for the gradient rows."""
     method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
-    policy = f"{{transformer: {{method: {method}" + (f", granularity: {granularity}" if granularity else "") + "}}"
+    exclude = [m for m in args.quantized_exclude.split(",") if m]
+    policy = (f"{{transformer: {{method: {method}" + (f", granularity: {granularity}" if granularity else "")
+              + (f", exclude: [{', '.join(exclude)}]" if exclude else "") + "}}")
     last = None
     for variant in args.quantized_compile.split(","):
         last = None  # the earlier variant's quantized copy goes before the next one is made
         gi.free_device_memory()
         last = _quantized_variant_rows(args, mods, [*overrides, f"policies.quantization={policy}"], variant,
-                                       run_ours, save, f"{method}{' ' + granularity if granularity else ''}", n)
+                                       run_ours, save, f"{method}{' ' + granularity if granularity else ''}"
+                                       + (f" (not {', '.join(exclude)})" if exclude else ""), n)
     return (*last, method)
 
 
@@ -524,6 +543,7 @@ def _quantized_variant_rows(args, mods: dict, overrides: list[str], variant: str
     med = statistics.median(times)
     save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
           "dynamo": watch.summary()})
+    save({"config": f"{label}: breakdown", **breakdown(pipe, lambda: run_ours("qbd", pipe))})
     save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {base} base, {variant}"))
     return pipe, ro.select(range(args.replay_batch))
 

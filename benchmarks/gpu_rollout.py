@@ -183,6 +183,7 @@ def breakdown(pipeline, run) -> dict:
     parts = pipeline.components  # a name -> module dict on both omnispec's and diffusers' pipelines
     entries = {"t5_encode_s": (parts["text_encoder_3"], "forward"), "denoiser_s": (parts["transformer"], "forward"),
                "vae_decode_s": (parts["vae"], "decode")}
+
     def timed(key: str, call):
         def run_timed(*args, **kwargs):
             gi._sync()

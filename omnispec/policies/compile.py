@@ -121,7 +121,6 @@ def _allow_block_variants() -> None:
 def _new_generation_per_call(module: Any) -> None:
     """Each call without gradients starts a new generation of the CUDA graphs. With gradients (an RL replay) none is
     marked: the graph trees then keep the outputs a pending backward needs, which a marked step would give up."""
-    import torch
 
     def begin(_module: Any, _args: Any) -> None:
         if not torch.is_grad_enabled():

@@ -721,8 +721,7 @@ def fp8_part(wl: Workload, args) -> None:
     wl.eager_step()  # the bf16 eager row, and the first denoiser output every fp8 row is compared with
     cuda = gi.DEVICE == "cuda"
     method = "fp8_dynamic" if cuda else "int8_weight_only"  # --smoke: a method the CPU runs
-    policy = (f"policies.quantization={{transformer: {{method: {method}"
-              + (", granularity: row" if cuda else "") + "}}")
+    policy, _ = gp.quantized_transformer(method, "row" if cuda else None)
     original = wl.mods["transformer"]
     original.to("cpu")  # the bf16 original waits on the host: the peaks below are the quantized copies' own
     gi.free_device_memory()

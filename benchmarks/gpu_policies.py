@@ -315,6 +315,16 @@ def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceilin
     return row
 
 
+def quantized_transformer(method: str, granularity: str | None = None, exclude: list[str] = ()) -> tuple[str, str]:
+    """The override quantizing the transformer (``method``, fp8 ``granularity``, modules ``exclude``d) and a label
+    for its rows, e.g. ``fp8_dynamic row (not norm1, norm)``."""
+    fields = [f"method: {method}", *([f"granularity: {granularity}"] if granularity else []),
+              *([f"exclude: [{', '.join(exclude)}]"] if exclude else [])]
+    policy = f"policies.quantization={{transformer: {{{', '.join(fields)}}}}}"
+    label = f"{method}{' ' + granularity if granularity else ''}" + (f" (not {', '.join(exclude)})" if exclude else "")
+    return policy, label
+
+
 def quant_part(repeats: int, ceiling: float) -> list[dict]:
     """fp8 dynamic quantization (+ regional compile) against bf16 eager, on copies of one set of weights."""
 
@@ -329,12 +339,8 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
     granularities = QUANT_GRANULARITY if method == "fp8_dynamic" else [None]
     modes = QUANT_COMPILE
     for granularity, mode in itertools.product(granularities, modes):  # each on a fresh copy of one set of weights
-        policy = (f"policies.quantization={{transformer: {{method: {method}"
-                  + (f", granularity: {granularity}" if granularity else "")
-                  + (f", exclude: [{', '.join(QUANT_EXCLUDE)}]" if QUANT_EXCLUDE else "") + "}}")
-        label = (f"{method}{' ' + granularity if granularity else ''}"
-                 + (f" (not {', '.join(QUANT_EXCLUDE)})" if QUANT_EXCLUDE else "")
-                 + (f" + {mode.replace('+', ' + ')} compile" if mode != "none" else " eager"))
+        policy, base = quantized_transformer(method, granularity, QUANT_EXCLUDE)
+        label = base + (f" + {mode.replace('+', ' + ')} compile" if mode != "none" else " eager")
         twin = _plain_copy(mods["transformer"])
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *compile_overrides(mode)])
         run = _runner(pipe, w["request"])

@@ -506,16 +506,13 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     fresh LoRA of the benchmark's shape (quantizing first keeps torchao off the LoRA's own linears; peft wraps the
     quantized linears). Returns the last variant's pipeline and replay part, for the gradient rows."""
     method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
-    exclude = [m for m in args.quantized_exclude.split(",") if m]
-    policy = (f"{{transformer: {{method: {method}" + (f", granularity: {granularity}" if granularity else "")
-              + (f", exclude: [{', '.join(exclude)}]" if exclude else "") + "}}")
+    policy, base = gp.quantized_transformer(method, granularity or None,
+                                            [m for m in args.quantized_exclude.split(",") if m])
     last = None
     for variant in args.quantized_compile.split(","):
         last = None  # the earlier variant's quantized copy goes before the next one is made
         gi.free_device_memory()
-        last = _quantized_variant_rows(args, mods, [*overrides, f"policies.quantization={policy}"], variant,
-                                       run_ours, save, f"{method}{' ' + granularity if granularity else ''}"
-                                       + (f" (not {', '.join(exclude)})" if exclude else ""), n)
+        last = _quantized_variant_rows(args, mods, [*overrides, policy], variant, run_ours, save, base, n)
     return (*last, method)
 
 

@@ -10,9 +10,9 @@ its uncompiled output layers, in memory of its own.
 ``eager_rounding`` (default on, inductor only) keeps eager's low-precision roundings inside fused kernels. Inductor
 otherwise keeps a fused intermediate in float32 in an inference graph but saves it rounded in a training graph, so a
 rollout (no gradients) and its replay with gradients would compute different log-probs under compile.
-``fixed_reductions`` (default on unless ``autotune``) is the same promise for sums: inductor times a reduction kernel's candidate launch
-configurations at its first launch unless told to pick by rule (``deterministic``), and the configuration sets the
-order a row adds up in; the inference and training kernels of one norm are timed apart."""
+``fixed_reductions`` (default on unless ``autotune``) is the same promise for sums: inductor times a reduction
+kernel's candidate launch configurations at its first launch unless told to pick by rule (``deterministic``), and the
+configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def _compile_vae_decoders(spec: PipelineSpec, components: dict[str, Any]) -> str
     decoder's output is the run's result, which the next decode's graph replay would overwrite."""
     policy = spec.policies.compile
     kwargs: dict[str, Any] = {"fullgraph": False, "dynamic": policy.dynamic, "backend": policy.backend}
-    if policy.backend == "inductor" and (options := _torch_compile_options(policy, graphs=False)):
+    without_graphs = policy.model_copy(update={"cudagraphs": False})  # its mode's other options (autotune) stay
+    if policy.backend == "inductor" and (options := _torch_compile_options(without_graphs)):
         kwargs["options"] = options
     compiled = []
     for name, c in spec.model.components.items():
@@ -88,14 +89,12 @@ def _mark_compiled(module: Any) -> None:
             sub._omnispec_compiled = True
 
 
-def _torch_compile_options(policy: Any, graphs: bool = True) -> dict[str, Any]:
+def _torch_compile_options(policy: Any) -> dict[str, Any]:
     """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
-    so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked. ``graphs``
-    false drops the CUDA graphs from the mode (autotune stays)."""
+    so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked."""
     import torch._inductor
 
-    mode = policy.inductor_mode if graphs else ("max-autotune-no-cudagraphs" if policy.autotune else None)
-    options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    options = dict(torch._inductor.list_mode_options(policy.inductor_mode)) if policy.inductor_mode else {}
     if policy.eager_rounding:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:

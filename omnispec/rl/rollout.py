@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..runtime.families import Conditioning, Streams
+from ..runtime.families.base import to_host
 from ..runtime.phases import set_adapter
 from ..runtime.plan import Walk
 from ..runtime.run import Run
@@ -247,7 +248,7 @@ def _record(run: Run, walk: Walk, mask: torch.Tensor, states: list[tuple[int, St
         idx[rows, k] = i
     sigmas = walk.steps.sigmas.cpu()
     return Rollout(
-        states={s: v.cpu() for s, v in stored.items()}, log_probs=sum(per_stream.values()).cpu(),  # type: ignore[union-attr]
+        states={s: to_host(v) for s, v in stored.items()}, log_probs=sum(per_stream.values()).cpu(),  # type: ignore[union-attr]
         stream_log_probs={s: v.cpu() for s, v in per_stream.items()}, sigmas=sigmas[idx],
         timesteps=walk.steps.timesteps.cpu().to(torch.float32)[idx], step_indices=idx + walk.offset,
         positive=run.positive, negative=run.negative, request=run.request, **fields,

@@ -121,9 +121,10 @@ def _cases(ro):
     yield "micro_batch 0", (ro, {"micro_batch": 0}), ValueError, "micro_batch"
     yield "micro_batch str", (ro, {"micro_batch": "2"}), TypeError, "micro_batch"
     yield "grad", (ro, {"grad": "yes"}), TypeError, "grad"
+    yield "exact", (ro, {"exact": 1}), TypeError, "exact"
 
 
-@pytest.mark.parametrize("case", range(23))
+@pytest.mark.parametrize("case", range(24))
 def test_log_prob_refuses_a_rollout_that_does_not_fit_before_any_forward(pipe, ro, no_forward, case):
     name, value, error, where = list(_cases(ro))[case]
     arg, kwargs = value if isinstance(value, tuple) else (value, {})

@@ -82,9 +82,10 @@ def check_rollout_args(prompts: Any, group_size: Any, seed: Any, shared_noise: A
     return list(prompts)
 
 
-def check_replay_args(steps: Any, grad: Any, micro_batch: Any, window: int) -> list[int]:
-    if not isinstance(grad, bool):
-        raise SpecTypeError.single(f"expected a bool, got {type(grad).__name__}", "grad")
+def check_replay_args(steps: Any, grad: Any, micro_batch: Any, exact: Any, window: int) -> list[int]:
+    for name, value in (("grad", grad), ("exact", exact)):
+        if not isinstance(value, bool):
+            raise SpecTypeError.single(f"expected a bool, got {type(value).__name__}", name)
     if micro_batch is not None:
         if not is_int(micro_batch):
             raise SpecTypeError.single(f"expected an int or None, got {type(micro_batch).__name__}", "micro_batch")

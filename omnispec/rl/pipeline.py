@@ -19,6 +19,6 @@ class RLPipeline(Pipeline):
         return rollout(self, prompts, group_size, seed, sampler, shared_noise, **request)
 
     def log_prob(self, rollout: Rollout, steps: Sequence[int] | None = None, grad: bool = True,
-                 micro_batch: int | None = None) -> Replay:
+                 micro_batch: int | None = None, exact: bool = True) -> Replay:
         """Replay stored transitions through the same code, with gradients; see ``omnispec.rl.log_prob``."""
-        return log_prob(self, rollout, steps, grad, micro_batch)
+        return log_prob(self, rollout, steps, grad, micro_batch, exact)

@@ -263,12 +263,21 @@ def log_prob(
     steps: Sequence[int] | None = None,
     grad: bool = True,
     micro_batch: int | None = None,
+    exact: bool = True,
 ) -> Replay:
     """Recompute the log-prob of each stored transition ``states[:, k] -> states[:, k + 1]``.
 
     ``steps`` are positions in the window (default: all). Samples are replayed grouped by the step they
     were at, ``micro_batch`` samples per forward, through the same step body and stepper as the rollout; a
     step of a multi-phase walk (Wan2.2's two experts) runs through the phase, denoiser and adapter that made it.
+
+    With gradients through a compiled denoiser, ``exact`` (the default) takes each prediction's values from a
+    forward without gradients, the inference graphs the rollout ran, and its gradients from the forward with them:
+    the training graphs fuse other kernels (AOTAutograd partitions them out of a joint graph that also saves for the
+    backward), and a reduction fused with other neighbours adds a row up in another order, so their values can
+    differ in the last bits (SD3.5-medium with an fp8 base on an H200: up to 8.6e-5 in the ratio). That costs one
+    more forward per micro-batch; ``exact=False`` skips it and reads the training graphs' values. Eager runs the
+    same kernels either way and replays in one forward.
 
     Before any forward, ``ro`` must be a ``Rollout`` that fits this pipeline: its batch (prompts, group ids,
     seeds, encodings, log-probs), stream names and shapes ``(B, W + 1, ...)`` for the request's geometry,
@@ -282,7 +291,7 @@ def log_prob(
                                    f"{type(ro).__name__}", "rollout")
     if not isinstance(ro.log_probs, torch.Tensor) or ro.log_probs.ndim != 2:
         raise SpecError.single(f"expected shape (B, W), got {shape_of(ro.log_probs)}", "rollout.log_probs")
-    ks = check_replay_args(steps, grad, micro_batch, ro.window)
+    ks = check_replay_args(steps, grad, micro_batch, exact, ro.window)
     if not isinstance(ro.sampler, BaseModel):
         raise SpecTypeError.single(f"expected the sampler spec the rollout ran, got {type(ro.sampler).__name__}",
                                    "rollout.sampler")
@@ -302,6 +311,7 @@ def log_prob(
     means: dict[str, list[list[torch.Tensor | None]]] = {s: [[None] * len(ks) for _ in range(b)] for s in streams}
     sigmas: dict[int, list[float]] = {}  # per walk (by id), its sigmas: each stored state's noise level
     context = torch.enable_grad() if grad else torch.no_grad()
+    two_forwards = grad and exact and pipe.spec.policies.compile.mode != "none"
     with context:
         for col, k in enumerate(ks):
             by_step: dict[int, list[int]] = {}
@@ -322,7 +332,7 @@ def log_prob(
                     images = walk.images.rows(index) if walk.images is not None else None
                     x = pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images,
                                              walk.geometry, sigmas[id(walk)][i])
-                    pred = run.prediction(walk, i, x, rows=sel)
+                    pred = _prediction(run, walk, i, x, sel, two_forwards)
                     result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(dev) for s in streams})
                     for s in streams:
                         out_lp[s][index, col] = result.stream_log_probs[s]  # type: ignore[index]
@@ -332,3 +342,14 @@ def log_prob(
                             means[s][row][col] = result.mean[s][j]  # type: ignore[index]
     stacked = {s: torch.stack([torch.stack(m) for m in means[s]]) for s in streams}  # type: ignore[arg-type]
     return Replay(sum(out_lp.values()), out_lp, stacked, out_std, out_std_t)  # type: ignore[arg-type]
+
+
+def _prediction(run: Run, walk: Walk, i: int, x: Streams, rows: list[int], two_forwards: bool) -> Streams:
+    """The prediction a replay scores: with ``two_forwards``, the values of a forward without gradients (the
+    rollout's kernels) carrying the gradients of one with them (``log_prob``'s ``exact``)."""
+    if not two_forwards:
+        return run.prediction(walk, i, x, rows=rows)
+    with torch.no_grad():
+        values = run.prediction(walk, i, x, rows=rows)
+    traced = run.prediction(walk, i, x, rows=rows)
+    return {s: values[s] + (t - t.detach()) for s, t in traced.items()}  # t - t.detach() is 0 exactly

@@ -230,7 +230,11 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
 
 
 # Kernel families of a profiled step, by kernel name (first match wins): where a compiled step's device time goes.
+# fp8 GEMMs: cuBLAS names them by input types (nvjet "qq": e4m3 x e4m3, "ovscale": per-row scales); inductor names
+# the kernels that compute an fp8 linear's activation scales and casts after the _scaled_mm they feed
 KERNEL_KINDS = (("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+                ("fp8 matmul", re.compile(r"e4m3|f8f8|nvjet_sm\d+_qq|ovscale", re.I)),
+                ("fp8 activation quantization", re.compile(r"^triton_.*_scaled_mm", re.I)),
                 ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm_|addmm", re.I)),
                 ("fused by inductor", re.compile(r"^triton_", re.I)),
                 ("copy and cast", re.compile(r"copy|cast|memcpy|memset|to_copy", re.I)))
@@ -267,25 +271,30 @@ def _profiled(label: str, run, steps: int) -> dict:
             run(1 + steps)
             gi._sync()
         wall = time.perf_counter() - start
+    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps, "wall_ms_per_step": wall * 1e3 / (1 + steps),
+           **kernel_summary(prof, 1 + steps, "_per_step")}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
+    """A finished profile's device kernels, grouped by ``KERNEL_KINDS``, in ms per ``per`` (steps, rollouts), with
+    the ``largest`` kernels by time; on the CPU (smoke runs), the operators' CPU time instead."""
     device = gi.DEVICE == "cuda"
     kernels = {}
     for event in prof.key_averages():
         spent = event.self_device_time_total if device else event.self_cpu_time_total  # microseconds
         if spent > 0 and (not device or event.device_type.name == "CUDA"):
             kernels[event.key] = (kernels.get(event.key, (0.0, 0))[0] + spent, event.count)
-    per_step = {name: (us / 1e3 / (1 + steps), count / (1 + steps)) for name, (us, count) in kernels.items()}
+    per_unit = {name: (us / 1e3 / per, count / per) for name, (us, count) in kernels.items()}
     kinds: dict[str, float] = {}
-    for name, (ms, _) in per_step.items():
+    for name, (ms, _) in per_unit.items():
         kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + ms
-    busy = sum(kinds.values())
-    largest = sorted(per_step.items(), key=lambda item: -item[1][0])[:12]
-    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps,
-           "wall_ms_per_step": wall * 1e3 / (1 + steps), "device_busy_ms_per_step": busy, "kinds_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-           "largest": [{"kernel": name[:120], "ms_per_step": ms, "calls_per_step": calls}
-                       for name, (ms, calls) in largest]}
-    print(json.dumps(row), flush=True)
-    return row
+    top = sorted(per_unit.items(), key=lambda item: -item[1][0])[:largest]
+    return {f"device_busy_ms{unit}": sum(kinds.values()),
+            f"kinds_ms{unit}": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "largest": [{"kernel": name[:120], f"ms{unit}": ms, f"calls{unit}": calls} for name, (ms, calls) in top]}
 
 
 def compile_overrides(variant: str) -> list[str]:
@@ -345,6 +354,8 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *compile_overrides(mode)])
         run = _runner(pipe, w["request"])
         rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
+        if QUANT_PROFILE[0]:
+            rows.append(_profiled(label, run, repeats))
         pipe = run = twin = None
         _release({})
         torch._dynamo.reset()  # the next configuration compiles afresh
@@ -546,6 +557,7 @@ QUANT_COMPILE = ["none", "regional"]  # --quant-compile: the compile modes measu
 QUANT_GRANULARITY: list[str | None] = [None]  # --quant-granularity: fp8 scales per tensor or per row
 QUANT_EXCLUDE: list[str] = []  # --quant-exclude: modules the quant part's policy leaves unquantized
 QUANT_PEER = [True]  # --no-quant-peer: omnispec's rows only (a second process timing a warm compile cache)
+QUANT_PROFILE = [False]  # --quant-profile: each quantized row's device time by kernel kind, as the profile part's
 COMPILE_VARIANTS = ["regional"]  # --compile-variants
 RESULTS: list[Path | None] = [None]  # --json: first calls' stack samples are written beside it
 
@@ -566,6 +578,8 @@ def main() -> None:
                         help="fp8 scale granularities of the quant part (tensor, row), each with every --quant-compile "
                              "mode, in this order; the first is the peer's (default: torchao's)")
     parser.add_argument("--no-quant-peer", action="store_true", help="skip the quant part's diffusers peer")
+    parser.add_argument("--quant-profile", action="store_true",
+                        help="after each quantized row, where its step's device time goes (as --parts profile)")
     parser.add_argument("--quant-exclude", default="", metavar="MODULE[,MODULE...]",
                         help="the quant part's quantization.exclude (e.g. FLUX's modulation linears: "
                              "norm1,norm1_context,norm,norm_out)")
@@ -578,6 +592,7 @@ def main() -> None:
     QUANT_COMPILE[:] = args.quant_compile.split(",")
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]
+    QUANT_PROFILE[:] = [args.quant_profile]
     QUANT_GRANULARITY[:] = args.quant_granularity.split(",") if args.quant_granularity else [None]
     if unknown := set(QUANT_GRANULARITY) - {None, "tensor", "row"}:
         parser.error(f"--quant-granularity: unknown {sorted(unknown)}; choose tensor or row")

@@ -206,6 +206,16 @@ def breakdown(pipeline, run) -> dict:
     return spent | {"total_s": total, "other_s": total - sum(spent.values())}
 
 
+def profiled_rollout(run) -> dict:
+    """One rollout under torch.profiler: its kernels grouped by kind, in ms per rollout, and the largest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gi.DEVICE == "cuda" else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        total, _ = _timed(run)
+    return {"wall_s": total, **gp.kernel_summary(prof, 1, "_per_rollout", largest=20)}
+
+
 def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loop_s: float) -> dict:
     """How far from the hardware the loop's denoiser already is: its FLOPs (counted on one CFG forward of one
     sample), its achieved TFLOP/s in the breakdown, and the largest speed-up any bf16 rollout could reach on
@@ -278,6 +288,10 @@ def main() -> None:
                         help="time the --quantized-base rollout rows before the compiled ones (in a call with less "
                              "time, the rows whose cold compile is longest get the time first); the gradient replay, "
                              "whose backward compiles anew, still comes last")
+    parser.add_argument("--profile-rollout", action="store_true",
+                        help="after each --quantized-base variant's breakdown, profile one of its rollouts: device "
+                             "time by kernel kind (fp8 and bf16 matmuls, attention, inductor's fused kernels) and the "
+                             "largest kernels")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -408,13 +422,13 @@ def replay_ratio(pipe, run_ours, batch: int, label: str, grad_steps: list[int] |
             "latent_dtype": str(rollout.latents.dtype)}
 
 
-def ratio_off(pipe, part, grad_steps: list[int] | None = None) -> float:
+def ratio_off(pipe, part, grad_steps: list[int] | None = None, exact: bool = True) -> float:
     """max |exp(replayed - stored log-prob) - 1| over ``part``: every window step without gradients, or
-    ``grad_steps`` with them."""
+    ``grad_steps`` with them (``exact``: as ``log_prob`` takes it)."""
     if grad_steps is None:
         replayed, stored = pipe.log_prob(part, grad=False).log_probs.cpu(), part.log_probs
     else:
-        replayed = pipe.log_prob(part, steps=grad_steps, grad=True).log_probs.detach().cpu()
+        replayed = pipe.log_prob(part, steps=grad_steps, grad=True, exact=exact).log_probs.detach().cpu()
         stored = part.log_probs[:, grad_steps]
     return (replayed - stored).exp().sub(1).abs().max().item()
 
@@ -542,21 +556,29 @@ def _quantized_variant_rows(args, mods: dict, overrides: list[str], variant: str
     save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
           "dynamo": watch.summary()})
     save({"config": f"{label}: breakdown", **breakdown(pipe, lambda: run_ours("qbd", pipe))})
+    if args.profile_rollout:
+        save({"config": f"{label}: device time of one rollout", **profiled_rollout(lambda: run_ours("qprof", pipe))})
     save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {base} base, {variant}"))
     return pipe, ro.select(range(args.replay_batch))
 
 
 def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
     """Replay with gradients into the LoRA through the quantized base (its backward compiles anew): time per step,
-    which LoRA weights got gradients, and the ratio a trainer reads."""
+    which LoRA weights got gradients, and the ratio a trainer reads; the same with ``exact=False`` (one forward,
+    the training graphs' own values)."""
+    def step(k: int, exact: bool) -> None:
+        pipe.log_prob(part, steps=[k], grad=True, exact=exact).log_probs.sum().backward()
+
     try:
-        samples = [_timed(lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs.sum().backward(), k)[0]
-                   for k in (0, 0, 1, 1)]
+        samples = [_timed(step, k, True)[0] for k in (0, 0, 1, 1)]
+        one_forward = [_timed(step, k, False)[0] for k in (0, 1, 1)]
         lora = [p.grad for name, p in pipe.components["transformer"].named_parameters() if "lora_B" in name]
         save({"config": f"omnispec log_prob with gradients, {method} base", "ms_per_step": statistics.median(
             samples[1:]) * 1e3, "samples_per_replay": args.replay_batch, "samples_ms": [s * 1e3 for s in samples],
+              "ms_per_step_one_forward": statistics.median(one_forward) * 1e3,
               "lora_b_grads_nonzero": sum(g is not None and bool(g.abs().sum() > 0) for g in lora), "lora_b": len(lora),
-              "max_abs_ratio_minus_1": ratio_off(pipe, part, grad_steps=[0, 1])})  # what a trainer's ratio reads
+              "max_abs_ratio_minus_1": ratio_off(pipe, part, grad_steps=[0, 1]),  # what a trainer's ratio reads
+              "max_abs_ratio_minus_1_one_forward": ratio_off(pipe, part, grad_steps=[0, 1], exact=False)})
     except Exception as exc:  # noqa: BLE001 - the rollout rows above stand
         save({"config": f"omnispec log_prob with gradients, {method} base",
               "error": f"{type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:4])[:600]}"})

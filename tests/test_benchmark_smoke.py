@@ -24,10 +24,12 @@ SMOKES = [
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
     # compile part's code again: left out to keep the suite short
     ("gpu_policies", ["--repeats", "1", "--parts", "attention,compile,wan_attention,layerwise,quant,model_offload",
-                      "--quant-compile", "none"], 1),
+                      "--quant-compile", "none", "--quant-profile"], 1),
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)
-    ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae"], 1),
+    ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae",
+                     "--profile-rollout"], 1),
+    ("gpu_replay_bits", [], 1),
     ("gpu_parallel", ["--repeats", "1"], 2),
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code
 ]

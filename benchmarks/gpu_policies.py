@@ -567,6 +567,28 @@ PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_pa
          "wan_attention": wan_attention_part, "layerwise": layerwise_part, "profile": profile_part}
 
 
+def _persistent_reductions_up_to(width: int) -> None:
+    """Inductor's heuristic choices with row reductions persistent up to ``width`` elements (its own limit: 1,024),
+    through its ``inductor_choices_class`` setting, read when the process first compiles."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class WidePersistentReductions(InductorChoices):
+        @classmethod
+        def uuid(cls) -> str:  # what inductor's cache keys read of a custom choices class
+            return f"omnispec-benchmark-persistent-reductions-up-to-{width}"
+
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+            if features.get_reduction_hint() == ReductionHint.INNER and not cooperative_reduction:
+                return V.graph.sizevars.statically_known_leq(features.reduction_numel, width)
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+    config.inductor_choices_class = WidePersistentReductions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="attention,compile,quant,model_offload,wan_attention,layerwise")
@@ -580,6 +602,9 @@ def main() -> None:
     parser.add_argument("--no-quant-peer", action="store_true", help="skip the quant part's diffusers peer")
     parser.add_argument("--quant-profile", action="store_true",
                         help="after each quantized row, where its step's device time goes (as --parts profile)")
+    parser.add_argument("--persistent-reductions-up-to", type=int, default=0, metavar="N",
+                        help="an experiment: inductor makes a row reduction persistent (the row held in registers, "
+                             "read once) up to N wide instead of its own 1,024, for the whole process")
     parser.add_argument("--quant-exclude", default="", metavar="MODULE[,MODULE...]",
                         help="the quant part's quantization.exclude (e.g. FLUX's modulation linears: "
                              "norm1,norm1_context,norm,norm_out)")
@@ -589,6 +614,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
+    if args.persistent_reductions_up_to:
+        _persistent_reductions_up_to(args.persistent_reductions_up_to)
     QUANT_COMPILE[:] = args.quant_compile.split(",")
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]

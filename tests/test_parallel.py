@@ -1,5 +1,7 @@
 """policies.parallel on CPU: processes launched as torchrun would (env://, gloo), compared with one process."""
 
+import contextlib
+import io
 import os
 import socket
 import subprocess
@@ -8,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from omnispec.cli import main
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS
@@ -36,8 +39,12 @@ def launch(nproc: int, args: list[str], timeout: float = 240) -> list[subprocess
 
 
 def single(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omnispec", "run", *args], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    """``omnispec run ...`` in this process (the ranks' reference: a process of its own would spend its first
+    seconds importing torch and diffusers again), its output and exit status as a finished process's."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["run", *args])
+    return subprocess.CompletedProcess(["omnispec", "run", *args], code, out.getvalue(), err.getvalue())
 
 
 def sd3_args(sd3_dir, out, *extra):

@@ -478,7 +478,7 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
 
 
 # compile options that are inductor's alone, which --smoke's aot_eager backend drops
-INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions")
+INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions", "fast_tanh")
 
 
 def _variant_overrides(args, variant: str) -> list[str]:

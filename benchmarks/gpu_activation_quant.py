@@ -1,0 +1,189 @@
+"""What bounds a compiled fp8 activation quantization? One FLUX single block's output projection, alone.
+
+``python -m benchmarks.gpu_activation_quant [--tokens 4608] [--iters 50] [--json FILE]``  (needs CUDA;
+``--smoke``: tiny shapes on the CPU, int8 weights, aot_eager)
+
+With ``fp8_dynamic`` row scales, torchao quantizes each linear's input per row before its ``_scaled_mm``; under
+compile, inductor fuses that (the row's amax, the division by its scale, the cast) with what produced the input.
+In FLUX's single blocks that is the tanh-form GELU of the MLP branch concatenated with the attention output, 4,608
+rows of 15,360: the kernel takes about 0.2 ms a call in a full step's profile, where reading and writing its bytes
+once would take about 0.05. This compiles that projection with omnispec's compile options, in variants that each
+take one piece away or change one option, and reads each kernel's device time from the profiler:
+
+- ``gelu+quant``: ``proj_out(cat(attn, gelu(h)))``, as in the model;
+- ``gelu+quant fast_tanh``: the same with ``compile.fast_tanh`` (its graph pass's rewrites are counted);
+- ``gelu+quant no_eager_rounding``: the same without ``eager_rounding``;
+- ``gelu+quant timed`` / ``tuned``: the same with inductor timing its reduction launch configurations
+  (``fixed_reductions: false``), and then also tuning them by coordinate descent;
+- ``quant``: ``proj_out(cat(attn, h))``, the quantization without the GELU;
+- ``cast``: ``cat(attn, h)`` cast to fp8 with no scale at all (the same bytes in and out, no reduction);
+- ``bf16 gelu``: ``proj_out(cat(attn, gelu(h)))`` on a bf16 weight (the GELU as a bf16 compile fuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import gpu_interpreter as gi
+from . import gpu_policies as gp
+
+ATTN, MLP, OUT = 3072, 12288, 3072  # FLUX.1's single block: attention width, MLP width, proj_out's output
+
+
+def _projection(quantized: bool, smoke: bool) -> torch.nn.Module:
+    from torchao.quantization import quantize_
+
+    from omnispec.policies.quantization import torchao_config
+
+    width, out = (ATTN + MLP, OUT) if not smoke else (80, 16)
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(width, out, device=gi.DEVICE, dtype=torch.bfloat16)
+    if quantized:  # the CPU has no fp8 matmul: the smoke quantizes int8 weights (no activation quantization)
+        quantize_(proj, torchao_config("int8_weight_only") if smoke else torchao_config("fp8_dynamic", "row"))
+    return proj
+
+
+def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
+    """name -> (function of (attn, h), compile policy fields and, under ``inductor``, extra inductor options)."""
+    fp8, bf16 = _projection(True, smoke), _projection(False, smoke)
+    gelu = torch.nn.GELU(approximate="tanh")
+    cast_to = torch.int8 if smoke else torch.float8_e4m3fn
+    return {
+        "gelu+quant": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {}),
+        "gelu+quant fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"fast_tanh": True}),
+        "gelu+quant no_eager_rounding": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"eager_rounding": False}),
+        # inductor times each reduction kernel's candidate launch configurations at first launch, then also walks
+        # its block sizes and warps one step at a time (coordinate descent): what a tuned launch shape is worth
+        "gelu+quant timed": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"fixed_reductions": False}),
+        "gelu+quant tuned": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
+                             {"fixed_reductions": False, "inductor": {"coordinate_descent_tuning": True}}),
+        "quant": (lambda a, h: fp8(torch.cat([a, h], -1)), {}),
+        "cast": (lambda a, h: torch.cat([a, h], -1).to(cast_to), {}),
+        "bf16 gelu": (lambda a, h: bf16(torch.cat([a, gelu(h)], -1)), {}),
+    }
+
+
+def _options(smoke: bool, inductor: dict | None = None, **policy: bool) -> tuple[str, dict]:
+    """torch.compile's backend and inductor options for a compile policy with ``policy``'s fields, and
+    ``inductor``'s options on top (an experiment's, not the policy's)."""
+    from omnispec.policies.compile import _torch_compile_options
+    from omnispec.spec.policies import CompilePolicy
+
+    if smoke:  # inductor's CPU code generation takes minutes for the suite; the smoke checks the script
+        return "aot_eager", {}
+    return "inductor", {**_torch_compile_options(CompilePolicy(mode="regional", **policy)), **(inductor or {})}
+
+
+class _RewriteCounter:
+    """Counts the tanh nodes ``fast_tanh``'s pass meets (0 means it never ran: a cache hit or an inductor that
+    does not call it)."""
+
+    def __init__(self) -> None:
+        from omnispec.policies import fast_tanh
+
+        self.seen = 0
+        self._module, self._call = fast_tanh, fast_tanh.FastTanh.__call__
+        counter = self
+
+        def counting(pass_self, graph: torch.fx.Graph) -> None:
+            counter.seen += sum(n.target is torch.ops.aten.tanh.default for n in graph.nodes)
+            counter._call(pass_self, graph)
+
+        fast_tanh.FastTanh.__call__ = counting
+
+    def close(self) -> None:
+        self._module.FastTanh.__call__ = self._call
+
+
+def measure(name: str, fn: Callable, policy: dict, inputs: tuple, iters: int, smoke: bool,
+            unprofiled: bool = False) -> dict:
+    backend, options = _options(smoke, **policy)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gi.DEVICE == "cuda"
+                                                          else [])
+    torch._dynamo.reset()
+    counter = _RewriteCounter()
+    try:
+        compiled = torch.compile(fn, fullgraph=True, backend=backend, **({"options": options} if options else {}))
+        with torch.no_grad():
+            out = compiled(*inputs)
+            reference = fn(*inputs)
+            for _ in range(3):
+                compiled(*inputs)
+            _synchronize()
+            if unprofiled:  # for an outside profiler (Nsight Compute), which torch's own would contend with
+                start = time.perf_counter()
+                for _ in range(iters):
+                    compiled(*inputs)
+                _synchronize()
+                summary = {"wall_ms_per_call": (time.perf_counter() - start) * 1e3 / iters}
+            else:
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(iters):
+                        compiled(*inputs)
+                    _synchronize()
+                summary = gp.kernel_summary(prof, iters, "_per_call", largest=6)
+    finally:
+        counter.close()
+    row = {"config": name, **summary, "tanh_rewritten": counter.seen}
+    if out.is_floating_point():
+        a, b = out.float().flatten(), reference.float().flatten()
+        row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _synchronize() -> None:
+    if gi.DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4608, help="rows: FLUX.1 at 1024² has 4,096 image + 512 text")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--variants", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--unprofiled", action="store_true",
+                        help="time the calls by the clock, without torch's profiler (to run under Nsight Compute)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
+    args = parser.parse_args()
+    if args.smoke:
+        gi.enable_smoke()
+    tokens, (attn_width, mlp_width) = (8, (16, 64)) if args.smoke else (args.tokens, (ATTN, MLP))
+    torch.manual_seed(1)
+    attn = torch.randn(tokens, attn_width, device=gi.DEVICE, dtype=torch.bfloat16)
+    h = torch.randn(tokens, mlp_width, device=gi.DEVICE, dtype=torch.bfloat16) * 2
+    variants = _variants(args.smoke)
+    wanted = [v for v in args.variants.split(",") if v] or list(variants)
+    if unknown := set(wanted) - set(variants):
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(variants)}")
+    rows = []
+    for name in wanted:
+        fn, policy = variants[name]
+        try:
+            rows.append(measure(name, fn, policy, (attn, h), args.iters, args.smoke, args.unprofiled))
+        except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
+            rows.append({"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=1))
+    print("| config | device ms per call | by kind | tanh rewritten |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | error: {r['error'][:80]} | | |")
+            continue
+        if "wall_ms_per_call" in r:
+            print(f"| {r['config']} | {r['wall_ms_per_call']:.3f} (wall) | | {r['tanh_rewritten']} |")
+            continue
+        kinds = ", ".join(f"{kind} {ms:.3f}" for kind, ms in r["kinds_ms_per_call"].items())
+        print(f"| {r['config']} | {r['device_busy_ms_per_call']:.3f} | {kinds} | {r['tanh_rewritten']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,8 @@ take one piece away or change one option, and reads each kernel's device time fr
 - ``gelu+quant``: ``proj_out(cat(attn, gelu(h)))``, as in the model;
 - ``gelu+quant fast_tanh``: the same with ``compile.fast_tanh`` (its graph pass's rewrites are counted);
 - ``gelu+quant no_eager_rounding``: the same without ``eager_rounding``;
+- ``gelu+quant recompute`` (and ``fast_tanh``): the same with ``compile.recompute_ops``, so the GELU is computed in
+  both passes instead of written out in float32 between them;
 - ``gelu+quant timed`` / ``tuned``: the same with inductor timing its reduction launch configurations
   (``fixed_reductions: false``), and then also tuning them by coordinate descent;
 - ``quant``: ``proj_out(cat(attn, h))``, the quantization without the GELU;
@@ -34,6 +36,7 @@ from . import gpu_interpreter as gi
 from . import gpu_policies as gp
 
 ATTN, MLP, OUT = 3072, 12288, 3072  # FLUX.1's single block: attention width, MLP width, proj_out's output
+RECOMPUTE = 200  # compile.recompute_ops for the recompute variants: above the GELU's operations with eager's roundings
 
 
 def _projection(quantized: bool, smoke: bool) -> torch.nn.Module:
@@ -63,6 +66,9 @@ def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
         "gelu+quant timed": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"fixed_reductions": False}),
         "gelu+quant tuned": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
                              {"fixed_reductions": False, "inductor": {"coordinate_descent_tuning": True}}),
+        "gelu+quant recompute": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"recompute_ops": RECOMPUTE}),
+        "gelu+quant recompute fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
+                                           {"recompute_ops": RECOMPUTE, "fast_tanh": True}),
         "quant": (lambda a, h: fp8(torch.cat([a, h], -1)), {}),
         "cast": (lambda a, h: torch.cat([a, h], -1).to(cast_to), {}),
         "bf16 gelu": (lambda a, h: bf16(torch.cat([a, gelu(h)], -1)), {}),

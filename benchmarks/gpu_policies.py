@@ -299,10 +299,17 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
 
 def compile_overrides(variant: str) -> list[str]:
     """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on;
-    ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``)."""
+    ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``), ``+OPTION=VALUE`` sets one
+    (``regional+recompute_ops=200``)."""
     mode, *options = variant.split("+")
-    return [f"policies.compile.mode={mode}", *(f"policies.compile.{option.removeprefix('no_')}="
-                                               f"{'false' if option.startswith('no_') else 'true'}" for option in options)]
+    return [f"policies.compile.mode={mode}", *(_compile_option(option) for option in options)]
+
+
+def _compile_option(option: str) -> str:
+    """``cudagraphs`` -> on, ``no_eager_rounding`` -> off, ``recompute_ops=200`` -> that value."""
+    if "=" in option:
+        return f"policies.compile.{option}"
+    return f"policies.compile.{option.removeprefix('no_')}={'false' if option.startswith('no_') else 'true'}"
 
 
 def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceiling: float,

@@ -478,7 +478,7 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
 
 
 # compile options that are inductor's alone, which --smoke's aot_eager backend drops
-INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions", "fast_tanh")
+INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions", "fast_tanh", "recompute_ops")
 
 
 def _variant_overrides(args, variant: str) -> list[str]:
@@ -487,7 +487,7 @@ def _variant_overrides(args, variant: str) -> list[str]:
     need CUDA)."""
     if args.smoke:
         mode, *options = variant.split("+")
-        kept = [o for o in options if o.removeprefix("no_") not in INDUCTOR_OPTIONS]
+        kept = [o for o in options if o.removeprefix("no_").split("=")[0] not in INDUCTOR_OPTIONS]
         return [*gp.compile_overrides("+".join([mode, *kept])), "policies.compile.backend=aot_eager"]
     return gp.compile_overrides(variant)
 

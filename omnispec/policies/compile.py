@@ -62,6 +62,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         options += ", eager rounding" if policy.eager_rounding else ""
         options += ", fixed reductions" if policy.reductions_fixed else ""
         options += ", fast tanh" if policy.fast_tanh else ""
+        options += f", recompute up to {policy.recompute_ops} ops" if policy.recompute_ops is not None else ""
     decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
             + decoders)
@@ -105,6 +106,8 @@ def _torch_compile_options(policy: Any) -> dict[str, Any]:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:
         options["deterministic"] = True
+    if policy.recompute_ops is not None:
+        options["realize_opcount_threshold"] = policy.recompute_ops
     if policy.fast_tanh:
         from .fast_tanh import FAST_TANH
 

@@ -11,10 +11,11 @@ once would take about 0.05. This compiles that projection with omnispec's compil
 take one piece away or change one option, and reads each kernel's device time from the profiler:
 
 - ``gelu+quant``: ``proj_out(cat(attn, gelu(h)))``, as in the model;
-- ``gelu+quant fast_tanh``: the same with ``compile.fast_tanh`` (its graph pass's rewrites are counted);
+- ``gelu+quant narrow_stores`` / ``fast_tanh``: the same with one of ``inductor_passes``' graph passes (the row
+  counts what each pass changed);
 - ``gelu+quant no_eager_rounding``: the same without ``eager_rounding``;
-- ``gelu+quant recompute`` (and ``fast_tanh``): the same with ``compile.recompute_ops``, so the GELU is computed in
-  both passes instead of written out in float32 between them;
+- ``gelu+quant recompute`` (and ``fast_tanh``): the same with inductor's ``realize_opcount_threshold`` raised, so
+  the GELU is computed in both loops instead of stored in float32 between them;
 - ``gelu+quant timed`` / ``tuned``: the same with inductor timing its reduction launch configurations
   (``fixed_reductions: false``), and then also tuning them by coordinate descent;
 - ``quant``: ``proj_out(cat(attn, h))``, the quantization without the GELU;
@@ -34,9 +35,10 @@ import torch
 
 from . import gpu_interpreter as gi
 from . import gpu_policies as gp
+from .inductor_passes import Passes
 
 ATTN, MLP, OUT = 3072, 12288, 3072  # FLUX.1's single block: attention width, MLP width, proj_out's output
-RECOMPUTE = 200  # compile.recompute_ops for the recompute variants: above the GELU's operations with eager's roundings
+RECOMPUTE = {"realize_opcount_threshold": 200}  # above the GELU's operations with eager's roundings
 
 
 def _projection(quantized: bool, smoke: bool) -> torch.nn.Module:
@@ -59,84 +61,63 @@ def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
     cast_to = torch.int8 if smoke else torch.float8_e4m3fn
     return {
         "gelu+quant": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {}),
-        "gelu+quant fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"fast_tanh": True}),
+        "gelu+quant narrow_stores": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"passes": ["narrow_stores"]}),
+        "gelu+quant fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"passes": ["fast_tanh"]}),
         "gelu+quant no_eager_rounding": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"eager_rounding": False}),
         # inductor times each reduction kernel's candidate launch configurations at first launch, then also walks
         # its block sizes and warps one step at a time (coordinate descent): what a tuned launch shape is worth
         "gelu+quant timed": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"fixed_reductions": False}),
         "gelu+quant tuned": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
                              {"fixed_reductions": False, "inductor": {"coordinate_descent_tuning": True}}),
-        "gelu+quant recompute": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"recompute_ops": RECOMPUTE}),
+        "gelu+quant recompute": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"inductor": RECOMPUTE}),
         "gelu+quant recompute fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
-                                           {"recompute_ops": RECOMPUTE, "fast_tanh": True}),
+                                           {"inductor": RECOMPUTE, "passes": ["fast_tanh"]}),
         "quant": (lambda a, h: fp8(torch.cat([a, h], -1)), {}),
         "cast": (lambda a, h: torch.cat([a, h], -1).to(cast_to), {}),
         "bf16 gelu": (lambda a, h: bf16(torch.cat([a, gelu(h)], -1)), {}),
     }
 
 
-def _options(smoke: bool, inductor: dict | None = None, **policy: bool) -> tuple[str, dict]:
-    """torch.compile's backend and inductor options for a compile policy with ``policy``'s fields, and
-    ``inductor``'s options on top (an experiment's, not the policy's)."""
+def _options(smoke: bool, passes: Passes, inductor: dict | None = None, **policy: bool) -> tuple[str, dict]:
+    """torch.compile's backend and inductor options for a compile policy with ``policy``'s fields, with
+    ``inductor``'s options and ``passes`` on top (an experiment's, not the policy's)."""
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec.policies import CompilePolicy
 
     if smoke:  # inductor's CPU code generation takes minutes for the suite; the smoke checks the script
         return "aot_eager", {}
-    return "inductor", {**_torch_compile_options(CompilePolicy(mode="regional", **policy)), **(inductor or {})}
-
-
-class _RewriteCounter:
-    """Counts the tanh nodes ``fast_tanh``'s pass meets (0 means it never ran: a cache hit or an inductor that
-    does not call it)."""
-
-    def __init__(self) -> None:
-        from omnispec.policies import fast_tanh
-
-        self.seen = 0
-        self._module, self._call = fast_tanh, fast_tanh.FastTanh.__call__
-        counter = self
-
-        def counting(pass_self, graph: torch.fx.Graph) -> None:
-            counter.seen += sum(n.target is torch.ops.aten.tanh.default for n in graph.nodes)
-            counter._call(pass_self, graph)
-
-        fast_tanh.FastTanh.__call__ = counting
-
-    def close(self) -> None:
-        self._module.FastTanh.__call__ = self._call
+    options = {**_torch_compile_options(CompilePolicy(mode="regional", **policy)), **(inductor or {})}
+    return "inductor", {**options, **({"post_grad_custom_pre_pass": passes} if passes.names else {})}
 
 
 def measure(name: str, fn: Callable, policy: dict, inputs: tuple, iters: int, smoke: bool,
             unprofiled: bool = False) -> dict:
-    backend, options = _options(smoke, **policy)
+    policy = dict(policy)
+    passes = Passes(policy.pop("passes", []))
+    backend, options = _options(smoke, passes, **policy)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gi.DEVICE == "cuda"
                                                           else [])
     torch._dynamo.reset()
-    counter = _RewriteCounter()
-    try:
-        compiled = torch.compile(fn, fullgraph=True, backend=backend, **({"options": options} if options else {}))
-        with torch.no_grad():
-            out = compiled(*inputs)
-            reference = fn(*inputs)
-            for _ in range(3):
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, **({"options": options} if options else {}))
+    with torch.no_grad():
+        out = compiled(*inputs)
+        reference = fn(*inputs)
+        for _ in range(3):
+            compiled(*inputs)
+        _synchronize()
+        if unprofiled:  # for an outside profiler (Nsight Compute), which torch's own would contend with
+            start = time.perf_counter()
+            for _ in range(iters):
                 compiled(*inputs)
             _synchronize()
-            if unprofiled:  # for an outside profiler (Nsight Compute), which torch's own would contend with
-                start = time.perf_counter()
+            summary = {"wall_ms_per_call": (time.perf_counter() - start) * 1e3 / iters}
+        else:
+            with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(iters):
                     compiled(*inputs)
                 _synchronize()
-                summary = {"wall_ms_per_call": (time.perf_counter() - start) * 1e3 / iters}
-            else:
-                with torch.profiler.profile(activities=activities) as prof:
-                    for _ in range(iters):
-                        compiled(*inputs)
-                    _synchronize()
-                summary = gp.kernel_summary(prof, iters, "_per_call", largest=6)
-    finally:
-        counter.close()
-    row = {"config": name, **summary, "tanh_rewritten": counter.seen}
+            summary = gp.kernel_summary(prof, iters, "_per_call", largest=6)
+    row = {"config": name, **summary, "pass_changes": passes.applied}
     if out.is_floating_point():
         a, b = out.float().flatten(), reference.float().flatten()
         row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
@@ -179,16 +160,16 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=1))
-    print("| config | device ms per call | by kind | tanh rewritten |")
+    print("| config | device ms per call | by kind | graph pass changes |")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | error: {r['error'][:80]} | | |")
             continue
         if "wall_ms_per_call" in r:
-            print(f"| {r['config']} | {r['wall_ms_per_call']:.3f} (wall) | | {r['tanh_rewritten']} |")
+            print(f"| {r['config']} | {r['wall_ms_per_call']:.3f} (wall) | | {r['pass_changes'] or ''} |")
             continue
         kinds = ", ".join(f"{kind} {ms:.3f}" for kind, ms in r["kinds_ms_per_call"].items())
-        print(f"| {r['config']} | {r['device_busy_ms_per_call']:.3f} | {kinds} | {r['tanh_rewritten']} |")
+        print(f"| {r['config']} | {r['device_busy_ms_per_call']:.3f} | {kinds} | {r['pass_changes'] or ''} |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
+from . import inductor_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -612,6 +613,9 @@ def main() -> None:
     parser.add_argument("--persistent-reductions-up-to", type=int, default=0, metavar="N",
                         help="an experiment: inductor makes a row reduction persistent (the row held in registers, "
                              "read once) up to N wide instead of its own 1,024, for the whole process")
+    parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
+                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (narrow_stores, "
+                             "fast_tanh) in every compile of the process")
     parser.add_argument("--quant-exclude", default="", metavar="MODULE[,MODULE...]",
                         help="the quant part's quantization.exclude (e.g. FLUX's modulation linears: "
                              "norm1,norm1_context,norm,norm_out)")
@@ -623,6 +627,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.persistent_reductions_up_to:
         _persistent_reductions_up_to(args.persistent_reductions_up_to)
+    inductor_passes.install([p for p in args.inductor_passes.split(",") if p])
     QUANT_COMPILE[:] = args.quant_compile.split(",")
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]

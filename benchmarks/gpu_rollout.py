@@ -33,6 +33,7 @@ import torch
 
 from . import gpu_interpreter as gi
 from . import gpu_policies as gp
+from . import inductor_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
@@ -292,9 +293,13 @@ def main() -> None:
                         help="after each --quantized-base variant's breakdown, profile one of its rollouts: device "
                              "time by kernel kind (fp8 and bf16 matmuls, attention, inductor's fused kernels) and the "
                              "largest kernels")
+    parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
+                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (narrow_stores, "
+                             "fast_tanh) in every compile of the process")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    inductor_passes.install([p for p in args.inductor_passes.split(",") if p])
     if args.smoke:  # tiny models; 5 steps: a window of 3, then one computed and one reused Euler step; one repeat
         gi.enable_smoke()
         args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 1, 2
@@ -478,7 +483,7 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
 
 
 # compile options that are inductor's alone, which --smoke's aot_eager backend drops
-INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions", "fast_tanh", "recompute_ops")
+INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reductions")
 
 
 def _variant_overrides(args, variant: str) -> list[str]:

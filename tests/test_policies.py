@@ -212,37 +212,6 @@ def test_inductor_picks_reductions_by_rule_unless_autotune_times_them():
     assert options("{mode: regional, fixed_reductions: false, eager_rounding: false}") == {}
 
 
-def test_fast_tanh_rewrites_each_tanh_of_a_compiled_graph_within_2e_7():
-    """``fast_tanh`` hands inductor a post-grad pass, keyed for its caches, that computes tanh through a sigmoid in
-    float32 and keeps each tanh's dtype."""
-    import torch
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from omnispec.policies.compile import _torch_compile_options
-    from omnispec.policies.fast_tanh import FAST_TANH
-    from omnispec.spec import load_spec
-
-    def block(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.nn.functional.gelu(x, approximate="tanh"), torch.tanh(y)
-
-    x, y = torch.randn(8, 64, dtype=torch.bfloat16), torch.linspace(-12, 12, 20001)
-    graph = make_fx(block, decomposition_table=select_decomp_table(), tracing_mode="fake")(x, y)
-    aten = torch.ops.aten
-    assert sum(n.target is aten.tanh.default for n in graph.graph.nodes) == 2
-    FAST_TANH(graph.graph)
-    graph.recompile()
-    targets = [n.target for n in graph.graph.nodes]
-    assert aten.tanh.default not in targets and targets.count(aten.sigmoid.default) == 2
-    gelu, tanh = graph(x, y)
-    assert gelu.dtype == torch.bfloat16 and tanh.dtype == torch.float32
-    assert (tanh - torch.tanh(y)).abs().max() <= 2e-7
-    assert (gelu.float() - block(x, y)[0].float()).abs().max() <= 2 ** -7  # at most one bf16 rounding apart
-    assert FAST_TANH.uuid() == FAST_TANH.uuid() and isinstance(FAST_TANH.uuid(), bytes)
-    policy = load_spec(SPECS / "flux1-dev.yaml", ["policies.compile={mode: regional, fast_tanh: true}"]).policies.compile
-    assert _torch_compile_options(policy)["post_grad_custom_pre_pass"] is FAST_TANH
-
-
 def test_vae_compile_needs_a_compiled_run_and_takes_any_backend():
     from omnispec.spec import load_spec
 
@@ -269,7 +238,6 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
     for overrides, message in [
         (["policies.compile={mode: none, cudagraphs: true}"], "apply to compiled code"),
         (["policies.compile={mode: regional, backend: eager, autotune: true}"], "autotune is inductor's"),
-        (["policies.compile={mode: regional, backend: eager, fast_tanh: true}"], "fast_tanh is inductor's"),
         (["policies.compile={mode: full, cudagraphs: true}"], "cudagraphs runs with mode regional"),
         (["policies.compile={mode: regional, autotune: true, fixed_reductions: true}"], "set one of them"),
         (["policies.compile={mode: regional, cudagraphs: true}", "policies.offload={strategy: model}"],

@@ -12,12 +12,7 @@ otherwise keeps a fused intermediate in float32 in an inference graph but saves 
 rollout (no gradients) and its replay with gradients would compute different log-probs under compile.
 ``fixed_reductions`` (default on unless ``autotune``) is the same promise for sums: inductor times a reduction
 kernel's candidate launch configurations at its first launch unless told to pick by rule (``deterministic``), and the
-configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart.
-
-``fast_tanh`` (off by default, inductor only) rewrites each ``tanh`` of a compiled graph as ``2*sigmoid(2x) - 1``
-(``fast_tanh.FastTanh``, an inductor post-grad pass): inductor's Triton code computes ``tanh`` with libdevice's accurate
-routine, and the tanh-form GELU fused with an fp8 activation quantization computes it twice per element (once for
-the row's amax, once for the cast)."""
+configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart."""
 
 from __future__ import annotations
 
@@ -61,8 +56,6 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.backend == "inductor":
         options += ", eager rounding" if policy.eager_rounding else ""
         options += ", fixed reductions" if policy.reductions_fixed else ""
-        options += ", fast tanh" if policy.fast_tanh else ""
-        options += f", recompute up to {policy.recompute_ops} ops" if policy.recompute_ops is not None else ""
     decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
             + decoders)
@@ -106,12 +99,6 @@ def _torch_compile_options(policy: Any) -> dict[str, Any]:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:
         options["deterministic"] = True
-    if policy.recompute_ops is not None:
-        options["realize_opcount_threshold"] = policy.recompute_ops
-    if policy.fast_tanh:
-        from .fast_tanh import FAST_TANH
-
-        options["post_grad_custom_pre_pass"] = FAST_TANH
     return options
 
 

@@ -201,23 +201,9 @@ class CompilePolicy(SpecModel):
         "kernel, or in another process. Inductor only. Default: on, unless autotune (which times every choice, "
         "matmuls too, and which this mode would stop)."))
 
-    recompute_ops: int | None = Field(default=None, ge=1, description=(
-        "The largest fused pointwise expression, in operations, that inductor recomputes in every kernel reading "
-        "it rather than writing it to memory once (its realize_opcount_threshold; default: inductor's, 30 on GPUs). "
-        "An fp8 activation quantization reads its input twice, for the row's amax and for the cast: where that input "
-        "is a GELU with eager's roundings (over 30 operations), inductor writes it out in float32 and reads it back, "
-        "four bytes each way per element. Inductor only."))
-    fast_tanh: bool = Field(default=False, description=(
-        "Inductor computes tanh as 2*sigmoid(2x) - 1, one fast exponential, instead of libdevice's accurate tanh: "
-        "the tanh-form GELU in the feed-forwards of FLUX, SD3 and Wan gets cheaper where it is fused with an fp8 "
-        "activation quantization (which computes it twice). Within about 2e-7 of the accurate tanh, not its bits, "
-        "so outputs move by a rounding against a compile without it; rollouts and their replays compile alike and "
-        "stay exact. Inductor only."))
-
     @model_validator(mode="after")
     def _inductor_options(self) -> CompilePolicy:
-        asked = [name for name in ("cudagraphs", "autotune", "fast_tanh", "recompute_ops", "vae")
-                 if getattr(self, name)]
+        asked = [name for name in ("cudagraphs", "autotune", "vae") if getattr(self, name)]
         if asked and self.mode == "none":
             raise ValueError(f"{' and '.join(asked)} apply to compiled code; set mode regional or full")
         modes = [name for name in asked if name != "vae"]

@@ -8,9 +8,9 @@ conversion: torchao's ``x.to(float32)``, four bytes an element each way where th
 caches by this file's text), installed for the whole process by ``install`` or handed to one compile as
 ``Passes(names)``:
 
-- ``narrow_stores``: a widening conversion (bf16/fp16 to float32) read by several nodes becomes one conversion per
-  reader, so the narrow value is the one with several readers, the one inductor stores. Converting is exact, so the
-  results keep their bits.
+- ``narrow_stores``: the quantization's bf16 input is made a buffer of its own (inductor's
+  ``force_stride_order``), so what the kernel stores between its loops is that bf16 value and the float32 one is a
+  conversion of it recomputed in each loop. Converting is exact, so the results keep their bits.
 - ``fast_tanh``: each tanh computed as ``2*sigmoid(2x) - 1`` (one fast exponential) instead of libdevice's accurate
   tanh, within 2e-7; measured to change nothing on the H200 (the kernel is bound by its stores, not the GELU).
 """
@@ -20,9 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 NARROW = (torch.bfloat16, torch.float16)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def _add(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:
@@ -33,22 +35,41 @@ def _add(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:
 
 
 def narrow_stores(graph: torch.fx.Graph) -> int:
-    """Give every reader but the first of a bf16/fp16 -> float32 conversion its own conversion; returns how many
-    conversions were added."""
+    """Make inductor store a dynamic fp8 quantization's input at its own width: for each bf16/fp16 value ``x`` that a
+    widening conversion hands to a division cast to fp8 (torchao's ``x.to(float32) / scale``, then clamp and cast),
+    every reader of ``x`` reads ``inductor_force_stride_order(x, x's strides)`` instead, which makes ``x`` a buffer
+    (two bytes an element) so that the widened value is a cheap conversion of it, recomputed where read. Left alone,
+    torch 2.11 stores the widened value (four bytes) once the expression behind it passes its 30-operation
+    threshold. Returns how many values it routed so."""
     convert = torch.ops.prims.convert_element_type.default
-    added = 0
+    force = torch.ops.prims.inductor_force_stride_order.default
+    routed = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not convert or len(node.users) < 2:
+        if node.op != "call_function" or node.target is not convert or node.args[1] != torch.float32:
             continue
-        source, dtype = node.args
-        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-        if dtype != torch.float32 or value is None or value.dtype not in NARROW:
+        x = node.args[0]
+        value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if x.op != "call_function" or value is None or value.dtype not in NARROW or not _cast_to_fp8(node):
             continue
-        for reader in list(node.users)[1:]:
-            with graph.inserting_before(reader):
-                reader.replace_input_with(node, _add(graph, convert, source, dtype))
-            added += 1
-    return added
+        if x.target is force or any(user.target is force for user in x.users):
+            continue  # routed already (by an earlier run, or for another conversion of the same value)
+        with graph.inserting_after(x):
+            forced = _add(graph, force, x, list(value.stride()))
+        x.replace_all_uses_with(forced, delete_user_cb=lambda user, forced=forced: user is not forced)
+        routed += 1
+    return routed
+
+
+def _cast_to_fp8(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Whether ``node``'s value reaches a conversion to an fp8 dtype through at most ``depth`` elementwise steps."""
+    steps = {torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.clamp_min.default,
+             torch.ops.aten.clamp_max.default, torch.ops.aten.clamp.default}
+    for user in node.users:
+        if user.target is torch.ops.prims.convert_element_type.default and user.args[1] in FP8:
+            return True
+        if depth > 1 and user.target in steps and _cast_to_fp8(user, depth - 1):
+            return True
+    return False
 
 
 def fast_tanh(graph: torch.fx.Graph) -> int:

@@ -18,6 +18,8 @@ take one piece away or change one option, and reads each kernel's device time fr
   the GELU is computed in both loops instead of stored in float32 between them;
 - ``gelu+quant timed`` / ``tuned``: the same with inductor timing its reduction launch configurations
   (``fixed_reductions: false``), and then also tuning them by coordinate descent;
+- ``ff gelu+quant`` (and ``narrow_stores``): a feed-forward's ``net[2](gelu(h))``, 12,288 wide, as in FLUX's double
+  blocks;
 - ``quant``: ``proj_out(cat(attn, h))``, the quantization without the GELU;
 - ``cast``: ``cat(attn, h)`` cast to fp8 with no scale at all (the same bytes in and out, no reduction);
 - ``bf16 gelu``: ``proj_out(cat(attn, gelu(h)))`` on a bf16 weight (the GELU as a bf16 compile fuses it).
@@ -41,12 +43,12 @@ ATTN, MLP, OUT = 3072, 12288, 3072  # FLUX.1's single block: attention width, ML
 RECOMPUTE = {"realize_opcount_threshold": 200}  # above the GELU's operations with eager's roundings
 
 
-def _projection(quantized: bool, smoke: bool) -> torch.nn.Module:
+def _projection(quantized: bool, smoke: bool, width: int = ATTN + MLP) -> torch.nn.Module:
     from torchao.quantization import quantize_
 
     from omnispec.policies.quantization import torchao_config
 
-    width, out = (ATTN + MLP, OUT) if not smoke else (80, 16)
+    width, out = (width, OUT) if not smoke else (width * 80 // (ATTN + MLP), 16)
     torch.manual_seed(0)
     proj = torch.nn.Linear(width, out, device=gi.DEVICE, dtype=torch.bfloat16)
     if quantized:  # the CPU has no fp8 matmul: the smoke quantizes int8 weights (no activation quantization)
@@ -56,7 +58,7 @@ def _projection(quantized: bool, smoke: bool) -> torch.nn.Module:
 
 def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
     """name -> (function of (attn, h), compile policy fields and, under ``inductor``, extra inductor options)."""
-    fp8, bf16 = _projection(True, smoke), _projection(False, smoke)
+    fp8, bf16, fp8_ff = _projection(True, smoke), _projection(False, smoke), _projection(True, smoke, MLP)
     gelu = torch.nn.GELU(approximate="tanh")
     cast_to = torch.int8 if smoke else torch.float8_e4m3fn
     return {
@@ -72,6 +74,10 @@ def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
         "gelu+quant recompute": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"inductor": RECOMPUTE}),
         "gelu+quant recompute fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
                                            {"inductor": RECOMPUTE, "passes": ["fast_tanh"]}),
+        # the double blocks' feed-forward output (no concatenation): there torch 2.11 recomputes the GELU in both
+        # loops instead of storing anything, so narrow_stores adds a bf16 store where there was none
+        "ff gelu+quant": (lambda a, h: fp8_ff(gelu(h)), {}),
+        "ff gelu+quant narrow_stores": (lambda a, h: fp8_ff(gelu(h)), {"passes": ["narrow_stores"]}),
         "quant": (lambda a, h: fp8(torch.cat([a, h], -1)), {}),
         "cast": (lambda a, h: torch.cat([a, h], -1).to(cast_to), {}),
         "bf16 gelu": (lambda a, h: bf16(torch.cat([a, gelu(h)], -1)), {}),

@@ -61,19 +61,22 @@ def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
     fp8, bf16, fp8_ff = _projection(True, smoke), _projection(False, smoke), _projection(True, smoke, MLP)
     gelu = torch.nn.GELU(approximate="tanh")
     cast_to = torch.int8 if smoke else torch.float8_e4m3fn
+
+    def single_block(a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return fp8(torch.cat([a, gelu(h)], -1))
+
     return {
-        "gelu+quant": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {}),
-        "gelu+quant narrow_stores": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"passes": ["narrow_stores"]}),
-        "gelu+quant fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"passes": ["fast_tanh"]}),
-        "gelu+quant no_eager_rounding": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"eager_rounding": False}),
+        "gelu+quant": (single_block, {}),
+        "gelu+quant narrow_stores": (single_block, {"passes": ["narrow_stores"]}),
+        "gelu+quant fast_tanh": (single_block, {"passes": ["fast_tanh"]}),
+        "gelu+quant no_eager_rounding": (single_block, {"eager_rounding": False}),
         # inductor times each reduction kernel's candidate launch configurations at first launch, then also walks
         # its block sizes and warps one step at a time (coordinate descent): what a tuned launch shape is worth
-        "gelu+quant timed": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"fixed_reductions": False}),
-        "gelu+quant tuned": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
-                             {"fixed_reductions": False, "inductor": {"coordinate_descent_tuning": True}}),
-        "gelu+quant recompute": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)), {"inductor": RECOMPUTE}),
-        "gelu+quant recompute fast_tanh": (lambda a, h: fp8(torch.cat([a, gelu(h)], -1)),
-                                           {"inductor": RECOMPUTE, "passes": ["fast_tanh"]}),
+        "gelu+quant timed": (single_block, {"fixed_reductions": False}),
+        "gelu+quant tuned": (single_block, {"fixed_reductions": False,
+                                            "inductor": {"coordinate_descent_tuning": True}}),
+        "gelu+quant recompute": (single_block, {"inductor": RECOMPUTE}),
+        "gelu+quant recompute fast_tanh": (single_block, {"inductor": RECOMPUTE, "passes": ["fast_tanh"]}),
         # the double blocks' feed-forward output (no concatenation): there torch 2.11 recomputes the GELU in both
         # loops instead of storing anything, so narrow_stores adds a bf16 store where there was none
         "ff gelu+quant": (lambda a, h: fp8_ff(gelu(h)), {}),
@@ -162,7 +165,8 @@ def main() -> None:
         try:
             rows.append(measure(name, fn, policy, (attn, h), args.iters, args.smoke, args.unprofiled))
         except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
-            rows.append({"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            rows.append({"config": name, "error": f"{type(exc).__name__}: {first_line}"})
             print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=1))

@@ -1,10 +1,10 @@
 """Inductor graph passes tried on the fp8 activation quantization (benchmark experiments, not policies).
 
 A compiled fp8_dynamic row quantization fuses into one kernel: a first loop over each row computes the input (say
-a GELU) and its amax, a second divides by the row's scale and casts. Inductor stores the input between the loops
-when it has two readers (the amax and the division) and a long expression behind it, at the width of its last
-conversion: torchao's ``x.to(float32)``, four bytes an element each way where the bf16 value would take two
-(BENCHMARKS.md, issue 27, 2026-12-03). Each pass here is an inductor post-grad custom pass (keyed in inductor's
+a GELU) and its amax, a second divides by the row's scale and casts. What inductor stores between the loops is the
+first value whose expression passes its 30-operation rule: in FLUX's single blocks (a concatenation and a GELU),
+torchao's ``x.to(float32)``, four bytes an element each way where the bf16 value would take two; after a plain GELU,
+nothing (it computes the GELU in both loops) (BENCHMARKS.md, issue 27, 2026-12-03). Each pass here is an inductor post-grad custom pass (keyed in inductor's
 caches by this file's text), installed for the whole process by ``install`` or handed to one compile as
 ``Passes(names)``:
 
@@ -49,7 +49,7 @@ def narrow_stores(graph: torch.fx.Graph) -> int:
             continue
         x = node.args[0]
         value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        if x.op != "call_function" or value is None or value.dtype not in NARROW or not _cast_to_fp8(node):
+        if value is None or x.op != "call_function" or value.dtype not in NARROW or not _cast_to_fp8(node):
             continue
         if x.target is force or any(user.target is force for user in x.users):
             continue  # routed already (by an earlier run, or for another conversion of the same value)

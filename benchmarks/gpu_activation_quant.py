@@ -10,16 +10,17 @@ rows of 15,360: the kernel takes about 0.2 ms a call in a full step's profile, w
 once would take about 0.05. This compiles that projection with omnispec's compile options, in variants that each
 take one piece away or change one option, and reads each kernel's device time from the profiler:
 
-- ``gelu+quant``: ``proj_out(cat(attn, gelu(h)))``, as in the model;
-- ``gelu+quant narrow_stores`` / ``fast_tanh``: the same with one of ``inductor_passes``' graph passes (the row
-  counts what each pass changed);
+- ``gelu+quant``: ``proj_out(cat(attn, gelu(h)))``, as in the model (with omnispec's graph pass, which makes the
+  kernel store the bf16 value between its loops; the row counts the values it routed);
+- ``gelu+quant wide_stores``: the same without omnispec's pass (inductor then stores the float32 widening);
+- ``gelu+quant fast_tanh``: the same with ``inductor_passes``' ``fast_tanh`` (the row counts its changes);
 - ``gelu+quant no_eager_rounding``: the same without ``eager_rounding``;
 - ``gelu+quant recompute`` (and ``fast_tanh``): the same with inductor's ``realize_opcount_threshold`` raised, so
   the GELU is computed in both loops instead of stored in float32 between them;
 - ``gelu+quant timed`` / ``tuned``: the same with inductor timing its reduction launch configurations
   (``fixed_reductions: false``), and then also tuning them by coordinate descent;
-- ``ff gelu+quant`` (and ``narrow_stores``): a feed-forward's ``net[2](gelu(h))``, 12,288 wide, as in FLUX's double
-  blocks;
+- ``ff gelu+quant`` (and ``wide_stores``): a feed-forward's ``net[2](gelu(h))``, 12,288 wide, as in FLUX's double
+  blocks (without omnispec's pass inductor stores nothing there and computes the GELU in both loops);
 - ``quant``: ``proj_out(cat(attn, h))``, the quantization without the GELU;
 - ``cast``: ``cat(attn, h)`` cast to fp8 with no scale at all (the same bytes in and out, no reduction);
 - ``bf16 gelu``: ``proj_out(cat(attn, gelu(h)))`` on a bf16 weight (the GELU as a bf16 compile fuses it).
@@ -34,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from omnispec.policies.compile_passes import NarrowQuantizedInputs
 
 from . import gpu_interpreter as gi
 from . import gpu_policies as gp
@@ -67,7 +70,7 @@ def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
 
     return {
         "gelu+quant": (single_block, {}),
-        "gelu+quant narrow_stores": (single_block, {"passes": ["narrow_stores"]}),
+        "gelu+quant wide_stores": (single_block, {"narrow": False}),
         "gelu+quant fast_tanh": (single_block, {"passes": ["fast_tanh"]}),
         "gelu+quant no_eager_rounding": (single_block, {"eager_rounding": False}),
         # inductor times each reduction kernel's candidate launch configurations at first launch, then also walks
@@ -77,26 +80,34 @@ def _variants(smoke: bool) -> dict[str, tuple[Callable, dict]]:
                                             "inductor": {"coordinate_descent_tuning": True}}),
         "gelu+quant recompute": (single_block, {"inductor": RECOMPUTE}),
         "gelu+quant recompute fast_tanh": (single_block, {"inductor": RECOMPUTE, "passes": ["fast_tanh"]}),
-        # the double blocks' feed-forward output (no concatenation): there torch 2.11 recomputes the GELU in both
-        # loops instead of storing anything, so narrow_stores adds a bf16 store where there was none
+        # the double blocks' feed-forward output (no concatenation): without omnispec's pass torch 2.11 recomputes the
+        # GELU in both loops instead of storing anything; with it the kernel stores the bf16 GELU
         "ff gelu+quant": (lambda a, h: fp8_ff(gelu(h)), {}),
-        "ff gelu+quant narrow_stores": (lambda a, h: fp8_ff(gelu(h)), {"passes": ["narrow_stores"]}),
+        "ff gelu+quant wide_stores": (lambda a, h: fp8_ff(gelu(h)), {"narrow": False}),
         "quant": (lambda a, h: fp8(torch.cat([a, h], -1)), {}),
         "cast": (lambda a, h: torch.cat([a, h], -1).to(cast_to), {}),
         "bf16 gelu": (lambda a, h: bf16(torch.cat([a, gelu(h)], -1)), {}),
     }
 
 
-def _options(smoke: bool, passes: Passes, inductor: dict | None = None, **policy: bool) -> tuple[str, dict]:
+def _options(smoke: bool, passes: Passes, narrow: bool = True, inductor: dict | None = None,
+             **policy: bool) -> tuple[str, dict]:
     """torch.compile's backend and inductor options for a compile policy with ``policy``'s fields, with
-    ``inductor``'s options and ``passes`` on top (an experiment's, not the policy's)."""
+    ``inductor``'s options and ``passes`` on top (an experiment's, not the policy's), and without omnispec's own
+    graph pass unless ``narrow``."""
+    import torch._inductor.config as inductor_config
+
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec.policies import CompilePolicy
 
     if smoke:  # inductor's CPU code generation takes minutes for the suite; the smoke checks the script
         return "aot_eager", {}
-    options = {**_torch_compile_options(CompilePolicy(mode="regional", **policy)), **(inductor or {})}
-    return "inductor", {**options, **({"post_grad_custom_pre_pass": passes} if passes.names else {})}
+    experiment = passes if passes.names else None
+    with inductor_config.patch(post_grad_custom_pre_pass=experiment):  # omnispec's pass chains what it finds here
+        options = {**_torch_compile_options(CompilePolicy(mode="regional", **policy)), **(inductor or {})}
+    if not narrow:
+        options["post_grad_custom_pre_pass"] = experiment
+    return "inductor", options
 
 
 def measure(name: str, fn: Callable, policy: dict, inputs: tuple, iters: int, smoke: bool,
@@ -126,7 +137,9 @@ def measure(name: str, fn: Callable, policy: dict, inputs: tuple, iters: int, sm
                     compiled(*inputs)
                 _synchronize()
             summary = gp.kernel_summary(prof, iters, "_per_call", largest=6)
-    row = {"config": name, **summary, "pass_changes": passes.applied}
+    omnispec_pass = options.get("post_grad_custom_pre_pass")
+    routed = {"omnispec": omnispec_pass.routed} if isinstance(omnispec_pass, NarrowQuantizedInputs) else {}
+    row = {"config": name, **summary, "pass_changes": {**routed, **passes.applied}}
     if out.is_floating_point():
         a, b = out.float().flatten(), reference.float().flatten()
         row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))

@@ -626,6 +626,20 @@ def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(samples), samples
 
 
+def queued_at_return(run, n: int, repeats: int) -> float:
+    """Median seconds the device still had queued when ``run(n)`` returned (the wait in the synchronize after it):
+    near zero means the host set the pace, not the device, so fewer launches (CUDA graphs) or less host work per
+    call would shorten the step; a step the device sets keeps its launches well ahead."""
+    waits = []
+    for _ in range(repeats):
+        _sync()
+        run(n)
+        returned = time.perf_counter()
+        _sync()
+        waits.append(time.perf_counter() - returned)
+    return statistics.median(waits)
+
+
 def per_step_sides(sides: dict, lo: int, hi: int, repeats: int) -> dict[str, tuple[float, list[float]]]:
     """``per_step`` for several sides at once, one sample of each per round, the order reversed every other round:
     clocks that drift during a call (the GPU warming up, a neighbour's load) then hit every side alike, where

@@ -152,8 +152,9 @@ def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
     with torch.no_grad():
         run(lo)  # warm-up (and lazy compilation)
         med, samples = gi.per_step(run, lo, hi, repeats)
+        queued = gi.queued_at_return(run, hi, repeats)
     return {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling,
-            "peak_gib": _peak(run, lo)}
+            "queued_ms_at_return": queued * 1e3, "peak_gib": _peak(run, lo)}
 
 
 def attention_part(repeats: int, ceiling: float) -> list[dict]:
@@ -614,8 +615,8 @@ def main() -> None:
                         help="an experiment: inductor makes a row reduction persistent (the row held in registers, "
                              "read once) up to N wide instead of its own 1,024, for the whole process")
     parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
-                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (narrow_stores, "
-                             "fast_tanh) in every compile of the process")
+                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (fast_tanh), "
+                             "after omnispec's own, in every compile of the process")
     parser.add_argument("--quant-exclude", default="", metavar="MODULE[,MODULE...]",
                         help="the quant part's quantization.exclude (e.g. FLUX's modulation linears: "
                              "norm1,norm1_context,norm,norm_out)")

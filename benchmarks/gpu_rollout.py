@@ -294,8 +294,8 @@ def main() -> None:
                              "time by kernel kind (fp8 and bf16 matmuls, attention, inductor's fused kernels) and the "
                              "largest kernels")
     parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
-                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (narrow_stores, "
-                             "fast_tanh) in every compile of the process")
+                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (fast_tanh), "
+                             "after omnispec's own, in every compile of the process")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

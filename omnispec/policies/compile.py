@@ -91,14 +91,18 @@ def _mark_compiled(module: Any) -> None:
 
 def _torch_compile_options(policy: Any) -> dict[str, Any]:
     """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
-    so the mode goes in as the options inductor lists for it), and eager's roundings kept where asked."""
+    so the mode goes in as the options inductor lists for it), eager's roundings kept where asked, and the graph pass
+    that stores a dynamic fp8 quantization's input narrow (``compile_passes``)."""
     import torch._inductor
+
+    from .compile_passes import NarrowQuantizedInputs  # imports inductor's graph-pass machinery: only when compiling
 
     options = dict(torch._inductor.list_mode_options(policy.inductor_mode)) if policy.inductor_mode else {}
     if policy.eager_rounding:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:
         options["deterministic"] = True
+    options["post_grad_custom_pre_pass"] = NarrowQuantizedInputs(then=torch._inductor.config.post_grad_custom_pre_pass)
     return options
 
 

@@ -94,3 +94,20 @@ def test_inductor_runs_the_pass_and_the_compiled_quantization_keeps_eagers_bits(
     assert options["post_grad_custom_pre_pass"].routed == 2
     assert torch.equal(scale, want_scale)
     assert torch.equal(_bits(quantized), _bits(want_quantized))
+
+
+def test_the_pass_keeps_inductors_graph_cache_warm(tmp_path, monkeypatch):
+    """The pass keys inductor's FX graph cache by its file's hash, so a second compile of the same graph (a new
+    process, a rebuilt pipeline) is a cache hit, not a bypass: the warm-cache compile times hold with it."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters.clear()
+    h = torch.randn(8, 64, dtype=torch.bfloat16) * 3
+    for _ in range(2):
+        torch._dynamo.reset()
+        options = {**_torch_compile_options(CompilePolicy(mode="regional")), "fx_graph_cache": True}
+        with inductor_config.patch(fx_graph_remote_cache=False):
+            torch.compile(row_quantized, fullgraph=True, options=options)(h)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1

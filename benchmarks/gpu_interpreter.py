@@ -612,7 +612,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
+def per_step(run, lo: int, hi: int, repeats: int, queued: list[float] | None = None) -> tuple[float, list[float]]:
+    """Median seconds per step ((time of ``hi`` steps - time of ``lo``) / (hi - lo)) and the samples. ``queued``, if
+    given, collects how long the device was still busy after each ``run(hi)`` returned (the wait in the synchronize
+    after it): near zero means the host set the pace, not the device."""
     samples = []
     for _ in range(repeats):
         times = {}
@@ -620,24 +623,13 @@ def per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
             _sync()
             start = time.perf_counter()
             run(n)
+            returned = time.perf_counter()
             _sync()
             times[n] = time.perf_counter() - start
+            if n == hi and queued is not None:
+                queued.append(time.perf_counter() - returned)
         samples.append((times[hi] - times[lo]) / (hi - lo))
     return statistics.median(samples), samples
-
-
-def queued_at_return(run, n: int, repeats: int) -> float:
-    """Median seconds the device still had queued when ``run(n)`` returned (the wait in the synchronize after it):
-    near zero means the host set the pace, not the device, so fewer launches (CUDA graphs) or less host work per
-    call would shorten the step; a step the device sets keeps its launches well ahead."""
-    waits = []
-    for _ in range(repeats):
-        _sync()
-        run(n)
-        returned = time.perf_counter()
-        _sync()
-        waits.append(time.perf_counter() - returned)
-    return statistics.median(waits)
 
 
 def per_step_sides(sides: dict, lo: int, hi: int, repeats: int) -> dict[str, tuple[float, list[float]]]:

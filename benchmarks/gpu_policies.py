@@ -151,10 +151,10 @@ def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
         lo, hi = 1, 2
     with torch.no_grad():
         run(lo)  # warm-up (and lazy compilation)
-        med, samples = gi.per_step(run, lo, hi, repeats)
-        queued = gi.queued_at_return(run, hi, repeats)
+        queued: list[float] = []
+        med, samples = gi.per_step(run, lo, hi, repeats, queued)
     return {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling,
-            "queued_ms_at_return": queued * 1e3, "peak_gib": _peak(run, lo)}
+            "queued_ms_at_return": statistics.median(queued) * 1e3, "peak_gib": _peak(run, lo)}
 
 
 def attention_part(repeats: int, ceiling: float) -> list[dict]:
@@ -302,13 +302,13 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
 def compile_overrides(variant: str) -> list[str]:
     """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on;
     ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``), ``+OPTION=VALUE`` sets one
-    (``regional+recompute_ops=200``)."""
+    (``regional+backend=aot_eager``)."""
     mode, *options = variant.split("+")
     return [f"policies.compile.mode={mode}", *(_compile_option(option) for option in options)]
 
 
 def _compile_option(option: str) -> str:
-    """``cudagraphs`` -> on, ``no_eager_rounding`` -> off, ``recompute_ops=200`` -> that value."""
+    """``cudagraphs`` -> on, ``no_eager_rounding`` -> off, ``backend=aot_eager`` -> that value."""
     if "=" in option:
         return f"policies.compile.{option}"
     return f"policies.compile.{option.removeprefix('no_')}={'false' if option.startswith('no_') else 'true'}"
@@ -614,9 +614,7 @@ def main() -> None:
     parser.add_argument("--persistent-reductions-up-to", type=int, default=0, metavar="N",
                         help="an experiment: inductor makes a row reduction persistent (the row held in registers, "
                              "read once) up to N wide instead of its own 1,024, for the whole process")
-    parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
-                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (fast_tanh), "
-                             "after omnispec's own, in every compile of the process")
+    inductor_passes.add_argument(parser)
     parser.add_argument("--quant-exclude", default="", metavar="MODULE[,MODULE...]",
                         help="the quant part's quantization.exclude (e.g. FLUX's modulation linears: "
                              "norm1,norm1_context,norm,norm_out)")
@@ -628,7 +626,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.persistent_reductions_up_to:
         _persistent_reductions_up_to(args.persistent_reductions_up_to)
-    inductor_passes.install([p for p in args.inductor_passes.split(",") if p])
+    inductor_passes.install(args.inductor_passes)
     QUANT_COMPILE[:] = args.quant_compile.split(",")
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
     QUANT_PEER[:] = [not args.no_quant_peer]

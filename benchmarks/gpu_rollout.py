@@ -293,13 +293,11 @@ def main() -> None:
                         help="after each --quantized-base variant's breakdown, profile one of its rollouts: device "
                              "time by kernel kind (fp8 and bf16 matmuls, attention, inductor's fused kernels) and the "
                              "largest kernels")
-    parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
-                        help="an experiment: inductor graph passes from benchmarks/inductor_passes.py (fast_tanh), "
-                             "after omnispec's own, in every compile of the process")
+    inductor_passes.add_argument(parser)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    inductor_passes.install([p for p in args.inductor_passes.split(",") if p])
+    inductor_passes.install(args.inductor_passes)
     if args.smoke:  # tiny models; 5 steps: a window of 3, then one computed and one reused Euler step; one repeat
         gi.enable_smoke()
         args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 1, 2

@@ -13,6 +13,7 @@ by ``install`` or handed to one compile as ``Passes(names)``; omnispec's own pas
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
@@ -73,9 +74,18 @@ class Passes(CustomGraphPass):
         return get_hash_for_files((__file__,)), tuple(self.names)
 
 
-def install(names: list[str]) -> Passes | None:
-    """Run the named passes in every compile of this process (inductor's ``post_grad_custom_pre_pass``); omnispec's
-    compile options chain them after their own pass, so its compiles take them too."""
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks' ``--inductor-passes`` option, which ``install`` takes."""
+    parser.add_argument("--inductor-passes", default="", metavar="PASS[,PASS...]",
+                        help=f"an experiment: inductor graph passes from benchmarks/inductor_passes.py "
+                             f"({', '.join(PASSES)}), after omnispec's own, in every compile of the process")
+
+
+def install(names: str | list[str]) -> Passes | None:
+    """Run the named passes (a list, or ``--inductor-passes``' comma-separated names) in every compile of this
+    process (inductor's ``post_grad_custom_pre_pass``); omnispec's compile options chain them after their own pass,
+    so its compiles take them too."""
+    names = [n for n in names.split(",") if n] if isinstance(names, str) else names
     if not names:
         return None
     import torch._inductor.config as inductor

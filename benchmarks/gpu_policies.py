@@ -169,7 +169,8 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - an unusable backend is a result, not a crash
             rows.append({"part": "attention", "config": backend, "error": str(exc).splitlines()[0]})
             continue
-        row = {"part": "attention", "config": backend, **_measure(_runner(pipe, w["request"]), 2, 4, repeats, flops, ceiling)}
+        row = {"part": "attention", "config": backend,
+               **_measure(_runner(pipe, w["request"]), 2, 4, repeats, flops, ceiling)}
         if backend == "auto":
             row["explain"] = pipe.explain(as_dict=True)["attention"]
             from omnispec.policies.attention import AUTO_CHOICES
@@ -194,7 +195,8 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
                 output_type="latent", **w["diffusers_kwargs"])
 
         try:
-            rows.append({"part": "attention", "config": f"diffusers {name}", **_measure(run, 2, 4, repeats, flops, ceiling)})
+            rows.append({"part": "attention", "config": f"diffusers {name}",
+                         **_measure(run, 2, 4, repeats, flops, ceiling)})
         except Exception as exc:  # noqa: BLE001
             rows.append({"part": "attention", "config": f"diffusers {name}", "error": str(exc).splitlines()[0]})
         finally:
@@ -219,14 +221,17 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     rows.append(_compiled_row("compile", "diffusers compile_repeated_blocks", run_peer, flops, repeats, ceiling))
     twin = run_peer = None
     _release({})
+    torch._dynamo.reset()  # else the first variant's blocks are guarded against the peer's entries and recompile
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
     for variant in COMPILE_VARIANTS:
-        if SMOKE_COMPILE and "+" in variant:  # inductor's modes: the smoke's aot_eager backend has none
+        if SMOKE_COMPILE and _inductor_only(variant):
             continue
+        prepare_model(variant, mods["transformer"])
         pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
         rows.append(_compiled_row("compile", variant.replace("+", " + "), _runner(pipe, w["request"]), flops,
                                   repeats, ceiling))
         pipe = None
+        unprepare_model(mods["transformer"])
         torch._dynamo.reset()  # the next variant compiles afresh, in its own mode
     return rows
 
@@ -251,11 +256,13 @@ def profile_part(repeats: int, ceiling: float) -> list[dict]:
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
     rows = [_profiled("eager", run_plain, repeats)]
     for variant in COMPILE_VARIANTS:
-        if SMOKE_COMPILE and "+" in variant:
+        if SMOKE_COMPILE and _inductor_only(variant):
             continue
+        prepare_model(variant, mods["transformer"])
         pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
         rows.append(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
         pipe = None
+        unprepare_model(mods["transformer"])
         torch._dynamo.reset()
     return rows
 
@@ -273,8 +280,8 @@ def _profiled(label: str, run, steps: int) -> dict:
             run(1 + steps)
             gi._sync()
         wall = time.perf_counter() - start
-    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps, "wall_ms_per_step": wall * 1e3 / (1 + steps),
-           **kernel_summary(prof, 1 + steps, "_per_step")}
+    row = {"part": "profile", "config": label, "steps_profiled": 1 + steps,
+           "wall_ms_per_step": wall * 1e3 / (1 + steps), **kernel_summary(prof, 1 + steps, "_per_step")}
     print(json.dumps(row), flush=True)
     return row
 
@@ -299,12 +306,35 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
             "largest": [{"kernel": name[:120], f"ms{unit}": ms, f"calls{unit}": calls} for name, (ms, calls) in top]}
 
 
+# Variant options that change the model rather than the compile policy (an experiment of this benchmark):
+# ``fused_qkv`` runs diffusers' ``fuse_qkv_projections`` on the transformer first (one matmul for each attention's
+# query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear.
+MODEL_OPTIONS = ("fused_qkv",)
+
+
 def compile_overrides(variant: str) -> list[str]:
     """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on;
     ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``), ``+OPTION=VALUE`` sets one
-    (``regional+backend=aot_eager``)."""
+    (``regional+backend=aot_eager``); ``MODEL_OPTIONS`` are left to ``prepare_model``."""
     mode, *options = variant.split("+")
-    return [f"policies.compile.mode={mode}", *(_compile_option(option) for option in options)]
+    return [f"policies.compile.mode={mode}",
+            *(_compile_option(option) for option in options if option not in MODEL_OPTIONS)]
+
+
+def _inductor_only(variant: str) -> bool:
+    """Whether ``variant`` sets a compile option only inductor has (cudagraphs, autotune, ...): the smoke's
+    aot_eager backend has none, so the smoke leaves such variants out."""
+    return any(option not in MODEL_OPTIONS for option in variant.split("+")[1:])
+
+
+def prepare_model(variant: str, transformer: torch.nn.Module) -> None:
+    """Apply ``variant``'s model options to ``transformer`` (undone by ``unprepare_model``)."""
+    if "fused_qkv" in variant.split("+"):
+        transformer.fuse_qkv_projections()
+
+
+def unprepare_model(transformer: torch.nn.Module) -> None:
+    transformer.unfuse_qkv_projections()
 
 
 def _compile_option(option: str) -> str:
@@ -360,6 +390,7 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
         policy, base = quantized_transformer(method, granularity, QUANT_EXCLUDE)
         label = base + (f" + {mode.replace('+', ' + ')} compile" if mode != "none" else " eager")
         twin = _plain_copy(mods["transformer"])
+        prepare_model(mode, twin)  # before the build quantizes it
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *compile_overrides(mode)])
         run = _runner(pipe, w["request"])
         rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
@@ -490,7 +521,8 @@ def model_offload_part(repeats: int, ceiling: float, per_step: bool = True) -> l
     plain = None
     _release(mods)
     offloaded = _build(w["spec"], mods, ["policies.offload.strategy=model"])
-    rows.append(row({"part": "model_offload", "config": "model"}, lambda fresh: _runner(offloaded, w["request"], fresh)))
+    rows.append(row({"part": "model_offload", "config": "model"},
+                    lambda fresh: _runner(offloaded, w["request"], fresh)))
     from omnispec.bridge import hook_registry
     from omnispec.policies.offload.model import HOOK_NAME
 
@@ -620,7 +652,8 @@ def main() -> None:
                              "norm1,norm1_context,norm,norm_out)")
     parser.add_argument("--compile-variants", default="regional",
                         help="omnispec compile configurations of the compile part, comma-separated: a mode, each "
-                             "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune)")
+                             "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune); the option "
+                             "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
@@ -647,7 +680,8 @@ def main() -> None:
         try:
             rows += PARTS[part](args.repeats, ceiling)
         except Exception as exc:  # noqa: BLE001 - keep the other parts' results
-            rows.append({"part": part, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            rows.append({"part": part, "error": f"{type(exc).__name__}: {first_line}"})
             print(json.dumps(rows[-1]), flush=True)
         gi.free_device_memory()
         if args.json:

@@ -31,6 +31,7 @@ SMOKES = [
     ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae",
                      "--profile-rollout"], 1),
     ("gpu_activation_quant", ["--iters", "2"], 1),
+    ("gpu_norm_rope", [], 1),
     ("gpu_replay_bits", ["--parts", "block,attn.to_q"], 1),  # the whole block and one LoRA linear: every code path
     ("gpu_parallel", ["--repeats", "1"], 2),
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code

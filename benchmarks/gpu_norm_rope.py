@@ -1,0 +1,244 @@
+"""Can FLUX's q/k RMS norms and RoPE run at the memory's speed? The attention's input preparation, alone.
+
+``python -m benchmarks.gpu_norm_rope [--iters 100] [--json FILE]``  (needs CUDA; ``--smoke``: tiny shapes on the
+CPU, aot_eager, without the Triton kernel)
+
+In a compiled FLUX.1-dev 1024² step inductor fuses each single block's q/k RMS norms with the interleaved RoPE into
+one looped reduction that moved its bytes at 1.2 TB/s, where a plain cast reaches 4.2 (BENCHMARKS.md, 2026-12-03).
+This times that preparation at the single block's shapes (one sequence of 4,608 tokens) and the double block's
+(512 text tokens normed with their own weights, then 4,096 image tokens, concatenated before the RoPE), 24 heads of
+128, bf16, in variants:
+
+- ``eager``: diffusers' own code (``torch.nn.RMSNorm``, ``apply_rotary_emb``), uncompiled: the reference;
+- ``inductor``: the same compiled with omnispec's compile options (what a compiled step runs now);
+- ``inductor pairs``: the same arithmetic written on (even, odd) pairs instead of ``stack``/``unbind``;
+- ``triton TxHxW``: one hand-written kernel per tensor (the norm, eager's rounding, the RoPE, one read, one write),
+  each program taking T tokens of H heads with W warps (``--triton-configs``);
+- ``copy``: q and k copied, the same bytes once each way: the floor.
+
+Each row gives device microseconds per call (CUDA events over replays of the call recorded as a CUDA graph, the
+median of five rounds), the bytes a call must move, their rate, and the output's distance from eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+
+from . import gpu_interpreter as gi
+
+HEADS, HEAD_DIM, TEXT, IMAGE = 24, 128, 512, 4096  # FLUX.1 at 1024²
+EPS = 1e-6
+
+
+class NormRope(torch.nn.Module):
+    """FLUX attention's preparation of q and k as diffusers writes it (``FluxAttnProcessor``): RMS norms per head,
+    the text stream's with their own weights and put first, then the interleaved RoPE over the whole sequence."""
+
+    def __init__(self, head_dim: int, pairs: bool = False):
+        super().__init__()
+        self.pairs = pairs
+        for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            norm = torch.nn.RMSNorm(head_dim, eps=EPS)
+            torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+            setattr(self, name, norm)
+
+    def forward(self, q, k, cos, sin, text_q=None, text_k=None):
+        q, k = self.norm_q(q), self.norm_k(k)
+        if text_q is not None:
+            q = torch.cat([self.norm_added_q(text_q), q], dim=1)
+            k = torch.cat([self.norm_added_k(text_k), k], dim=1)
+        if self.pairs:
+            return _rope_pairs(q, cos, sin), _rope_pairs(k, cos, sin)
+        return apply_rotary_emb(q, (cos, sin), sequence_dim=1), apply_rotary_emb(k, (cos, sin), sequence_dim=1)
+
+
+def _rope_pairs(x, cos, sin):
+    """``apply_rotary_emb``'s arithmetic (float32 products, one rounding) on (even, odd) pairs."""
+    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos_even, cos_odd = cos[None, :, None, :].unflatten(-1, (-1, 2)).unbind(-1)
+    sin_even, sin_odd = sin[None, :, None, :].unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd], dim=-1).flatten(-2).to(
+        x.dtype)
+
+
+def _triton_norm_rope(module: NormRope, tokens_per_program: int = 16, heads_per_program: int = 8,
+                      warps: int = 4) -> Callable:
+    """The preparation as one Triton kernel per tensor. Triton rather than a library's kernel: none on this stack
+    fuses a per-head RMS norm with FLUX's interleaved RoPE, and the two apart move the bytes twice."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(first, second, out, weight_first, weight_second, cos, sin, tokens, first_tokens, eps,
+               first_sb, first_st, first_sh, second_sb, second_st, second_sh, out_sb, out_st, out_sh,
+               TOKENS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr):
+        # A program takes TOKENS tokens of HEADS heads: each token's angles are read once for all its heads (read
+        # per head, they were four times the bytes of q itself)
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+        h0 = tl.program_id(1) * HEADS
+        b = tl.program_id(2)
+        live = (t < tokens)[:, None]
+        col = tl.arange(0, D)
+        in_first = (t < first_tokens)[:, None]
+        angles = t[:, None] * D + col[None, :]
+        cos_even, cos_odd = tl.split(tl.reshape(tl.load(cos + angles, mask=live, other=0.0), (TOKENS, D // 2, 2)))
+        sin_even, sin_odd = tl.split(tl.reshape(tl.load(sin + angles, mask=live, other=0.0), (TOKENS, D // 2, 2)))
+        w = tl.where(in_first, tl.load(weight_first + col)[None, :], tl.load(weight_second + col)[None, :])
+        w = w.to(tl.float32)
+        source = tl.where(in_first, first + (b * first_sb + t * first_st)[:, None],
+                          second + (b * second_sb + (t - first_tokens) * second_st)[:, None]) + col[None, :]
+        head_stride = tl.where(in_first, first_sh, second_sh)
+        target = out + (b * out_sb + t * out_st)[:, None] + col[None, :]
+        for i in tl.static_range(HEADS):
+            h = h0 + i
+            x = tl.load(source + h * head_stride, mask=live, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+            normed = (x * rstd[:, None] * w).to(out.dtype.element_ty).to(tl.float32)  # the norm's output
+            even, odd = tl.split(tl.reshape(normed, (TOKENS, D // 2, 2)))
+            rotated = tl.join(even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd)
+            tl.store(target + h * out_sh, tl.reshape(rotated, (TOKENS, D)).to(out.dtype.element_ty), mask=live)
+
+    def prepare(x, norm, cos, sin, text=None, text_norm=None):
+        first, first_norm = (text, text_norm) if text is not None else (x, norm)
+        batch, tokens, heads = x.shape[0], x.shape[1] + (text.shape[1] if text is not None else 0), x.shape[2]
+        out = torch.empty(batch, tokens, heads, x.shape[3], device=x.device, dtype=x.dtype)
+        per_program = next(n for n in range(min(heads_per_program, heads), 0, -1) if heads % n == 0)
+        kernel[(triton.cdiv(tokens, tokens_per_program), heads // per_program, batch)](
+            first, x, out, first_norm.weight, norm.weight, cos, sin, tokens,
+            first.shape[1] if text is not None else tokens, norm.eps, *first.stride()[:3], *x.stride()[:3],
+            *out.stride()[:3], TOKENS=tokens_per_program, HEADS=per_program, D=x.shape[3], num_warps=warps,
+            enable_fp_fusion=False)  # no fused multiply-adds: eager's roundings
+        return out
+
+    def run(q, k, cos, sin, text_q=None, text_k=None):
+        return (prepare(q, module.norm_q, cos, sin, text_q, module.norm_added_q),
+                prepare(k, module.norm_k, cos, sin, text_k, module.norm_added_k))
+
+    return run
+
+
+def _compiled(module: torch.nn.Module, smoke: bool) -> Callable:
+    from omnispec.policies.compile import _torch_compile_options
+    from omnispec.spec.policies import CompilePolicy
+
+    torch._dynamo.reset()
+    if smoke:  # inductor's CPU code generation is slow for the suite; the smoke checks the script
+        return torch.compile(module, fullgraph=True, backend="aot_eager")
+    return torch.compile(module, fullgraph=True, options=_torch_compile_options(CompilePolicy(mode="regional")))
+
+
+def _copy(q, k, cos, sin, text_q=None, text_k=None):
+    return tuple(x.clone() for x in (q, k, text_q, text_k) if x is not None)
+
+
+def _microseconds(fn: Callable, inputs: tuple, iters: int) -> list[float]:
+    """Device time per call: on CUDA the call is recorded once as a CUDA graph and replayed, so the host's launch
+    cost (a Triton kernel's Python launcher takes tens of microseconds) is not timed, as in a step under CUDA
+    graphs."""
+    rounds = []
+    if gi.DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*inputs)
+    for _ in range(5):
+        if gi.DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            rounds.append(start.elapsed_time(end) * 1e3 / iters)
+        else:
+            begin = time.perf_counter()
+            for _ in range(iters):
+                fn(*inputs)
+            rounds.append((time.perf_counter() - begin) * 1e6 / iters)
+    return rounds
+
+
+def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple, iters: int) -> dict:
+    with torch.no_grad():
+        for _ in range(3):  # compilation, autotuning, the allocator
+            out = fn(*inputs)
+        rounds = _microseconds(fn, inputs, iters)
+    q, k = inputs[0], inputs[1]
+    moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * inputs[2].numel() * inputs[2].element_size()
+    if len(inputs) > 4:
+        moved += 2 * (inputs[4].numel() + inputs[5].numel()) * q.element_size()
+    us = statistics.median(rounds)
+    row = {"shape": shape, "config": name, "us_per_call": us, "rounds_us": rounds, "bytes": moved,
+           "tb_per_s": moved / us / 1e6}
+    if name != "copy":
+        got, want = torch.cat([o.flatten() for o in out]).float(), torch.cat([o.flatten() for o in reference]).float()
+        row["max_abs_vs_eager"] = float((got - want).abs().max())
+        row["share_differing_vs_eager"] = float((got != want).float().mean())
+        row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--triton-configs", default="16x8x4",
+                        help="the Triton kernel's launch shapes, comma-separated: tokens x heads per program x warps")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
+    args = parser.parse_args()
+    if args.smoke:
+        gi.enable_smoke()
+    heads, head_dim, text, image = (2, 16, 2, 6) if args.smoke else (HEADS, HEAD_DIM, TEXT, IMAGE)
+    iters = 2 if args.smoke else args.iters
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+
+    def tensor(tokens):
+        return torch.randn(1, tokens, heads, head_dim, device=gi.DEVICE, dtype=dtype) * 3
+
+    angles = torch.rand(text + image, head_dim // 2, device=gi.DEVICE) * 6.3
+    cos, sin = (f(angles).repeat_interleave(2, dim=1).contiguous() for f in (torch.cos, torch.sin))
+    shapes = {"single block": (tensor(text + image), tensor(text + image), cos, sin),
+              "double block": (tensor(image), tensor(image), cos, sin, tensor(text), tensor(text))}
+    module = NormRope(head_dim).to(gi.DEVICE, dtype)
+    pairs = NormRope(head_dim, pairs=True).to(gi.DEVICE, dtype)
+    pairs.load_state_dict(module.state_dict())
+    variants: dict[str, Callable] = {"eager": module, "inductor": _compiled(module, args.smoke)}
+    variants["inductor pairs"] = _compiled(pairs, args.smoke)
+    if gi.DEVICE == "cuda":
+        for config in args.triton_configs.split(","):
+            tokens, heads_per_program, warps = (int(n) for n in config.split("x"))
+            variants[f"triton {config}"] = _triton_norm_rope(module, tokens, heads_per_program, warps)
+    variants["copy"] = _copy
+    rows = []
+    for shape, inputs in shapes.items():
+        with torch.no_grad():
+            reference = module(*inputs)
+        for name, fn in variants.items():
+            try:
+                rows.append(measure(shape, name, fn, inputs, reference, iters))
+            except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                rows.append({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+    print("| shape | config | us per call | TB/s | max abs vs eager | share differing |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['config']} | error: {r['error'][:80]} | | | |")
+            continue
+        print(f"| {r['shape']} | {r['config']} | {r['us_per_call']:.1f} | {r['tb_per_s']:.2f} | "
+              f"{r.get('max_abs_vs_eager', '')} | {r.get('share_differing_vs_eager', '')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -306,10 +306,13 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
             "largest": [{"kernel": name[:120], f"ms{unit}": ms, f"calls{unit}": calls} for name, (ms, calls) in top]}
 
 
-# Variant options that change the model rather than the compile policy (an experiment of this benchmark):
+# Variant options that change the model rather than the compile policy (experiments of this benchmark):
 # ``fused_qkv`` runs diffusers' ``fuse_qkv_projections`` on the transformer first (one matmul for each attention's
-# query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear.
-MODEL_OPTIONS = ("fused_qkv",)
+# query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear;
+# ``norm_rope_kernel`` (CUDA only) gives each attention a processor that prepares q and k with gpu_norm_rope's
+# Triton kernel (the q/k RMS norms, the text stream first, the RoPE) as one operator the compiler keeps whole.
+MODEL_OPTIONS = ("fused_qkv", "norm_rope_kernel")
+_REPLACED_PROCESSORS: dict[int, dict] = {}  # id(transformer) -> the attention processors norm_rope_kernel replaced
 
 
 def compile_overrides(variant: str) -> list[str]:
@@ -329,12 +332,19 @@ def _inductor_only(variant: str) -> bool:
 
 def prepare_model(variant: str, transformer: torch.nn.Module) -> None:
     """Apply ``variant``'s model options to ``transformer`` (undone by ``unprepare_model``)."""
-    if "fused_qkv" in variant.split("+"):
+    options = variant.split("+")
+    if "fused_qkv" in options:
         transformer.fuse_qkv_projections()
+    if "norm_rope_kernel" in options:
+        from .gpu_norm_rope import use_norm_rope_kernel
+
+        _REPLACED_PROCESSORS[id(transformer)] = use_norm_rope_kernel(transformer)
 
 
 def unprepare_model(transformer: torch.nn.Module) -> None:
     transformer.unfuse_qkv_projections()
+    if (processors := _REPLACED_PROCESSORS.pop(id(transformer), None)) is not None:
+        transformer.set_attn_processor(processors)
 
 
 def _compile_option(option: str) -> str:
@@ -653,7 +663,8 @@ def main() -> None:
     parser.add_argument("--compile-variants", default="regional",
                         help="omnispec compile configurations of the compile part, comma-separated: a mode, each "
                              "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune); the option "
-                             "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections)")
+                             "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections); "
+                             "norm_rope_kernel prepares q and k with gpu_norm_rope's Triton kernel (CUDA)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()

@@ -12,8 +12,9 @@ This times that preparation at the single block's shapes (one sequence of 4,608 
 - ``eager``: diffusers' own code (``torch.nn.RMSNorm``, ``apply_rotary_emb``), uncompiled: the reference;
 - ``inductor``: the same compiled with omnispec's compile options (what a compiled step runs now);
 - ``inductor pairs``: the same arithmetic written on (even, odd) pairs instead of ``stack``/``unbind``;
-- ``triton TxHxW``: one hand-written kernel per tensor (the norm, eager's rounding, the RoPE, one read, one write),
-  each program taking T tokens of H heads with W warps (``--triton-configs``);
+- ``triton TxHxW``: omnispec's kernel (``policies.attention.fused_qk_norm_rope``), one per tensor (the norm, eager's
+  rounding, the RoPE, one read, one write), each program taking T tokens of H heads with W warps
+  (``--triton-configs``; omnispec launches 16x4x4);
 - ``copy``: q and k copied, the same bytes once each way: the floor.
 
 Each row gives device microseconds per call (CUDA events over replays of the call recorded as a CUDA graph, the
@@ -23,7 +24,6 @@ median of five rounds), the bytes a call must move, their rate, and the output's
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -70,129 +70,19 @@ def _rope_pairs(x, cos, sin):
         x.dtype)
 
 
-@functools.cache
-def _kernel():
-    """The preparation as one Triton kernel per tensor. Triton rather than a library's kernel: none on this stack
-    fuses a per-head RMS norm with FLUX's interleaved RoPE, and the two apart move the bytes twice."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def norm_rope_kernel(first, second, out, weight_first, weight_second, cos, sin, tokens, first_tokens, eps,
-               first_sb, first_st, first_sh, second_sb, second_st, second_sh, out_sb, out_st, out_sh,
-               TOKENS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr):
-        # A program takes TOKENS tokens of HEADS heads: each token's angles are read once for all its heads (read
-        # per head, they were four times the bytes of q itself)
-        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-        h0 = tl.program_id(1) * HEADS
-        b = tl.program_id(2)
-        live = (t < tokens)[:, None]
-        col = tl.arange(0, D)
-        in_first = (t < first_tokens)[:, None]
-        angles = t[:, None] * D + col[None, :]
-        cos_even, cos_odd = tl.split(tl.reshape(tl.load(cos + angles, mask=live, other=0.0), (TOKENS, D // 2, 2)))
-        sin_even, sin_odd = tl.split(tl.reshape(tl.load(sin + angles, mask=live, other=0.0), (TOKENS, D // 2, 2)))
-        w = tl.where(in_first, tl.load(weight_first + col)[None, :], tl.load(weight_second + col)[None, :])
-        w = w.to(tl.float32)
-        source = tl.where(in_first, first + (b * first_sb + t * first_st)[:, None],
-                          second + (b * second_sb + (t - first_tokens) * second_st)[:, None]) + col[None, :]
-        head_stride = tl.where(in_first, first_sh, second_sh)
-        target = out + (b * out_sb + t * out_st)[:, None] + col[None, :]
-        for i in tl.static_range(HEADS):
-            h = h0 + i
-            x = tl.load(source + h * head_stride, mask=live, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-            normed = (x * rstd[:, None] * w).to(out.dtype.element_ty).to(tl.float32)  # the norm's output
-            even, odd = tl.split(tl.reshape(normed, (TOKENS, D // 2, 2)))
-            rotated = tl.join(even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd)
-            tl.store(target + h * out_sh, tl.reshape(rotated, (TOKENS, D)).to(out.dtype.element_ty), mask=live)
-
-    return triton, norm_rope_kernel
-
-
-def norm_rope(x, weight, eps: float, cos, sin, text=None, text_weight=None, tokens_per_program: int = 16,
-              heads_per_program: int = 4, warps: int = 4):
-    """``x`` (batch, tokens, heads, head_dim) RMS-normed with ``weight``, after ``text`` normed with ``text_weight``
-    when given, then rotated by the (tokens, head_dim) float32 ``cos`` and ``sin``, in one kernel."""
-    triton, kernel = _kernel()
-    first, first_weight = (text, text_weight) if text is not None else (x, weight)
-    batch, tokens, heads = x.shape[0], x.shape[1] + (text.shape[1] if text is not None else 0), x.shape[2]
-    out = torch.empty(batch, tokens, heads, x.shape[3], device=x.device, dtype=x.dtype)
-    per_program = next(n for n in range(min(heads_per_program, heads), 0, -1) if heads % n == 0)
-    kernel[(triton.cdiv(tokens, tokens_per_program), heads // per_program, batch)](
-        first, x, out, first_weight, weight, cos.float().contiguous(), sin.float().contiguous(), tokens,
-        first.shape[1] if text is not None else tokens, eps, *first.stride()[:3], *x.stride()[:3],
-        *out.stride()[:3], TOKENS=tokens_per_program, HEADS=per_program, D=x.shape[3], num_warps=warps,
-        enable_fp_fusion=False)  # no fused multiply-adds: eager's roundings
-    return out
-
-
 def _triton_norm_rope(module: NormRope, tokens_per_program: int, heads_per_program: int, warps: int) -> Callable:
+    """omnispec's fused operator's Triton kernel (``policies.qk_norm_rope``) at a given launch shape."""
+    from omnispec.policies.qk_norm_rope import launch
+
     shape = {"tokens_per_program": tokens_per_program, "heads_per_program": heads_per_program, "warps": warps}
 
     def run(q, k, cos, sin, text_q=None, text_k=None):
-        return (norm_rope(q, module.norm_q.weight, module.norm_q.eps, cos, sin, text_q, module.norm_added_q.weight,
-                          **shape),
-                norm_rope(k, module.norm_k.weight, module.norm_k.eps, cos, sin, text_k, module.norm_added_k.weight,
-                          **shape))
+        return (launch(q, module.norm_q.weight, module.norm_q.eps, cos, sin, text_q, module.norm_added_q.weight,
+                       **shape),
+                launch(k, module.norm_k.weight, module.norm_k.eps, cos, sin, text_k, module.norm_added_k.weight,
+                       **shape))
 
     return run
-
-
-# ---- in a FLUX transformer (gpu_policies' variant option ``norm_rope_kernel``) ----------------------------------
-
-@torch.library.custom_op("omnispec_benchmarks::norm_rope", mutates_args=())
-def norm_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 text: torch.Tensor | None, text_weight: torch.Tensor | None) -> torch.Tensor:
-    """``norm_rope`` as an operator the compiler keeps whole (and a CUDA graph records like any kernel)."""
-    return norm_rope(x, weight, eps, cos, sin, text, text_weight)
-
-
-@norm_rope_op.register_fake
-def _(x, weight, eps, cos, sin, text, text_weight):
-    return x.new_empty(x.shape[0], x.shape[1] + (text.shape[1] if text is not None else 0), *x.shape[2:])
-
-
-def use_norm_rope_kernel(transformer: torch.nn.Module) -> dict:
-    """Give each of a FLUX transformer's attentions a processor that prepares q and k with ``norm_rope_op``;
-    returns the processors it replaced, for ``set_attn_processor`` to put back."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
-
-    class NormRopeFluxAttnProcessor(FluxAttnProcessor):
-        """diffusers' ``FluxAttnProcessor`` with the norms, the concatenation and the RoPE as one operator."""
-
-        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                     image_rotary_emb=None):
-            if image_rotary_emb is None or not isinstance(attn.norm_q, torch.nn.RMSNorm):
-                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-            query, key, value, text_query, text_key, text_value = _get_qkv_projections(
-                attn, hidden_states, encoder_hidden_states)
-            query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
-            cos, sin = image_rotary_emb
-            texts = (None, None, None)
-            if attn.added_kv_proj_dim is not None:
-                texts = tuple(t.unflatten(-1, (-1, attn.head_dim)) for t in (text_query, text_key, text_value))
-                value = torch.cat([texts[2], value], dim=1)
-            text_norms = (attn.norm_added_q, attn.norm_added_k) if texts[0] is not None else (None, None)
-            query = norm_rope_op(query, attn.norm_q.weight, attn.norm_q.eps, cos, sin, texts[0],
-                                 text_norms[0].weight if text_norms[0] is not None else None)
-            key = norm_rope_op(key, attn.norm_k.weight, attn.norm_k.eps, cos, sin, texts[1],
-                               text_norms[1].weight if text_norms[1] is not None else None)
-            hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
-                                                  backend=self._attention_backend,
-                                                  parallel_config=self._parallel_config)
-            hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-            if encoder_hidden_states is None:
-                return hidden_states
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
-            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
-            return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
-
-    originals = dict(transformer.attn_processors)
-    transformer.set_attn_processor(NormRopeFluxAttnProcessor())
-    return originals
 
 
 def _compiled(module: torch.nn.Module, smoke: bool) -> Callable:
@@ -259,7 +149,7 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--triton-configs", default="16x8x4",
+    parser.add_argument("--triton-configs", default="16x4x4",
                         help="the Triton kernel's launch shapes, comma-separated: tokens x heads per program x warps")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")

@@ -306,13 +306,12 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
             "largest": [{"kernel": name[:120], f"ms{unit}": ms, f"calls{unit}": calls} for name, (ms, calls) in top]}
 
 
-# Variant options that change the model rather than the compile policy (experiments of this benchmark):
+# Variant options that change the model rather than the compile policy (an experiment of this benchmark):
 # ``fused_qkv`` runs diffusers' ``fuse_qkv_projections`` on the transformer first (one matmul for each attention's
-# query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear;
-# ``norm_rope_kernel`` (CUDA only) gives each attention a processor that prepares q and k with gpu_norm_rope's
-# Triton kernel (the q/k RMS norms, the text stream first, the RoPE) as one operator the compiler keeps whole.
-MODEL_OPTIONS = ("fused_qkv", "norm_rope_kernel")
-_REPLACED_PROCESSORS: dict[int, dict] = {}  # id(transformer) -> the attention processors norm_rope_kernel replaced
+# query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear.
+MODEL_OPTIONS = ("fused_qkv",)
+# Variant options that set another policy's field.
+POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true"}
 
 
 def compile_overrides(variant: str) -> list[str]:
@@ -320,31 +319,24 @@ def compile_overrides(variant: str) -> list[str]:
     ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``), ``+OPTION=VALUE`` sets one
     (``regional+backend=aot_eager``); ``MODEL_OPTIONS`` are left to ``prepare_model``."""
     mode, *options = variant.split("+")
-    return [f"policies.compile.mode={mode}",
-            *(_compile_option(option) for option in options if option not in MODEL_OPTIONS)]
+    return [f"policies.compile.mode={mode}", *(POLICY_OPTIONS.get(option) or _compile_option(option)
+                                               for option in options if option not in MODEL_OPTIONS)]
 
 
 def _inductor_only(variant: str) -> bool:
     """Whether ``variant`` sets a compile option only inductor has (cudagraphs, autotune, ...): the smoke's
     aot_eager backend has none, so the smoke leaves such variants out."""
-    return any(option not in MODEL_OPTIONS for option in variant.split("+")[1:])
+    return any(option not in (*MODEL_OPTIONS, *POLICY_OPTIONS) for option in variant.split("+")[1:])
 
 
 def prepare_model(variant: str, transformer: torch.nn.Module) -> None:
     """Apply ``variant``'s model options to ``transformer`` (undone by ``unprepare_model``)."""
-    options = variant.split("+")
-    if "fused_qkv" in options:
+    if "fused_qkv" in variant.split("+"):
         transformer.fuse_qkv_projections()
-    if "norm_rope_kernel" in options:
-        from .gpu_norm_rope import use_norm_rope_kernel
-
-        _REPLACED_PROCESSORS[id(transformer)] = use_norm_rope_kernel(transformer)
 
 
 def unprepare_model(transformer: torch.nn.Module) -> None:
     transformer.unfuse_qkv_projections()
-    if (processors := _REPLACED_PROCESSORS.pop(id(transformer), None)) is not None:
-        transformer.set_attn_processor(processors)
 
 
 def _compile_option(option: str) -> str:
@@ -664,7 +656,7 @@ def main() -> None:
                         help="omnispec compile configurations of the compile part, comma-separated: a mode, each "
                              "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune); the option "
                              "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections); "
-                             "norm_rope_kernel prepares q and k with gpu_norm_rope's Triton kernel (CUDA)")
+                             "qk_norm_rope sets policies.attention.fused_qk_norm_rope")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()

@@ -62,6 +62,14 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "before loading decides as the loader will"),
     ("diffusers.hooks.tensor_parallel", "_styles", "a plan's style names (and packed markers) as torch's "
      "ParallelStyle objects"),
+    ("diffusers.models.transformers.transformer_flux.FluxAttnProcessor", "_attention_backend", "the attention "
+     "backend diffusers keeps on a processor (set_attention_backend): omnispec's FLUX processor takes over the one "
+     "it replaces"),
+    ("diffusers.models.transformers.transformer_flux.FluxAttnProcessor", "_parallel_config", "the context-parallel "
+     "settings diffusers keeps on a processor (enable_parallelism), likewise"),
+    ("diffusers.models.transformers.transformer_flux", "_get_qkv_projections", "FLUX attention's query, key and "
+     "value projections (and the text stream's), fused or not, as its processor computes them: omnispec's "
+     "processor replaces only the norms and the RoPE after them"),
 )
 
 HOOK_REGISTRY_ATTRIBUTE = "_diffusers_hook"
@@ -118,6 +126,21 @@ def denormalize_latents(pipeline: Any, *args: Any) -> Any:
 
 def denormalize_audio_latents(pipeline: Any, *args: Any) -> Any:
     return pipeline._denormalize_audio_latents(*args)
+
+
+def processor_settings(processor: Any) -> tuple[Any, Any]:
+    """The attention backend and context-parallel settings diffusers keeps on an attention processor."""
+    return processor._attention_backend, processor._parallel_config
+
+
+def set_processor_settings(processor: Any, settings: tuple[Any, Any]) -> None:
+    processor._attention_backend, processor._parallel_config = settings
+
+
+def flux_qkv_projections(attn: Any, hidden_states: Any, encoder_hidden_states: Any = None) -> Any:
+    from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+    return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
 
 
 # ---- hooks ------------------------------------------------------------------------------------------------

@@ -48,10 +48,11 @@ def test_every_private_name_exists_in_the_installed_diffusers(where, name, why):
 
         assert repr(name) in inspect.getsource(owner) or f'"{name}"' in inspect.getsource(owner)
         return
-    value = getattr(owner, name, None)
-    if value is None and isinstance(owner, type) and hasattr(owner, "__members__"):  # an enum member
-        value = owner.__members__.get(name.lstrip("_").upper()) or owner.__members__.get(name)
-    assert value is not None, f"diffusers {diffusers.__version__} has no {where}.{name} ({why})"
+    missing = object()
+    value = getattr(owner, name, missing)  # a class attribute may be None (a processor's _attention_backend)
+    if value is missing and isinstance(owner, type) and hasattr(owner, "__members__"):  # an enum member
+        value = owner.__members__.get(name.lstrip("_").upper()) or owner.__members__.get(name, missing)
+    assert value is not missing, f"diffusers {diffusers.__version__} has no {where}.{name} ({why})"
     assert why.strip()
 
 

@@ -360,3 +360,23 @@ def test_per_row_fp8_on_float32_weights_is_refused_before_loading(flux_dir):
     with pytest.raises(SpecError, match="granularity: torchao's per-row fp8 scales take bfloat16 weights only"):
         run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={transformer: {method: fp8_dynamic, "
             "granularity: row}}")
+
+
+def test_fused_qk_norm_rope_gives_the_plain_output_and_a_rebuild_undoes_it(flux_dir, plain_flux):
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.fused_qk_norm_rope=true")
+    assert np.array_equal(out, plain_flux)  # off CUDA the operator runs the model's own operations
+    processors = {type(p).__name__ for p in pipe.components["transformer"].attn_processors.values()}
+    assert processors == {"FusedQKNormRopeProcessor"}
+    assert pipe.explain(as_dict=True)["attention"]["single q/k norm + RoPE"].startswith("fused in")
+    again = omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components),
+                           overrides=[*TINY_OVERRIDES["flux"]], device="cpu")
+    assert {type(p).__name__ for p in again.components["transformer"].attn_processors.values()} == {
+        "FluxAttnProcessor"}
+    _, compiled = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.fused_qk_norm_rope=true",
+                      "policies.compile={mode: regional, backend: aot_eager}")
+    assert np.abs(compiled - plain_flux).max() <= 1e-5
+
+
+def test_fused_qk_norm_rope_is_refused_where_the_family_has_none(sd3_dir):
+    with pytest.raises(SpecError, match=r"policies.attention.fused_qk_norm_rope: family 'sd3' has no fused"):
+        run(sd3_dir, "sd3.5-medium.yaml", "sd3", "policies.attention.fused_qk_norm_rope=true")

@@ -50,6 +50,10 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
             known = ", ".join([*family.attention_roles, *sorted(categories)])
             problems.append(Problem(f"policies.attention.per_role.{role}",
                                     f"family {family.name!r} has no attention role {role!r} (roles: {known})"))
+    if p.attention.fused_qk_norm_rope and getattr(family, "qk_norm_rope_processor", None) is None:
+        problems.append(Problem("policies.attention.fused_qk_norm_rope",
+                                f"family {family.name!r} has no fused q/k norm + RoPE processor (the FLUX families "
+                                "have one)"))
     limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
     if limit:
         problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))

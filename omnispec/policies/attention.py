@@ -44,6 +44,8 @@ APPROXIMATE = ("sage",)
 # 480p layer) and is never the fastest.
 AUTO_EXCLUDED = ("sdpa_math",)
 HOOK_NAME = "omnispec_attention"
+# Where an attention module keeps the processor ``fused_qk_norm_rope`` replaced, for a rebuild to put it back.
+REPLACED_PROCESSOR = "omnispec_replaced_processor"
 # auto keeps sdpa unless another backend is faster by more than this (timing noise on a short trial).
 AUTO_MARGIN = 0.03
 
@@ -388,6 +390,23 @@ def _head_dim(module: torch.nn.Module) -> tuple[int, int]:
     return heads, int(inner) // heads
 
 
+def _fuse_qk_norm_rope(family: Any, role: str, modules: list[tuple[str, torch.nn.Module]],
+                       plan: AttentionPlan) -> None:
+    """Give each of a role's attentions the family's fused q/k norm + RoPE processor, calling ``qk_norm_rope``."""
+    from .qk_norm_rope import qk_norm_rope  # registers the operator: only when a spec asks for it
+
+    fused = 0
+    for _, module in modules:
+        if (processor := family.qk_norm_rope_processor(module.processor, qk_norm_rope)) is not None:
+            module.__dict__[REPLACED_PROCESSOR] = module.processor
+            module.set_processor(processor)
+            fused += 1
+    plan.notes[f"{role} q/k norm + RoPE"] = (
+        f"fused in {fused} of {len(modules)} attentions (one operator per tensor: a Triton kernel on CUDA, the "
+        "model's own operations elsewhere)" + ("" if fused == len(modules) else "; the others keep processors "
+                                              "of their own"))
+
+
 def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.Module],
                     device: torch.device) -> AttentionPlan:
     policy = spec.policies.attention
@@ -398,6 +417,10 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
         for role, modules in role_modules(family, denoiser).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
                 remove_hook(module, HOOK_NAME)
+                if (replaced := module.__dict__.pop(REPLACED_PROCESSOR, None)) is not None:
+                    module.set_processor(replaced)
+            if policy.fused_qk_norm_rope:
+                _fuse_qk_norm_rope(family, role, modules, plan)
             key = role_key(family, role, policy.per_role)
             wanted = policy.per_role[key] if key else policy.default
             where = f"policies.attention.{'per_role.' + key if key else 'default'}"

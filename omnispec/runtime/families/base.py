@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -172,6 +172,10 @@ class Family:
     tensor_parallel_refusal: ClassVar[str | None] = "no tensor-parallel plan is written for its denoiser"
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
     cache_limits: ClassVar[Mapping[str, str]] = {}
+    # The attention processor ``policies.attention.fused_qk_norm_rope`` gives each of the denoiser's attentions,
+    # built from the processor it replaces and the fused operator the policy hands over (None from it: that
+    # attention keeps its processor; None here: the family has none, and the field is refused).
+    qk_norm_rope_processor: ClassVar[Callable[[Any, Callable[..., Any]], Any] | None] = None
     # Why ``skip_layer`` guidance terms cannot run on this family's denoiser, or None when they can.
     skip_layer_refusal: ClassVar[str | None] = None
     # ``model.options`` this family reads, with their defaults.

@@ -4,14 +4,64 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxPipeline
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
 from ... import bridge
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
+
+
+class FusedQKNormRopeProcessor(FluxAttnProcessor):
+    """diffusers' ``FluxAttnProcessor`` with the query and key norms, the text stream's concatenation and the RoPE
+    as one operator per tensor (``policies.attention.fused_qk_norm_rope``, which hands over the operator); the rest
+    as diffusers computes it."""
+
+    def __init__(self, replaced: FluxAttnProcessor, fused: Callable[..., torch.Tensor]):
+        super().__init__()
+        bridge.set_processor_settings(self, bridge.processor_settings(replaced))  # backend, context parallelism
+        self.fused = fused
+
+    @classmethod
+    def replacing(cls, processor: Any, fused: Callable[..., torch.Tensor]) -> FusedQKNormRopeProcessor | None:
+        """The processor for an attention whose processor is ``processor``; None leaves it (an IP-Adapter's)."""
+        return cls(processor, fused) if type(processor) is FluxAttnProcessor else None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        text_norms = (attn.norm_added_q, attn.norm_added_k) if attn.added_kv_proj_dim is not None else ()
+        if image_rotary_emb is None or any(getattr(n, "weight", None) is None or n.eps != attn.norm_q.eps
+                                           for n in (attn.norm_q, attn.norm_k, *text_norms)):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        query, key, value, text_query, text_key, text_value = bridge.flux_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        text_weights: tuple[Any, Any] = (None, None)
+        if attn.added_kv_proj_dim is None:  # no text stream (its fused projections return placeholders then)
+            text_query = text_key = None
+        else:
+            text_query, text_key, text_value = (t.unflatten(-1, (-1, attn.head_dim))
+                                                for t in (text_query, text_key, text_value))
+            value = torch.cat([text_value, value], dim=1)
+            text_weights = (attn.norm_added_q.weight, attn.norm_added_k.weight)
+        cos, sin = image_rotary_emb
+        query = self.fused(query, attn.norm_q.weight, attn.norm_q.eps, cos, sin, text_query, text_weights[0])
+        key = self.fused(key, attn.norm_k.weight, attn.norm_k.eps, cos, sin, text_key, text_weights[1])
+        backend, parallel_config = bridge.processor_settings(self)
+        hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=backend,
+                                              parallel_config=parallel_config)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return hidden_states
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+        return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
 
 class FluxFamily(PackedLatents, Family):
@@ -26,6 +76,7 @@ class FluxFamily(PackedLatents, Family):
     }
     max_images = 1  # image-to-image
     tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
+    qk_norm_rope_processor = FusedQKNormRopeProcessor.replacing
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

@@ -26,6 +26,7 @@ Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not d
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import re
@@ -209,31 +210,50 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
 
 
 def compile_part(repeats: int, ceiling: float) -> list[dict]:
-
+    """Eager, diffusers' compiled blocks and each ``--compile-variants`` configuration on FLUX.1-dev 1024². With
+    ``--compile-rounds`` above 1 the compiled configurations are built and timed again in each round, in reverse
+    order every other round, so a clock that drifts during the call reaches each alike; their rows pool every
+    round's samples (``rounds_ms``: each round's median)."""
     import diffusers
 
     mods, w, _, flops, eager = _flux_plain("compile", "eager", repeats, ceiling)
-    rows = [eager]
-    # peer first, on a copy: compilation changes the module it is applied to
-    twin = _plain_copy(mods["transformer"])
-    twin.compile_repeated_blocks(fullgraph=True, **SMOKE_COMPILE)
-    run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
-    rows.append(_compiled_row("compile", "diffusers compile_repeated_blocks", run_peer, flops, repeats, ceiling))
-    twin = run_peer = None
-    _release({})
-    torch._dynamo.reset()  # else the first variant's blocks are guarded against the peer's entries and recompile
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
-    for variant in COMPILE_VARIANTS:
-        if SMOKE_COMPILE and _inductor_only(variant):
-            continue
-        prepare_model(variant, mods["transformer"])
-        pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
-        rows.append(_compiled_row("compile", variant.replace("+", " + "), _runner(pipe, w["request"]), flops,
-                                  repeats, ceiling))
-        pipe = None
+
+    def peer() -> dict:  # on a copy: compilation changes the module it is applied to
+        twin = _plain_copy(mods["transformer"])
+        twin.compile_repeated_blocks(fullgraph=True, **SMOKE_COMPILE)
+        run = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
+        return _compiled_row("compile", "diffusers compile_repeated_blocks", run, flops, repeats, ceiling)
+
+    def variant(name: str) -> dict:
+        prepare_model(name, mods["transformer"])
+        pipe = _build(w["spec"], mods, [*compile_overrides(name), *smoke_backend])
+        row = _compiled_row("compile", name.replace("+", " + "), _runner(pipe, w["request"]), flops, repeats, ceiling)
         unprepare_model(mods["transformer"])
-        torch._dynamo.reset()  # the next variant compiles afresh, in its own mode
-    return rows
+        return row
+
+    configs = {"diffusers compile_repeated_blocks": peer}
+    for name in COMPILE_VARIANTS:
+        if not (SMOKE_COMPILE and _inductor_only(name)):  # inductor's modes: the smoke's aot_eager backend has none
+            configs[name.replace("+", " + ")] = functools.partial(variant, name)
+    rounds: dict[str, list[dict]] = {label: [] for label in configs}
+    for r in range(COMPILE_ROUNDS[0]):
+        for label in list(configs) if r % 2 == 0 else list(configs)[::-1]:
+            rounds[label].append(configs[label]())
+            _release({})
+            # each configuration compiles afresh in its own mode, and none is guarded against another's entries
+            torch._dynamo.reset()
+    return [eager, *(_pooled(rows, flops, ceiling) for rows in rounds.values())]
+
+
+def _pooled(rows: list[dict], flops: float, ceiling: float) -> dict:
+    """One configuration's row over several rounds: the first round's compilation, every round's samples."""
+    if len(rows) == 1:
+        return rows[0]
+    samples = [ms for row in rows for ms in row["samples_ms"]]
+    median = statistics.median(samples)
+    return {**rows[0], "ms_per_step": median, "samples_ms": samples, "rounds_ms": [row["ms_per_step"] for row in rows],
+            "mfu": flops / (median / 1e3) / ceiling, "peak_gib": max(row["peak_gib"] for row in rows)}
 
 
 # Kernel families of a profiled step, by kernel name (first match wins): where a compiled step's device time goes.
@@ -602,6 +622,7 @@ QUANT_EXCLUDE: list[str] = []  # --quant-exclude: modules the quant part's polic
 QUANT_PEER = [True]  # --no-quant-peer: omnispec's rows only (a second process timing a warm compile cache)
 QUANT_PROFILE = [False]  # --quant-profile: each quantized row's device time by kernel kind, as the profile part's
 COMPILE_VARIANTS = ["regional"]  # --compile-variants
+COMPILE_ROUNDS = [1]  # --compile-rounds
 RESULTS: list[Path | None] = [None]  # --json: first calls' stack samples are written beside it
 
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
@@ -657,6 +678,9 @@ def main() -> None:
                              "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune); the option "
                              "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections); "
                              "qk_norm_rope sets policies.attention.fused_qk_norm_rope")
+    parser.add_argument("--compile-rounds", type=int, default=1, metavar="N",
+                        help="build and time the compile part's compiled configurations N times, in reverse order "
+                             "every other round, and pool the samples (for differences smaller than a call's drift)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
@@ -665,6 +689,7 @@ def main() -> None:
     inductor_passes.install(args.inductor_passes)
     QUANT_COMPILE[:] = args.quant_compile.split(",")
     COMPILE_VARIANTS[:] = args.compile_variants.split(",")
+    COMPILE_ROUNDS[:] = [max(1, args.compile_rounds)]
     QUANT_PEER[:] = [not args.no_quant_peer]
     QUANT_PROFILE[:] = [args.quant_profile]
     QUANT_GRANULARITY[:] = args.quant_granularity.split(",") if args.quant_granularity else [None]

@@ -10,11 +10,11 @@ interleaved RoPE.
 
 Numerics: the norm in float32, rounded to the input's dtype where ``torch.nn.RMSNorm`` rounds, then the RoPE with
 ``apply_rotary_emb``'s float32 products (no fused multiply-adds) and one rounding. It differs from eager only where
-the sum of squares adds up in another order: about 3 elements in a million, by one bf16 step, as inductor's own
-kernels do. Each (token, head) row is computed alone, so a row's result does not depend on its batch-mates (exact RL
-replay). Elsewhere than CUDA, and for shapes the kernel does not take, the operator runs diffusers' own code
-(``reference``), equal to the model's unfused forward. Gradients come from ``reference``'s: the forward a replay
-with gradients runs is the kernel a rollout ran, so the two compute the same values.
+the sum of squares adds up in another order: about 3 elements in a million, by one bf16 step of a normed value, as
+inductor's own kernels do. Each (token, head) row is computed alone, so a row's result does not depend on its
+batch-mates (exact RL replay). Elsewhere than CUDA, and for shapes the kernel does not take, the operator runs
+diffusers' own code (``reference``), equal to the model's unfused forward. The backward is the model's formula,
+written out (``_backward``): a replay with gradients runs the same forward kernel its rollout ran.
 """
 
 from __future__ import annotations

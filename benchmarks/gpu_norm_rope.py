@@ -85,7 +85,8 @@ def _triton_norm_rope(module: NormRope, tokens_per_program: int, heads_per_progr
     return run
 
 
-def _compiled(module: torch.nn.Module, smoke: bool) -> Callable:
+def compiled(module: Callable, smoke: bool) -> Callable:
+    """``module`` compiled with omnispec's compile options (aot_eager for the CPU smoke)."""
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec.policies import CompilePolicy
 
@@ -99,7 +100,7 @@ def _copy(q, k, cos, sin, text_q=None, text_k=None):
     return tuple(x.clone() for x in (q, k, text_q, text_k) if x is not None)
 
 
-def _microseconds(fn: Callable, inputs: tuple, iters: int) -> list[float]:
+def microseconds(fn: Callable, inputs: tuple, iters: int) -> list[float]:
     """Device time per call: on CUDA the call is recorded once as a CUDA graph and replayed, so the host's launch
     cost (a Triton kernel's Python launcher takes tens of microseconds) is not timed, as in a step under CUDA
     graphs."""
@@ -129,7 +130,7 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
     with torch.no_grad():
         for _ in range(3):  # compilation, autotuning, the allocator
             out = fn(*inputs)
-        rounds = _microseconds(fn, inputs, iters)
+        rounds = microseconds(fn, inputs, iters)
     q, k = inputs[0], inputs[1]
     moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * inputs[2].numel() * inputs[2].element_size()
     if len(inputs) > 4:
@@ -144,6 +145,19 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
         row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
     print(json.dumps(row), flush=True)
     return row
+
+
+def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:
+    """``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others still run."""
+    rows = []
+    for name, fn in variants.items():
+        try:
+            rows.append(measure_one(name, fn))
+        except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            rows.append({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -171,8 +185,8 @@ def main() -> None:
     module = NormRope(head_dim).to(gi.DEVICE, dtype)
     pairs = NormRope(head_dim, pairs=True).to(gi.DEVICE, dtype)
     pairs.load_state_dict(module.state_dict())
-    variants: dict[str, Callable] = {"eager": module, "inductor": _compiled(module, args.smoke)}
-    variants["inductor pairs"] = _compiled(pairs, args.smoke)
+    variants: dict[str, Callable] = {"eager": module, "inductor": compiled(module, args.smoke)}
+    variants["inductor pairs"] = compiled(pairs, args.smoke)
     if gi.DEVICE == "cuda":
         for config in args.triton_configs.split(","):
             tokens, heads_per_program, warps = (int(n) for n in config.split("x"))
@@ -182,13 +196,7 @@ def main() -> None:
     for shape, inputs in shapes.items():
         with torch.no_grad():
             reference = module(*inputs)
-        for name, fn in variants.items():
-            try:
-                rows.append(measure(shape, name, fn, inputs, reference, iters))
-            except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
-                first_line = str(exc).splitlines()[0] if str(exc) else ""
-                rows.append({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"})
-                print(json.dumps(rows[-1]), flush=True)
+        rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference, iters))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     print("| shape | config | us per call | TB/s | max abs vs eager | share differing |")

@@ -27,7 +27,8 @@ a step in diffusers). Text encoders are one-layer stand-ins of the real widths (
 
 Single-GPU parts. ``eager`` is diffusers' own pipeline on the untouched modules; peers run on deep copies of the
 denoiser (what they patch stays off the originals); omnispec builds over the modules with ``attention: sdpa``.
-- compile: per-step time (N_hi - N_lo steps) of cache-dit's compile path against omnispec ``compile: regional``;
+- compile: per-step time (N_hi - N_lo steps) of cache-dit's compile path against omnispec ``compile: regional``
+  (``--omnispec-compile``: other omnispec configurations, as gpu_policies' ``--compile-variants``);
   compile seconds, what dynamo did, first denoiser output's cosine to eager. ``--compile-extra`` adds omnispec
   regional under cache-dit's inductor settings (separates the settings from the regions compiled).
 - step_mask: one fixed compute/reuse pattern, cache-dit's ``steps_mask(total_steps, mask_policy)``, run by
@@ -513,17 +514,21 @@ def compile_part(wl: Workload, args) -> None:
     name = wl.name
     wl.eager_step()
     # omnispec first: cache-dit's process-wide settings must not reach it (they are restored anyway)
-    twin = _twin(wl)
-    pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, ["policies.compile.mode=regional"])
-    try:
-        _step_row(wl, "compile", "omnispec", "compile: regional",
-                  {"spec": "policies.compile={mode: regional}", "attention": "sdpa",
-                   "explain": pipe.explain(as_dict=True).get("applied", {}).get("compile")}, omnispec_runner(pipe, name), twin)
-    except Exception as exc:  # noqa: BLE001 - keep the other rows
-        error_row("compile", name, "omnispec", "compile: regional", exc)
-    pipe = twin = None
-    gi.free_device_memory()
-    torch._dynamo.reset()
+    for variant in args.omnispec_compile.split(","):
+        label = "compile: " + variant.replace("+", " + ")
+        try:
+            twin = _twin(wl)
+            overrides = gp.compile_overrides(variant)
+            pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, overrides)
+            applied = pipe.explain(as_dict=True).get("applied", {})
+            _step_row(wl, "compile", "omnispec", label,
+                      {"spec": overrides, "attention": "sdpa", "explain": applied.get("compile"),
+                       "mlp": applied.get("mlp")}, omnispec_runner(pipe, name), twin)
+        except Exception as exc:  # noqa: BLE001 - keep the other rows
+            error_row("compile", name, "omnispec", label, exc)
+        pipe = twin = None
+        gi.free_device_memory()
+        torch._dynamo.reset()
 
     with process_wide_compile_settings():
         try:
@@ -1190,6 +1195,9 @@ def main() -> None:
     parser.add_argument("--fp8-eager", action="store_true", help="also the eager fp8 rows (slow, unfused)")
     parser.add_argument("--fp8-engines", default="omnispec,cache-dit",
                         help="whose fp8 rows the fp8 part times (cache-dit alone gives its long compile the call)")
+    parser.add_argument("--omnispec-compile", default="regional",
+                        help="omnispec's rows of the compile part, comma-separated, as gpu_policies' "
+                             "--compile-variants (e.g. regional,regional+cudagraphs+qk_norm_rope+fused_gelu)")
     parser.add_argument("--compile-extra", action="store_true",
                         help="also omnispec regional compile under cache-dit's inductor settings")
     parser.add_argument("--offload-steps", type=int, default=4)

@@ -331,7 +331,8 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
 # query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear.
 MODEL_OPTIONS = ("fused_qkv",)
 # Variant options that set another policy's field.
-POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true"}
+POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
+                  "fused_gelu": "policies.mlp.fused_gelu=true"}
 
 
 def compile_overrides(variant: str) -> list[str]:
@@ -677,7 +678,8 @@ def main() -> None:
                         help="omnispec compile configurations of the compile part, comma-separated: a mode, each "
                              "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune); the option "
                              "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections); "
-                             "qk_norm_rope sets policies.attention.fused_qk_norm_rope")
+                             "qk_norm_rope sets policies.attention.fused_qk_norm_rope, fused_gelu "
+                             "policies.mlp.fused_gelu")
     parser.add_argument("--compile-rounds", type=int, default=1, metavar="N",
                         help="build and time the compile part's compiled configurations N times, in reverse order "
                              "every other round, and pool the samples (for differences smaller than a call's drift)")

@@ -26,6 +26,8 @@ TORCH_INTERNALS = {
     "_compiled_call_impl",  # policies/compile.py: Module.compile's compiled forward, undone by a rebuild
     "_inductor",  # policies/compile.py: a mode's options (torch._inductor.list_mode_options, as torch.compile's
                   # docstring names it), since torch.compile takes a mode or options, not both
+    "_addmm_activation",  # policies/mlp.py: cuBLASLt's bias + GELU epilogue, torch's only way to it (F.linear and
+                          # F.gelu are two kernels, and inductor keeps them two)
 }
 
 

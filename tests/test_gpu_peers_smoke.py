@@ -71,3 +71,16 @@ def test_dbcache_row_and_first_block_row_make_the_same_full_forwards(peers):
     assert ours["forwards"]["full_forwards"] == cachedit["forwards"]["full_forwards"] < 12
     assert ours["matched"] is True
     assert not any(hasattr(m, "_diffusers_hook") for m in wl.mods["transformer"].modules())  # hooks removed
+
+
+@pytest.mark.timeout(180)
+def test_compile_part_runs_each_omnispec_variant_asked(peers, monkeypatch):
+    monkeypatch.setattr(peers, "cachedit_compile", lambda twin: (_ for _ in ()).throw(RuntimeError("not here")))
+    wl = peers.Workload("flux", 1, 1e12)
+    peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager,regional+backend=aot_eager+fused_gelu",
+                                 compile_extra=False))
+    ours = [r for r in peers.ROWS if r.get("engine") == "omnispec"]
+    assert [r["config"] for r in ours] == ["compile: regional + backend=aot_eager",
+                                           "compile: regional + backend=aot_eager + fused_gelu"]
+    assert all("error" not in r for r in ours), ours
+    assert ours[0]["settings"]["mlp"] is None and ours[1]["settings"]["mlp"].startswith("transformer: bias + GELU")

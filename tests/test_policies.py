@@ -368,15 +368,45 @@ def test_fused_qk_norm_rope_gives_the_plain_output_and_a_rebuild_undoes_it(flux_
     processors = {type(p).__name__ for p in pipe.components["transformer"].attn_processors.values()}
     assert processors == {"FusedQKNormRopeProcessor"}
     assert pipe.explain(as_dict=True)["attention"]["single q/k norm + RoPE"].startswith("fused in")
-    again = omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components),
-                           overrides=[*TINY_OVERRIDES["flux"]], device="cpu")
+    again = _rebuilt_plain(pipe)
     assert {type(p).__name__ for p in again.components["transformer"].attn_processors.values()} == {
         "FluxAttnProcessor"}
-    _, compiled = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.fused_qk_norm_rope=true",
-                      "policies.compile={mode: regional, backend: aot_eager}")
-    assert np.abs(compiled - plain_flux).max() <= 1e-5
+    assert np.abs(_compiled_flux(flux_dir, "policies.attention.fused_qk_norm_rope=true") - plain_flux).max() <= 1e-5
+
+
+def _rebuilt_plain(pipe):
+    """A FLUX pipeline built over ``pipe``'s modules with no policy set."""
+    return omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components),
+                          overrides=[*TINY_OVERRIDES["flux"]], device="cpu")
+
+
+def _compiled_flux(flux_dir, *overrides):
+    compile_policy = "policies.compile={mode: regional, backend: aot_eager}"
+    return run(flux_dir, "flux1-dev.yaml", "flux", *overrides, compile_policy)[1]
 
 
 def test_fused_qk_norm_rope_is_refused_where_the_family_has_none(sd3_dir):
     with pytest.raises(SpecError, match=r"policies.attention.fused_qk_norm_rope: family 'sd3' has no fused"):
         run(sd3_dir, "sd3.5-medium.yaml", "sd3", "policies.attention.fused_qk_norm_rope=true")
+
+
+def test_fused_gelu_gives_the_plain_output_and_a_rebuild_undoes_it(flux_dir, plain_flux):
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.mlp.fused_gelu=true")
+    assert np.array_equal(out, plain_flux)  # off CUDA the operators run the model's own operations
+    transformer = pipe.components["transformer"]
+
+    def hooked(model):
+        return [name for name, m in model.named_modules() if type(m).__name__ == "FusedGelu" or (
+            getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook("omnispec_fused_gelu"))]
+
+    singles, doubles = len(transformer.single_transformer_blocks), len(transformer.transformer_blocks)
+    assert len(hooked(transformer)) == singles + 2 * doubles  # each single block; each double block's two feed-forwards
+    assert pipe.explain(as_dict=True)["applied"]["mlp"].startswith(
+        f"transformer: bias + GELU in the matmul for {2 * doubles} feed-forward projections, {singles} parallel")
+    assert hooked(_rebuilt_plain(pipe).components["transformer"]) == []
+    assert np.abs(_compiled_flux(flux_dir, "policies.mlp.fused_gelu=true") - plain_flux).max() <= 1e-5
+
+
+def test_fused_gelu_is_refused_where_the_denoiser_has_no_tanh_gelu(z_image_dir):
+    with pytest.raises(SpecError, match=r"policies.mlp.fused_gelu: transformer has no tanh-GELU feed-forward"):
+        run(z_image_dir, "z-image-turbo.yaml", "z_image", "policies.mlp.fused_gelu=true")

@@ -1,5 +1,5 @@
 """The one place policies are checked against the target and applied, in one order: quantization (at load, see
-``quantization.load_kwargs``), attention, cache, placement by the offload strategy (``none`` puts every component
+``quantization.load_kwargs``), attention, MLP, cache, placement by the offload strategy (``none`` puts every component
 on the device), compile, the VAE's tiling and slicing."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from . import quantization
 from .attention import AttentionPlan, apply_attention, usable
 from .caches import CacheRuntime, apply_cache
 from .compile import apply_compile
+from .mlp import apply_mlp
 from .offload import apply_offload
 from .vae import apply_vae
 
@@ -69,10 +70,12 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
 
 
 def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], device: torch.device) -> AppliedPolicies:
-    """Device placement, attention, cache, offload, compile (quantization already happened at load)."""
+    """Device placement, attention, MLP, cache, offload, compile (quantization already happened at load)."""
     applied = AppliedPolicies()
     denoisers = {n: components[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
     applied.attention = apply_attention(spec, family, denoisers, device)
+    if (mlp := apply_mlp(spec, family, denoisers)) is not None:
+        applied.notes["mlp"] = mlp
     applied.cache = apply_cache(spec, components)
     applied.notes["offload"] = apply_offload(spec, components, device)
     applied.notes["compile"] = apply_compile(spec, family, components)

@@ -1,7 +1,7 @@
-"""How a run uses the hardware: attention, offload, quantization, cache, compile, parallel.
+"""How a run uses the hardware: attention, MLP, offload, quantization, cache, compile, parallel.
 
 Each section is validated here against the others (``pipeline.py``); the runtime applies them in one
-place and one order: quantization at load, dtype/device, attention, cache, offload, compile.
+place and one order: quantization at load, dtype/device, attention, MLP, cache, offload, compile.
 """
 
 from __future__ import annotations
@@ -33,6 +33,14 @@ class AttentionPolicy(SpecModel):
         "Prepare each attention's queries and keys (per-head RMS norms, the text stream's first, the RoPE) in one "
         "kernel per tensor instead of the model's separate operations (families that have it: FLUX; a Triton "
         "kernel on CUDA, the model's own operations elsewhere)."))
+
+
+class MlpPolicy(SpecModel):
+    fused_gelu: bool = Field(default=False, description=(
+        "Apply each tanh-GELU feed-forward projection's bias and GELU in its matmul (cuBLASLt's epilogue) instead of "
+        "a pass of their own, and let a family's parallel block (FLUX's single blocks) project its attention and MLP "
+        "outputs back without concatenating them. CUDA; the model's own operations elsewhere. Rounds once where the "
+        "model rounds twice: outputs differ from the model's by about one bfloat16 step."))
 
 
 class OffloadSpec(SpecModel):
@@ -314,6 +322,7 @@ class VaePolicy(SpecModel):
 
 class Policies(SpecModel):
     attention: AttentionPolicy = Field(default_factory=AttentionPolicy)
+    mlp: MlpPolicy = Field(default_factory=MlpPolicy)
     offload: Annotated[OffloadSpec, OFFLOADS] = Field(default_factory=lambda: NoOffload(strategy="none"))
     quantization: dict[str, Quantization] = Field(
         default_factory=dict, description="Component name or role -> quantization."

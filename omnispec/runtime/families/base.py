@@ -176,6 +176,10 @@ class Family:
     # built from the processor it replaces and the fused operator the policy hands over (None from it: that
     # attention keeps its processor; None here: the family has none, and the field is refused).
     qk_norm_rope_processor: ClassVar[Callable[[Any, Callable[..., Any]], Any] | None] = None
+    # The (block, hook) pairs ``policies.mlp.fused_gelu`` registers for the denoiser's parallel blocks (attention and
+    # MLP side by side, projected back together), given the denoiser and the fused operators the policy hands over
+    # (``policies.mlp.MlpOperators``); None: the family has no such blocks.
+    parallel_mlp_hooks: ClassVar[Callable[[Any, Any], list[tuple[Any, Any]]] | None] = None
     # Why ``skip_layer`` guidance terms cannot run on this family's denoiser, or None when they can.
     skip_layer_refusal: ClassVar[str | None] = None
     # ``model.options`` this family reads, with their defaults.

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxPipeline
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from diffusers.hooks import ModelHook
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxSingleTransformerBlock
 from diffusers.utils.torch_utils import randn_tensor
 
 from ... import bridge
@@ -64,6 +65,41 @@ class FusedQKNormRopeProcessor(FluxAttnProcessor):
         return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
 
+class FusedSingleBlockMlp(ModelHook):
+    """FLUX's single block (``FluxSingleTransformerBlock``) with its MLP's bias and GELU in the matmul and the output
+    projection taken over the attention's and the MLP's outputs without concatenating them
+    (``policies.mlp.fused_gelu``, which hands over the operators); the rest as diffusers computes it. The block's
+    own forward where its projections' weights are not plain (a LoRA, fp8) or its activation is another."""
+
+    def __init__(self, ops: Any):
+        super().__init__()
+        self.ops = ops
+
+    def new_forward(self, block, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                    joint_attention_kwargs=None):
+        act = block.act_mlp
+        if not (self.ops.takes(block.proj_mlp, hidden_states) and self.ops.takes(block.proj_out, hidden_states)
+                and type(act) is torch.nn.GELU and act.approximate == "tanh"):
+            return self.fn_ref.original_forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                                joint_attention_kwargs)
+        text_tokens = encoder_hidden_states.shape[1]
+        residual = hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        normed, gate = block.norm(hidden_states, emb=temb)
+        mlp = self.ops.linear_gelu(normed, block.proj_mlp.weight, block.proj_mlp.bias)
+        attention = block.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
+                               **(joint_attention_kwargs or {}))
+        projected = self.ops.linear_of_pair(attention, mlp, block.proj_out.weight, block.proj_out.bias)
+        hidden_states = residual + gate.unsqueeze(1) * projected
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states[:, :text_tokens], hidden_states[:, text_tokens:]
+
+    @classmethod
+    def hooks(cls, denoiser: torch.nn.Module, ops: Any) -> list[tuple[torch.nn.Module, ModelHook]]:
+        return [(block, cls(ops)) for block in getattr(denoiser, "single_transformer_blocks", ())
+                if type(block) is FluxSingleTransformerBlock]
+
+
 class FluxFamily(PackedLatents, Family):
     name = "flux"
     context_parallel = True
@@ -77,6 +113,7 @@ class FluxFamily(PackedLatents, Family):
     max_images = 1  # image-to-image
     tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
     qk_norm_rope_processor = FusedQKNormRopeProcessor.replacing
+    parallel_mlp_hooks = FusedSingleBlockMlp.hooks
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

@@ -301,9 +301,38 @@ def _profiled(label: str, run, steps: int) -> dict:
             gi._sync()
         wall = time.perf_counter() - start
     row = {"part": "profile", "config": label, "steps_profiled": 1 + steps,
-           "wall_ms_per_step": wall * 1e3 / (1 + steps), **kernel_summary(prof, 1 + steps, "_per_step")}
+           "wall_ms_per_step": wall * 1e3 / (1 + steps), **kernel_summary(prof, 1 + steps, "_per_step"),
+           "idle": idle_summary(prof, 1 + steps)}
     print(json.dumps(row), flush=True)
     return row
+
+
+def idle_summary(prof, per: int, largest: int = 15) -> dict:
+    """Where the device waits within a profiled request: the gaps between one kernel's end and the next one's start
+    (kernels of all streams merged), in ms per ``per`` steps, grouped by the kernels on either side (a gap before a
+    block's first kernel is the host between the blocks' graph replays; before an embedding's, the uncompiled code
+    around the blocks), with the largest gaps. Empty off CUDA."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    gaps, reach, before = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            gaps.append((start - reach, before[:60], name[:60]))
+        if end >= reach:
+            reach, before = end, name
+    by_pair: dict[str, list[float]] = {}
+    for us, prev, nxt in gaps:
+        pair = by_pair.setdefault(f"{prev} -> {nxt}", [0.0, 0])
+        pair[0] += us / 1e3 / per
+        pair[1] += 1 / per
+    top_pairs = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:largest]
+    return {"idle_ms_per_step": sum(us for us, _, _ in gaps) / 1e3 / per,
+            "span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / per,
+            "gaps_over_20us_per_step": sum(us > 20 for us, _, _ in gaps) / per,
+            "by_neighbours": [{"between": k, "ms_per_step": v[0], "gaps_per_step": v[1]} for k, v in top_pairs],
+            "largest_us": [{"us": us, "after": prev, "before": nxt} for us, prev, nxt in sorted(gaps)[::-1][:largest]]}
 
 
 def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:

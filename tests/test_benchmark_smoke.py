@@ -104,3 +104,22 @@ def test_the_stack_sampler_names_where_a_long_call_waits_and_leaves_a_file_while
     first = next(iter(top["innermost"]))
     assert "compile_that_waits" in first, top["innermost"]
     assert json.loads(dump.read_text())["samples"] == top["samples"]
+
+
+def test_the_profile_idle_summary_counts_only_time_no_kernel_covers():
+    """A CPU run has no device kernels, so the smoke leaves ``idle_summary`` empty; its arithmetic here."""
+    import types
+
+    from benchmarks.gpu_policies import idle_summary
+
+    def kernel(start, end, name):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end), name=name,
+                                     device_type=types.SimpleNamespace(name="CUDA"))
+
+    # b runs inside a (another stream): no gap; then 30 µs idle before c, none before d, 40 before a again
+    events = [kernel(0, 10, "a"), kernel(5, 8, "b"), kernel(40, 50, "c"), kernel(50, 60, "d"), kernel(100, 110, "a")]
+    idle = idle_summary(types.SimpleNamespace(events=lambda: events), per=2)
+    assert idle["idle_ms_per_step"] == pytest.approx(0.035) and idle["span_ms_per_step"] == pytest.approx(0.055)
+    assert [(g["us"], g["after"], g["before"]) for g in idle["largest_us"]] == [(40, "d", "a"), (30, "a", "c")]
+    assert idle["by_neighbours"][0] == {"between": "d -> a", "ms_per_step": pytest.approx(0.02), "gaps_per_step": 0.5}
+    assert idle_summary(types.SimpleNamespace(events=lambda: []), per=1) == {}

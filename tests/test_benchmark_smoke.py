@@ -25,7 +25,8 @@ SMOKES = [
     # compile part's code again: left out to keep the suite short
     ("gpu_policies", ["--repeats", "1", "--parts", "attention,compile,wan_attention,layerwise,quant,model_offload",
                       "--quant-compile", "none", "--quant-profile", "--inductor-passes", "fast_tanh",
-                      "--compile-variants", "regional,regional+fused_qkv+qk_norm_rope+fused_gelu", "--compile-rounds", "2"], 1),
+                      "--compile-variants", "regional,regional+fused_qkv+qk_norm_rope+fused_gelu",
+                      "--compile-rounds", "2"], 1),
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)
     ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae",

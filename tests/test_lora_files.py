@@ -140,3 +140,15 @@ def test_cli_lora_values_are_checked_before_loading(tmp_path):
     assert exc.value.code == 2
     assert main(["run", "digits", "--prompt", "7", "--output", str(tmp_path / "x.png"), "--lora",
                  str(tmp_path / "missing.safetensors")]) == 2
+
+
+def test_a_lora_on_fused_feed_forwards_still_applies(flux_dir, tmp_path):
+    """``policies.mlp.fused_gelu`` leaves LoRA-wrapped projections (this file's MLP and single-block output) to their
+    own forward: were the fused operators handed the base weights, the LoRA would silently drop out."""
+    folder, weight_name = kohya_lora(tmp_path)
+    slot = f'{{path: "{folder}", weight_name: {weight_name}, scale: 0.8, always: true}}'
+    overrides = [*TINY_OVERRIDES["flux"], f"model.adapters.user={slot}", "policies.mlp.fused_gelu=true"]
+    pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=overrides)
+    assert pipe.explain(as_dict=True)["applied"]["mlp"].startswith("transformer: bias + GELU in the matmul")
+    ours = pipe("a photo of a cat", seed=4).array
+    assert np.abs(ours - reference(flux_dir, folder, weight_name, 0.8, 4)).max() <= TOL

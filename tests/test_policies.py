@@ -407,6 +407,14 @@ def test_fused_gelu_gives_the_plain_output_and_a_rebuild_undoes_it(flux_dir, pla
     assert np.abs(_compiled_flux(flux_dir, "policies.mlp.fused_gelu=true") - plain_flux).max() <= 1e-5
 
 
+def test_fused_gelu_runs_under_a_block_cache_as_the_cache_alone(flux_dir):
+    """The first-block cache hooks the blocks the MLP policy hooks too: the hooks chain, and reused steps skip both."""
+    cache = ["recipe.defaults.steps=6", "policies.cache={kind: first_block, threshold: 0.2}"]
+    _, alone = run(flux_dir, "flux1-dev.yaml", "flux", *cache)
+    _, fused = run(flux_dir, "flux1-dev.yaml", "flux", *cache, "policies.mlp.fused_gelu=true")
+    assert np.array_equal(fused, alone)
+
+
 def test_fused_gelu_is_refused_where_the_denoiser_has_no_tanh_gelu(z_image_dir):
     with pytest.raises(SpecError, match=r"policies.mlp.fused_gelu: transformer has no tanh-GELU feed-forward"):
         run(z_image_dir, "z-image-turbo.yaml", "z_image", "policies.mlp.fused_gelu=true")

@@ -31,6 +31,16 @@ def test_the_operators_gradients_and_registrations_check_out():
     assert torch.autograd.gradcheck(linear_gelu, (x.requires_grad_(), w.requires_grad_(), None))
 
 
+def test_torchs_flop_counter_counts_the_operators_matmuls():
+    """What MFU figures and ``explain --estimate`` count with: the operators' kernels run out of the counter's sight."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, b = _rand(2, 5, 8), _rand(12, 8), _rand(12)
+    with FlopCounterMode(display=False) as counter:
+        linear_of_pair(x, linear_gelu(x, w, b), _rand(3, 20), _rand(3))
+    assert counter.get_total_flops() == 2 * 10 * 8 * 12 + 2 * 10 * 20 * 3
+
+
 def test_the_split_projection_is_the_projection_of_the_concatenation():
     first, second, weight, bias = _rand(2, 5, 4), _rand(2, 5, 12, seed=1), _rand(3, 16, seed=2), _rand(3, seed=3)
     torch.testing.assert_close(by_halves(first, second, weight, bias),
@@ -104,12 +114,28 @@ def test_a_row_is_computed_as_in_any_batch_and_as_compiled():
         assert torch.equal(torch.compile(mlp_block, fullgraph=True)(x), both)
 
 
-@cuda
-def test_a_flux_run_with_the_fused_feed_forwards_is_the_plain_run_within_roundings(flux_dir):
-    def image(*overrides):
-        pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), device="cuda",
-                              overrides=[*TINY_OVERRIDES["flux"], *overrides])
-        return pipe("a cat", seed=0).array
+FAMILIES = [("flux_dir", "flux1-dev.yaml", "flux"), ("sd3_dir", "sd3.5-medium.yaml", "sd3"),
+            ("wan_dir", "wan2.1-t2v-1.3b.yaml", "wan"), ("qwen_image_dir", "qwen-image.yaml", "qwen_image")]
 
-    plain, fused = image(), image("policies.mlp.fused_gelu=true")
+
+def _image(request, fixture, spec, family, device, *overrides):
+    pipe = omnispec.build(SPECS / spec, source=str(request.getfixturevalue(fixture)), device=device,
+                          overrides=[*TINY_OVERRIDES[family], *overrides])
+    return pipe, pipe("a cat", seed=0).array
+
+
+@pytest.mark.parametrize("fixture, spec, family", FAMILIES[1:], ids=[f for _, _, f in FAMILIES[1:]])
+def test_other_families_feed_forwards_are_fused_and_give_the_plain_output(request, fixture, spec, family):
+    pipe, fused = _image(request, fixture, spec, family, "cpu", "policies.mlp.fused_gelu=true")
+    note = pipe.explain(as_dict=True)["applied"]["mlp"]
+    assert note.startswith("transformer: bias + GELU in the matmul for ") and "parallel" not in note
+    assert int(note.split(" for ")[1].split()[0]) > 0
+    assert np.array_equal(fused, _image(request, fixture, spec, family, "cpu")[1])  # the model's operations off CUDA
+
+
+@cuda
+@pytest.mark.parametrize("fixture, spec, family", FAMILIES, ids=[f for _, _, f in FAMILIES])
+def test_a_run_with_the_fused_feed_forwards_is_the_plain_run_within_roundings(request, fixture, spec, family):
+    _, plain = _image(request, fixture, spec, family, "cuda")
+    _, fused = _image(request, fixture, spec, family, "cuda", "policies.mlp.fused_gelu=true")
     assert np.abs(fused - plain).max() <= 1e-3  # float32: the epilogue's GELU may differ in its last bits

@@ -49,6 +49,18 @@ def test_explain_text_compresses_repeated_steps(capsys):
     assert "steps 1-7" in out and "skip_layer x2.8" in out
 
 
+def test_explain_text_names_the_fused_kernels_and_compile_options(capsys):
+    sets = ["policies.attention.fused_qk_norm_rope=true", "policies.mlp.fused_gelu=true",
+            "policies.compile={mode: regional, cudagraphs: true}"]
+    assert main(["explain", str(SPECS / "flux1-dev.yaml"), *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    assert "per role -, q/k norms + RoPE in one kernel" in out and "  mlp          bias + GELU in the matmul" in out
+    assert "  compile      regional (cudagraphs)" in out
+    assert main(["explain", str(SPECS / "flux1-dev.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "mlp" not in out and "RoPE" not in out and "  compile      none\n" in out
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["validate", "missing.yaml"], "no such spec file"),
     (["validate", str(SPECS / "flux1-dev.yaml"), "--set", "recipe.defaults.stepz=2"], "recipe.defaults.stepz"),

@@ -228,13 +228,19 @@ def render_explain(info: Mapping[str, Any]) -> str:
     lines.append(f"output: phase {info['output_phase']!r}")
     pol = info["policies"]
     lines.append("policies:")
-    lines.append(f"  attention    default {pol['attention']['default']}, per role {pol['attention']['per_role'] or '-'}")
+    attention = pol["attention"]
+    lines.append(f"  attention    default {attention['default']}, per role {attention['per_role'] or '-'}"
+                 + (", q/k norms + RoPE in one kernel" if attention["fused_qk_norm_rope"] else ""))
+    if pol["mlp"]["fused_gelu"]:
+        lines.append("  mlp          bias + GELU in the matmul")
     for key in ("offload", "cache"):
         inner = dict(pol[key])
         kind = inner.pop("strategy", None) or inner.pop("kind", None)
         lines.append(f"  {key:<12} {kind}{' ' + str(inner) if inner else ''}")
     lines.append(f"  quantization {pol['quantization'] or '-'}")
-    lines.append(f"  compile      {pol['compile']['mode']}")
+    compiled = pol["compile"]
+    options = [name for name in ("cudagraphs", "autotune", "vae") if compiled[name]]
+    lines.append(f"  compile      {compiled['mode']}{' (' + ', '.join(options) + ')' if options else ''}")
     par = pol["parallel"]
     lines.append("  parallel     " + " x ".join(f"{k}={v}" for k, v in par.items()))
     vae = pol.get("vae", {})

@@ -28,9 +28,10 @@ from . import gpu_interpreter as gi
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
-def sd35_block(base: str, smoke: bool) -> torch.nn.Module:
+def sd35_block(base: str, smoke: bool, fused_gelu: bool = False) -> torch.nn.Module:
     """One dual-attention SD3.5-medium joint block (1536 wide, 24 heads of 64), bf16, on ``base``, with a LoRA
-    whose B is nonzero (peft starts B at zero, which would hide any difference in the LoRA's path)."""
+    whose B is nonzero (peft starts B at zero, which would hide any difference in the LoRA's path); with
+    ``fused_gelu``, its feed-forwards' first projections as ``policies.mlp.fused_gelu`` makes them."""
     from diffusers.models.attention import JointTransformerBlock
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -51,6 +52,10 @@ def sd35_block(base: str, smoke: bool) -> torch.nn.Module:
     for name, p in block.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
+    if fused_gelu:
+        from omnispec.policies.mlp import fuse_gelus
+
+        fuse_gelus(block)
     return block
 
 
@@ -78,7 +83,7 @@ def parts(block: torch.nn.Module, x: dict[str, torch.Tensor]) -> list[tuple[str,
         ("norm2", block.norm2, lambda m, r: m(r(h))),
         ("attn.to_q (LoRA linear)", block.attn.to_q, lambda m, r: m(r(h))),
         ("attn.to_out.0 (LoRA linear)", block.attn.to_out[0], lambda m, r: m(r(h))),
-        ("ff.net.0 (linear + GELU)", block.ff.net[0], lambda m, r: m(r(h))),
+        (f"ff.net.0 ({type(block.ff.net[0]).__name__}: linear + GELU)", block.ff.net[0], lambda m, r: m(r(h))),
         ("ff.net.2 (linear, 4x wide input)", block.ff.net[2],
          lambda m, r: m(r(torch.cat([h, h, h, h], dim=-1)))),
     ]
@@ -102,17 +107,17 @@ def compare(call: Callable, module: torch.nn.Module) -> dict:
             "max_abs_value": max(a.abs().max().item() for a in plain)}
 
 
-def probe(base: str, batch: int, smoke: bool, only: set[str] | None, save) -> None:
+def probe(base: str, batch: int, smoke: bool, only: set[str] | None, save, fused_gelu: bool = False) -> None:
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec.policies import CompilePolicy
 
     options = _torch_compile_options(CompilePolicy(mode="regional"))
-    block = sd35_block(base, smoke)
+    block = sd35_block(base, smoke, fused_gelu)
     x = block_inputs(block, batch, smoke)
     for name, module, call in parts(block, x):
         if only and not any(name.startswith(o) for o in only):
             continue
-        row = {"base": base, "batch": batch, "part": name, "eager": compare(call, module)}
+        row = {"base": base, "batch": batch, "fused_gelu": fused_gelu, "part": name, "eager": compare(call, module)}
         torch.compiler.reset()
         compiled = torch.compile(module, fullgraph=True, dynamic=False,
                                  **({"backend": "eager"} if smoke else {"options": options}))
@@ -127,6 +132,8 @@ def main() -> None:
                         help="comma-separated: bf16, or a quantization method[:granularity] as the policy takes it")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--parts", default="", help="comma-separated prefixes of the parts to probe (default: all)")
+    parser.add_argument("--fused-gelu", action="store_true",
+                        help="the block's feed-forwards as policies.mlp.fused_gelu makes them (cuBLASLt's epilogue)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -143,7 +150,7 @@ def main() -> None:
 
     only = {p for p in args.parts.split(",") if p} or None
     for base in args.bases.split(","):
-        probe(base, args.batch, args.smoke, only, save)
+        probe(base, args.batch, args.smoke, only, save, args.fused_gelu)
         gi.free_device_memory()
 
 

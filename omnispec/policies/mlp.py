@@ -181,6 +181,12 @@ class FusedGelu(torch.nn.Module):
         return self.replaced
 
 
+def fuse_gelus(model: torch.nn.Module) -> int:
+    """Put ``FusedGelu`` in place of ``model``'s tanh-GELU projections; returns how many."""
+    return _swap_children(model, lambda m: FusedGelu(m) if isinstance(m, GELU) and m.approximate == "tanh"
+                          and type(m.proj) is torch.nn.Linear else None)
+
+
 def _swap_children(model: torch.nn.Module, swap: Callable[[torch.nn.Module], torch.nn.Module | None]) -> int:
     """Replace each submodule for which ``swap`` returns a module; returns how many were replaced."""
     swapped = 0
@@ -204,8 +210,7 @@ def apply_mlp(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.
         _swap_children(denoiser, lambda m: m.restored() if isinstance(m, FusedGelu) else None)
         if not fused:
             continue
-        gelus = _swap_children(denoiser, lambda m: FusedGelu(m) if isinstance(m, GELU) and m.approximate == "tanh"
-                               and type(m.proj) is torch.nn.Linear else None)
+        gelus = fuse_gelus(denoiser)
         blocks = family.parallel_mlp_hooks(denoiser, OPERATORS) if family.parallel_mlp_hooks is not None else []
         for module, hook in blocks:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)

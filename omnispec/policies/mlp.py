@@ -6,7 +6,8 @@ kernels at 2.5-2.8 TB/s (BENCHMARKS.md, 2026-12-03). cuBLASLt applies a bias and
 epilogue, before the product leaves the chip (``torch._addmm_activation``), and a projection of a concatenation is
 the sum of two matmuls over the weight's halves (the second accumulating into the first's output), so neither needs
 a pass: 1,159 µs against inductor's 1,231 for a single block's MLP at 1024² on an H200, 918 against 965 for a
-double block's feed-forward (the matmuls alone: 1,135 and 890).
+double block's feed-forward (the matmuls alone: 1,135 and 890); a compiled step under CUDA graphs, 126.0 ms against
+130.5 (BENCHMARKS.md, 2026-12-04).
 
 Both are operators the compiler keeps whole (``torch.library.custom_op``): inductor would otherwise split the
 epilogue back into a matmul and a pointwise GELU, and a replay with gradients must run the kernels its rollout ran.

@@ -6,7 +6,8 @@ Both run the same in-memory modules (omnispec gets them through ``build(..., com
 same prompt, size and seed, with latents returned undecoded. Per-step time is the difference between
 a long and a short run divided by the step difference, so prompt encoding and set-up cancel out. MFU
 is FLOPs per step (counted by torch's FlopCounterMode on one denoiser forward) over the measured
-bf16 matmul ceiling of this GPU. Rounds alternate between the two sides (``per_step_sides``).
+bf16 matmul ceiling of this GPU. Rounds alternate between the two sides (``per_step_sides``); ``--also OVERRIDE``
+adds a third, omnispec with that override too over its own copy of the denoisers (an in-process A/B of a policy).
 
 The workloads cover every family with a diffusers pipeline (all but the embedded digits model, which has none);
 ``ltx2`` and ``ltx2_condition`` are timed by ``benchmarks/gpu_ltx2.py``'s step and keyframes parts.
@@ -15,6 +16,8 @@ The workloads cover every family with a diffusers pipeline (all but the embedded
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import gc
 import json
 import re
@@ -668,7 +671,10 @@ def conditioning_inputs(height: int, width: int):
     return picture, Image.fromarray(held, "L")
 
 
-def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), also: list[str] = ()) -> dict:
+    """One workload's per-step time, omnispec (``overrides``) against diffusers on the same modules, interleaved;
+    with ``also``, a third side: omnispec with those overrides too, over its own copy of the denoisers (a policy may
+    change the modules it is given, which the first side shares with diffusers)."""
     import diffusers
 
     import omnispec
@@ -678,19 +684,27 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     if "ltx2_part" in w:
         from benchmarks import gpu_ltx2
 
-        return gpu_ltx2.interpreter_row(name, w["ltx2_part"], repeats, ceiling, list(overrides), SMOKE)
+        row = gpu_ltx2.interpreter_row(name, w["ltx2_part"], repeats, ceiling, list(overrides), SMOKE)
+        return {**row, **({"also": "not measured: LTX-2's rows are gpu_ltx2's"} if also else {})}
     mods = w["components"]()
     pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=DEVICE,
                           overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])
     ref = getattr(diffusers, w["pipeline"])(**mods, **w.get("diffusers_only", dict)())  # e.g. HunyuanVideo's guider
     ref.set_progress_bar_config(disable=True)
 
-    def run_ours(n):
+    def run_ours(n, pipe=pipe):
         pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **w["request"]), decode=False)
 
     def run_ref(n):
         ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
             output_type="latent", **w["diffusers_kwargs"])
+
+    sides = {"diffusers": run_ref, "omnispec": run_ours}
+    if also:
+        denoisers = {k: copy.deepcopy(v) for k, v in mods.items() if k.startswith("transformer")}
+        other = omnispec.build(ROOT / "specs" / w["spec"], components={**mods, **denoisers}, device=DEVICE,
+                               overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides, *also])
+        sides[f"omnispec + {' + '.join(also)}"] = functools.partial(run_ours, pipe=other)
 
     if w.get("inputs") == ("keyframes",):  # VACE: omnispec's conditions, diffusers' video and mask of them
         conditions, theirs = vace_keyframes(w["request"]["height"], w["request"]["width"], w["request"]["frames"])
@@ -704,10 +718,11 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
         w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
     lo, hi = w["steps"]
     if not SMOKE:  # --smoke: no timing worth warming up for
-        run_ours(lo), run_ref(lo)  # warm-up
+        for run in sides.values():  # warm-up
+            run(lo)
     flops = flops_per_step(run_ours)
     with torch.no_grad():
-        timed = per_step_sides({"diffusers": run_ref, "omnispec": run_ours}, lo, hi, repeats)
+        timed = per_step_sides(sides, lo, hi, repeats)
     results = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling}
                for label, (med, samples) in timed.items()}
     # Equality of the two runs' latents (same seed), bf16; decoded images where the pipeline's "latent" output is
@@ -722,8 +737,10 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = ()) 
     cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
+           **{f"ratio ({label})": r["ms_per_step"] / results["diffusers"]["ms_per_step"]
+              for label, r in results.items() if label not in ("diffusers", "omnispec")},
            "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item()}
-    pipe = ref = mods = None  # free the GPU memory before the next workload
+    pipe = ref = mods = sides = None  # free the GPU memory before the next workload
     free_device_memory()
     return out
 
@@ -734,6 +751,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="omnispec spec override")
+    parser.add_argument("--also", action="append", default=[], metavar="OVERRIDE",
+                        help="a third side timed in the same rounds: omnispec with this override too (repeatable), "
+                             "over its own copy of the denoisers; e.g. --also policies.mlp.fused_gelu=true")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     args = parser.parse_args()
     if args.smoke:
@@ -745,7 +765,7 @@ def main() -> None:
     print(f"{name}  torch {torch.__version__}  bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
     rows = []
     for name in args.workloads.split(","):
-        row = measure(name, args.repeats, ceiling, args.overrides)
+        row = measure(name, args.repeats, ceiling, args.overrides, args.also)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:
@@ -755,6 +775,9 @@ def main() -> None:
         print(f"| {r['workload']} | {r['tflop_per_step']:.1f} | {r['diffusers']['ms_per_step']:.1f} "
               f"({r['diffusers']['mfu']:.0%}) | {r['omnispec']['ms_per_step']:.1f} ({r['omnispec']['mfu']:.0%}) | "
               f"{r['ratio']:.3f} | {r['latent_cosine']:.5f} |")
+        for label in (k for k in r if k.startswith("omnispec + ")):
+            print(f"| {r['workload']}, {label[len('omnispec + '):]} | | | {r[label]['ms_per_step']:.1f} "
+                  f"({r[label]['mfu']:.0%}) | {r[f'ratio ({label})']:.3f} | |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ SMOKES = [
     ("estimate_vs_measured", [], 1),
     ("gpu_soak", [], 1),
     ("gpu_lora_hotswap", [], 1),
-    ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,ltx2_condition"], 1),  # LTX-2: gpu_ltx2's code
+    ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,ltx2_condition",  # LTX-2: gpu_ltx2's code
+                         "--also", "policies.mlp.fused_gelu=true"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
     # compile part's code again: left out to keep the suite short

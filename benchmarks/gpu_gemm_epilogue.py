@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gpu_interpreter as gi
-from .gpu_norm_rope import compiled, measure_each, microseconds
+from .gpu_norm_rope import compiled, measure_each, microseconds, report
 
 WIDTH, HIDDEN, TEXT, IMAGE = 3072, 12288, 512, 4096  # FLUX.1 at 1024²
 
@@ -49,10 +49,10 @@ def _double_eager(x, w_in, b_in, w_out, b_out):
 
 
 def _single_epilogue(x, a, w_mlp, b_mlp, w_out, b_out):
-    g = torch._addmm_activation(b_mlp, x, w_mlp.t(), use_gelu=True)
-    width = a.shape[-1]
-    out = torch.addmm(b_out, a, w_out[:, :width].t())
-    return out.addmm_(g, w_out[:, width:].t())
+    """The same arithmetic as omnispec's operators, called directly (no custom operator, uncompiled)."""
+    from omnispec.policies.mlp import by_halves
+
+    return by_halves(a, torch._addmm_activation(b_mlp, x, w_mlp.t(), use_gelu=True), w_out, b_out)
 
 
 def _double_epilogue(x, w_in, b_in, w_out, b_out):
@@ -135,15 +135,10 @@ def main() -> None:
         variants["omnispec op"] = compiled(omnispec_op, args.smoke)
         variants["matmuls"] = matmuls
         rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference, iters))
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1))
-    print("| shape | config | us per call | max abs vs eager | share differing | cosine |")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['config']} | error: {r['error'][:80]} | | | |")
-            continue
-        print(f"| {r['shape']} | {r['config']} | {r['us_per_call']:.1f} | {r.get('max_abs_vs_eager', '')} | "
-              f"{r.get('share_differing_vs_eager', '')} | {r.get('cosine_vs_eager', '')} |")
+    report(rows, args.json, {"us per call": lambda r: f"{r['us_per_call']:.1f}",
+                             "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
+                             "share differing": lambda r: r.get("share_differing_vs_eager", ""),
+                             "cosine": lambda r: r.get("cosine_vs_eager", "")})
 
 
 if __name__ == "__main__":

@@ -160,6 +160,17 @@ def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callabl
     return rows
 
 
+def report(rows: list[dict], path: Path | None, columns: dict[str, Callable[[dict], object]]) -> None:
+    """Write ``rows`` to ``path`` (JSON) when given, and print them as a table: shape, config, then ``columns``."""
+    if path:
+        path.write_text(json.dumps({"rows": rows}, indent=1))
+    print("| shape | config | " + " | ".join(columns) + " |")
+    for r in rows:
+        cells = [f"error: {r['error'][:80]}", *[""] * (len(columns) - 1)] if "error" in r else [
+            str(cell(r)) for cell in columns.values()]
+        print(f"| {r['shape']} | {r['config']} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
@@ -197,15 +208,10 @@ def main() -> None:
         with torch.no_grad():
             reference = module(*inputs)
         rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference, iters))
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1))
-    print("| shape | config | us per call | TB/s | max abs vs eager | share differing |")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['config']} | error: {r['error'][:80]} | | | |")
-            continue
-        print(f"| {r['shape']} | {r['config']} | {r['us_per_call']:.1f} | {r['tb_per_s']:.2f} | "
-              f"{r.get('max_abs_vs_eager', '')} | {r.get('share_differing_vs_eager', '')} |")
+    report(rows, args.json, {"us per call": lambda r: f"{r['us_per_call']:.1f}",
+                             "TB/s": lambda r: f"{r['tb_per_s']:.2f}",
+                             "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
+                             "share differing": lambda r: r.get("share_differing_vs_eager", "")})
 
 
 if __name__ == "__main__":

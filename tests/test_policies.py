@@ -225,7 +225,7 @@ def test_vae_compile_needs_a_compiled_run_and_takes_any_backend():
 
 def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_hold(flux_dir, monkeypatch):
     """The two options become torch.compile's mode; a denoiser call starts a new CUDA-graph generation; what would
-    read a graph's memory after the next replay (offload, caches, a whole-denoiser graph) is refused up front."""
+    read a graph's memory after the next replay (offload, hooked caches) is refused up front."""
     import torch
 
     from omnispec.spec import load_spec
@@ -240,7 +240,6 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
     for overrides, message in [
         (["policies.compile={mode: none, cudagraphs: true}"], "apply to compiled code"),
         (["policies.compile={mode: regional, backend: eager, autotune: true}"], "autotune is inductor's"),
-        (["policies.compile={mode: full, cudagraphs: true}"], "cudagraphs runs with mode regional"),
         (["policies.compile={mode: regional, autotune: true, fixed_reductions: true}"], "set one of them"),
         (["policies.compile={mode: regional, cudagraphs: true}", "policies.offload={strategy: model}"],
          "replays the addresses it recorded"),
@@ -273,6 +272,68 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
     assert all(b._compiled_call_impl is None for b in dit.transformer_blocks)  # the rebuild starts uncompiled
     assert mine._compiled_call_impl is marker
     mine._compiled_call_impl = None
+
+
+def test_a_whole_denoiser_graph_hands_out_copies_and_starts_a_generation_per_call(flux_dir, monkeypatch):
+    """``mode: full`` with ``cudagraphs``: the whole call is compiled (not ``Module.compile``, whose hooks would run
+    inside the graph); without gradients each call starts a generation and returns copies of the graph's outputs,
+    which the next replay overwrites; with gradients neither; a rebuild leaves the denoiser plain."""
+    import torch
+
+    compiled, marks, handed = [], [], []
+
+    def fake_compile(fn, **kw):
+        compiled.append(kw)
+
+        def graph_output(*args, **kwargs):  # stands for the replay: remembers the tensors it hands out
+            out = fn(*args, **kwargs)
+            handed.append(out[0] if isinstance(out, tuple) else out.sample)
+            return out
+        return graph_output
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    pipe, _ = run(flux_dir, "flux1-dev.yaml", "flux", "policies.compile={mode: full, cudagraphs: true}", steps=2)
+    assert len(compiled) == 1 and compiled[0]["options"]["triton.cudagraphs"] and compiled[0]["fullgraph"]
+    assert len(marks) == 2 and len(handed) == 2
+    dit = pipe.components["transformer"]
+    assert not dit._forward_pre_hooks  # the generation starts in the compiled call, not from a hook inside it
+    x = torch.randn(1, 16, dit.config.in_channels)
+    args = dict(hidden_states=x, encoder_hidden_states=torch.randn(1, 8, dit.config.joint_attention_dim),
+                pooled_projections=torch.randn(1, dit.config.pooled_projection_dim), timestep=torch.tensor([0.5]),
+                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), guidance=torch.tensor([3.5]),
+                return_dict=False)
+    with torch.no_grad():
+        out = dit(**args)[0]
+    assert len(marks) == 3 and out.data_ptr() != handed[-1].data_ptr() and torch.equal(out, handed[-1])
+    with torch.enable_grad():
+        out = dit(**args)[0]
+    assert len(marks) == 3 and out is handed[-1]  # with gradients the graph's own output, no new generation
+    again = omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components),
+                           overrides=[*TINY_OVERRIDES["flux"]], device="cpu")
+    assert again.components["transformer"] is dit and dit._compiled_call_impl is None
+    assert "full (backend inductor" in pipe.explain() and "cudagraphs" in pipe.explain()
+
+
+def test_a_whole_denoiser_graph_gives_the_eager_images_on_cuda(flux_dir):
+    """On the GPU, through inductor's real CUDA-graph trees: two requests in a row, each within float32 roundings of
+    eager, the first one's image not overwritten by the second's replay."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+
+    def images(*overrides):
+        pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), device="cuda",
+                              overrides=[*TINY_OVERRIDES["flux"], *overrides])
+        return [pipe(prompt, seed=0).array for prompt in ("a cat", "a dog on a skateboard")]
+
+    eager = images()
+    graphs = images("policies.compile={mode: full, cudagraphs: true}",
+                    "policies.attention.fused_qk_norm_rope=true", "policies.mlp.fused_gelu=true")
+    for want, got in zip(eager, graphs, strict=True):
+        assert np.abs(got - want).max() <= 1e-3
+    assert np.abs(graphs[0] - graphs[1]).max() > 1e-2
 
 
 def test_magcache_needs_ratios_or_calibration():

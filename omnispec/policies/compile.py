@@ -2,10 +2,12 @@
 falling back to the family's block lists), ``full`` the whole denoiser; ``vae`` also compiles each VAE's decoder
 whole. Compilation happens lazily on the first call: benchmarks warm up before timing.
 
-``cudagraphs`` (regional only) records each compiled block as a CUDA graph (inductor's CUDA-graph trees). Every
-denoiser call starts a new generation of them (``cudagraph_mark_step_begin``, from a hook on the denoiser, outside
-the compiled blocks), so a call may reuse the graph memory of the one before it: the denoiser's output comes from
-its uncompiled output layers, in memory of its own.
+``cudagraphs`` records what is compiled as CUDA graphs (inductor's CUDA-graph trees): each block (regional) or the
+whole denoiser call (full, one graph a step: no launches, no copies of block inputs, no eager embedders between
+graphs). Every denoiser call without gradients starts a new generation of them (``cudagraph_mark_step_begin``, outside
+the compiled code), so a call may reuse the graph memory of the one before it. Regional: the denoiser's output comes
+from its uncompiled output layers, in memory of its own. Full: the output is graph memory, so each call hands out a
+copy (one latent's worth, a few µs) that the next replay cannot overwrite.
 
 ``eager_rounding`` (default on, inductor only) keeps eager's low-precision roundings inside fused kernels. Inductor
 otherwise keeps a fused intermediate in float32 in an inference graph but saves it rounded in a training graph, so a
@@ -39,18 +41,14 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         if c.role != "denoiser":
             continue
         module = components[name]
-        if policy.cudagraphs:
-            _new_generation_per_call(module)
-        if policy.mode == "full":
+        if policy.mode == "full" and policy.cudagraphs:
+            _compile_whole_as_graph(module, kwargs)
+        elif policy.mode == "full":
             module.compile(**kwargs)
-        elif bridge.has_repeated_blocks(module):
-            module.compile_repeated_blocks(**kwargs)
         else:
-            blocks = [b for lst in family.block_lists if hasattr(module, lst) for b in getattr(module, lst)]
-            if not blocks:
-                raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
-            for block in blocks:
-                block.compile(**kwargs)
+            _compile_blocks(name, module, family, kwargs)
+            if policy.cudagraphs:
+                _new_generation_per_call(module)
         _mark_compiled(module)
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
     if policy.backend == "inductor":
@@ -59,6 +57,35 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
             + decoders)
+
+
+def _compile_blocks(name: str, module: Any, family: Any, kwargs: dict[str, Any]) -> None:
+    if bridge.has_repeated_blocks(module):
+        module.compile_repeated_blocks(**kwargs)
+        return
+    blocks = [b for lst in family.block_lists if hasattr(module, lst) for b in getattr(module, lst)]
+    if not blocks:
+        raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
+    for block in blocks:
+        block.compile(**kwargs)
+
+
+def _compile_whole_as_graph(module: Any, kwargs: dict[str, Any]) -> None:
+    """Compile ``module``'s whole call for CUDA graphs. Not ``Module.compile``: its forward hooks run inside the
+    compiled code, and a new graph generation has to start outside it. Without gradients the call starts one and
+    returns a copy of the outputs, which the next call's replay would otherwise overwrite; with gradients (an RL
+    replay) neither, as for regional graphs: the trees keep what a pending backward needs."""
+    from torch.utils import _pytree
+
+    compiled = torch.compile(module._call_impl, **kwargs)
+
+    def call(*args: Any, **kw: Any) -> Any:
+        if torch.is_grad_enabled():
+            return compiled(*args, **kw)
+        torch.compiler.cudagraph_mark_step_begin()
+        return _pytree.tree_map_only(torch.Tensor, torch.clone, compiled(*args, **kw))
+
+    module._compiled_call_impl = call
 
 
 def _compile_vae_decoders(spec: PipelineSpec, components: dict[str, Any]) -> str:

@@ -191,9 +191,10 @@ class CompilePolicy(SpecModel):
     dynamic: bool = False
     fullgraph: bool = True
     cudagraphs: bool = Field(default=False, description=(
-        "Record each compiled region's kernels as a CUDA graph on its first calls and replay it after "
-        "(torch.compile's reduce-overhead mode): the host no longer launches each kernel. Inductor on CUDA (elsewhere "
-        "it runs without graphs); regional only; a call of new shapes records another graph."))
+        "Record the compiled code's kernels as CUDA graphs on its first calls and replay them after (torch.compile's "
+        "reduce-overhead mode): the host no longer launches each kernel. Regional: a graph per block; full: one graph "
+        "per denoiser call, its output copied out. Inductor on CUDA (elsewhere it runs without graphs); a call of new "
+        "shapes records another graph."))
     autotune: bool = Field(default=False, description=(
         "Time inductor's Triton matmul templates against cuBLAS for each matmul shape and keep the fastest "
         "(max-autotune): minutes more on the first compile, kept in inductor's cache after."))
@@ -225,10 +226,6 @@ class CompilePolicy(SpecModel):
         if self.autotune and self.fixed_reductions:
             raise ValueError("autotune times the kernels' launch choices and fixed_reductions picks them by rule "
                              "(inductor's deterministic mode, which skips the matmul search too); set one of them")
-        if self.cudagraphs and self.mode == "full":
-            raise ValueError("cudagraphs runs with mode regional: each denoiser call starts the graphs' next "
-                             "generation from a hook outside the compiled blocks, and a whole-denoiser graph would "
-                             "hand out its output in memory the next call overwrites")
         return self
 
     @property

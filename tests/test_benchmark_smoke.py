@@ -23,10 +23,11 @@ SMOKES = [
                          "--also", "policies.mlp.fused_gelu=true"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
-    # compile part's code again: left out to keep the suite short
+    # compile part's code again: left out to keep the suite short. The second round runs the variants backwards, so
+    # diffusers' peer then copies the transformer the fused variant left (the copy must strip omnispec's processors)
     ("gpu_policies", ["--repeats", "1", "--parts", "attention,compile,wan_attention,layerwise,quant,model_offload",
                       "--quant-compile", "none", "--quant-profile", "--inductor-passes", "fast_tanh",
-                      "--compile-variants", "regional,regional+fused_qkv+qk_norm_rope+fused_gelu",
+                      "--compile-variants", "regional+fused_qkv+qk_norm_rope+fused_gelu,full+qk_norm_rope",
                       "--compile-rounds", "2"], 1),
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)

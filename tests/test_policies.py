@@ -298,11 +298,13 @@ def test_a_whole_denoiser_graph_hands_out_copies_and_starts_a_generation_per_cal
     assert len(marks) == 2 and len(handed) == 2
     dit = pipe.components["transformer"]
     assert not dit._forward_pre_hooks  # the generation starts in the compiled call, not from a hook inside it
-    x = torch.randn(1, 16, dit.config.in_channels)
-    args = dict(hidden_states=x, encoder_hidden_states=torch.randn(1, 8, dit.config.joint_attention_dim),
-                pooled_projections=torch.randn(1, dit.config.pooled_projection_dim), timestep=torch.tensor([0.5]),
-                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), guidance=torch.tensor([3.5]),
-                return_dict=False)
+    weight = next(dit.parameters())
+    at = dict(device=weight.device, dtype=weight.dtype)  # the build's device: CUDA where there is one
+    args = dict(hidden_states=torch.randn(1, 16, dit.config.in_channels, **at),
+                encoder_hidden_states=torch.randn(1, 8, dit.config.joint_attention_dim, **at),
+                pooled_projections=torch.randn(1, dit.config.pooled_projection_dim, **at),
+                timestep=torch.tensor([0.5], **at), img_ids=torch.zeros(16, 3, **at), txt_ids=torch.zeros(8, 3, **at),
+                guidance=torch.tensor([3.5], **at), return_dict=False)
     with torch.no_grad():
         out = dit(**args)[0]
     assert len(marks) == 3 and out.data_ptr() != handed[-1].data_ptr() and torch.equal(out, handed[-1])

@@ -407,6 +407,14 @@ def _fuse_qk_norm_rope(family: Any, role: str, modules: list[tuple[str, torch.nn
                                               "of their own"))
 
 
+def unfused_attention(module: torch.nn.Module) -> None:
+    """Undo what a build did to one attention module: its backend hook removed, the processor ``fused_qk_norm_rope``
+    replaced put back (a module a build never touched stays as it is)."""
+    remove_hook(module, HOOK_NAME)
+    if (replaced := module.__dict__.pop(REPLACED_PROCESSOR, None)) is not None:
+        module.set_processor(replaced)
+
+
 def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.Module],
                     device: torch.device) -> AttentionPlan:
     policy = spec.policies.attention
@@ -416,9 +424,7 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
     for dname, denoiser in denoisers.items():
         for role, modules in role_modules(family, denoiser).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
-                remove_hook(module, HOOK_NAME)
-                if (replaced := module.__dict__.pop(REPLACED_PROCESSOR, None)) is not None:
-                    module.set_processor(replaced)
+                unfused_attention(module)
             if policy.fused_qk_norm_rope:
                 _fuse_qk_norm_rope(family, role, modules, plan)
             key = role_key(family, role, policy.per_role)

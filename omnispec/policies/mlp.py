@@ -188,6 +188,13 @@ def fuse_gelus(model: torch.nn.Module) -> int:
                           and type(m.proj) is torch.nn.Linear else None)
 
 
+def unfuse_gelus(model: torch.nn.Module) -> None:
+    """Undo ``fused_gelu`` on ``model``: each ``GELU`` back in place, the parallel blocks' hooks removed."""
+    for module in model.modules():
+        remove_hook(module, HOOK_NAME)
+    _swap_children(model, lambda m: m.restored() if isinstance(m, FusedGelu) else None)
+
+
 def _swap_children(model: torch.nn.Module, swap: Callable[[torch.nn.Module], torch.nn.Module | None]) -> int:
     """Replace each submodule for which ``swap`` returns a module; returns how many were replaced."""
     swapped = 0
@@ -206,9 +213,7 @@ def apply_mlp(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.
     fused = spec.policies.mlp.fused_gelu
     notes = []
     for name, denoiser in denoisers.items():
-        for module in denoiser.modules():
-            remove_hook(module, HOOK_NAME)
-        _swap_children(denoiser, lambda m: m.restored() if isinstance(m, FusedGelu) else None)
+        unfuse_gelus(denoiser)
         if not fused:
             continue
         gelus = fuse_gelus(denoiser)

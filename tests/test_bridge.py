@@ -24,8 +24,11 @@ TORCH_INTERNALS = {
     "_scaled_dot_product_flash_attention_for_cpu",  # parallel/sequence.py: the CPU kernel ring attention needs on gloo
     "_dynamo",  # policies/compile.py: dynamo's per-code recompile limit (torch._dynamo.config; no public setter)
     "_compiled_call_impl",  # policies/compile.py: Module.compile's compiled forward, undone by a rebuild
+    "_call_impl",  # policies/compile.py: what Module.compile compiles (the call with its hooks), compiled the same
+                   # way for a whole-denoiser CUDA graph, whose generation has to start outside the compiled code
     "_inductor",  # policies/compile.py: a mode's options (torch._inductor.list_mode_options, as torch.compile's
-                  # docstring names it), since torch.compile takes a mode or options, not both
+                  # docstring names it), since torch.compile takes a mode or options, not both; and whether the
+                  # CUDA-graph trees wait for a backward (no public reading), before starting a graph generation
     "_addmm_activation",  # policies/mlp.py: cuBLASLt's bias + GELU epilogue, torch's only way to it (F.linear and
                           # F.gelu are two kernels, and inductor keeps them two)
 }

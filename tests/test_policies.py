@@ -317,6 +317,32 @@ def test_a_whole_denoiser_graph_hands_out_copies_and_starts_a_generation_per_cal
     assert "full (backend inductor" in pipe.explain() and "cudagraphs" in pipe.explain()
 
 
+def test_no_graph_generation_starts_while_a_forward_with_gradients_waits_for_its_backward(monkeypatch):
+    """An exact RL replay runs forwards without gradients between the forwards with them of earlier steps; a new
+    CUDA-graph generation there would give their saved activations' memory to the next replay (on the H200 the
+    replay tests with cudagraphs failed so). Per device, as the graph trees keep it."""
+    import torch
+    from torch._inductor import cudagraph_trees
+
+    from omnispec.policies.compile import start_graph_generation
+
+    marks, asked = [], []
+    pending = {0: False, 1: True}
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists: asked.append(
+        (index, create_if_none_exists)) or type("Manager", (), {"running_forwards_with_pending_backwards":
+                                                                pending[index]})())
+    start_graph_generation(torch.nn.Linear(2, 2))  # on the CPU: no graph trees to ask
+    assert marks == [1] and not asked
+    on = [torch.nn.Linear(2, 2) for _ in range(2)]
+    for index, module in enumerate(on):  # modules on cuda:0 and cuda:1, stood in for: the trees of its own device
+        weight = type("Weight", (), {"device": torch.device("cuda", index)})()
+        monkeypatch.setattr(module, "parameters", lambda weight=weight: iter([weight]))
+    start_graph_generation(on[0])
+    start_graph_generation(on[1])
+    assert asked == [(0, False), (1, False)] and marks == [1, 1]  # device 1 waits for a backward: no new generation
+
+
 def test_a_whole_denoiser_graph_gives_the_eager_images_on_cuda(flux_dir):
     """On the GPU, through inductor's real CUDA-graph trees: two requests in a row, each within float32 roundings of
     eager, the first one's image not overwritten by the second's replay."""

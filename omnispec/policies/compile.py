@@ -5,7 +5,8 @@ whole. Compilation happens lazily on the first call: benchmarks warm up before t
 ``cudagraphs`` records what is compiled as CUDA graphs (inductor's CUDA-graph trees): each block (regional) or the
 whole denoiser call (full, one graph a step: no launches, no copies of block inputs, no eager embedders between
 graphs). Every denoiser call without gradients starts a new generation of them (``cudagraph_mark_step_begin``, outside
-the compiled code), so a call may reuse the graph memory of the one before it. Regional: the denoiser's output comes
+the compiled code), so a call may reuse the graph memory of the one before it, unless a forward with gradients still
+waits for its backward (an RL replay's: ``start_graph_generation``). Regional: the denoiser's output comes
 from its uncompiled output layers, in memory of its own. Full: the output is graph memory, so each call hands out a
 copy (one latent's worth, a few µs) that the next replay cannot overwrite.
 
@@ -82,7 +83,7 @@ def _compile_whole_as_graph(module: Any, kwargs: dict[str, Any]) -> None:
     def call(*args: Any, **kw: Any) -> Any:
         if torch.is_grad_enabled():
             return compiled(*args, **kw)
-        torch.compiler.cudagraph_mark_step_begin()
+        start_graph_generation(module)
         return _pytree.tree_map_only(torch.Tensor, torch.clone, compiled(*args, **kw))
 
     module._compiled_call_impl = call
@@ -148,13 +149,31 @@ def _allow_block_variants() -> None:
     config.recompile_limit = max(config.recompile_limit, BLOCK_VARIANTS)
 
 
+def start_graph_generation(module: torch.nn.Module) -> None:
+    """Start a new generation of the CUDA graphs (their memory free for the next replays), unless a compiled forward
+    with gradients still waits for its backward: an exact RL replay runs, for each step, a forward without gradients
+    (the rollout's values) after the forwards with them of the steps before, and the trainer's one backward comes
+    after all of them; a new generation would hand their saved activations' memory to the next replay. CUDA-graph
+    trees keep that state per device (``running_forwards_with_pending_backwards``, set by a forward with gradients,
+    cleared by a backward); torch has no public reading of it."""
+    weight = next(module.parameters(), None)
+    if weight is not None and weight.device.type == "cuda":
+        from torch._inductor import cudagraph_trees
+
+        index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+        manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
+        if manager is not None and manager.running_forwards_with_pending_backwards:
+            return
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def _new_generation_per_call(module: Any) -> None:
     """Each call without gradients starts a new generation of the CUDA graphs. With gradients (an RL replay) none is
     marked: the graph trees then keep the outputs a pending backward needs, which a marked step would give up."""
 
     def begin(_module: Any, _args: Any) -> None:
         if not torch.is_grad_enabled():
-            torch.compiler.cudagraph_mark_step_begin()
+            start_graph_generation(_module)
 
     module._omnispec_cudagraph_generations = module.register_forward_pre_hook(begin)
 

@@ -73,9 +73,10 @@ def _compile_blocks(name: str, module: Any, family: Any, kwargs: dict[str, Any])
 
 def _compile_whole_as_graph(module: Any, kwargs: dict[str, Any]) -> None:
     """Compile ``module``'s whole call for CUDA graphs. Not ``Module.compile``: its forward hooks run inside the
-    compiled code, and a new graph generation has to start outside it. Without gradients the call starts one and
-    returns a copy of the outputs, which the next call's replay would otherwise overwrite; with gradients (an RL
-    replay) neither, as for regional graphs: the trees keep what a pending backward needs."""
+    compiled code, and a new graph generation has to start outside it. Without gradients the call starts one
+    (``start_graph_generation``) and returns a copy of the outputs, which the next call's replay would otherwise
+    overwrite; with gradients (an RL replay) neither, as for regional graphs: the trees keep what a pending backward
+    needs."""
     from torch.utils import _pytree
 
     compiled = torch.compile(module._call_impl, **kwargs)

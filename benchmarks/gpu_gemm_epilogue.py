@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from . import gpu_interpreter as gi
-from .gpu_norm_rope import compiled, measure_each, microseconds, report
+from .gpu_norm_rope import compiled
+from .kernel_timing import measure_each, microseconds, report
 
 WIDTH, HIDDEN, TEXT, IMAGE = 3072, 12288, 512, 4096  # FLUX.1 at 1024²
 
@@ -85,7 +86,7 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch
     with torch.no_grad():
         for _ in range(3):  # compilation, the allocator
             out = fn(*inputs)
-        rounds = microseconds(fn, inputs, iters)
+        rounds = microseconds(fn, inputs, iters, gi.DEVICE)
     row = {"shape": shape, "config": name, "us_per_call": statistics.median(rounds), "rounds_us": rounds}
     if name != "matmuls":
         got, want = out.float().flatten(), reference.float().flatten()

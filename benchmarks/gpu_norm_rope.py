@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from . import gpu_interpreter as gi
+from .kernel_timing import measure_each, microseconds, report
 
 HEADS, HEAD_DIM, TEXT, IMAGE = 24, 128, 512, 4096  # FLUX.1 at 1024²
 EPS = 1e-6
@@ -100,37 +100,11 @@ def _copy(q, k, cos, sin, text_q=None, text_k=None):
     return tuple(x.clone() for x in (q, k, text_q, text_k) if x is not None)
 
 
-def microseconds(fn: Callable, inputs: tuple, iters: int) -> list[float]:
-    """Device time per call: on CUDA the call is recorded once as a CUDA graph and replayed, so the host's launch
-    cost (a Triton kernel's Python launcher takes tens of microseconds) is not timed, as in a step under CUDA
-    graphs."""
-    rounds = []
-    if gi.DEVICE == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*inputs)
-    for _ in range(5):
-        if gi.DEVICE == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            rounds.append(start.elapsed_time(end) * 1e3 / iters)
-        else:
-            begin = time.perf_counter()
-            for _ in range(iters):
-                fn(*inputs)
-            rounds.append((time.perf_counter() - begin) * 1e6 / iters)
-    return rounds
-
-
 def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple, iters: int) -> dict:
     with torch.no_grad():
         for _ in range(3):  # compilation, autotuning, the allocator
             out = fn(*inputs)
-        rounds = microseconds(fn, inputs, iters)
+        rounds = microseconds(fn, inputs, iters, gi.DEVICE)
     q, k = inputs[0], inputs[1]
     moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * inputs[2].numel() * inputs[2].element_size()
     if len(inputs) > 4:
@@ -145,30 +119,6 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
         row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
     print(json.dumps(row), flush=True)
     return row
-
-
-def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:
-    """``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others still run."""
-    rows = []
-    for name, fn in variants.items():
-        try:
-            rows.append(measure_one(name, fn))
-        except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            rows.append({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"})
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def report(rows: list[dict], path: Path | None, columns: dict[str, Callable[[dict], object]]) -> None:
-    """Write ``rows`` to ``path`` (JSON) when given, and print them as a table: shape, config, then ``columns``."""
-    if path:
-        path.write_text(json.dumps({"rows": rows}, indent=1))
-    print("| shape | config | " + " | ".join(columns) + " |")
-    for r in rows:
-        cells = [f"error: {r['error'][:80]}", *[""] * (len(columns) - 1)] if "error" in r else [
-            str(cell(r)) for cell in columns.values()]
-        print(f"| {r['shape']} | {r['config']} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:

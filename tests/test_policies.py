@@ -5,6 +5,7 @@ import importlib.util
 
 import numpy as np
 import pytest
+import torch
 
 import omnispec
 from omnispec.spec import SpecError
@@ -50,6 +51,129 @@ def test_unusable_backend_falls_back_when_allowed(flux_dir, plain_flux):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention={default: sage, allow_fallback: true}")
     assert np.abs(out - plain_flux).max() <= 1e-6
     assert "fallback" in pipe.explain(as_dict=True)["attention"]["joint"]
+
+
+def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...]) -> None:
+    """A stand-in for flash-attn-4's ``flash_attn.cute`` (which needs CUDA): takes and gives [batch, tokens, heads,
+    dim] like the real one, checks the layout it is handed, refuses other head sizes with ``assert`` as the real one
+    does, and returns (out, lse) as its 4.0 betas do."""
+    import sys
+    import types
+
+    def flash_attn_func(q, k, v, softmax_scale=None):
+        assert q.shape[-1] in head_sizes, f"head size {q.shape[-1]} is not supported"
+        calls.append(tuple(q.shape))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale).transpose(1, 2)
+        return out, None
+
+    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func, package.cute = flash_attn_func, cute
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+
+
+def test_flash4_without_its_package_is_a_build_error_naming_it(flux_dir, monkeypatch):
+    import sys
+
+    from omnispec.policies import attention
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not importable, even where it is installed
+    monkeypatch.setattr(attention, "_PROBES", {})
+    with pytest.raises(SpecError, match=r"policies.attention.default: flash4 cannot run here: flash-attn-4 is not "):
+        run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")
+
+
+def test_flash4_runs_the_attentions_in_its_own_layout_and_a_refused_shape_falls_back(flux_dir, plain_flux,
+                                                                                     monkeypatch):
+    """The wiring of ``flash4`` (the real kernels need CUDA: tests/test_policies.py's CUDA test runs them): every
+    plain SDPA call of the model reaches flash-attn-4's function as [batch, tokens, heads, dim], the image is the
+    plain run's, and a shape the package refuses runs on SDPA instead, with one warning, not a traceback."""
+    from omnispec.policies import attention
+
+    calls: list = []
+    _fake_flash_attn_4(monkeypatch, calls, head_sizes=(16,))
+    probe = attention.probe  # the real package runs on CUDA only: let the stand-in pass the build's check here
+    monkeypatch.setattr(attention, "probe",
+                        lambda backend, *args: None if backend == "flash4" else probe(backend, *args))
+    monkeypatch.setattr(attention, "_PROBES", {})
+    monkeypatch.setattr(attention, "FAILED", {})
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")
+    assert np.abs(out - plain_flux).max() <= 1e-5
+    assert calls and all(shape[2] == 2 and shape[3] == 16 for shape in calls), calls  # tiny FLUX: 2 heads of 16
+    assert pipe.explain(as_dict=True)["attention"]["joint"].startswith("flash4 (explicit")
+
+    refused: list = []
+    _fake_flash_attn_4(monkeypatch, refused, head_sizes=(128,))
+    _, again = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")
+    assert not refused and np.abs(again - plain_flux).max() <= 1e-5
+    assert any(key[0] == "flash4" and "flash-attn-4 refused this call" in why
+               for key, why in attention.FAILED.items()), attention.FAILED
+
+
+def test_flash4_is_refused_under_sequence_parallelism_which_goes_through_sdpa():
+    """It bypasses torch's SDPA like xformers and sage, so the sequence-parallel attention would not reach it (the
+    skip-layer score perturbation's refusal: tests/test_spec_rules.py)."""
+    from omnispec.runtime.families import family_class
+    from omnispec.runtime.parallel import check_axes
+    from omnispec.spec import load_spec
+
+    spec = load_spec(SPECS / "flux1-dev.yaml", overrides=["policies.attention.default=flash4",
+                                                          "policies.parallel={ulysses: 2}"])
+    with pytest.raises(SpecError, match="attention backend 'flash4' cannot run under sequence parallelism"):
+        check_axes(spec, family_class("flux"))
+
+
+def _needs_flash_attn_4():
+    if not torch.cuda.is_available():
+        pytest.skip("flash-attn-4 needs CUDA")
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or its compiler library does not load
+        pytest.skip("flash-attn-4 is not importable")
+
+
+def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypatch):
+    """The real kernels at FLUX.1 1024²'s attention (4,608 tokens, 24 heads of 128, bf16) as the hook runs them:
+    forward and gradients within bf16 rounding of cuDNN's SDPA, through the same guards a training step uses."""
+    from omnispec.policies import attention
+
+    _needs_flash_attn_4()
+    monkeypatch.setattr(attention, "FAILED", {})
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+
+    def forward(q, k, v):  # what a processor does: SDPA on [batch, heads, tokens, dim] views
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    got = attention.guarded_forward(forward, "flash4", (q, k, v), {}, grad=True)
+    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+        want = forward(q, k, v)
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    assert attention.FAILED == {}, attention.FAILED
+    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+    with torch.no_grad():  # a rollout's call and its replay's: the same kernel, the same bits
+        again = attention.guarded_forward(forward, "flash4", (q, k, v), {}, grad=False)
+    assert torch.equal(again, got.detach())
+
+
+def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
+    from omnispec.policies import attention
+
+    _needs_flash_attn_4()
+    monkeypatch.setattr(attention, "FAILED", {})
+
+    def image(*overrides):
+        pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), device="cuda",
+                              overrides=[*TINY_OVERRIDES["flux"], "model.dtype=bfloat16", *overrides])
+        return pipe("a cat", seed=0).array
+
+    plain, fa4 = image("policies.attention.default=sdpa"), image("policies.attention.default=flash4")
+    assert attention.FAILED == {}, attention.FAILED  # it ran, nothing fell back
+    assert np.abs(fa4.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
 
 
 def test_unknown_attention_role_is_rejected(flux_dir):

@@ -89,10 +89,11 @@ def test_layerwise_offload_with_full_compile_is_rejected():
     fails(data, "policies.compile.mode", "policies.offload.strategy")
 
 
-def test_attention_perturbation_needs_an_sdpa_backend():
+@pytest.mark.parametrize("backend", ["sage", "flash4"])
+def test_attention_perturbation_needs_an_sdpa_backend(backend):
     term = {"kind": "skip_layer", "scale": 2.0, "layers": [1], "skip": "attention_scores"}
     data = with_(FLUX, lambda d: (d["recipe"]["phases"][0]["guidance"].update(terms=[term]),
-                                  d.update(policies={"attention": {"default": "sage"}})))
+                                  d.update(policies={"attention": {"default": backend}})))
     fails(data, "policies.attention.default", "recipe.phases.0.guidance")
 
 

@@ -2,7 +2,7 @@
 
 Mechanism: every attention module of a role gets a diffusers ``ModelHook`` that runs its forward
 inside either ``torch.nn.attention.sdpa_kernel`` (the ``sdpa_*`` backends) or a ``TorchFunctionMode``
-that sends ``F.scaled_dot_product_attention`` to xformers or SageAttention. We do this instead of
+that sends ``F.scaled_dot_product_attention`` to xformers, SageAttention or FlashAttention-4. We do this instead of
 diffusers' ``set_attention_backend`` because that dispatcher (a) reaches only processors written for
 it (FLUX, Wan; not SD3's ``JointAttnProcessor2_0`` or the digits model's ``AttnProcessor2_0``) and (b)
 refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers every processor alike.
@@ -36,7 +36,7 @@ SDPA_KERNELS = {
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
     "sdpa_math": SDPBackend.MATH,
 }
-CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage")
+CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage", "flash4")
 # Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to
 # int8): auto considers them only when the spec allows approximation.
 APPROXIMATE = ("sage",)
@@ -66,7 +66,23 @@ def _sage_attention(q, k, v, scale):
     return sageattn(q, k, v, tensor_layout="HND", is_causal=False, **kwargs)
 
 
-_REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention}
+def _flash4_attention(q, k, v, scale):
+    """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell), which take and give
+    [batch, tokens, heads, dim]: SDPA's [batch, heads, tokens, dim] views of the model's tensors are transposed back,
+    no copy. On an H200 under its power cap it ran FLUX's attention 5% and Wan 14B's 12% faster than cuDNN's
+    (BENCHMARKS.md). It checks shapes with ``assert``: a shape it refuses (head size, dtype) raises RuntimeError
+    here, which the guards turn into a fallback for that call shape."""
+    from flash_attn.cute import flash_attn_func
+
+    try:
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
+    except AssertionError as exc:
+        raise RuntimeError(f"flash-attn-4 refused this call: {exc}") from exc
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # some versions also return the LSE
+
+
+_REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention,
+                                      "flash4": _flash4_attention}
 
 
 class _RedirectSDPA(TorchFunctionMode):
@@ -117,6 +133,13 @@ def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int)
             return f"sageattention is not importable ({type(exc).__name__})"
         if device.type != "cuda":
             return "sageattention runs only on CUDA"
+    if backend == "flash4":
+        try:
+            import flash_attn.cute  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - its CuTe DSL compiler can fail to load in many ways
+            return f"flash-attn-4 is not importable ({type(exc).__name__})"
+        if device.type != "cuda":
+            return "flash-attn-4 runs only on CUDA"
     q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
     try:
         with backend_context(backend):

@@ -15,10 +15,11 @@ from .base import SpecModel
 from .kinds import Axes, Kinds
 
 AttentionBackend = Literal[
-    "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage"
+    "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage", "flash4"
 ]
 # Backends that run through torch's scaled_dot_product_attention, which diffusers' attention-score
-# perturbation (skip-layer guidance with skip: attention_scores) intercepts; the others bypass it.
+# perturbation (skip-layer guidance with skip: attention_scores) and the sequence-parallel attention intercept;
+# the others (xformers, sage, flash4) bypass it.
 PERTURBABLE_BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
 
 

@@ -10,6 +10,7 @@ import torch
 
 from ... import bridge
 from ...spec import SpecError
+from ...spec.policies import PERTURBABLE_BACKENDS
 from .base import Axis
 from .context import ParallelContext
 
@@ -20,7 +21,7 @@ class SequenceAxis(Axis):
             return f"family {family.name!r} cannot run ulysses/ring: {family.context_parallel_refusal}"
         attention = spec.policies.attention
         for backend in (attention.default, *attention.per_role.values()):
-            if backend in ("xformers", "sage"):
+            if backend not in PERTURBABLE_BACKENDS:
                 return f"attention backend {backend!r} cannot run under sequence parallelism"
         return None
 

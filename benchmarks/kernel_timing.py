@@ -1,0 +1,62 @@
+"""Timing and reporting shared by the single-kernel benchmarks (``gpu_norm_rope``, ``gpu_gemm_epilogue``,
+``gpu_attention_kernels``). Imports torch only, so a kernel benchmark runs where diffusers and omnispec are not
+installed (a device call that carries a kernel's own packages has no room left for theirs)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def microseconds(fn: Callable, inputs: tuple, iters: int, device: str) -> list[float]:
+    """Device time per call: on CUDA the call is recorded once as a CUDA graph and replayed, so the host's launch
+    cost (a Triton kernel's Python launcher takes tens of microseconds) is not timed, as in a step under CUDA
+    graphs."""
+    rounds = []
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*inputs)
+    for _ in range(5):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            rounds.append(start.elapsed_time(end) * 1e3 / iters)
+        else:
+            begin = time.perf_counter()
+            for _ in range(iters):
+                fn(*inputs)
+            rounds.append((time.perf_counter() - begin) * 1e6 / iters)
+    return rounds
+
+
+def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:
+    """``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others still run."""
+    rows = []
+    for name, fn in variants.items():
+        try:
+            rows.append(measure_one(name, fn))
+        except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            rows.append({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def report(rows: list[dict], path: Path | None, columns: dict[str, Callable[[dict], object]]) -> None:
+    """Write ``rows`` to ``path`` (JSON) when given, and print them as a table: shape, config, then ``columns``."""
+    if path:
+        path.write_text(json.dumps({"rows": rows}, indent=1))
+    print("| shape | config | " + " | ".join(columns) + " |")
+    for r in rows:
+        cells = [f"error: {r['error'][:80]}", *[""] * (len(columns) - 1)] if "error" in r else [
+            str(cell(r)) for cell in columns.values()]
+        print(f"| {r['shape']} | {r['config']} | " + " | ".join(cells) + " |")

@@ -76,10 +76,10 @@ def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...]) ->
 def test_flash4_without_its_package_is_a_build_error_naming_it(flux_dir, monkeypatch):
     import sys
 
-    from omnispec.policies import attention
+    from omnispec.policies import attention_kernels
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # not importable, even where it is installed
-    monkeypatch.setattr(attention, "_PROBES", {})
+    monkeypatch.setattr(attention_kernels, "_PROBES", {})
     with pytest.raises(SpecError, match=r"policies.attention.default: flash4 cannot run here: flash-attn-4 is not "):
         run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")
 
@@ -89,14 +89,14 @@ def test_flash4_runs_the_attentions_in_its_own_layout_and_a_refused_shape_falls_
     """The wiring of ``flash4`` (the real kernels need CUDA: tests/test_policies.py's CUDA test runs them): every
     plain SDPA call of the model reaches flash-attn-4's function as [batch, tokens, heads, dim], the image is the
     plain run's, and a shape the package refuses runs on SDPA instead, with one warning, not a traceback."""
-    from omnispec.policies import attention
+    from omnispec.policies import attention, attention_kernels
 
     calls: list = []
     _fake_flash_attn_4(monkeypatch, calls, head_sizes=(16,))
-    probe = attention.probe  # the real package runs on CUDA only: let the stand-in pass the build's check here
-    monkeypatch.setattr(attention, "probe",
+    probe = attention_kernels.probe  # the real package runs on CUDA only: let the stand-in pass the build's check
+    monkeypatch.setattr(attention_kernels, "probe",
                         lambda backend, *args: None if backend == "flash4" else probe(backend, *args))
-    monkeypatch.setattr(attention, "_PROBES", {})
+    monkeypatch.setattr(attention_kernels, "_PROBES", {})
     monkeypatch.setattr(attention, "FAILED", {})
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")
     assert np.abs(out - plain_flux).max() <= 1e-5
@@ -502,7 +502,7 @@ def test_redirected_attention_accepts_keyword_calls():
     import torch
     import torch.nn.functional as F
 
-    from omnispec.policies.attention import _RedirectSDPA
+    from omnispec.policies.attention_kernels import _RedirectSDPA
 
     seen = []
     q = torch.randn(1, 2, 8, 4)

@@ -476,12 +476,17 @@ class _FailingBackward(torch.autograd.Function):
 
 @pytest.fixture
 def failing_backend(monkeypatch):
-    """'xformers' replaced by a kernel whose backward fails, usable everywhere."""
-    from omnispec.policies import attention
+    """'xformers' replaced by a kernel whose backward fails, usable everywhere with torch's SDPA kernels (the
+    packages of the other replacement kernels are not installed here)."""
+    from omnispec.policies import attention, attention_kernels
 
-    monkeypatch.setitem(attention._REPLACEMENTS, "xformers", lambda q, k, v, scale: _FailingBackward.apply(q, k, v))
-    monkeypatch.setattr(attention, "usable", lambda backend, *a: None)
-    monkeypatch.setattr("omnispec.policies.apply.usable", lambda backend, *a: None)
+    monkeypatch.setitem(attention_kernels._REPLACEMENTS, "xformers",
+                        lambda q, k, v, scale: _FailingBackward.apply(q, k, v))
+    def usable(backend, *args):
+        return None if backend in ("sdpa", *attention_kernels.SDPA_KERNELS, "xformers") else "not installed"
+
+    monkeypatch.setattr(attention, "usable", usable)
+    monkeypatch.setattr("omnispec.policies.apply.usable", usable)
     monkeypatch.setattr(attention, "FAILED", {})
     monkeypatch.setattr(attention, "AUTO_CHOICES", {})
     return attention
@@ -547,7 +552,7 @@ def test_auto_keeps_the_rollouts_kernel_for_its_replay_with_gradients(failing_ba
     """A replay with gradients that timed its own kernel could run another forward than its rollout: its log-probs,
     so the ratio a trainer reads, would move by that kernel's rounding. Here 'xformers' wins the rollout's trial and
     loses a trial with backward, and rounds otherwise: the replay must keep it (its failing backward falls back)."""
-    from omnispec.policies import attention
+    from omnispec.policies import attention, attention_kernels
 
     def rounds_otherwise(q, k, v, scale):
         return _FailingBackward.apply(q, k, v) * (1 + 2**-10)
@@ -555,7 +560,7 @@ def test_auto_keeps_the_rollouts_kernel_for_its_replay_with_gradients(failing_ba
     def timed(backend, q, repeats=5):
         return 0.0 if (backend == "xformers") != q.requires_grad else 1.0
 
-    monkeypatch.setitem(attention._REPLACEMENTS, "xformers", rounds_otherwise)
+    monkeypatch.setitem(attention_kernels._REPLACEMENTS, "xformers", rounds_otherwise)
     monkeypatch.setattr(attention, "_time_backend", timed)
     overrides = ["runtime.progress=false", "recipe.defaults.steps=2", "recipe.phases.0.guidance.terms=[]"]
     pipe = omnispec.build(DIGITS, overrides=overrides)

@@ -12,7 +12,8 @@ import torch
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from . import quantization
-from .attention import AttentionPlan, apply_attention, usable
+from .attention import AttentionPlan, apply_attention
+from .attention_kernels import usable
 from .caches import CacheRuntime, apply_cache
 from .compile import apply_compile
 from .mlp import apply_mlp

@@ -1,8 +1,9 @@
 """Attention backends per role: explicit (checked by a real call at build) or ``auto`` (timed on first use).
 
-Mechanism: every attention module of a role gets a diffusers ``ModelHook`` that runs its forward
-inside either ``torch.nn.attention.sdpa_kernel`` (the ``sdpa_*`` backends) or a ``TorchFunctionMode``
-that sends ``F.scaled_dot_product_attention`` to xformers, SageAttention or FlashAttention-4. We do this instead of
+Mechanism: every attention module of a role gets a diffusers ``ModelHook`` that runs its forward inside the
+backend's context (``attention_kernels.backend_context``: ``sdpa_kernel`` for the ``sdpa_*`` backends, a
+``TorchFunctionMode`` that sends ``F.scaled_dot_product_attention`` to xformers, SageAttention or
+FlashAttention-4 for the others). We do this instead of
 diffusers' ``set_attention_backend`` because that dispatcher (a) reaches only processors written for
 it (FLUX, Wan; not SD3's ``JointAttnProcessor2_0`` or the digits model's ``AttnProcessor2_0``) and (b)
 refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers every processor alike.
@@ -13,15 +14,13 @@ from __future__ import annotations
 import fnmatch
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from ..bridge import remove_hook
@@ -29,138 +28,13 @@ from ..log import logger
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
+from .attention_kernels import APPROXIMATE, AUTO_EXCLUDED, CONCRETE, backend_context, usable
 
-SDPA_KERNELS = {
-    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "sdpa_math": SDPBackend.MATH,
-}
-CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage", "flash4")
-# Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to
-# int8): auto considers them only when the spec allows approximation.
-APPROXIMATE = ("sage",)
-# Never an auto candidate: the math kernel materialises the full score matrix (160 GiB for one Wan-14B
-# 480p layer) and is never the fastest.
-AUTO_EXCLUDED = ("sdpa_math",)
 HOOK_NAME = "omnispec_attention"
 # Where an attention module keeps the processor ``fused_qk_norm_rope`` replaced, for a rebuild to put it back.
 REPLACED_PROCESSOR = "omnispec_replaced_processor"
 # auto keeps sdpa unless another backend is faster by more than this (timing noise on a short trial).
 AUTO_MARGIN = 0.03
-
-
-# ---- the replacement kernels ----------------------------------------------------------------------
-
-def _xformers_attention(q, k, v, scale):
-    import xformers.ops as xops
-
-    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-    return out.transpose(1, 2)
-
-
-def _sage_attention(q, k, v, scale):
-    from sageattention import sageattn
-
-    kwargs = {"sm_scale": scale} if scale is not None else {}
-    return sageattn(q, k, v, tensor_layout="HND", is_causal=False, **kwargs)
-
-
-def _flash4_attention(q, k, v, scale):
-    """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell), which take and give
-    [batch, tokens, heads, dim]: SDPA's [batch, heads, tokens, dim] views of the model's tensors are transposed back,
-    no copy. On an H200 under its power cap it ran FLUX's attention 5% and Wan 14B's 12% faster than cuDNN's
-    (BENCHMARKS.md). It checks shapes with ``assert``: a shape it refuses (head size, dtype) raises RuntimeError
-    here, which the guards turn into a fallback for that call shape."""
-    from flash_attn.cute import flash_attn_func
-
-    try:
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
-    except AssertionError as exc:
-        raise RuntimeError(f"flash-attn-4 refused this call: {exc}") from exc
-    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # some versions also return the LSE
-
-
-_REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention,
-                                      "flash4": _flash4_attention}
-
-
-class _RedirectSDPA(TorchFunctionMode):
-    """Sends plain (maskless, non-causal, no dropout) SDPA calls to another kernel; others pass through."""
-
-    def __init__(self, kernel: Callable):
-        super().__init__()
-        self.kernel = kernel
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            call = dict(zip(names, args)) | kwargs  # diffusers passes query=/key=/value= by keyword
-            q, k, v = call.get("query"), call.get("key"), call.get("value")
-            plain = (q is not None and call.get("attn_mask") is None and not call.get("is_causal")
-                     and not call.get("dropout_p") and not call.get("enable_gqa") and q.shape[-3] == k.shape[-3])
-            if plain:
-                return self.kernel(q, k, v, call.get("scale"))
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def backend_context(backend: str) -> Iterator[None]:
-    if backend == "sdpa":
-        yield
-    elif backend in SDPA_KERNELS:
-        with sdpa_kernel([SDPA_KERNELS[backend]]):
-            yield
-    else:
-        with _RedirectSDPA(_REPLACEMENTS[backend]):
-            yield
-
-
-# ---- detection ------------------------------------------------------------------------------------
-
-def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when the backend runs here for this dtype and head size, else the reason it does not."""
-    if backend == "xformers":
-        try:
-            import xformers.ops  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - any import failure means unusable
-            return f"xformers is not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    if backend == "sage":
-        try:
-            import sageattention  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"sageattention is not importable ({type(exc).__name__})"
-        if device.type != "cuda":
-            return "sageattention runs only on CUDA"
-    if backend == "flash4":
-        try:
-            import flash_attn.cute  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - its CuTe DSL compiler can fail to load in many ways
-            return f"flash-attn-4 is not importable ({type(exc).__name__})"
-        if device.type != "cuda":
-            return "flash-attn-4 runs only on CUDA"
-    q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
-    try:
-        with backend_context(backend):
-            out = F.scaled_dot_product_attention(q, q, q)
-        ref = F.scaled_dot_product_attention(q.float(), q.float(), q.float())
-        if not torch.isfinite(out).all() or torch.nn.functional.cosine_similarity(
-            out.float().flatten(), ref.flatten(), dim=0) < 0.99:
-            return "gave wrong results in a test call"
-    except Exception as exc:  # noqa: BLE001 - a kernel that can't run raises many kinds of errors
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no kernel'}"
-    return None
-
-
-_PROBES: dict[tuple[str, str, torch.dtype, int], str | None] = {}
-
-
-def usable(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    key = (backend, str(device), dtype, head_dim)
-    if key not in _PROBES:
-        _PROBES[key] = probe(backend, device, dtype, head_dim)
-    return _PROBES[key]
 
 
 # ---- hooks ----------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ def plain_sd3(sd3_dir):
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "sdpa_flash", "auto"])
 def test_attention_backends_match_the_plain_run(flux_dir, plain_flux, backend):
+    if backend == "sdpa_flash" and torch.cuda.is_available():  # the tiny model builds there, in float32
+        pytest.skip("FlashAttention-2 on CUDA takes no float32 (the build refuses it); the CPU run covers it")
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.attention.default={backend}")
     assert np.abs(out - plain_flux).max() <= 1e-4
     assert set(pipe.explain(as_dict=True)["attention"]) == {"joint", "single"}

@@ -5,6 +5,7 @@ them on the model's attentions (hooks, ``auto``'s timing, the fallbacks)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -101,27 +102,22 @@ def backend_context(backend: str) -> Iterator[None]:
 
 # ---- detection ------------------------------------------------------------------------------------
 
+# The replacement kernels' packages: backend -> (module to import, package name, runs only on CUDA).
+_PACKAGES = {"xformers": ("xformers.ops", "xformers", False), "sage": ("sageattention", "sageattention", True),
+             "flash4": ("flash_attn.cute", "flash-attn-4", True)}
+
+
 def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when the backend runs here for this dtype and head size, else the reason it does not."""
-    if backend == "xformers":
+    if backend in _PACKAGES:
+        module, package, cuda_only = _PACKAGES[backend]
         try:
-            import xformers.ops  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - any import failure means unusable
-            return f"xformers is not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    if backend == "sage":
-        try:
-            import sageattention  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"sageattention is not importable ({type(exc).__name__})"
-        if device.type != "cuda":
-            return "sageattention runs only on CUDA"
-    if backend == "flash4":
-        try:
-            import flash_attn.cute  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - its CuTe DSL compiler can fail to load in many ways
-            return f"flash-attn-4 is not importable ({type(exc).__name__})"
-        if device.type != "cuda":
-            return "flash-attn-4 runs only on CUDA"
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any import failure means unusable (FA4's compiler fails many ways)
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return f"{package} is not importable ({type(exc).__name__}{': ' + why if why else ''})"
+        if cuda_only and device.type != "cuda":
+            return f"{package} runs only on CUDA"
     q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
     try:
         with backend_context(backend):

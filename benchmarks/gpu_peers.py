@@ -522,7 +522,8 @@ def compile_part(wl: Workload, args) -> None:
             pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, overrides)
             applied = pipe.explain(as_dict=True).get("applied", {})
             _step_row(wl, "compile", "omnispec", label,
-                      {"spec": overrides, "attention": "sdpa", "explain": applied.get("compile"),
+                      {"spec": overrides, "attention": pipe.explain(as_dict=True).get("attention"),
+                       "explain": applied.get("compile"),
                        "mlp": applied.get("mlp")}, omnispec_runner(pipe, name), twin)
         except Exception as exc:  # noqa: BLE001 - keep the other rows
             error_row("compile", name, "omnispec", label, exc)

@@ -367,7 +367,8 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
 MODEL_OPTIONS = ("fused_qkv",)
 # Variant options that set another policy's field.
 POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
-                  "fused_gelu": "policies.mlp.fused_gelu=true"}
+                  "fused_gelu": "policies.mlp.fused_gelu=true",
+                  "flash4": "policies.attention.default=flash4"}
 
 
 def compile_overrides(variant: str) -> list[str]:

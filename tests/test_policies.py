@@ -55,24 +55,52 @@ def test_unusable_backend_falls_back_when_allowed(flux_dir, plain_flux):
     assert "fallback" in pipe.explain(as_dict=True)["attention"]["joint"]
 
 
-def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...]) -> None:
+def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...], backward_calls: list | None = None) -> None:
     """A stand-in for flash-attn-4's ``flash_attn.cute`` (which needs CUDA): takes and gives [batch, tokens, heads,
     dim] like the real one, checks the layout it is handed, refuses other head sizes with ``assert`` as the real one
-    does, and returns (out, lse) as its 4.0 betas do."""
+    does, returns (out, log-sum-exp) as its 4.0 betas do, and has the backward omnispec calls
+    (``interface._flash_attn_bwd``), written out from the log-sum-exp as FlashAttention's is."""
     import sys
     import types
 
-    def flash_attn_func(q, k, v, softmax_scale=None):
+    def flash_attn_func(q, k, v, softmax_scale=None, return_lse=False):
         assert q.shape[-1] in head_sizes, f"head size {q.shape[-1]} is not supported"
         calls.append(tuple(q.shape))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale).transpose(1, 2)
-        return out, None
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).to(q.dtype)
+        return out, scores.logsumexp(-1)
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None):
+        (backward_calls if backward_calls is not None else []).append(tuple(q.shape))
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        q, k, v, out, dout = (t.float() for t in (q, k, v, out, dout))
+        p = (torch.einsum("bqhd,bkhd->bhqk", q, k) * scale - lse[..., None]).exp()
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, v)
+        ds = p * (dp - (dout * out).sum(-1).transpose(1, 2)[..., None])
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+        return dq, dk, dv
 
     package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
-    cute.flash_attn_func, package.cute = flash_attn_func, cute
+    interface = types.ModuleType("flash_attn.cute.interface")
+    cute.flash_attn_func, cute.interface, package.cute = flash_attn_func, interface, cute
+    interface._flash_attn_bwd = _flash_attn_bwd
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+
+
+def _flash4_passes_the_probe(monkeypatch) -> None:
+    """The real package runs on CUDA only: let the stand-in pass the build's check."""
+    from omnispec.policies import attention, attention_kernels
+
+    probe = attention_kernels.probe
+    monkeypatch.setattr(attention_kernels, "probe",
+                        lambda backend, *args: None if backend == "flash4" else probe(backend, *args))
+    monkeypatch.setattr(attention_kernels, "_PROBES", {})
+    monkeypatch.setattr(attention, "FAILED", {})
 
 
 def test_flash4_without_its_package_is_a_build_error_naming_it(flux_dir, monkeypatch):
@@ -91,15 +119,11 @@ def test_flash4_runs_the_attentions_in_its_own_layout_and_a_refused_shape_falls_
     """The wiring of ``flash4`` (the real kernels need CUDA: tests/test_policies.py's CUDA test runs them): every
     plain SDPA call of the model reaches flash-attn-4's function as [batch, tokens, heads, dim], the image is the
     plain run's, and a shape the package refuses runs on SDPA instead, with one warning, not a traceback."""
-    from omnispec.policies import attention, attention_kernels
+    from omnispec.policies import attention
 
     calls: list = []
     _fake_flash_attn_4(monkeypatch, calls, head_sizes=(16,))
-    probe = attention_kernels.probe  # the real package runs on CUDA only: let the stand-in pass the build's check
-    monkeypatch.setattr(attention_kernels, "probe",
-                        lambda backend, *args: None if backend == "flash4" else probe(backend, *args))
-    monkeypatch.setattr(attention_kernels, "_PROBES", {})
-    monkeypatch.setattr(attention, "FAILED", {})
+    _flash4_passes_the_probe(monkeypatch)
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")
     assert np.abs(out - plain_flux).max() <= 1e-5
     assert calls and all(shape[2] == 2 and shape[3] == 16 for shape in calls), calls  # tiny FLUX: 2 heads of 16
@@ -111,6 +135,45 @@ def test_flash4_runs_the_attentions_in_its_own_layout_and_a_refused_shape_falls_
     assert not refused and np.abs(again - plain_flux).max() <= 1e-5
     assert any(key[0] == "flash4" and "flash-attn-4 refused this call" in why
                for key, why in attention.FAILED.items()), attention.FAILED
+
+
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_flash4_is_compiled_into_the_denoiser_with_its_backward(flux_dir, plain_flux, monkeypatch, mode):
+    """Under compile flash4 is one redirect around the denoiser's call that dynamo traces into the compiled code (an
+    operator with a fake and a registered backward): the image is the plain run's, every attention call reaches the
+    package, the blocks compile once (not once per block, as per-module hooks made them), and gradients through the
+    compiled attention are the plain model's."""
+    from torch._dynamo.utils import counters
+
+    calls: list = []
+    backward_calls: list = []
+    _fake_flash_attn_4(monkeypatch, calls, head_sizes=(16,), backward_calls=backward_calls)
+    _flash4_passes_the_probe(monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4",
+                    f"policies.compile={{mode: {mode}, backend: aot_eager}}")
+    assert np.abs(out - plain_flux).max() <= 1e-5
+    assert calls and all(shape[2:] == (2, 16) for shape in calls), calls
+    assert "compiled in" in pipe.explain(as_dict=True)["attention"]["joint"]
+    recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+    assert counters["stats"]["unique_graphs"] <= (3 if mode == "regional" else 1) and not recompiles, dict(counters)
+
+    transformer = pipe.components["transformer"]
+    hidden = torch.randn(1, 16, transformer.config.in_channels, requires_grad=True)
+    args = dict(encoder_hidden_states=torch.randn(1, 8, transformer.config.joint_attention_dim),
+                pooled_projections=torch.randn(1, transformer.config.pooled_projection_dim),
+                timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
+                guidance=torch.tensor([3.5]) if transformer.config.guidance_embeds else None)
+    got = transformer(hidden_states=hidden, **args).sample
+    (grad,) = torch.autograd.grad(got.square().sum(), hidden)
+    assert backward_calls, "the compiled backward did not reach the package's"
+    torch._dynamo.reset()
+    plain = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir),
+                           overrides=TINY_OVERRIDES["flux"]).components["transformer"]
+    want = plain(hidden_states=hidden, **args).sample
+    (want_grad,) = torch.autograd.grad(want.square().sum(), hidden)
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(grad, want_grad, atol=1e-4)
 
 
 def test_flash4_is_refused_under_sequence_parallelism_which_goes_through_sdpa():
@@ -135,10 +198,13 @@ def _needs_flash_attn_4():
         pytest.skip("flash-attn-4 is not importable")
 
 
-def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypatch):
-    """The real kernels at FLUX.1 1024²'s attention (4,608 tokens, 24 heads of 128, bf16) as the hook runs them:
-    forward and gradients within bf16 rounding of cuDNN's SDPA, through the same guards a training step uses."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypatch, compiled):
+    """The real kernels at FLUX.1 1024²'s attention (4,608 tokens, 24 heads of 128, bf16) as the hooks run them:
+    forward and gradients within bf16 rounding of cuDNN's SDPA, eager through the same guards a training step uses,
+    compiled through the redirect inductor traces (the operators' fake and registered backward)."""
     from omnispec.policies import attention
+    from omnispec.policies.attention_kernels import redirect_mode
 
     _needs_flash_attn_4()
     monkeypatch.setattr(attention, "FAILED", {})
@@ -149,7 +215,18 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
     def forward(q, k, v):  # what a processor does: SDPA on [batch, heads, tokens, dim] views
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
-    got = attention.guarded_forward(forward, "flash4", (q, k, v), {}, grad=True)
+    if compiled:
+        torch._dynamo.reset()
+        inner = torch.compile(forward, fullgraph=True)
+
+        def run(grad: bool) -> torch.Tensor:
+            with redirect_mode("flash4", frozenset({128})), torch.set_grad_enabled(grad):
+                return inner(q, k, v)
+    else:
+        def run(grad: bool) -> torch.Tensor:
+            return attention.guarded_forward(forward, "flash4", (q, k, v), {}, grad=grad)
+
+    got = run(True)
     got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
         want = forward(q, k, v)
@@ -157,9 +234,7 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
     assert attention.FAILED == {}, attention.FAILED
     for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
-    with torch.no_grad():  # a rollout's call and its replay's: the same kernel, the same bits
-        again = attention.guarded_forward(forward, "flash4", (q, k, v), {}, grad=False)
-    assert torch.equal(again, got.detach())
+    assert torch.equal(run(False), got.detach())  # a rollout's call and its replay's: the same kernel, the same bits
 
 
 def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
@@ -176,6 +251,9 @@ def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
     plain, fa4 = image("policies.attention.default=sdpa"), image("policies.attention.default=flash4")
     assert attention.FAILED == {}, attention.FAILED  # it ran, nothing fell back
     assert np.abs(fa4.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
+    torch._dynamo.reset()
+    compiled = image("policies.attention.default=flash4", "policies.compile={mode: regional, cudagraphs: true}")
+    assert np.abs(compiled.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
 
 
 def test_unknown_attention_role_is_rejected(flux_dir):

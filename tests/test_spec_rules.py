@@ -153,6 +153,17 @@ def test_explicit_attention_backend_with_compile_is_rejected():
     fails(data, "policies.attention.default", "policies.compile.mode")
 
 
+def test_flash4_under_compile_must_be_every_roles_backend():
+    """Compiled, flash4 is one redirect around the denoiser's call: it cannot serve one role and not another."""
+    compiled = {"mode": "regional"}
+    load_spec(with_(FLUX, lambda d: d.update(policies={"attention": {"default": "flash4"}, "compile": compiled})))
+    data = with_(FLUX, lambda d: d.update(policies={"attention": {"default": "flash4", "per_role": {"single": "sdpa"}},
+                                                    "compile": compiled}))
+    fails(data, "policies.attention.default", "give per_role no other backend")
+    data = with_(FLUX, lambda d: d.update(policies={"attention": {"per_role": {"single": "flash4"}}, "compile": compiled}))
+    fails(data, "policies.attention.per_role.single", "name it as policies.attention.default")
+
+
 @pytest.mark.parametrize("strategy", ["layerwise", "group"])
 def test_block_offload_with_fullgraph_regional_compile_is_rejected(strategy):
     data = with_(FLUX, lambda d: d.update(policies={"offload": {"strategy": strategy}, "compile": {"mode": "regional"}}))

@@ -46,22 +46,13 @@ def _sage_attention(q, k, v, scale):
 
 
 def _flash4_attention(q, k, v, scale):
-    """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell), which take and give
-    [batch, tokens, heads, dim]: SDPA's [batch, heads, tokens, dim] views of the model's tensors are transposed back,
-    no copy. On an H200 under its power cap it ran FLUX's attention 5% and Wan 14B's 12% faster than cuDNN's
-    (BENCHMARKS.md). It refuses shapes with ``assert`` (head size, dtype) and its CuTe DSL compiler raises errors of
-    its own: any failure but running out of memory becomes a RuntimeError here, which the guards turn into a
-    fallback to SDPA for that call shape (one warning), not the end of a request."""
-    from flash_attn.cute import flash_attn_func
+    """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell) through omnispec's operators
+    (``flash4.py``), which compiled code can call too. On an H200 under its power cap it ran FLUX's attention 5% and
+    Wan 14B's 12% faster than cuDNN's (BENCHMARKS.md). A call it refuses raises a RuntimeError, which the guards turn
+    into a fallback to SDPA for that call shape (one warning), not the end of a request."""
+    from .flash4 import flash4_sdpa
 
-    try:
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RuntimeError(f"flash-attn-4 refused this call: {why}") from exc
-    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # some versions also return the LSE
+    return flash4_sdpa(q, k, v, scale)
 
 
 _REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention,
@@ -69,11 +60,12 @@ _REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _
 
 
 class _RedirectSDPA(TorchFunctionMode):
-    """Sends plain (maskless, non-causal, no dropout) SDPA calls to another kernel; others pass through."""
+    """Sends plain (maskless, non-causal, no dropout) SDPA calls to another kernel, only those of ``head_sizes`` when
+    given; others pass through."""
 
-    def __init__(self, kernel: Callable):
+    def __init__(self, kernel: Callable, head_sizes: frozenset[int] | None = None):
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.head_sizes = kernel, head_sizes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,10 +74,20 @@ class _RedirectSDPA(TorchFunctionMode):
             call = dict(zip(names, args)) | kwargs  # diffusers passes query=/key=/value= by keyword
             q, k, v = call.get("query"), call.get("key"), call.get("value")
             plain = (q is not None and call.get("attn_mask") is None and not call.get("is_causal")
-                     and not call.get("dropout_p") and not call.get("enable_gqa") and q.shape[-3] == k.shape[-3])
+                     and not call.get("dropout_p") and not call.get("enable_gqa") and q.shape[-3] == k.shape[-3]
+                     and (self.head_sizes is None or q.shape[-1] in self.head_sizes))
             if plain:
                 return self.kernel(q, k, v, call.get("scale"))
+        if func is torch.Tensor.unflatten:
+            # the same operation; under compile dynamo traces this mode and cannot follow Tensor.unflatten's
+            # ``super().unflatten`` (torch 2.13), which every diffusers processor calls
+            return torch.unflatten(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def redirect_mode(backend: str, head_sizes: frozenset[int] | None = None) -> TorchFunctionMode:
+    """The mode sending plain SDPA calls to a replacement kernel (``xformers``, ``sage``, ``flash4``)."""
+    return _RedirectSDPA(_REPLACEMENTS[backend], head_sizes)
 
 
 @contextmanager
@@ -96,7 +98,7 @@ def backend_context(backend: str) -> Iterator[None]:
         with sdpa_kernel([SDPA_KERNELS[backend]]):
             yield
     else:
-        with _RedirectSDPA(_REPLACEMENTS[backend]):
+        with redirect_mode(backend):
             yield
 
 

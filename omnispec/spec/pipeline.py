@@ -220,11 +220,17 @@ def _policy_problems(spec: PipelineSpec):
     if policies.compile.mode != "none":
         chosen_backends = {("default",): policies.attention.default} | {
             ("per_role", r): b for r, b in policies.attention.per_role.items()}
+        everywhere = set(chosen_backends.values()) == {"flash4"}
         for where, backend in chosen_backends.items():
-            if backend not in ("auto", "sdpa"):
+            if backend == "flash4" and not everywhere:
+                yield ("policies", "attention", *where), (
+                    f"under policies.compile.mode {policies.compile.mode!r} flash4 runs every attention of the "
+                    "denoiser (one redirect around its call, which the compiler traces): name it as "
+                    "policies.attention.default and give per_role no other backend")
+            elif backend not in ("auto", "sdpa", "flash4"):
                 yield ("policies", "attention", *where), (
                     f"backend {backend!r} is applied by per-module hooks that make policies.compile.mode "
-                    f"{policies.compile.mode!r} recompile every block; use auto or sdpa with compile"
+                    f"{policies.compile.mode!r} recompile every block; use auto, sdpa or flash4 with compile"
                 )
     perturbing = [
         i for i, phase in enumerate(spec.recipe.phases) if phase.guidance.perturbs_attention

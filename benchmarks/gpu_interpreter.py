@@ -477,7 +477,9 @@ def flops_per_step(run, steps: int = 1) -> float:
     with torch.no_grad():
         run(steps)  # warm-up: first-use work (auto attention trials, compilation) must not be counted
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    # eager: a compiled frame run under a dispatch mode is skipped by dynamo, and skipped for good (torch 2.11 and
+    # 2.13), so the compiled sides would then time eager blocks whose nested calls dynamo compiles one by one
+    with torch.compiler.set_stance("force_eager"), counter, torch.no_grad():
         run(steps)
     return float(counter.get_total_flops())
 

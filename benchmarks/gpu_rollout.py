@@ -225,7 +225,8 @@ def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loo
 
     sample = base.sample(_prompts("flops", 1), seed=0)
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    # eager: dynamo skips a compiled frame run under a dispatch mode for good (gpu_interpreter.flops_per_step)
+    with torch.compiler.set_stance("force_eager"), counter, torch.no_grad():
         base._forward(sample["latents"][:, 0], sample["timesteps"][0], sample["pe"], sample["pooled"])
     flops = float(counter.get_total_flops()) * images * steps
     ceiling = gi.matmul_ceiling() if gi.DEVICE == "cuda" else 1e12

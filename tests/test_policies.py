@@ -1,6 +1,7 @@
 """Policies on the tiny fixtures (CPU): same output as the plain run where they must be exact, documented
 tolerances where they approximate, cache scoping, and every conflict rule failing cleanly."""
 
+import functools
 import importlib.util
 
 import numpy as np
@@ -160,11 +161,13 @@ def test_flash4_is_compiled_into_the_denoiser_with_its_backward(flux_dir, plain_
     assert counters["stats"]["unique_graphs"] <= (3 if mode == "regional" else 1) and not recompiles, dict(counters)
 
     transformer = pipe.components["transformer"]
-    hidden = torch.randn(1, 16, transformer.config.in_channels, requires_grad=True)
-    args = dict(encoder_hidden_states=torch.randn(1, 8, transformer.config.joint_attention_dim),
-                pooled_projections=torch.randn(1, transformer.config.pooled_projection_dim),
-                timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
-                guidance=torch.tensor([3.5]) if transformer.config.guidance_embeds else None)
+    config, device = transformer.config, transformer.device
+    hidden = torch.randn(1, 16, config.in_channels, device=device, requires_grad=True)
+    args = dict(encoder_hidden_states=torch.randn(1, 8, config.joint_attention_dim, device=device),
+                pooled_projections=torch.randn(1, config.pooled_projection_dim, device=device),
+                timestep=torch.tensor([0.5], device=device), img_ids=torch.zeros(16, 3, device=device),
+                txt_ids=torch.zeros(8, 3, device=device),
+                guidance=torch.tensor([3.5], device=device) if config.guidance_embeds else None)
     got = transformer(hidden_states=hidden, **args).sample
     (grad,) = torch.autograd.grad(got.square().sum(), hidden)
     assert backward_calls, "the compiled backward did not reach the package's"
@@ -198,6 +201,28 @@ def _needs_flash_attn_4():
         pytest.skip("flash-attn-4 is not importable")
 
 
+def _count_flash4_calls(monkeypatch) -> dict[str, int]:
+    """Counts the real package's forward and backward calls (omnispec's operators look both up at each call)."""
+    import flash_attn.cute
+    import flash_attn.cute.interface
+
+    counts = {"forward": 0, "backward": 0}
+
+    def counted(module, name, kind):
+        real = getattr(module, name)
+
+        @functools.wraps(real)  # FA4 keeps its compiled kernels in attributes of these functions
+        def call(*args, **kwargs):
+            counts[kind] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    counted(flash_attn.cute, "flash_attn_func", "forward")
+    counted(flash_attn.cute.interface, "_flash_attn_bwd", "backward")
+    return counts
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypatch, compiled):
     """The real kernels at FLUX.1 1024²'s attention (4,608 tokens, 24 heads of 128, bf16) as the hooks run them:
@@ -208,6 +233,7 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
 
     _needs_flash_attn_4()
     monkeypatch.setattr(attention, "FAILED", {})
+    counts = _count_flash4_calls(monkeypatch)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                for _ in range(3))
@@ -232,6 +258,7 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
         want = forward(q, k, v)
     want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
     assert attention.FAILED == {}, attention.FAILED
+    assert counts["forward"] and counts["backward"], counts  # FA4 ran both ways, not SDPA
     for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
     assert torch.equal(run(False), got.detach())  # a rollout's call and its replay's: the same kernel, the same bits
@@ -242,18 +269,25 @@ def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
 
     _needs_flash_attn_4()
     monkeypatch.setattr(attention, "FAILED", {})
+    counts = _count_flash4_calls(monkeypatch)
 
     def image(*overrides):
         pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), device="cuda",
                               overrides=[*TINY_OVERRIDES["flux"], "model.dtype=bfloat16", *overrides])
         return pipe("a cat", seed=0).array
 
-    plain, fa4 = image("policies.attention.default=sdpa"), image("policies.attention.default=flash4")
-    assert attention.FAILED == {}, attention.FAILED  # it ran, nothing fell back
+    plain = image("policies.attention.default=sdpa")
+    assert not counts["forward"]
+    fa4 = image("policies.attention.default=flash4")
+    assert attention.FAILED == {} and counts["forward"], (attention.FAILED, counts)  # it ran, nothing fell back
     assert np.abs(fa4.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
-    torch._dynamo.reset()
-    compiled = image("policies.attention.default=flash4", "policies.compile={mode: regional, cudagraphs: true}")
-    assert np.abs(compiled.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
+    for graphs in ("false", "true"):  # CUDA graphs record the calls of their warm-up runs
+        torch._dynamo.reset()
+        counts["forward"] = 0
+        compiled = image("policies.attention.default=flash4",
+                         f"policies.compile={{mode: regional, cudagraphs: {graphs}}}")
+        assert counts["forward"], f"compiled with cudagraphs {graphs}: FA4 never ran"
+        assert np.abs(compiled.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
 
 
 def test_unknown_attention_role_is_rejected(flux_dir):

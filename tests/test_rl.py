@@ -278,21 +278,27 @@ def test_a_lora_over_a_dynamically_quantized_base_gets_gradients_and_replays_exa
     ("cpu", "regional"), pytest.param("cuda", "none", marks=pytest.mark.gpu),
     pytest.param("cuda", "regional", marks=pytest.mark.gpu),
     pytest.param("cuda", "regional+cudagraphs", marks=pytest.mark.gpu),
-    pytest.param("cuda", "full+cudagraphs", marks=pytest.mark.gpu)])
+    pytest.param("cuda", "full+cudagraphs", marks=pytest.mark.gpu),
+    pytest.param("cuda", "regional+cudagraphs+flash4", marks=pytest.mark.gpu)])
 def test_replay_with_gradients_equals_the_rollout_in_bfloat16(device, compile_mode):
     """What a trainer's first ratio reads: log-probs replayed with gradients (a LoRA training) against the
     rollout's, in bfloat16. Compiled, the training graphs a replay with gradients runs fuse other kernels than the
     inference graphs a rollout runs; here without ``eager_rounding`` they keep other intermediates in float32
     (about 1e-3 off on the CPU), and a replay takes its values from a forward without gradients (``exact``). With
     CUDA graphs the rollout's forwards start a graph generation each and the replay's with gradients none (a whole
-    compiled denoiser on the CPU took a minute here: those cases run on CUDA only)."""
+    compiled denoiser on the CPU took a minute here: those cases run on CUDA only). ``flash4``: FlashAttention-4
+    compiled in, its backward the operator's registered one."""
     from peft import LoraConfig
 
     mode, *options = compile_mode.split("+")
     compiled = mode != "none"
+    if "flash4" in options:
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
     pipe = omnispec.build(SPECS / "digits.yaml", overrides=[
         "runtime.progress=false", "recipe.defaults.steps=4", f"runtime.device={device}", "model.dtype=bfloat16",
-        f"policies.compile.mode={mode}", *(f"policies.compile.{option}=true" for option in options),
+        f"policies.compile.mode={mode}",
+        *("policies.attention.default=flash4" if option == "flash4" else f"policies.compile.{option}=true"
+          for option in options),
         *(["policies.compile.eager_rounding=false"] if compiled else [])])
     torch.manual_seed(0)
     pipe.components["transformer"].add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"],

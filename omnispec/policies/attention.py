@@ -7,6 +7,10 @@ FlashAttention-4 for the others). We do this instead of
 diffusers' ``set_attention_backend`` because that dispatcher (a) reaches only processors written for
 it (FLUX, Wan; not SD3's ``JointAttnProcessor2_0`` or the digits model's ``AttnProcessor2_0``) and (b)
 refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers every processor alike.
+
+Under compile per-module hooks would make every block recompile, so the only replacement allowed there, ``flash4`` (an
+operator compiled code can call), is one redirect around the denoiser's call (``CompiledRedirectHook``) that dynamo
+traces into each compiled block.
 """
 
 from __future__ import annotations

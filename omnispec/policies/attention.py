@@ -55,8 +55,8 @@ class FixedBackendHook(ModelHook):
 class CompiledRedirectHook(ModelHook):
     """Under compile: the denoiser's whole call inside one redirect of plain SDPA calls of ``head_sizes`` to a
     replacement kernel (``flash4``, an operator compiled code can call). Dynamo traces the mode into each compiled
-    block; per-module hooks would make it recompile every block. No fallback here: the build's test call checked the
-    kernel, and a call it refuses later is an error naming the package."""
+    block; per-module hooks would make it recompile every block. A call shape the package refuses falls back to SDPA
+    inside its operators (``flash4.py``), as in eager runs."""
 
     def __init__(self, backend: str, head_sizes: frozenset[int]):
         super().__init__()

@@ -47,9 +47,9 @@ def _sage_attention(q, k, v, scale):
 
 def _flash4_attention(q, k, v, scale):
     """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell) through omnispec's operators
-    (``flash4.py``), which compiled code can call too. On an H200 under its power cap it ran FLUX's attention 5% and
-    Wan 14B's 12% faster than cuDNN's (BENCHMARKS.md). A call it refuses raises a RuntimeError, which the guards turn
-    into a fallback to SDPA for that call shape (one warning), not the end of a request."""
+    (``flash4.py``), which compiled code can call too and which run a call shape the package refuses on SDPA (one
+    warning). On an H200 under its power cap it ran FLUX's attention 5% and Wan 14B's 12% faster than cuDNN's
+    (BENCHMARKS.md)."""
     from .flash4 import flash4_sdpa
 
     return flash4_sdpa(q, k, v, scale)
@@ -124,6 +124,11 @@ def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int)
     try:
         with backend_context(backend):
             out = F.scaled_dot_product_attention(q, q, q)
+        if backend == "flash4":  # its operators fall back to SDPA on a refusal: ask them
+            from .flash4 import refused
+
+            if (why := refused(*(q.transpose(1, 2),) * 3)) is not None:
+                return f"flash-attn-4 refused a test call ({why})"
         ref = F.scaled_dot_product_attention(q.float(), q.float(), q.float())
         if not torch.isfinite(out).all() or torch.nn.functional.cosine_similarity(
             out.float().flatten(), ref.flatten(), dim=0) < 0.99:

@@ -10,34 +10,69 @@ its own, and recomputing the forward inside a backward operator would cost one m
 pins flash-attn-4 below 4.1 for that reason.
 
 Layout: FA4's own, [batch, tokens, heads, dim]; the log-sum-exp, float32 [batch, heads, tokens], is what the
-backward needs. Any failure of the package except running out of memory (its ``assert``s on head size and dtype, its
-DSL compiler's errors) becomes a RuntimeError naming it, which the eager guards turn into a fallback to SDPA.
+backward needs.
+
+A call shape the package refuses (its ``assert``s on head size and dtype, its DSL compiler's errors; FA4 4.0.0b15
+cannot build the backward for head size 24, for one) runs on torch's SDPA instead, from then on, with one warning:
+inside the operators, so compiled code falls back as eager code does, and a training step never ends on it. The
+decision is per shape without the batch and only ever goes one way, so a rollout and its replay in micro-batches
+run the same kernel. Running out of memory is not a refusal.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from ..log import logger
+
+# Call shapes FA4 refused in this process -> why: (q, k, v shapes without the batch, dtype, device, "forward" or
+# "backward").
+REFUSED: dict[tuple, str] = {}
 
 
-def _refused(exc: Exception) -> RuntimeError:
-    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return RuntimeError(f"flash-attn-4 refused this call: {why}")
+def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: str) -> tuple:
+    return (tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:]), q.dtype, str(q.device), part)
+
+
+def _refuse(key: tuple, exc: Exception) -> None:
+    if isinstance(exc, torch.OutOfMemoryError):
+        raise exc
+    if key not in REFUSED:
+        REFUSED[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        logger.warning(f"flash-attn-4 refused the attention {key[-1]} of shape {key[0]} ({REFUSED[key]}); those "
+                       "calls run on torch's SDPA from now on")
+
+
+def refused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why FA4 refused this call shape's forward in this process, or None."""
+    return REFUSED.get(_key(q, k, v, "forward"))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    # torch function modes off: omnispec's own redirect, active around a denoiser's call, must not send it back here
+    with torch._C.DisableTorchFunction():
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              scale=scale).transpose(1, 2)
 
 
 @torch.library.custom_op("omnispec::flash4_attention", mutates_args=())
 def flash4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of [batch, tokens, heads, dim] ``q``, ``k``, ``v``: the output (same layout) and the log-sum-exp."""
-    from flash_attn.cute import flash_attn_func
+    key = _key(q, k, v, "forward")
+    if key not in REFUSED:
+        try:
+            from flash_attn.cute import flash_attn_func
 
-    try:
-        with torch.no_grad():  # the operator's registered backward differentiates it, not the package's Function
-            out, lse = flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - see the module docstring
-        raise _refused(exc) from exc
-    return out.contiguous(), lse.contiguous()
+            with torch.no_grad():  # the operator's registered backward differentiates it, not the package's Function
+                out, lse = flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True)
+            return out.contiguous(), lse.contiguous()
+        except Exception as exc:  # noqa: BLE001 - see the module docstring
+            _refuse(key, exc)
+    # the backward of a refused shape does not read the log-sum-exp
+    batch, tokens, heads, _ = q.shape
+    return _sdpa(q, k, v, scale).contiguous(), q.new_zeros(batch, heads, tokens, dtype=torch.float32)
 
 
 @flash4_attention.register_fake
@@ -51,15 +86,19 @@ def _(q, k, v, scale):
 def flash4_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor,
                               scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from flash_attn.cute.interface import _flash_attn_bwd
+    key = _key(q, k, v, "backward")
+    if _key(q, k, v, "forward") not in REFUSED and key not in REFUSED:
+        try:
+            from flash_attn.cute.interface import _flash_attn_bwd
 
-    try:
-        grads = _flash_attn_bwd(q, k, v, out, grad_out, lse, scale)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - see the module docstring
-        raise _refused(exc) from exc
-    return tuple(g.contiguous() for g in grads[:3])  # type: ignore[return-value]
+            grads = _flash_attn_bwd(q, k, v, out, grad_out, lse, scale)
+            return tuple(g.contiguous() for g in grads[:3])  # type: ignore[return-value]
+        except Exception as exc:  # noqa: BLE001 - see the module docstring
+            _refuse(key, exc)
+    # SDPA's gradients of the same attention (what an eager fallback computes); torch.func, because an operator's
+    # body runs below autograd, where plain autograd records nothing
+    _, pull_back = torch.func.vjp(lambda q, k, v: _sdpa(q, k, v, scale), q, k, v)
+    return tuple(g.contiguous() for g in pull_back(grad_out))  # type: ignore[return-value]
 
 
 @flash4_attention_backward.register_fake

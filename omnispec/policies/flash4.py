@@ -22,7 +22,6 @@ run the same kernel. Running out of memory is not a refusal.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..log import logger
 
@@ -50,10 +49,10 @@ def refused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    # torch function modes off: omnispec's own redirect, active around a denoiser's call, must not send it back here
-    with torch._C.DisableTorchFunction():
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              scale=scale).transpose(1, 2)
+    # aten's operator, not F.scaled_dot_product_attention: omnispec's own redirect, active around a denoiser's call,
+    # sends the latter back here
+    return torch.ops.aten.scaled_dot_product_attention.default(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
 
 
 @torch.library.custom_op("omnispec::flash4_attention", mutates_args=())

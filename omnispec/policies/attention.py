@@ -28,11 +28,18 @@ from diffusers.hooks import HookRegistry, ModelHook
 from torch.overrides import TorchFunctionMode
 
 from ..bridge import remove_hook
-from ..log import logger
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
-from .attention_kernels import APPROXIMATE, AUTO_EXCLUDED, CONCRETE, backend_context, redirect_mode, usable
+from .attention_kernels import (
+    APPROXIMATE,
+    AUTO_EXCLUDED,
+    CONCRETE,
+    backend_context,
+    redirect_mode,
+    remember_failure,
+    usable,
+)
 
 HOOK_NAME = "omnispec_attention"
 # Where an attention module keeps the processor ``fused_qk_norm_rope`` replaced, for a rebuild to put it back.
@@ -161,12 +168,7 @@ _TENSOR_ARGS = ("query", "key", "value", "attn_mask")
 
 
 def _fall_back(key: tuple, exc: BaseException) -> None:
-    if isinstance(exc, torch.OutOfMemoryError):
-        raise exc
-    if key not in FAILED:
-        FAILED[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        logger.warning(f"attention backend {key[0]} failed for a call of shape {key[1]} ({FAILED[key]}); those calls "
-                       "run on torch's default SDPA from now on")
+    remember_failure(FAILED, key, exc, f"attention backend {key[0]} failed for a call of shape {key[1]}")
 
 
 def guarded_forward(forward: Callable, backend: str, args: tuple, kwargs: dict, grad: bool) -> Any:

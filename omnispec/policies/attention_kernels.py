@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from ..log import logger
+
 SDPA_KERNELS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -27,6 +29,16 @@ APPROXIMATE = ("sage",)
 # Never an auto candidate: the math kernel materialises the full score matrix (160 GiB for one Wan-14B
 # 480p layer) and is never the fastest.
 AUTO_EXCLUDED = ("sdpa_math",)
+
+
+def remember_failure(failures: dict[tuple, str], key: tuple, exc: BaseException, what: str) -> None:
+    """Keep why the calls of ``key`` failed, warning once (``what`` says which calls); those calls then run on
+    torch's SDPA. Running out of memory is no failure of a kernel: it is raised again."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        raise exc
+    if key not in failures:
+        failures[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        logger.warning(f"{what} ({failures[key]}); those calls run on torch's SDPA from now on")
 
 
 # ---- the replacement kernels ----------------------------------------------------------------------

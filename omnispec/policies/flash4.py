@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..log import logger
+from .attention_kernels import remember_failure
 
 # Call shapes FA4 refused in this process -> why: (q, k, v shapes without the batch, dtype, device, "forward" or
 # "backward").
@@ -35,12 +35,7 @@ def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: str) -> tuple:
 
 
 def _refuse(key: tuple, exc: Exception) -> None:
-    if isinstance(exc, torch.OutOfMemoryError):
-        raise exc
-    if key not in REFUSED:
-        REFUSED[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        logger.warning(f"flash-attn-4 refused the attention {key[-1]} of shape {key[0]} ({REFUSED[key]}); those "
-                       "calls run on torch's SDPA from now on")
+    remember_failure(REFUSED, key, exc, f"flash-attn-4 refused the attention {key[-1]} of shape {key[0]}")
 
 
 def refused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

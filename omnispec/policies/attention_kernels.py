@@ -92,7 +92,7 @@ class _RedirectSDPA(TorchFunctionMode):
                 return self.kernel(q, k, v, call.get("scale"))
         if func is torch.Tensor.unflatten:
             # the same operation; under compile dynamo traces this mode and cannot follow Tensor.unflatten's
-            # ``super().unflatten`` (torch 2.13), which every diffusers processor calls
+            # ``super().unflatten`` (torch 2.11 and 2.13), which every diffusers processor calls
             return torch.unflatten(*args, **kwargs)
         return func(*args, **kwargs)
 

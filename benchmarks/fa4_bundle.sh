@@ -8,6 +8,9 @@
 #   bash benchmarks/fa4_bundle.sh unpack .fa4 /tmp/fa4site   # there: then
 #   export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/python_packages:$PWD
 #
+# unpack installs every wheel in DIR: the peers and tests that need cache-dit, peft or psutil get them by copying
+# those wheels (from the usual .whl folder) into DIR, about 2 MB, which still fits.
+#
 # Versions: flash-attn-4 4.0.0b15 with nvidia-cutlass-dsl 4.4.2 (one wheel, CUDA 12 build; it ran on the H200's
 # CUDA 13 driver) and quack-kernels 0.4.1; later betas need the DSL's 4.5+ split wheels, over the limit.
 set -euo pipefail

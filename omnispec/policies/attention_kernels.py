@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from ..log import logger
+from ..spec.errors import first_line
 
 SDPA_KERNELS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -37,7 +38,7 @@ def remember_failure(failures: dict[tuple, str], key: tuple, exc: BaseException,
     if isinstance(exc, torch.OutOfMemoryError):
         raise exc
     if key not in failures:
-        failures[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        failures[key] = f"{type(exc).__name__}: {first_line(exc)}"
         logger.warning(f"{what} ({failures[key]}); those calls run on torch's SDPA from now on")
 
 
@@ -128,7 +129,7 @@ def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int)
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - any import failure means unusable (FA4's compiler fails many ways)
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            why = first_line(exc)
             return f"{package} is not importable ({type(exc).__name__}{': ' + why if why else ''})"
         if cuda_only and device.type != "cuda":
             return f"{package} runs only on CUDA"
@@ -146,7 +147,7 @@ def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int)
             out.float().flatten(), ref.flatten(), dim=0) < 0.99:
             return "gave wrong results in a test call"
     except Exception as exc:  # noqa: BLE001 - a kernel that can't run raises many kinds of errors
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no kernel'}"
+        return f"{type(exc).__name__}: {first_line(exc) or 'no kernel'}"
     return None
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..spec import SpecError, SpecTypeError
+from ..spec.errors import first_line
 
 if TYPE_CHECKING:
     from ..runtime.pipeline import Pipeline
@@ -129,7 +130,7 @@ def set_lora(pipe: Pipeline, name: str, state_dict: Mapping[str, torch.Tensor], 
                 module.enable_lora_hotswap(target_rank=max_rank or _rank(state), check_compiled="ignore")
             module.load_lora_adapter(state, adapter_name=name, prefix=None, **kwargs)
     except (ValueError, LookupError, TypeError, AttributeError, RuntimeError) as exc:  # raised by peft/diffusers
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         raise SpecError.single(f"{type(module).__name__} cannot take this LoRA: {first}", "state_dict") from None
     finally:
         pipe.weight_version += 1

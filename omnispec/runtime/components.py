@@ -21,6 +21,7 @@ from ..log import logger, main_process
 from ..policies import quantization
 from ..spec import Component, PipelineSpec, SpecError
 from ..spec.base import MAX_MODULES
+from ..spec.errors import first_line
 from ..spec.files import PICKLE_SUFFIXES, check_json_files, path_kind, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
@@ -182,7 +183,7 @@ EXTRA_FOR = {"torchvision": "qwen-edit", "av": "video", "torchao": "quant", "bit
 
 def missing_library(exc: ImportError) -> str:
     """What an ImportError from a loader lacks, and how to install it."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc) or type(exc).__name__
     for library, extra in EXTRA_FOR.items():
         if library.lower() in str(exc).lower():
             return f"it needs {library} ({text}): pip install 'omnispec-diffusion[{extra}]'"
@@ -219,7 +220,7 @@ def _load_component(spec: PipelineSpec, root: str, name: str, component: Compone
         raise SpecError.single(f"cannot load component {name!r} ({component.class_}): {missing_library(exc)}",
                                f"model.components.{name}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         raise SpecError.single(f"cannot load component {name!r} ({component.class_}) from {home!r}: {first}",
                                f"model.components.{name}") from None
     what, where = f"component {name!r} ({component.class_}) from {home!r}", f"model.components.{name}"

@@ -22,6 +22,7 @@ import torch
 
 from ..log import logger
 from ..spec import PipelineSpec, SpecError
+from ..spec.errors import first_line
 from ..spec.files import PICKLE_SUFFIXES, path_kind, refuse_pickle, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline
 
@@ -101,7 +102,7 @@ def _hub_file(repo: str, name: str, where: str) -> Path:
     try:
         return Path(hf_hub_download(repo, name))
     except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         raise SpecError.single(f"cannot fetch LoRA {repo!r} ({name}): {first}", where) from None
 
 
@@ -141,8 +142,8 @@ def load_adapter_slots(spec: PipelineSpec, modules: dict[str, Any], pipeline_cla
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{text.splitlines()[0]} ({type(exc).__name__})" if text else type(exc).__name__
+    line = first_line(exc)
+    return f"{line} ({type(exc).__name__})" if line else type(exc).__name__
 
 
 def lora_state(pipeline_class: type | None, path: Any, weight_name: str | None = None) -> tuple[Any, dict[str, Any]]:

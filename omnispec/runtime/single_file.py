@@ -23,6 +23,7 @@ import torch
 from .. import bridge
 from ..log import logger
 from ..spec import SpecError
+from ..spec.errors import first_line
 from ..spec.weights_file import WeightsFile
 
 # diffusers' detected model types, by the omnispec families a file of that type can serve.
@@ -172,7 +173,7 @@ def _converted_shapes(cls: type, weights: WeightsFile, config: dict[str, Any],
     try:
         converted = convert(checkpoint=checkpoint, **kwargs)
     except (KeyError, IndexError, ValueError, RuntimeError, TypeError, AttributeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         raise SpecError.single(f"{weights.path.name} is not in a layout diffusers' {convert.__name__} reads "
                                f"({type(exc).__name__}: {first[:160]}); is it another model's file?", where) from None
     return {k: tuple(v.shape) for k, v in converted.items() if isinstance(v, torch.Tensor)}

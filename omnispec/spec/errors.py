@@ -19,6 +19,13 @@ _DISCRIMINATORS = ("kind", "strategy")
 _UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, "" when it has none: what an ``error:`` line or a warning quotes
+    of an error raised by a library (whose later lines are its own traceback or details)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def printable(text: str) -> str:
     """``text`` safe to print on a terminal: every control character as its Python escape (``\\x1b``, ``\\n``).
     Strings from files (a record's versions, a config's keys) reach ``error:`` lines and ``explain``'s text."""

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SpecError
+from .errors import SpecError, first_line
 from .files import path_kind, refuse_pickle, safetensors_header, user_path
 from .gguf import gguf_header
 from .hub import hub_offline
@@ -118,7 +118,7 @@ def _hub(repo: str, name: str, where: str, revision: str | None, fetch: bool) ->
     try:
         return Path(hf_hub_download(repo, name, revision=revision))
     except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         raise SpecError.single(f"cannot fetch {repo}/{name}: {first}", where) from None
 
 

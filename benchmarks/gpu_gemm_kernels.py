@@ -1,0 +1,192 @@
+"""Which matmul kernel does FLUX.1-dev's step best at the power cap? Its largest matmuls alone, kernel by kernel.
+
+``python -m benchmarks.gpu_gemm_kernels [--seconds 1.0] [--kernels ...] [--json FILE]``  (needs CUDA; ``--smoke``:
+tiny shapes on the CPU, torch's matmul only)
+
+A compiled FLUX.1-dev 1024² step runs at the H200's 700 W cap (its SM clock ~1,600 MHz, not the 1,980 a short
+kernel gets), and some 85 of its ~125 ms are cuBLAS's matmuls (BENCHMARKS.md, 2026-12-04). So what a kernel costs
+in a step is its time at the capped clock, which a benchmark of a few calls does not show: FlashAttention-4 is 4%
+slower than cuDNN's attention in a short run and 5% faster in a long one. This times the step's three matmul kinds
+(bf16, bias; 4,608 tokens, 3,072 wide, 12,288 hidden) in rounds of ``--seconds`` each, long enough for the clock
+to settle where the power cap puts it:
+
+- ``proj_mlp + gelu``: a single block's ``gelu(proj_mlp(x))``, 4,608 x 3,072 -> 12,288, GELU (tanh) in the epilogue;
+- ``proj_out``: a single block's output projection, 4,608 x 15,360 -> 3,072;
+- ``to_q``: one of the attention projections, 4,608 x 3,072 -> 3,072;
+
+with kernels ``cublas`` (``F.linear``; for the GELU row cuBLASLt's bias+GELU epilogue, ``torch._addmm_activation``,
+which ``policies.mlp.fused_gelu`` runs now) and ``quack`` (the CuTe DSL GEMMs of ``quack-kernels``, which
+FlashAttention-4 brings along: its Hopper kernel at its default tile, 128 x 192 ping-pong in clusters of 2),
+``quack_128x256``, ``quack_256x128`` and ``quack_256x192`` (its cooperative kernel at those tiles). A name given
+again is timed again in that place (the clock drifts as a run goes on: alternate kernels).
+
+Each row: device ms per call (CUDA events over replays of the call recorded as a CUDA graph, median of five
+rounds), TFLOP/s, the relative L2 distance from a float32 matmul on the same inputs, and with ``--clocks`` the
+median SM clock and board power nvidia-smi read during the timed rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .kernel_timing import measure_each, microseconds, report
+
+TOKENS, WIDTH, HIDDEN = 4608, 3072, 12288  # FLUX.1 at 1024²: 4,096 image + 512 text tokens
+# (rows, inner, outputs, GELU in the epilogue)
+SHAPES = {"proj_mlp + gelu": (TOKENS, WIDTH, HIDDEN, True), "proj_out": (TOKENS, WIDTH + HIDDEN, WIDTH, False),
+          "to_q": (TOKENS, WIDTH, WIDTH, False)}
+QUACK_TILES = {"quack_128x256": (128, 256), "quack_256x128": (256, 128), "quack_256x192": (256, 192)}
+
+
+def _cublas(gelu: bool) -> Callable:
+    if gelu:
+        return lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    return F.linear
+
+
+def _quack(gelu: bool, tile: tuple[int, int] | None) -> Callable:
+    """quack's SM90 GEMM; ``tile`` (m, n) picks its cooperative kernel at that tile, None its default config."""
+    from quack.gemm_config import GemmConfig  # quack-kernels; an ImportError is that row's error
+    from quack.gemm_interface import gemm, gemm_act, gemm_act_tuned, gemm_tuned
+
+    config = None if tile is None else GemmConfig(tile_m=tile[0], tile_n=tile[1], pingpong=False, cluster_m=2,
+                                                  cluster_n=1, is_dynamic_persistent=False, device_capacity=9)
+    if gelu:
+        if config is None:
+            return lambda x, w, b: gemm_act(x, w.t(), bias=b, activation="gelu_tanh_approx", store_preact=False,
+                                            tuned=False)[1]
+
+        def act(x, w, b):
+            out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+            gemm_act_tuned.fn(x, w.t(), None, out, bias=b, activation="gelu_tanh_approx", config=config)
+            return out
+        return act
+    if config is None:
+        return lambda x, w, b: gemm(x, w.t(), bias=b, tuned=False)
+
+    def plain(x, w, b):
+        out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+        gemm_tuned.fn(x, w.t(), out, bias=b, config=config)
+        return out
+    return plain
+
+
+def kernel(name: str, gelu: bool) -> Callable:
+    if name == "cublas":
+        return _cublas(gelu)
+    if name == "quack":
+        return _quack(gelu, None)
+    if name in QUACK_TILES:
+        return _quack(gelu, QUACK_TILES[name])
+    raise ValueError(f"unknown kernel {name!r}: cublas, quack, {', '.join(QUACK_TILES)}")
+
+
+class ClockSampler:
+    """nvidia-smi reading the SM clock and board power every 100 ms while a row's rounds run (absent tool: none)."""
+
+    def __init__(self, enabled: bool):
+        self.tool = shutil.which("nvidia-smi") if enabled else None
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ClockSampler:
+        if self.tool:
+            self.process = subprocess.Popen(
+                [self.tool, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process:
+            self.process.terminate()
+            out = self.process.communicate(timeout=10)[0]
+            samples = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
+            try:
+                self.clock_mhz = statistics.median(float(s[0]) for s in samples)
+                self.power_w = statistics.median(float(s[1]) for s in samples)
+            except (ValueError, statistics.StatisticsError):
+                pass
+
+    def fields(self) -> dict:
+        return {k: getattr(self, k) for k in ("clock_mhz", "power_w") if hasattr(self, k)}
+
+
+def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, seconds: float,
+            clocks: bool) -> dict:
+    device = inputs[0].device.type
+    rows, inner = inputs[0].shape
+    outputs = inputs[1].shape[0]
+    with torch.no_grad():
+        begin = time.perf_counter()
+        out = fn(*inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first_s = time.perf_counter() - begin
+        one = statistics.median(microseconds(fn, inputs, 3, device))  # to size the rounds
+        iters = max(2, math.ceil(seconds * 1e6 / one))
+        with ClockSampler(clocks and device == "cuda") as sampler:
+            rounds = microseconds(fn, inputs, iters, device)
+    ms = statistics.median(rounds) / 1e3
+    got, want = out.float(), reference
+    row = {"shape": shape, "config": name, "ms_per_call": ms, "rounds_us": rounds, "iters": iters,
+           "tflops": 2 * rows * inner * outputs / ms / 1e9, "first_call_s": first_s,
+           "rel_l2_vs_fp32": float((got - want).norm() / want.norm()), **sampler.fields()}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--kernels", default="cublas,quack,cublas,quack_128x256,cublas,quack_256x128",
+                        help="comma-separated; a name given again is timed again in that place")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of each of the five timed rounds")
+    parser.add_argument("--clocks", action="store_true", help="sample the SM clock and power with nvidia-smi")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    kernels = ["cublas", "cublas"] if args.smoke else args.kernels.split(",")  # quack runs on CUDA only
+    torch.manual_seed(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        tokens, inner, outputs, gelu = SHAPES[shape]
+        if args.smoke:
+            tokens, inner, outputs = 24, inner // 192, outputs // 192
+        inputs = (torch.randn(tokens, inner, device=device, dtype=torch.bfloat16),
+                  torch.randn(outputs, inner, device=device, dtype=torch.bfloat16) / inner ** 0.5,
+                  torch.randn(outputs, device=device, dtype=torch.bfloat16) * 0.1)
+        with torch.no_grad():
+            reference = F.linear(*(t.float() for t in inputs))
+            if gelu:
+                reference = F.gelu(reference, approximate="tanh")
+        variants = {}
+        for i, name in enumerate(kernels):
+            times = kernels[:i].count(name)
+            label = f"{name} #{times + 1}" if times else name
+            try:
+                variants[label] = kernel(name, gelu)
+            except Exception as exc:  # noqa: BLE001 - an absent package is that row's error
+                rows.append({"shape": shape, "config": label, "error": f"{type(exc).__name__}: {exc}"})
+        rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference,
+                                                                       0.01 if args.smoke else args.seconds,
+                                                                       args.clocks))
+    report(rows, args.json, {"ms per call": lambda r: f"{r['ms_per_call']:.3f}",
+                             "TFLOP/s": lambda r: f"{r['tflops']:.0f}",
+                             "SM MHz": lambda r: r.get("clock_mhz", ""), "W": lambda r: r.get("power_w", ""),
+                             "first call s": lambda r: f"{r['first_call_s']:.1f}",
+                             "rel L2 vs fp32": lambda r: f"{r['rel_l2_vs_fp32']:.2e}"})
+
+
+if __name__ == "__main__":
+    main()

@@ -112,7 +112,10 @@ def test_flash4_without_its_package_is_a_build_error_naming_it(flux_dir, monkeyp
 
     from omnispec.policies import attention_kernels
 
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not importable, even where it is installed
+    # not importable, even where it is installed and an earlier test imported it (a module already in sys.modules
+    # is found there before its parent package is looked at)
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setattr(attention_kernels, "_PROBES", {})
     with pytest.raises(SpecError, match=r"policies.attention.default: flash4 cannot run here: flash-attn-4 is not "):
         run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=flash4")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernel_timing import measure_each, microseconds, report
+from .kernel_timing import first_call, measure_each, microseconds, report
 
 SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
@@ -66,11 +65,7 @@ def measure(name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, ite
     if name.split(" ")[0].endswith("_bhsd"):
         inputs, reference = tuple(x.transpose(1, 2).contiguous() for x in inputs), reference.transpose(1, 2)
     with torch.no_grad():
-        begin = time.perf_counter()
-        out = fn(*inputs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        first_s = time.perf_counter() - begin
+        out, first_s = first_call(fn, inputs, device)
         for _ in range(2):
             out = fn(*inputs)
         rounds = microseconds(fn, inputs, iters, device)

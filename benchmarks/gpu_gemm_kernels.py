@@ -33,14 +33,13 @@ import math
 import shutil
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .kernel_timing import measure_each, microseconds, report
+from .kernel_timing import first_call, measure_each, microseconds, report
 
 TOKENS, WIDTH, HIDDEN = 4608, 3072, 12288  # FLUX.1 at 1024²: 4,096 image + 512 text tokens
 # (rows, inner, outputs, GELU in the epilogue)
@@ -127,11 +126,7 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch
     rows, inner = inputs[0].shape
     outputs = inputs[1].shape[0]
     with torch.no_grad():
-        begin = time.perf_counter()
-        out = fn(*inputs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        first_s = time.perf_counter() - begin
+        out, first_s = first_call(fn, inputs, device)
         one = statistics.median(microseconds(fn, inputs, 3, device))  # to size the rounds
         iters = max(2, math.ceil(seconds * 1e6 / one))
         with ClockSampler(clocks and device == "cuda") as sampler:

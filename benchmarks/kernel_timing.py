@@ -1,6 +1,6 @@
 """Timing and reporting shared by the single-kernel benchmarks (``gpu_norm_rope``, ``gpu_gemm_epilogue``,
-``gpu_attention_kernels``). Imports torch only, so a kernel benchmark runs where diffusers and omnispec are not
-installed (a device call that carries a kernel's own packages has no room left for theirs)."""
+``gpu_attention_kernels``, ``gpu_gemm_kernels``). Imports torch only, so a kernel benchmark runs where diffusers and
+omnispec are not installed (a device call that carries a kernel's own packages has no room left for theirs)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ def microseconds(fn: Callable, inputs: tuple, iters: int, device: str) -> list[f
                 fn(*inputs)
             rounds.append((time.perf_counter() - begin) * 1e6 / iters)
     return rounds
+
+
+def first_call(fn: Callable, inputs: tuple, device: str) -> tuple[object, float]:
+    """The first call's output and its seconds, the device's work included (a JIT kernel compiles there)."""
+    begin = time.perf_counter()
+    out = fn(*inputs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - begin
 
 
 def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:

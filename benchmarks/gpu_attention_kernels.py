@@ -12,7 +12,8 @@ q, k, v a [batch, tokens, heads, dim] tensor, seen as [batch, heads, tokens, dim
   memory-efficient);
 - ``sdpa_cudnn_bhsd``: cuDNN's kernel on inputs laid out [batch, heads, tokens, dim] in memory;
 - ``fa4``: FlashAttention-4's CuTe kernels (``flash_attn.cute.flash_attn_func``, package ``flash-attn-4``), which
-  on Hopper run its SM90 forward; absent packages give an error row.
+  on Hopper run its SM90 forward; absent packages give an error row;
+- ``fa4_MxN`` (e.g. ``fa4_128x176``): FA4's forward at that tile instead of the one it picks.
 
 Each row gives device milliseconds per call (CUDA events over replays of the call recorded as a CUDA graph, the
 median of five rounds: a kernel that cannot be captured gives an error row, since a compiled step replays graphs),
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernel_timing import first_call, measure_each, microseconds, report
+from .kernel_timing import ClockSampler, first_call, measure_each, microseconds, report
 
 SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
@@ -50,16 +51,30 @@ def _sdpa(backend: SDPBackend, contiguous_heads: bool = False) -> Callable:
     return run
 
 
-def _fa4() -> Callable:
+def _fa4(tile: tuple[int, int] | None = None) -> Callable:
+    """FA4's public function, or with ``tile`` (rows of q, rows of k/v a step) its private forward at that tile:
+    the public one picks 128 x 128 on Hopper at head size 128, where FlashAttention-3's C++ kernel took 128 x 176."""
     from flash_attn.cute import flash_attn_func  # flash-attn-4; an ImportError is that row's error
+    from flash_attn.cute.interface import _flash_attn_fwd
 
     def run(q, k, v):
-        out = flash_attn_func(q, k, v)
+        out = flash_attn_func(q, k, v) if tile is None else _flash_attn_fwd(q, k, v, tile_mn=tile)
         return out[0] if isinstance(out, tuple) else out
     return run
 
 
-def measure(name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, iters: int, shape: str) -> dict:
+def _kernel(name: str) -> Callable:
+    """``fa4``, ``fa4_MxN`` (FA4 at that tile) or an SDPA kernel's name, with ``_bhsd`` for the other layout."""
+    if name == "fa4":
+        return _fa4()
+    if name.startswith("fa4_"):
+        rows, cols = name.removeprefix("fa4_").split("x")
+        return _fa4((int(rows), int(cols)))
+    return _sdpa(SDPA[name.removesuffix("_bhsd")], contiguous_heads=name.endswith("_bhsd"))
+
+
+def measure(name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, iters: int, shape: str,
+            clocks: bool = False) -> dict:
     device = inputs[0].device.type
     batch, tokens, heads, dim = inputs[0].shape
     if name.split(" ")[0].endswith("_bhsd"):
@@ -68,12 +83,14 @@ def measure(name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, ite
         out, first_s = first_call(fn, inputs, device)
         for _ in range(2):
             out = fn(*inputs)
-        rounds = microseconds(fn, inputs, iters, device)
+        with ClockSampler(clocks and device == "cuda") as sampler:
+            rounds = microseconds(fn, inputs, iters, device)
     ms = statistics.median(rounds) / 1e3
     flops = 4 * batch * tokens * tokens * heads * dim
     got, want = out.float(), reference
     row = {"shape": shape, "config": name, "ms_per_call": ms, "rounds_us": rounds, "tflops": flops / ms / 1e9,
-           "first_call_s": first_s, "rel_l2_vs_fp32": float((got - want).norm() / want.norm())}
+           "first_call_s": first_s, "rel_l2_vs_fp32": float((got - want).norm() / want.norm()),
+           **sampler.fields()}
     print(json.dumps(row), flush=True)
     return row
 
@@ -88,6 +105,7 @@ def main() -> None:
     parser.add_argument("--kernels", default="sdpa_cudnn,sdpa_cudnn_bhsd,sdpa_flash,sdpa_efficient,fa4",
                         help="comma-separated; a name given again is timed again in that place (its row says which "
                              "time): under a power cap the clock falls as a run goes on, so alternate kernels")
+    parser.add_argument("--clocks", action="store_true", help="sample the SM clock and power with nvidia-smi")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
     args = parser.parse_args()
@@ -113,13 +131,14 @@ def main() -> None:
             times = kernels[:i].count(name)
             label = f"{name} #{times + 1}" if times else name
             try:
-                variants[label] = _fa4() if name == "fa4" else _sdpa(SDPA[name.removesuffix("_bhsd")],
-                                                                     contiguous_heads=name.endswith("_bhsd"))
+                variants[label] = _kernel(name)
             except Exception as exc:  # noqa: BLE001 - an absent package is that row's error
                 rows.append({"shape": shape, "config": label, "error": f"{type(exc).__name__}: {exc}"})
-        rows += measure_each(shape, variants, lambda name, fn: measure(name, fn, inputs, reference, iters, shape))
+        rows += measure_each(shape, variants, lambda name, fn: measure(name, fn, inputs, reference, iters, shape,
+                                                                       args.clocks))
     report(rows, args.json, {"ms per call": lambda r: f"{r['ms_per_call']:.3f}",
                              "TFLOP/s": lambda r: f"{r['tflops']:.0f}",
+                             "SM MHz": lambda r: r.get("clock_mhz", ""), "W": lambda r: r.get("power_w", ""),
                              "first call s": lambda r: f"{r['first_call_s']:.1f}",
                              "rel L2 vs fp32": lambda r: f"{r['rel_l2_vs_fp32']:.2e}"})
 

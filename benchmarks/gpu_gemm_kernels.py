@@ -13,6 +13,7 @@ to settle where the power cap puts it:
 - ``proj_mlp + gelu``: a single block's ``gelu(proj_mlp(x))``, 4,608 x 3,072 -> 12,288, GELU (tanh) in the epilogue;
 - ``proj_out``: a single block's output projection, 4,608 x 15,360 -> 3,072;
 - ``to_q``: one of the attention projections, 4,608 x 3,072 -> 3,072;
+- ``ff + gelu``: a double block's image feed-forward up to its GELU, 4,096 x 3,072 -> 12,288;
 
 with kernels ``cublas`` (``F.linear``; for the GELU row cuBLASLt's bias+GELU epilogue, ``torch._addmm_activation``,
 which ``policies.mlp.fused_gelu`` runs now) and ``quack`` (the CuTe DSL GEMMs of ``quack-kernels``, which
@@ -30,21 +31,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .kernel_timing import first_call, measure_each, microseconds, report
+from .kernel_timing import ClockSampler, first_call, measure_each, microseconds, report
 
 TOKENS, WIDTH, HIDDEN = 4608, 3072, 12288  # FLUX.1 at 1024²: 4,096 image + 512 text tokens
 # (rows, inner, outputs, GELU in the epilogue)
 SHAPES = {"proj_mlp + gelu": (TOKENS, WIDTH, HIDDEN, True), "proj_out": (TOKENS, WIDTH + HIDDEN, WIDTH, False),
-          "to_q": (TOKENS, WIDTH, WIDTH, False)}
+          "to_q": (TOKENS, WIDTH, WIDTH, False), "ff + gelu": (TOKENS - 512, WIDTH, HIDDEN, True)}
 QUACK_TILES = {"quack_128x256": (128, 256), "quack_256x128": (256, 128), "quack_256x192": (256, 192)}
 
 
@@ -89,35 +88,6 @@ def kernel(name: str, gelu: bool) -> Callable:
     if name in QUACK_TILES:
         return _quack(gelu, QUACK_TILES[name])
     raise ValueError(f"unknown kernel {name!r}: cublas, quack, {', '.join(QUACK_TILES)}")
-
-
-class ClockSampler:
-    """nvidia-smi reading the SM clock and board power every 100 ms while a row's rounds run (absent tool: none)."""
-
-    def __init__(self, enabled: bool):
-        self.tool = shutil.which("nvidia-smi") if enabled else None
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> ClockSampler:
-        if self.tool:
-            self.process = subprocess.Popen(
-                [self.tool, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.process:
-            self.process.terminate()
-            out = self.process.communicate(timeout=10)[0]
-            samples = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
-            try:
-                self.clock_mhz = statistics.median(float(s[0]) for s in samples)
-                self.power_w = statistics.median(float(s[1]) for s in samples)
-            except (ValueError, statistics.StatisticsError):
-                pass
-
-    def fields(self) -> dict:
-        return {k: getattr(self, k) for k in ("clock_mhz", "power_w") if hasattr(self, k)}
 
 
 def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, seconds: float,

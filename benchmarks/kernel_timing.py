@@ -5,6 +5,9 @@ omnispec are not installed (a device call that carries a kernel's own packages h
 from __future__ import annotations
 
 import json
+import shutil
+import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +48,35 @@ def first_call(fn: Callable, inputs: tuple, device: str) -> tuple[object, float]
     if device == "cuda":
         torch.cuda.synchronize()
     return out, time.perf_counter() - begin
+
+
+class ClockSampler:
+    """nvidia-smi reading the SM clock and board power every 100 ms while a row's rounds run (absent tool: none)."""
+
+    def __init__(self, enabled: bool):
+        self.tool = shutil.which("nvidia-smi") if enabled else None
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ClockSampler:
+        if self.tool:
+            self.process = subprocess.Popen(
+                [self.tool, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process:
+            self.process.terminate()
+            out = self.process.communicate(timeout=10)[0]
+            samples = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
+            try:
+                self.clock_mhz = statistics.median(float(s[0]) for s in samples)
+                self.power_w = statistics.median(float(s[1]) for s in samples)
+            except (ValueError, statistics.StatisticsError):
+                pass
+
+    def fields(self) -> dict:
+        return {k: getattr(self, k) for k in ("clock_mhz", "power_w") if hasattr(self, k)}
 
 
 def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:

@@ -60,13 +60,15 @@ def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...], ba
                        backward_head_sizes: tuple[int, ...] | None = None) -> None:
     """A stand-in for flash-attn-4's ``flash_attn.cute`` (which needs CUDA): takes and gives [batch, tokens, heads,
     dim] like the real one, checks the layout it is handed, refuses other head sizes with ``assert`` as the real one
-    does, returns (out, log-sum-exp) as its 4.0 betas do, and has the backward omnispec calls
-    (``interface._flash_attn_bwd``), written out from the log-sum-exp as FlashAttention's is."""
+    does, returns (out, log-sum-exp) as its 4.0 betas do, and has the two functions omnispec calls
+    (``interface._flash_attn_fwd`` and ``_flash_attn_bwd``), the backward written out from the log-sum-exp as
+    FlashAttention's is."""
     import sys
     import types
 
-    def flash_attn_func(q, k, v, softmax_scale=None, return_lse=False):
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, return_lse=False, tile_mn=None):
         assert q.shape[-1] in head_sizes, f"head size {q.shape[-1]} is not supported"
+        assert tile_mn is None  # omnispec picks a tile on Hopper only
         calls.append(tuple(q.shape))
         scale = softmax_scale or q.shape[-1] ** -0.5
         scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
@@ -88,8 +90,8 @@ def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...], ba
 
     package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
     interface = types.ModuleType("flash_attn.cute.interface")
-    cute.flash_attn_func, cute.interface, package.cute = flash_attn_func, interface, cute
-    interface._flash_attn_bwd = _flash_attn_bwd
+    cute.interface, package.cute = interface, cute
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
@@ -241,25 +243,27 @@ def _needs_flash_attn_4():
         pytest.skip("flash-attn-4 is not importable")
 
 
-def _count_flash4_calls(monkeypatch) -> dict[str, int]:
-    """Counts the real package's forward and backward calls (omnispec's operators look both up at each call)."""
-    import flash_attn.cute
+def _count_flash4_calls(monkeypatch) -> dict:
+    """Counts the real package's forward and backward calls (omnispec's operators look both up at each call), and
+    keeps the forward tiles asked for."""
     import flash_attn.cute.interface
 
-    counts = {"forward": 0, "backward": 0}
+    counts: dict = {"forward": 0, "backward": 0, "tiles": set()}
 
-    def counted(module, name, kind):
-        real = getattr(module, name)
+    def counted(name, kind):
+        real = getattr(flash_attn.cute.interface, name)
 
         @functools.wraps(real)  # FA4 keeps its compiled kernels in attributes of these functions
         def call(*args, **kwargs):
             counts[kind] += 1
+            if kind == "forward":
+                counts["tiles"].add(kwargs.get("tile_mn"))
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, call)
+        monkeypatch.setattr(flash_attn.cute.interface, name, call)
 
-    counted(flash_attn.cute, "flash_attn_func", "forward")
-    counted(flash_attn.cute.interface, "_flash_attn_bwd", "backward")
+    counted("_flash_attn_fwd", "forward")
+    counted("_flash_attn_bwd", "backward")
     return counts
 
 
@@ -299,6 +303,8 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
     want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
     assert attention.FAILED == {}, attention.FAILED
     assert counts["forward"] and counts["backward"], counts  # FA4 ran both ways, not SDPA
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert counts["tiles"] == {(128, 192) if hopper else None}, counts  # flash4.HOPPER_TILES at head size 128
     for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
     assert torch.equal(run(False), got.detach())  # a rollout's call and its replay's: the same kernel, the same bits

@@ -5,9 +5,10 @@ could not call the package's ``flash_attn_func``. As an operator with a fake (th
 opaque node in a compiled graph, and AOT autograd puts the registered backward into a training graph. Eager runs call
 the same operators, so a rollout and its replay run the same kernels compiled or not.
 
-Why FA4's private ``_flash_attn_bwd``: the public entry is an autograd Function whose backward cannot be called on
-its own, and recomputing the forward inside a backward operator would cost one more attention per call. The extra
-pins flash-attn-4 below 4.1 for that reason.
+Why FA4's private ``_flash_attn_fwd`` and ``_flash_attn_bwd``: the public entry is an autograd Function whose
+backward cannot be called on its own (recomputing the forward inside a backward operator would cost one more
+attention per call), and it does not take the forward's tile (``HOPPER_TILES``). The extra pins flash-attn-4 below
+4.1 for that reason.
 
 Layout: FA4's own, [batch, tokens, heads, dim]; the log-sum-exp, float32 [batch, heads, tokens], is what the
 backward needs.
@@ -24,6 +25,12 @@ from __future__ import annotations
 import torch
 
 from .attention_kernels import remember_failure
+
+# FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
+# 128 x 128 at head size 128, chosen at the peak clock; a running step holds the GPU at its power cap, and there
+# 128 x 192 was faster: 1.6% at FLUX.1 1024²'s attention, 2.5% at Wan2.1 14B's (H200, BENCHMARKS.md, 2026-12-04,
+# thirteenth session). Other head sizes and GPUs: FA4's own choice.
+HOPPER_TILES = {128: (128, 192)}
 
 # Call shapes FA4 refused in this process -> why: (q, k, v shapes without the batch, dtype, device, "forward" or
 # "backward").
@@ -43,6 +50,12 @@ def refused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     return REFUSED.get(_key(q, k, v, "forward"))
 
 
+def _tile(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
+    if q.device.type != "cuda" or q.shape[-1] != v.shape[-1] or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return None
+    return HOPPER_TILES.get(q.shape[-1])
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     # aten's operator, not F.scaled_dot_product_attention: omnispec's own redirect, active around a denoiser's call,
     # sends the latter back here
@@ -57,10 +70,9 @@ def flash4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key = _key(q, k, v, "forward")
     if key not in REFUSED:
         try:
-            from flash_attn.cute import flash_attn_func
+            from flash_attn.cute.interface import _flash_attn_fwd
 
-            with torch.no_grad():  # the operator's registered backward differentiates it, not the package's Function
-                out, lse = flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True)
+            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True, tile_mn=_tile(q, v))
             return out.contiguous(), lse.contiguous()
         except Exception as exc:  # noqa: BLE001 - see the module docstring
             _refuse(key, exc)

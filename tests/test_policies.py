@@ -310,6 +310,26 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
     assert torch.equal(run(False), got.detach())  # a rollout's call and its replay's: the same kernel, the same bits
 
 
+@pytest.mark.parametrize("tokens", [77, 333, 4097])
+def test_flash4_on_cuda_gives_sdpa_outputs_at_lengths_off_its_tile(monkeypatch, tokens):
+    """Lengths that are no multiple of the forward tile (``flash4.HOPPER_TILES``: 192 rows of k a step at head size
+    128), a text encoder's among them: the operator's output and gradients within bf16 rounding of cuDNN's SDPA."""
+    from omnispec.policies import flash4
+
+    _needs_flash_attn_4()
+    monkeypatch.setattr(flash4, "REFUSED", {})
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 24, tokens, 128, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    got = flash4.flash4_sdpa(q, k, v, None)
+    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    assert flash4.REFUSED == {}, flash4.REFUSED
+    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+
+
 def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
     from omnispec.policies import attention
 

@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernel_timing import ClockSampler, first_call, measure_each, microseconds, report
+from .kernel_timing import (
+    KERNEL_COLUMNS,
+    ClockSampler,
+    first_call,
+    labelled_variants,
+    measure_each,
+    microseconds,
+    report,
+)
 
 SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
@@ -126,21 +134,11 @@ def main() -> None:
         exact = SDPBackend.EFFICIENT_ATTENTION if device == "cuda" else SDPBackend.MATH
         with torch.no_grad():
             reference = _sdpa(exact)(*(x.float() for x in inputs))
-        variants = {}
-        for i, name in enumerate(kernels):
-            times = kernels[:i].count(name)
-            label = f"{name} #{times + 1}" if times else name
-            try:
-                variants[label] = _kernel(name)
-            except Exception as exc:  # noqa: BLE001 - an absent package is that row's error
-                rows.append({"shape": shape, "config": label, "error": f"{type(exc).__name__}: {exc}"})
+        variants, errors = labelled_variants(shape, kernels, _kernel)
+        rows += errors
         rows += measure_each(shape, variants, lambda name, fn: measure(name, fn, inputs, reference, iters, shape,
                                                                        args.clocks))
-    report(rows, args.json, {"ms per call": lambda r: f"{r['ms_per_call']:.3f}",
-                             "TFLOP/s": lambda r: f"{r['tflops']:.0f}",
-                             "SM MHz": lambda r: r.get("clock_mhz", ""), "W": lambda r: r.get("power_w", ""),
-                             "first call s": lambda r: f"{r['first_call_s']:.1f}",
-                             "rel L2 vs fp32": lambda r: f"{r['rel_l2_vs_fp32']:.2e}"})
+    report(rows, args.json, KERNEL_COLUMNS)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernel_timing import ClockSampler, first_call, measure_each, microseconds, report
+from .kernel_timing import (
+    KERNEL_COLUMNS,
+    ClockSampler,
+    first_call,
+    labelled_variants,
+    measure_each,
+    microseconds,
+    report,
+)
 
 TOKENS, WIDTH, HIDDEN = 4608, 3072, 12288  # FLUX.1 at 1024²: 4,096 image + 512 text tokens
 # (rows, inner, outputs, GELU in the epilogue)
@@ -135,22 +143,12 @@ def main() -> None:
             reference = F.linear(*(t.float() for t in inputs))
             if gelu:
                 reference = F.gelu(reference, approximate="tanh")
-        variants = {}
-        for i, name in enumerate(kernels):
-            times = kernels[:i].count(name)
-            label = f"{name} #{times + 1}" if times else name
-            try:
-                variants[label] = kernel(name, gelu)
-            except Exception as exc:  # noqa: BLE001 - an absent package is that row's error
-                rows.append({"shape": shape, "config": label, "error": f"{type(exc).__name__}: {exc}"})
+        variants, errors = labelled_variants(shape, kernels, lambda name: kernel(name, gelu))
+        rows += errors
         rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference,
                                                                        0.01 if args.smoke else args.seconds,
                                                                        args.clocks))
-    report(rows, args.json, {"ms per call": lambda r: f"{r['ms_per_call']:.3f}",
-                             "TFLOP/s": lambda r: f"{r['tflops']:.0f}",
-                             "SM MHz": lambda r: r.get("clock_mhz", ""), "W": lambda r: r.get("power_w", ""),
-                             "first call s": lambda r: f"{r['first_call_s']:.1f}",
-                             "rel L2 vs fp32": lambda r: f"{r['rel_l2_vs_fp32']:.2e}"})
+    report(rows, args.json, KERNEL_COLUMNS)
 
 
 if __name__ == "__main__":

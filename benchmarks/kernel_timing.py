@@ -79,6 +79,28 @@ class ClockSampler:
         return {k: getattr(self, k) for k in ("clock_mhz", "power_w") if hasattr(self, k)}
 
 
+def labelled_variants(shape: str, names: list[str], make: Callable[[str], Callable]) -> tuple[dict, list[dict]]:
+    """``make(name)`` for each name, labelled ``name #2`` and on where a name comes again (under a power cap the clock
+    drifts as a run goes on, so a kernel is timed again between others); one ``make`` cannot give (an absent
+    package) is an error row."""
+    variants, errors = {}, []
+    for i, name in enumerate(names):
+        times = names[:i].count(name)
+        label = f"{name} #{times + 1}" if times else name
+        try:
+            variants[label] = make(name)
+        except Exception as exc:  # noqa: BLE001 - that row's error
+            errors.append({"shape": shape, "config": label, "error": f"{type(exc).__name__}: {exc}"})
+    return variants, errors
+
+
+# The columns a kernel row prints: its time, rate, the clock and power it ran at, its first call and its error.
+KERNEL_COLUMNS: dict[str, Callable[[dict], object]] = {
+    "ms per call": lambda r: f"{r['ms_per_call']:.3f}", "TFLOP/s": lambda r: f"{r['tflops']:.0f}",
+    "SM MHz": lambda r: r.get("clock_mhz", ""), "W": lambda r: r.get("power_w", ""),
+    "first call s": lambda r: f"{r['first_call_s']:.1f}", "rel L2 vs fp32": lambda r: f"{r['rel_l2_vs_fp32']:.2e}"}
+
+
 def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:
     """``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others still run."""
     rows = []

@@ -24,8 +24,6 @@ L2 distance of the output from float32 math attention on the same inputs.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,15 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernel_timing import (
-    KERNEL_COLUMNS,
-    ClockSampler,
-    first_call,
-    labelled_variants,
-    measure_each,
-    microseconds,
-    report,
-)
+from .kernel_timing import KERNEL_COLUMNS, kernel_row, labelled_variants, measure_each, report
 
 SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
@@ -83,24 +73,11 @@ def _kernel(name: str) -> Callable:
 
 def measure(name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, iters: int, shape: str,
             clocks: bool = False) -> dict:
-    device = inputs[0].device.type
     batch, tokens, heads, dim = inputs[0].shape
     if name.split(" ")[0].endswith("_bhsd"):
         inputs, reference = tuple(x.transpose(1, 2).contiguous() for x in inputs), reference.transpose(1, 2)
-    with torch.no_grad():
-        out, first_s = first_call(fn, inputs, device)
-        for _ in range(2):
-            out = fn(*inputs)
-        with ClockSampler(clocks and device == "cuda") as sampler:
-            rounds = microseconds(fn, inputs, iters, device)
-    ms = statistics.median(rounds) / 1e3
-    flops = 4 * batch * tokens * tokens * heads * dim
-    got, want = out.float(), reference
-    row = {"shape": shape, "config": name, "ms_per_call": ms, "rounds_us": rounds, "tflops": flops / ms / 1e9,
-           "first_call_s": first_s, "rel_l2_vs_fp32": float((got - want).norm() / want.norm()),
-           **sampler.fields()}
-    print(json.dumps(row), flush=True)
-    return row
+    return kernel_row(shape, name, fn, inputs, reference, 4 * batch * tokens * tokens * heads * dim, iters=iters,
+                      clocks=clocks)
 
 
 def main() -> None:

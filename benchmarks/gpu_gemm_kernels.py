@@ -29,24 +29,13 @@ median SM clock and board power nvidia-smi read during the timed rounds.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .kernel_timing import (
-    KERNEL_COLUMNS,
-    ClockSampler,
-    first_call,
-    labelled_variants,
-    measure_each,
-    microseconds,
-    report,
-)
+from .kernel_timing import KERNEL_COLUMNS, kernel_row, labelled_variants, measure_each, report
 
 TOKENS, WIDTH, HIDDEN = 4608, 3072, 12288  # FLUX.1 at 1024²: 4,096 image + 512 text tokens
 # (rows, inner, outputs, GELU in the epilogue)
@@ -100,22 +89,8 @@ def kernel(name: str, gelu: bool) -> Callable:
 
 def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, seconds: float,
             clocks: bool) -> dict:
-    device = inputs[0].device.type
-    rows, inner = inputs[0].shape
-    outputs = inputs[1].shape[0]
-    with torch.no_grad():
-        out, first_s = first_call(fn, inputs, device)
-        one = statistics.median(microseconds(fn, inputs, 3, device))  # to size the rounds
-        iters = max(2, math.ceil(seconds * 1e6 / one))
-        with ClockSampler(clocks and device == "cuda") as sampler:
-            rounds = microseconds(fn, inputs, iters, device)
-    ms = statistics.median(rounds) / 1e3
-    got, want = out.float(), reference
-    row = {"shape": shape, "config": name, "ms_per_call": ms, "rounds_us": rounds, "iters": iters,
-           "tflops": 2 * rows * inner * outputs / ms / 1e9, "first_call_s": first_s,
-           "rel_l2_vs_fp32": float((got - want).norm() / want.norm()), **sampler.fields()}
-    print(json.dumps(row), flush=True)
-    return row
+    (rows, inner), outputs = inputs[0].shape, inputs[1].shape[0]
+    return kernel_row(shape, name, fn, inputs, reference, 2 * rows * inner * outputs, seconds=seconds, clocks=clocks)
 
 
 def main() -> None:

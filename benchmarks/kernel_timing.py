@@ -5,6 +5,7 @@ omnispec are not installed (a device call that carries a kernel's own packages h
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -39,15 +40,6 @@ def microseconds(fn: Callable, inputs: tuple, iters: int, device: str) -> list[f
                 fn(*inputs)
             rounds.append((time.perf_counter() - begin) * 1e6 / iters)
     return rounds
-
-
-def first_call(fn: Callable, inputs: tuple, device: str) -> tuple[object, float]:
-    """The first call's output and its seconds, the device's work included (a JIT kernel compiles there)."""
-    begin = time.perf_counter()
-    out = fn(*inputs)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - begin
 
 
 class ClockSampler:
@@ -92,6 +84,35 @@ def labelled_variants(shape: str, names: list[str], make: Callable[[str], Callab
         except Exception as exc:  # noqa: BLE001 - that row's error
             errors.append({"shape": shape, "config": label, "error": f"{type(exc).__name__}: {exc}"})
     return variants, errors
+
+
+def kernel_row(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, flops: float, *,
+               iters: int | None = None, seconds: float | None = None, clocks: bool = False) -> dict:
+    """One kernel's row: its first call's seconds (a JIT kernel compiles there), then five timed rounds of ``iters``
+    calls, or of as many as take ``seconds`` (under a power cap, long enough for the clock to settle), with the SM
+    clock and power meanwhile when ``clocks``; its rate for ``flops`` a call and its output's relative L2 distance
+    from ``reference``. Printed as a JSON line as it comes."""
+    device = inputs[0].device.type
+    with torch.no_grad():
+        begin = time.perf_counter()
+        out = fn(*inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first_s = time.perf_counter() - begin
+        for _ in range(2):  # the allocator, lazily built state
+            out = fn(*inputs)
+        if iters is None:
+            one = statistics.median(microseconds(fn, inputs, 3, device))
+            iters = max(2, math.ceil((seconds or 1.0) * 1e6 / one))
+        with ClockSampler(clocks and device == "cuda") as sampler:
+            rounds = microseconds(fn, inputs, iters, device)
+    ms = statistics.median(rounds) / 1e3
+    got, want = out.float(), reference.float()
+    row = {"shape": shape, "config": name, "ms_per_call": ms, "rounds_us": rounds, "iters": iters,
+           "tflops": flops / ms / 1e9, "first_call_s": first_s,
+           "rel_l2_vs_fp32": float((got - want).norm() / want.norm()), **sampler.fields()}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 # The columns a kernel row prints: its time, rate, the clock and power it ran at, its first call and its error.

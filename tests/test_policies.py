@@ -267,6 +267,17 @@ def _count_flash4_calls(monkeypatch) -> dict:
     return counts
 
 
+def _assert_near_cudnn(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``got``, an attention of [batch, heads, tokens, dim] ``q``, ``k``, ``v``, and its gradients: within bf16
+    rounding (2e-2 relative) of cuDNN's SDPA and its gradients."""
+    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypatch, compiled):
     """The real kernels at FLUX.1 1024²'s attention (4,608 tokens, 24 heads of 128, bf16) as the hooks run them:
@@ -297,16 +308,11 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
             return attention.guarded_forward(forward, "flash4", (q, k, v), {}, grad=grad)
 
     got = run(True)
-    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
-        want = forward(q, k, v)
-    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    _assert_near_cudnn(got, q, k, v)
     assert attention.FAILED == {}, attention.FAILED
     assert counts["forward"] and counts["backward"], counts  # FA4 ran both ways, not SDPA
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert counts["tiles"] == {(128, 192) if hopper else None}, counts  # flash4.HOPPER_TILES at head size 128
-    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
-        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
     assert torch.equal(run(False), got.detach())  # a rollout's call and its replay's: the same kernel, the same bits
 
 
@@ -320,14 +326,8 @@ def test_flash4_on_cuda_gives_sdpa_outputs_at_lengths_off_its_tile(monkeypatch, 
     monkeypatch.setattr(flash4, "REFUSED", {})
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 24, tokens, 128, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    got = flash4.flash4_sdpa(q, k, v, None)
-    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    _assert_near_cudnn(flash4.flash4_sdpa(q, k, v, None), q, k, v)
     assert flash4.REFUSED == {}, flash4.REFUSED
-    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
-        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
 
 
 def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):

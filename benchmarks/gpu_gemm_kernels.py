@@ -1,7 +1,8 @@
 """Which matmul kernel does FLUX.1-dev's step best at the power cap? Its largest matmuls alone, kernel by kernel.
 
 ``python -m benchmarks.gpu_gemm_kernels [--seconds 1.0] [--kernels ...] [--json FILE]``  (needs CUDA; ``--smoke``:
-tiny shapes on the CPU, torch's matmul only)
+tiny shapes on the CPU, torch's matmul only; the ``quack`` rows need ``quack-kernels``, which ``omnispec[flash4]``
+brings, the ``lt`` rows ``nvmath-python``, which loads the cuBLAS torch's wheel installed)
 
 A compiled FLUX.1-dev 1024² step runs at the H200's 700 W cap (its SM clock ~1,600 MHz, not the 1,980 a short
 kernel gets), and some 85 of its ~125 ms are cuBLAS's matmuls (BENCHMARKS.md, 2026-12-04). So what a kernel costs
@@ -18,12 +19,16 @@ to settle where the power cap puts it:
 with kernels ``cublas`` (``F.linear``; for the GELU row cuBLASLt's bias+GELU epilogue, ``torch._addmm_activation``,
 which ``policies.mlp.fused_gelu`` runs now) and ``quack`` (the CuTe DSL GEMMs of ``quack-kernels``, which
 FlashAttention-4 brings along: its Hopper kernel at its default tile, 128 x 192 ping-pong in clusters of 2),
-``quack_128x256``, ``quack_256x128`` and ``quack_256x192`` (its cooperative kernel at those tiles). A name given
-again is timed again in that place (the clock drifts as a run goes on: alternate kernels).
+``quack_128x256``, ``quack_256x128`` and ``quack_256x192`` (its cooperative kernel at those tiles), and ``lt0``,
+``lt1``, ... (cuBLASLt's algorithms for the same call in the order of its own heuristic, run through nvmath-python,
+which can hand cuBLASLt an algorithm of the caller's choice: torch always takes the heuristic's first, ``lt0``, and
+that heuristic ranks by a short run at the peak clock, as FlashAttention-4's tiles were chosen). A name given again
+is timed again in that place (the clock drifts as a run goes on: alternate kernels).
 
 Each row: device ms per call (CUDA events over replays of the call recorded as a CUDA graph, median of five
 rounds), TFLOP/s, the relative L2 distance from a float32 matmul on the same inputs, and with ``--clocks`` the
-median SM clock and board power nvidia-smi read during the timed rounds.
+median SM clock and board power nvidia-smi read during the timed rounds; ``lt`` rows also the algorithm's tile,
+stages, cluster shape and split-K as nvmath reports them.
 """
 
 from __future__ import annotations
@@ -77,20 +82,50 @@ def _quack(gelu: bool, tile: tuple[int, int] | None) -> Callable:
     return plain
 
 
+def _cublaslt(gelu: bool, rank: int) -> Callable:
+    """cuBLASLt's ``rank``-th algorithm (by its heuristic) for ``x @ w.T + b`` (then GELU), the problem torch's
+    ``F.linear`` hands it: nvmath-python plans the call once for the inputs it first sees and runs that algorithm.
+    cuBLASLt's bias runs along the output's column-major rows, so the call is ``w @ x.T`` into a column-major result
+    (``c`` sets the result's layout; ``beta=0`` so it is not read): the memory torch's call writes."""
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog  # nvmath-python; an ImportError is that row's error
+
+    plans: dict[tuple, tuple] = {}
+
+    def run(x, w, b):
+        key = (x.data_ptr(), w.data_ptr(), b.data_ptr())
+        if key not in plans:
+            layout = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype).t()
+            matmul = Matmul(w, x.t(), c=layout, beta=0.0)
+            algorithms = matmul.plan(preferences={"limit": rank + 1}, epilog_inputs={"bias": b},
+                                     epilog=MatmulEpilog.GELU_BIAS if gelu else MatmulEpilog.BIAS)
+            if rank >= len(algorithms):
+                raise ValueError(f"cuBLASLt's heuristic offers {len(algorithms)} algorithms for this call")
+            algorithm = algorithms[rank]
+            run.details = {name: str(getattr(algorithm, name, "")) for name in
+                           ("algorithm_id", "tile", "stages", "cluster_shape", "split_k", "cta_swizzling")}
+            plans[key] = (matmul, algorithm)
+        matmul, algorithm = plans[key]
+        return matmul.execute(algorithm=algorithm).t()
+    return run
+
+
 def kernel(name: str, gelu: bool) -> Callable:
+    if name.startswith("lt") and name[2:].isdigit():
+        return _cublaslt(gelu, int(name[2:]))
     if name == "cublas":
         return _cublas(gelu)
     if name == "quack":
         return _quack(gelu, None)
     if name in QUACK_TILES:
         return _quack(gelu, QUACK_TILES[name])
-    raise ValueError(f"unknown kernel {name!r}: cublas, quack, {', '.join(QUACK_TILES)}")
+    raise ValueError(f"unknown kernel {name!r}: cublas, quack, {', '.join(QUACK_TILES)}, lt0, lt1, ...")
 
 
 def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, seconds: float,
             clocks: bool) -> dict:
     (rows, inner), outputs = inputs[0].shape, inputs[1].shape[0]
-    return kernel_row(shape, name, fn, inputs, reference, 2 * rows * inner * outputs, seconds=seconds, clocks=clocks)
+    row = kernel_row(shape, name, fn, inputs, reference, 2 * rows * inner * outputs, seconds=seconds, clocks=clocks)
+    return {**row, **getattr(fn, "details", {})}
 
 
 def main() -> None:

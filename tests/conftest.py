@@ -102,6 +102,28 @@ def photo(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _auto_device_is_the_cpu():
+    """The suite's tiny models run where their diffusers references run, on the CPU, on a machine with CUDA too:
+    there "auto" would put omnispec's side on the GPU and each parity check would compare two devices' roundings.
+    Tests of CUDA name it (``device="cuda"``, ``runtime.device=cuda``); processes a test starts get ``cpu_env()``."""
+    import importlib
+
+    build = importlib.import_module("omnispec.runtime.build")  # the module (the package exports its function)
+    resolve = build.resolve_device
+    build.resolve_device = lambda device: resolve("cpu" if device == "auto" else device)
+    yield
+    build.resolve_device = resolve
+
+
+def cpu_env(*paths: Path, **extra: str) -> dict[str, str]:
+    """The environment for a process a test starts that runs models (ranks of a parallel run, a benchmark's smoke
+    run): this one's, with CUDA hidden (``_auto_device_is_the_cpu`` for a process of its own) and the repository,
+    then ``paths``, first on PYTHONPATH (kept after them: an install there stays importable)."""
+    path = os.pathsep.join(str(p) for p in (ROOT, *paths, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **extra}
+
+
 @pytest.fixture(autouse=True)
 def _omnispec_logger_restored():
     """A CLI command run in a test sets omnispec's logger up for a terminal (its own stderr handler, no

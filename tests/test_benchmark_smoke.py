@@ -5,14 +5,13 @@ time is scarce). ``gpu_peers`` has its own, finer test (tests/test_gpu_peers_smo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 from test_parallel import free_port
 
-from conftest import ROOT
+from conftest import cpu_env
 
 # (module, extra arguments, processes): the parallel benchmark runs under torchrun on gloo.
 SMOKES = [
@@ -68,7 +67,7 @@ def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp
                    "--master-port", str(free_port()), "-m", f"benchmarks.{module}", "--smoke", *extra]
     else:
         command = [sys.executable, "-m", f"benchmarks.{module}", "--smoke", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = cpu_env(OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(done.stdout)

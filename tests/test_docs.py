@@ -27,7 +27,7 @@ from omnispec.spec.catalog import bundled_path
 from omnispec.spec.loader import deep_merge, resolve_spec_data
 from omnispec.testing import TINY_SPECS, tiny_checkpoint
 
-from conftest import ROOT
+from conftest import ROOT, cpu_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([A-Za-z]*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -166,7 +166,7 @@ def run_command(command: str, expected: int, tiny, where: str) -> None:
     if argv[0] == "torchrun":
         at = argv.index("omnispec")
         args = [*argv[:at + 1], *cli_argv(argv[at + 1:], tiny)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env = cpu_env(OMP_NUM_THREADS="1")  # the page's ranks on gloo, as on a machine without CUDA
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args[1:]], capture_output=True,
                               text=True, env=env, timeout=600)
         assert done.returncode == expected, f"{where}: {command}\n{done.stderr[-3000:]}"

@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 from omnispec.cli import main
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import SPECS
+from conftest import SPECS, cpu_env
 
 
 def free_port() -> int:
@@ -27,8 +26,8 @@ def launch(nproc: int, args: list[str], timeout: float = 240) -> list[subprocess
     port = free_port()
     procs = []
     for rank in range(nproc):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env = cpu_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(nproc), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-m", "omnispec", "run", *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
@@ -88,6 +87,24 @@ def test_wrong_world_size_fails_cleanly_on_every_rank(sd3_dir, tmp_path):
     results = launch(2, sd3_args(sd3_dir, tmp_path / "x.npy", "--set", "policies.parallel={cfg: 4}"), timeout=120)
     for r in results:
         assert r.returncode == 2 and "WORLD_SIZE is 2" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_more_processes_on_a_host_than_cuda_devices_are_refused_on_every_rank(monkeypatch, local_rank):
+    """Two ranks on a one-GPU host: each says so before any rendezvous (rank 1 had died in CUDA's "invalid device
+    ordinal" and left rank 0 waiting for it)."""
+    import torch
+
+    from omnispec.runtime.parallel import context
+    from omnispec.spec import SpecError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail("set_device before the check"))
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SpecError, match=r"2 processes on this host but 1 CUDA device.*--nproc-per-node 1.*"
+                                        r"runtime.device=cpu"):
+        context._ensure_process_group(2, torch.device("cuda"))
 
 
 def test_degrees_above_one_in_a_single_process_are_refused(sd3_dir, tmp_path):

@@ -30,12 +30,15 @@ def plain_sd3(sd3_dir):
     return run(sd3_dir, "sd3.5-medium.yaml", "sd3")[1]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "sdpa_flash", "auto"])
-def test_attention_backends_match_the_plain_run(flux_dir, plain_flux, backend):
-    if backend == "sdpa_flash" and torch.cuda.is_available():  # the tiny model builds there, in float32
+def test_attention_backends_match_the_plain_run(flux_dir, plain_flux, backend, device):
+    if backend == "sdpa_flash" and device == "cuda":  # the tiny model builds there, in float32
         pytest.skip("FlashAttention-2 on CUDA takes no float32 (the build refuses it); the CPU run covers it")
-    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.attention.default={backend}")
-    assert np.abs(out - plain_flux).max() <= 1e-4
+    plain = plain_flux if device == "cpu" else run(flux_dir, "flux1-dev.yaml", "flux", "runtime.device=cuda")[1]
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", f"policies.attention.default={backend}",
+                    f"runtime.device={device}")
+    assert np.abs(out - plain).max() <= 1e-4
     assert set(pipe.explain(as_dict=True)["attention"]) == {"joint", "single"}
 
 
@@ -443,8 +446,10 @@ def test_fp8_granularity_reaches_the_torchao_config():
 
 
 def test_cuda_only_quantization_is_rejected_on_cpu(flux_dir):
+    # runtime.device=cpu: on a machine with CUDA, "auto" would pick the GPU, where fp8 runs
     with pytest.raises(SpecError, match="policies.quantization.denoiser.method: fp8_dynamic runs only on CUDA|needs torchao"):
-        run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={denoiser: {method: fp8_dynamic}}")
+        run(flux_dir, "flux1-dev.yaml", "flux", "policies.quantization={denoiser: {method: fp8_dynamic}}",
+            "runtime.device=cpu")
 
 
 def count_rows(pipe):

@@ -4,7 +4,6 @@ tensor / shard / distributed offload / vae_patch runs on gloo ranks against one 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import omnispec
 from omnispec.spec import SpecError, load_spec
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, cpu_env
 
 TOL = 1e-4
 
@@ -128,8 +127,7 @@ def test_tiling_a_vae_diffusers_cannot_tile_is_refused():
 # ---- ranks on gloo against one process ----------------------------------------------------------------------
 
 def _launch(nproc: int, cases: dict, timeout: float = 900) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = cpu_env(ROOT / "tests", OMP_NUM_THREADS="1")
     for _ in range(2):  # a port free when chosen can be taken before torchrun binds it: then once more
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                                "--master-port", str(free_port()), str(ROOT / "tests" / "scale_worker.py"),

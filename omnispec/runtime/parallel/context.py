@@ -69,9 +69,25 @@ def _ensure_process_group(world: int, device: torch.device) -> None:
         raise SpecError.single(f"the degrees multiply to {world} processes but WORLD_SIZE is {env_world}",
                                "policies.parallel")
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_local_cuda_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     atexit.register(_leave_group)  # the group omnispec made is left before exit
+
+
+def _local_cuda_device() -> int:
+    """This rank's CUDA device: its LOCAL_RANK, one device per process as NCCL needs. More processes on this host
+    than devices is refused on every rank alike (torchrun sets LOCAL_WORLD_SIZE), before any rendezvous: a rank
+    that failed alone would leave the others waiting for it."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    devices = torch.cuda.device_count()
+    if max(local_world, local_rank + 1) > devices:
+        raise SpecError.single(
+            f"{max(local_world, local_rank + 1)} processes on this host but {devices} CUDA device(s): a parallel "
+            f"run on CUDA takes one device per process; launch at most {devices} per host "
+            f"(torchrun --nproc-per-node {devices}), or run the ranks on the CPU with runtime.device=cpu",
+            "policies.parallel")
+    return local_rank
 
 
 def _leave_group() -> None:

@@ -79,11 +79,11 @@ def _local_cuda_device() -> int:
     than devices is refused on every rank alike (torchrun sets LOCAL_WORLD_SIZE), before any rendezvous: a rank
     that failed alone would leave the others waiting for it."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
     devices = torch.cuda.device_count()
-    if max(local_world, local_rank + 1) > devices:
+    if processes > devices:
         raise SpecError.single(
-            f"{max(local_world, local_rank + 1)} processes on this host but {devices} CUDA device(s): a parallel "
+            f"{processes} processes on this host but {devices} CUDA device(s): a parallel "
             f"run on CUDA takes one device per process; launch at most {devices} per host "
             f"(torchrun --nproc-per-node {devices}), or run the ranks on the CPU with runtime.device=cpu",
             "policies.parallel")

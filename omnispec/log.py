@@ -68,6 +68,9 @@ def configure(verbosity: int = 0) -> None:
         for name in _INTERNAL:
             logging.getLogger(name).setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning)  # deprecation notes meant for library authors
+        # a library's source compiled at import where no bytecode is cached (read-only site-packages,
+        # PYTHONDONTWRITEBYTECODE): its SyntaxWarnings are notes for its authors too
+        warnings.filterwarnings("ignore", category=SyntaxWarning)
     if verbosity == 0:
         return
     level = "error" if verbosity < 0 else "info" if verbosity == 1 else "debug"

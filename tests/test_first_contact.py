@@ -133,6 +133,18 @@ def test_the_cli_says_nothing_of_the_libraries_and_nothing_at_all_with_q(flux_di
     assert video.returncode == 0 and video.stderr == "", video.stderr  # no "[0, 1]" line, no encoding bar
 
 
+@pytest.mark.parametrize("verbosity, shown", [(0, False), (-1, False), (1, True)])
+def test_a_librarys_syntax_warnings_reach_only_a_verbose_cli(tmp_path, verbosity, shown):
+    """A library compiled at import (no bytecode cache: -B here) warns of its own source, e.g. torchao 0.17's
+    invalid escape sequences on python 3.12: a note for its authors, which a run's stderr showed."""
+    (tmp_path / "noisy_library.py").write_text("x = 1\nsame = x is 1\n")  # SyntaxWarning: "is" with a literal
+    script = f"from omnispec.log import configure; configure({verbosity}); import noisy_library"
+    out = subprocess.run([sys.executable, "-B", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert out.returncode == 0, out.stderr
+    assert ("SyntaxWarning" in out.stderr) == shown, out.stderr
+
+
 def test_a_rank_other_than_zero_speaks_only_of_errors(tmp_path):
     out = cli("run", "digits", "--prompt", "7", "--output", str(tmp_path / "x.png"), env={"RANK": "1"})
     assert out.returncode == 0 and out.stderr == "", out.stderr

@@ -31,9 +31,15 @@ def launch(nproc: int, args: list[str], timeout: float = 240) -> list[subprocess
         procs.append(subprocess.Popen([sys.executable, "-m", "omnispec", "run", *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:  # a rank left waiting (for one that died) is stopped with the test, not left running after it
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     return out
 
 

@@ -45,7 +45,11 @@ def run_command(args: argparse.Namespace) -> int:
 
     from .runtime import build
     from .runtime.build import check_device
+    from .runtime.families import family_class
     from .runtime.media import check_output_path
+
+    if request is not None:
+        _collect(problems, lambda: family_class(spec.model.family).check_request(request, spec))
 
     if progress_bars_disabled():
         import diffusers

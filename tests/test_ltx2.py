@@ -64,6 +64,31 @@ def test_i2v_prepares_the_image_as_diffusers_does_including_its_crf(ltx2_dir, ph
     assert np.abs(no_crf.array - ours.array).max() > 1e-3  # the re-compression moves the output
 
 
+def test_an_image_to_recompress_without_pyav_is_one_error_before_any_weight_loads(ltx2_dir, photo, tmp_path,
+                                                                                   monkeypatch, capsys):
+    import importlib.util
+
+    from omnispec.cli import main
+
+    class Built(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Built
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else find_spec(name, *a))
+    monkeypatch.setattr("omnispec.runtime.build", build)
+    sets = [a for o in [*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1] for a in ("--set", o)]
+    argv = ["run", str(SPECS / "ltx2-i2v.yaml"), "--source", str(ltx2_dir), *sets, "--prompt", "a robot dancing",
+            "--image", str(photo), "--output", str(tmp_path / "x.gif")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: request.image: LTX-2 re-compresses") and "image_crf=0" in err, err
+    with pytest.raises(Built):  # without the re-compression PyAV is not needed: the run goes on to load
+        main([*argv, "--set", "model.options.image_crf=0"])
+
+
 def test_two_stage_chain_with_the_distilled_lora_matches_diffusers_docs_chain(ltx2_dir, tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplePipeline, LTX2LatentUpsamplerModel, LTX2Pipeline

@@ -97,7 +97,7 @@ class Pipeline:
         ``SpecError`` (a ``ValueError``) for a wrong value, each naming the argument and what was expected.
         """
         req = resolve_request(self.spec, prompt, seed, **fields)
-        self.family.check_request(req)
+        self.family.check_request(req, self.spec)
         if req.negative_prompt and not self._negative_passes() and "negative" not in self._told:
             self._told.add("negative")  # diffusers takes it and ignores it too; say so once
             logger.warning(f"recipe {self.spec.name!r} runs no negative-prompt pass (no cfg, true_cfg, apg or "
@@ -121,7 +121,7 @@ class Pipeline:
         problems = request_problems(self.spec, request)
         if problems:
             raise SpecError(problems)
-        self.family.check_request(request)
+        self.family.check_request(request, self.spec)
         record = self._record(request)
         plan = self.plan(request)
         padding = is_padding(self.parallel, len(request.prompts))  # run only to keep a shard group in step

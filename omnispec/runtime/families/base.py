@@ -238,8 +238,9 @@ class Family:
             raise SpecError.single("; ".join(problems), "model.family")
 
     @classmethod
-    def check_request(cls, request: Request) -> None:
-        """Refuse what this family cannot condition on, before any work."""
+    def check_request(cls, request: Request, spec: PipelineSpec) -> None:
+        """Refuse what this family cannot condition on, or cannot run here for ``spec``, before any work (the CLI
+        asks before any weight loads)."""
         if len(request.images) > cls.max_images:
             raise SpecError.single(f"family {cls.name!r} conditions on at most {cls.max_images} image(s), got "
                                    f"{len(request.images)}", "request.image")

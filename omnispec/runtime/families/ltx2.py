@@ -10,6 +10,8 @@ estimate is the state itself (so they never move), and the encoded image is put 
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import torch
 from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoCondition
@@ -89,6 +91,16 @@ class LTX2Family(Family):
                         "LTX-2's spatio-temporal guidance replaces the self-attention of transformer_blocks by its "
                         "values: write skip: attention_scores (and no other block list)",
                         f"recipe.phases.{i}.guidance")
+
+    @classmethod
+    def check_request(cls, request: Request, spec: PipelineSpec) -> None:
+        super().check_request(request, spec)
+        crf = {**cls.options, **spec.model.options}["image_crf"]
+        if request.images and crf != 0 and importlib.util.find_spec("av") is None:
+            raise SpecError.single(
+                "LTX-2 re-compresses a conditioning image with H.264, as it was trained (model.options.image_crf), "
+                "which needs PyAV: pip install 'omnispec-diffusion[video]', or set model.options.image_crf=0 to skip "
+                "it", "request.image")
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

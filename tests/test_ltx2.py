@@ -66,7 +66,7 @@ def test_i2v_prepares_the_image_as_diffusers_does_including_its_crf(ltx2_dir, ph
 
 def test_an_image_to_recompress_without_pyav_is_one_error_before_any_weight_loads(ltx2_dir, photo, tmp_path,
                                                                                    monkeypatch, capsys):
-    import importlib.util
+    import sys
 
     from omnispec.cli import main
 
@@ -76,8 +76,7 @@ def test_an_image_to_recompress_without_pyav_is_one_error_before_any_weight_load
     def build(*args, **kwargs):
         raise Built
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV absent: importing it fails
     monkeypatch.setattr("omnispec.runtime.build", build)
     sets = [a for o in [*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1] for a in ("--set", o)]
     argv = ["run", str(SPECS / "ltx2-i2v.yaml"), "--source", str(ltx2_dir), *sets, "--prompt", "a robot dancing",

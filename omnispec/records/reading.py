@@ -17,6 +17,7 @@ from pathlib import Path
 from ..spec.bounded import RECORD, decode_utf8, parse_json
 from ..spec.errors import SpecError
 from ..spec.files import path_kind, read_bytes, regular_file
+from ..spec.videos import import_pyav
 from .schema import FORMAT, KEY, Record, parse_record
 
 SIDECAR_SUFFIXES = (".npy", ".wav", ".webp")  # formats without a place for text: a <file>.json beside them
@@ -160,11 +161,7 @@ def _image_comment(path: Path) -> str | None:
 
 
 def _mp4_comment(path: Path) -> str | None:
-    try:
-        import av
-    except ImportError:
-        raise SpecError.single("reading an .mp4's record needs PyAV: pip install 'omnispec-diffusion[video]'",
-                               file=str(path)) from None
+    av = import_pyav("reading an .mp4's record", file=str(path))
     try:
         with av.open(str(path)) as container:
             return container.metadata.get("comment")

@@ -10,7 +10,6 @@ interrupted run never leaves a partial file and an existing file is never replac
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import secrets
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import numpy as np
 from .. import records
 from ..spec import Problem, SpecError
 from ..spec.files import path_kind
+from ..spec.videos import import_pyav
 
 if TYPE_CHECKING:
     from .pipeline import Output
@@ -53,8 +53,8 @@ def check_output_path(path: Path, video: bool, samples: int = 1, *, overwrite: b
         kind = "a video" if video else "an image"
         raise SpecError.single(f"cannot write {kind} task's output as {suffix or 'no suffix'}; use "
                                f"{', '.join(allowed)}", where)
-    if suffix == ".mp4" and importlib.util.find_spec("av") is None:
-        raise SpecError.single("writing .mp4 needs PyAV: pip install 'omnispec-diffusion[video]'", where)
+    if suffix == ".mp4":
+        import_pyav("writing .mp4", where)
     paths = output_paths(path, 1 if suffix == ".npy" else samples)
     if audio and suffix == ".npy":
         paths += output_paths(path.with_suffix(".wav"), samples)

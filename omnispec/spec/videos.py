@@ -144,14 +144,21 @@ def _animated(file: Path, path: str, where: str) -> Iterator[Any]:
         raise SpecError.single(f"{path}: not a readable video ({exc})", where) from None
 
 
-def _demuxed(file: Path, container: str, path: str, where: str) -> Iterator[Any]:
-    """Frames FFmpeg decodes from an MP4/MOV or Matroska/WebM file, through PyAV (the ``video`` extra)."""
+def import_pyav(what: str, where: str = "", *, otherwise: str = "", file: str | None = None) -> Any:
+    """PyAV (the ``video`` extra), imported; where it is missing, one error: ``what`` needs it, how to install it,
+    and ``otherwise`` (what to do instead)."""
     try:
         import av
     except ImportError:
-        raise SpecError.single(f"{path}: reading MP4/MOV or WebM/Matroska files needs PyAV: pip install "
-                               "'omnispec-diffusion[video]' (or give an animated GIF/WebP/PNG, or frames)",
-                               where) from None
+        raise SpecError.single(f"{what} needs PyAV: pip install 'omnispec-diffusion[video]'{otherwise}", where,
+                               file) from None
+    return av
+
+
+def _demuxed(file: Path, container: str, path: str, where: str) -> Iterator[Any]:
+    """Frames FFmpeg decodes from an MP4/MOV or Matroska/WebM file, through PyAV (the ``video`` extra)."""
+    av = import_pyav(f"{path}: reading MP4/MOV or WebM/Matroska files", where,
+                     otherwise=" (or give an animated GIF/WebP/PNG, or frames)")
 
     def no_other_files(url: str, flags: int, options: dict) -> Any:
         raise PermissionError(f"a video file may not open other resources ({url})")

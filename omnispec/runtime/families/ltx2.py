@@ -10,8 +10,6 @@ estimate is the state itself (so they never move), and the encoded image is put 
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import torch
 from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoCondition
@@ -21,6 +19,7 @@ from ... import bridge
 from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
+from ...spec.videos import import_pyav
 from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, TensorPlan
 
 MODALITY = "audio_video"  # the pass that switches off the audio-to-video and video-to-audio cross-attention
@@ -96,11 +95,10 @@ class LTX2Family(Family):
     def check_request(cls, request: Request, spec: PipelineSpec) -> None:
         super().check_request(request, spec)
         crf = {**cls.options, **spec.model.options}["image_crf"]
-        if request.images and crf != 0 and importlib.util.find_spec("av") is None:
-            raise SpecError.single(
-                "LTX-2 re-compresses a conditioning image with H.264, as it was trained (model.options.image_crf), "
-                "which needs PyAV: pip install 'omnispec-diffusion[video]', or set model.options.image_crf=0 to skip "
-                "it", "request.image")
+        if request.images and crf != 0:
+            import_pyav("LTX-2 re-compresses a conditioning image with H.264, as it was trained "
+                        "(model.options.image_crf), which", "request.image",
+                        otherwise=", or set model.options.image_crf=0 to skip it")
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

@@ -368,7 +368,8 @@ MODEL_OPTIONS = ("fused_qkv",)
 # Variant options that set another policy's field.
 POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
                   "fused_gelu": "policies.mlp.fused_gelu=true",
-                  "flash4": "policies.attention.default=flash4"}
+                  "flash4": "policies.attention.default=flash4",
+                  "modulation": "policies.mlp.precomputed_modulation=true"}
 
 
 def compile_overrides(variant: str) -> list[str]:

@@ -17,6 +17,7 @@ from .attention_kernels import usable
 from .caches import CacheRuntime, apply_cache
 from .compile import apply_compile
 from .mlp import apply_mlp
+from .modulation import apply_modulation
 from .offload import apply_offload
 from .vae import apply_vae
 
@@ -56,6 +57,14 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
         problems.append(Problem("policies.attention.fused_qk_norm_rope",
                                 f"family {family.name!r} has no fused q/k norm + RoPE processor (the FLUX families "
                                 "have one)"))
+    if p.mlp.precomputed_modulation:
+        if getattr(family, "modulation_embedder", None) is None:
+            problems.append(Problem("policies.mlp.precomputed_modulation",
+                                    f"family {family.name!r} has no modulation table (the FLUX families have one)"))
+        elif p.offload.strategy != "none":
+            problems.append(Problem("policies.mlp.precomputed_modulation",
+                                    f"the table is built on the device from the denoiser's weights, which offload "
+                                    f"{p.offload.strategy!r} keeps off it; use offload none"))
     limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
     if limit:
         problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))
@@ -77,6 +86,8 @@ def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], 
     applied.attention = apply_attention(spec, family, denoisers, device)
     if (mlp := apply_mlp(spec, family, denoisers)) is not None:
         applied.notes["mlp"] = mlp
+    if (modulation := apply_modulation(spec, family, denoisers)) is not None:
+        applied.notes["modulation"] = modulation
     applied.cache = apply_cache(spec, components)
     applied.notes["offload"] = apply_offload(spec, components, device)
     applied.notes["compile"] = apply_compile(spec, family, components)

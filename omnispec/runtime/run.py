@@ -8,14 +8,16 @@ guidance combine) that replay calls for single stored steps.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from ..policies.caches import cache_context
+from ..policies.modulation import phase_table, tables_of
 from ..spec import Phase
 from ..spec.guidance import term_of
 from ..spec.recipe import ImageInput, PreviousInput
@@ -54,6 +56,7 @@ class Run:
         self.spec, self.request = self.plan.spec, self.plan.request
         self.generators, self.walks = self.plan.generators, self.plan.walks
         self.positive, self.negative = encodings if encodings is not None else pipe.encode(self.request)
+        self._tables: dict[int, Any] = {}  # modulation tables by id of their PhaseRun, which the plan keeps alive
 
     def condition(self, walk: Walk) -> None:
         """Encode the request's images for this walk's size and give every phase its pass inputs."""
@@ -133,7 +136,8 @@ class Run:
         plan = run.plans[i]
         if plan.zero:
             return {s: torch.zeros_like(v) for s, v in x.items()}
-        preds = self._passes(walk, run, i, x, rows)
+        with self._modulation(walk, run):
+            preds = self._passes(walk, run, i, x, rows)
         images = walk.images if rows is None or walk.images is None else _rows(walk.images, rows)
         if self.family.prediction_space == "velocity":
             guided = combine(plan, preds, run.phase.guidance, run.state)
@@ -142,6 +146,16 @@ class Run:
         x0 = {name: {s: x[s].float() - sigma * v.float() for s, v in p.items()} for name, p in preds.items()}
         guided = self.family.constrain(combine(plan, x0, run.phase.guidance, run.state), x, images, walk.geometry)
         return {s: (x[s].float() - guided[s]) / sigma for s in guided}
+
+    def _modulation(self, walk: Walk, run: PhaseRun) -> contextlib.AbstractContextManager:
+        """The phase's modulation table installed (``policies.mlp.precomputed_modulation``), built on its first
+        prediction; nothing without the policy."""
+        tables = tables_of(run.denoiser)
+        if tables is None or run.passes is None:
+            return contextlib.nullcontext()
+        if (table := self._tables.get(id(run))) is None:
+            table = self._tables[id(run)] = phase_table(self.family, tables, walk, run)
+        return tables.installed(table)
 
     def _passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
                 ) -> dict[str, Streams]:

@@ -231,8 +231,11 @@ def render_explain(info: Mapping[str, Any]) -> str:
     attention = pol["attention"]
     lines.append(f"  attention    default {attention['default']}, per role {attention['per_role'] or '-'}"
                  + (", q/k norms + RoPE in one kernel" if attention["fused_qk_norm_rope"] else ""))
-    if pol["mlp"]["fused_gelu"]:
-        lines.append("  mlp          bias + GELU in the matmul")
+    mlp = [what for key, what in (("fused_gelu", "bias + GELU in the matmul"),
+                                  ("precomputed_modulation", "modulation linears precomputed per request"))
+           if pol["mlp"][key]]
+    if mlp:
+        lines.append(f"  mlp          {', '.join(mlp)}")
     for key in ("offload", "cache"):
         inner = dict(pol[key])
         kind = inner.pop("strategy", None) or inner.pop("kind", None)

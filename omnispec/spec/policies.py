@@ -42,6 +42,12 @@ class MlpPolicy(SpecModel):
         "a pass of their own, and let a family's parallel block (FLUX's single blocks) project its attention and MLP "
         "outputs back without concatenating them. CUDA; the model's own operations elsewhere. Rounds once where the "
         "model rounds twice: outputs differ from the model's by about one bfloat16 step."))
+    precomputed_modulation: bool = Field(default=False, description=(
+        "Compute the denoiser's modulation linears (AdaLN's shift, scale and gate, which read only the timestep and "
+        "pooled-prompt embedding) for every step and sample of a request in one matmul each when its first step "
+        "runs, and look each step's rows up after, instead of a matrix-vector product per block and step that reads "
+        "the whole weight (6.5 GB a step for FLUX.1-dev). Families that have it: FLUX. Costs the table's memory (2 "
+        "MiB per step and sample for FLUX.1-dev); outputs differ from the model's by the rounding of a larger matmul."))
 
 
 class OffloadSpec(SpecModel):

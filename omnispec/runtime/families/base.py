@@ -180,6 +180,11 @@ class Family:
     # MLP side by side, projected back together), given the denoiser and the fused operators the policy hands over
     # (``policies.mlp.MlpOperators``); None: the family has no such blocks.
     parallel_mlp_hooks: ClassVar[Callable[[Any, Any], list[tuple[Any, Any]]] | None] = None
+    # ``policies.mlp.precomputed_modulation``: the denoiser's module whose output is the embedding every modulation
+    # linear reads (each through a SiLU), and fnmatch patterns of those linears' names; ``modulation_embeddings``
+    # computes that embedding for every step ahead. None: the family has none, and the field is refused.
+    modulation_embedder: ClassVar[str | None] = None
+    modulation_linears: ClassVar[tuple[str, ...]] = ()
     # Why ``skip_layer`` guidance terms cannot run on this family's denoiser, or None when they can.
     skip_layer_refusal: ClassVar[str | None] = None
     # ``model.options`` this family reads, with their defaults.
@@ -332,6 +337,13 @@ class Family:
     ) -> Streams:
         """The denoiser's prediction for a batch of rows (passes x samples). ``perturbation`` applies to every
         row, or (for kinds in ``row_perturbations``) is a list with one entry per row."""
+        raise NotImplementedError
+
+    def modulation_embeddings(self, denoiser: torch.nn.Module, timesteps: Sequence[torch.Tensor],
+                              embedded: Sequence[float | None], cond: Conditioning) -> torch.Tensor:
+        """The output of ``modulation_embedder`` for every (step, row) pair, step-major: one row per row of ``cond``
+        at each step, where step ``k`` has timestep ``timesteps[k]`` (as ``predict`` gets it) and embedded guidance
+        ``embedded[k]``; ``predict``'s forwards compute the same embedding for their rows, one step at a time."""
         raise NotImplementedError
 
     def constrain(self, guided: Streams, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:

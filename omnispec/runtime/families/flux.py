@@ -114,6 +114,9 @@ class FluxFamily(PackedLatents, Family):
     tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
     qk_norm_rope_processor = FusedQKNormRopeProcessor.replacing
     parallel_mlp_hooks = FusedSingleBlockMlp.hooks
+    modulation_embedder = "time_text_embed"
+    modulation_linears = ("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+                          "single_transformer_blocks.*.norm.linear", "norm_out.linear")
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")
@@ -203,6 +206,18 @@ class FluxFamily(PackedLatents, Family):
                 encoder_hidden_states=cond.batched["encoder_hidden_states"],
                 txt_ids=cond.shared["txt_ids"], img_ids=img_ids, return_dict=False,
             )[0]
+
+    def modulation_embeddings(self, denoiser, timesteps, embedded, cond):
+        """``time_text_embed`` of every step's rows, through the conversions ``_forward`` and the model make."""
+        pooled = cond.batched["pooled_projections"]
+        rows, latent_dtype, model_dtype = pooled.shape[0], self.latent_dtype(denoiser), denoiser.dtype
+        t = torch.cat([(timestep.expand(rows).to(latent_dtype) / 1000) for timestep in timesteps])
+        args = [t.to(model_dtype) * 1000]
+        if denoiser.config.guidance_embeds:
+            guidance = torch.cat([torch.full([rows], 3.5 if e is None else e, device=pooled.device,
+                                             dtype=torch.float32) for e in embedded])
+            args.append(guidance.to(model_dtype) * 1000)
+        return denoiser.time_text_embed(*args, pooled.repeat(len(timesteps), 1))
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         vae = self.helper.vae

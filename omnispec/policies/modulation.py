@@ -1,0 +1,177 @@
+"""Modulation linears computed once per request (``policies.mlp.precomputed_modulation``).
+
+An AdaLN denoiser's blocks each project the timestep-and-prompt embedding into their shifts, scales and gates
+(``linear(silu(temb))``). At a step's batch of a few rows that is a matrix-vector product reading the whole weight:
+FLUX.1-dev reads 6.5 GB of modulation weights a step, 2.2 ms of a compiled 1024² step on an H200 in its two
+``nvjet ... 192x8`` kernels (BENCHMARKS.md, 2026-12-04). The embedding depends only on the step's timestep, the
+embedded guidance and the pooled prompt, all known before the first step, so every step's rows can be projected in
+one matmul per linear, each weight read once.
+
+``ModulationTables`` holds a denoiser's hooks: one on the embedder (the family's ``modulation_embedder``), which
+finds for each row of a forward's embedding the nearest row of the table's embeddings (every step of the phase, every
+row of its conditionings), and one on each modulation linear (``modulation_linears``), which then returns its table
+rows instead of computing. The nearest row, not a step index, so that no forward needs to be told which step or which
+of the request's rows it runs: the table holds them all, and the match is exact up to the rounding between a step's
+embedding computed alone and in the table's batch (the steps of a schedule lie far apart in it: its timestep
+embedding is sinusoidal, with frequencies up to one radian per timestep unit). ``Run`` builds a phase's table on the
+first prediction of it and installs it around each prediction only: outside one (a warm-up, a benchmark calling the
+denoiser), and for a linear whose weights are no longer plain (a LoRA's base is: the table is the base's output and
+the LoRA adds to it; an fp8 or sharded linear is not), the model computes as it does.
+
+Rollout and replay build the same table (every step of the phase, every row of the request, in the same order): a
+replay with other micro-batches reads the very values its rollout read. The tables are built without gradients; a
+linear whose weight takes gradients is left to compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+
+from ..bridge import remove_hook
+from ..spec import PipelineSpec, SpecError
+from .mlp import plain_linear
+
+FIELD = "policies.mlp.precomputed_modulation"
+EMBEDDER_HOOK = "omnispec_modulation_rows"
+LINEAR_HOOK = "omnispec_modulation_table"
+
+
+class _TableRows(ModelHook):
+    """On the embedder: each forward's rows' places in the installed table (None without one)."""
+
+    def __init__(self, tables: ModulationTables):
+        super().__init__()
+        self.tables = tables
+
+    def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        embeddings = self.tables.embeddings
+        self.tables.rows = None if embeddings is None else nearest_rows(output, embeddings)
+        return output
+
+
+class _TableLookup(ModelHook):
+    """On a modulation linear: its table's rows for this forward, or its own product without a table."""
+
+    def __init__(self, tables: ModulationTables):
+        super().__init__()
+        self.tables = tables
+        self.outputs: torch.Tensor | None = None
+
+    def new_forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows, outputs = self.tables.rows, self.outputs
+        if outputs is None or rows is None or x.dim() != 2 or x.shape[0] != rows.shape[0]:
+            return self.fn_ref.original_forward(x)
+        return outputs.index_select(0, rows)
+
+
+def nearest_rows(embedding: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """For each row of ``embedding``, the index of ``table``'s row nearest to it (squared distance, in float32)."""
+    e, t = embedding.float(), table.float()
+    return ((t * t).sum(-1) - 2 * e @ t.T).argmin(-1)
+
+
+@dataclass
+class _Table:
+    embeddings: torch.Tensor
+    outputs: list[torch.Tensor | None]  # per hooked linear, None where it computes
+
+
+class ModulationTables:
+    """A denoiser's modulation hooks and the table installed now (``embeddings`` None: none)."""
+
+    def __init__(self, embedder: torch.nn.Module, linears: Sequence[tuple[str, torch.nn.Linear]]):
+        self.embedder = embedder
+        self.rows: torch.Tensor | None = None
+        self.embeddings: torch.Tensor | None = None
+        HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TableRows(self), EMBEDDER_HOOK)
+        self.linears: list[tuple[torch.nn.Linear, _TableLookup]] = []
+        for _, linear in linears:
+            lookup = _TableLookup(self)
+            HookRegistry.check_if_exists_or_initialize(linear).register_hook(lookup, LINEAR_HOOK)
+            self.linears.append((linear, lookup))
+
+    def build(self, embeddings: torch.Tensor) -> _Table:
+        """Every hooked linear's output for every row of ``embeddings`` (the embedder's, as the model's SiLU feeds
+        it to the linears), one matmul each; None for a linear whose weights are not plain tensors on the
+        embeddings' device, or take gradients."""
+        with torch.no_grad():
+            embeddings = embeddings.detach()
+            outputs: list[torch.Tensor | None] = []
+            for linear, _ in self.linears:
+                weight = linear.weight
+                if not plain_linear(linear, weight) or weight.device != embeddings.device or weight.requires_grad:
+                    outputs.append(None)
+                    continue
+                outputs.append(F.linear(F.silu(embeddings).to(weight.dtype), weight, linear.bias))
+        return _Table(embeddings, outputs)
+
+    @contextlib.contextmanager
+    def installed(self, table: _Table) -> Iterator[None]:
+        self.embeddings = table.embeddings
+        for (_, lookup), outputs in zip(self.linears, table.outputs, strict=True):
+            lookup.outputs = outputs
+        try:
+            yield
+        finally:
+            self.embeddings = self.rows = None
+            for _, lookup in self.linears:
+                lookup.outputs = None
+
+    def remove(self) -> None:
+        remove_hook(self.embedder, EMBEDDER_HOOK)
+        for linear, _ in self.linears:
+            remove_hook(linear, LINEAR_HOOK)
+
+
+def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _Table:
+    """The table of phase ``run`` of ``walk`` (a ``plan.PhaseRun``): the embedding of every step the phase computes
+    and every row of each conditioning its passes read (each conditioning once), padded to a power of two rows (at
+    least 8) with copies of the first, so that a compiled block sees a handful of table sizes, not one per
+    request's step count."""
+    steps = [i for i in run.indices if not run.plans[i].zero]
+    timesteps = [walk.steps.timesteps[i] for i in steps]
+    embedded = [run.plans[i].embedded for i in steps]
+    conditions = list({id(c): c for c in run.passes.conditions.values()}.values())
+    with torch.no_grad():
+        embeddings = torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c)
+                                for c in conditions])
+    n = embeddings.shape[0]
+    size = max(8, 1 << (n - 1).bit_length())
+    return tables.build(torch.cat([embeddings, embeddings[:1].expand(size - n, -1)]))
+
+
+def tables_of(denoiser: torch.nn.Module) -> ModulationTables | None:
+    return getattr(denoiser, "_omnispec_modulation", None)
+
+
+def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch.nn.Module]) -> str | None:
+    """Hook each denoiser's embedder and modulation linears (``precomputed_modulation``); a rebuild over the same
+    modules first removes what an earlier build hooked. Returns explain's note (None: off)."""
+    on = spec.policies.mlp.precomputed_modulation
+    notes = []
+    for name, denoiser in denoisers.items():
+        if (old := tables_of(denoiser)) is not None:
+            old.remove()
+            del denoiser._omnispec_modulation
+        if not on:
+            continue
+        modules = dict(denoiser.named_modules())
+        embedder = modules.get(family.modulation_embedder or "")
+        linears = [(n, m) for n, m in modules.items() if type(m) is torch.nn.Linear
+                   and any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)]
+        if embedder is None or not linears:
+            raise SpecError.single(f"{name} has no {family.modulation_embedder!r} embedder or no modulation linears "
+                                   f"({', '.join(family.modulation_linears)}) to precompute", FIELD)
+        denoiser._omnispec_modulation = ModulationTables(embedder, linears)
+        per_row = sum(m.out_features * m.weight.element_size() for _, m in linears)
+        notes.append(f"{name}: {len(linears)} modulation linears from a table built once per phase "
+                     f"({per_row / 2**20:.1f} MiB per step and row)")
+    return "; ".join(notes) if on else None

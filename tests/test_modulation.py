@@ -1,0 +1,161 @@
+"""``policies.mlp.precomputed_modulation`` on the tiny FLUX (CPU): the plain run's output, each modulation weight
+read once per phase instead of once per step, a rollout's exact replay, compiled blocks, refusals."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+import omnispec
+from omnispec.policies.modulation import EMBEDDER_HOOK, LINEAR_HOOK, ModulationTables, nearest_rows
+from omnispec.spec import SpecError
+from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS
+
+ON = "policies.mlp.precomputed_modulation=true"
+
+
+def build(ckpt, *overrides, spec="flux1-dev.yaml", family="flux"):
+    return omnispec.build(SPECS / spec, source=str(ckpt), overrides=[*TINY_OVERRIDES[family], *overrides])
+
+
+def modulation_linears(transformer):
+    return [m for n, m in transformer.named_modules() if n.endswith(("norm1.linear", "norm1_context.linear",
+                                                                      "norm.linear", "norm_out.linear"))]
+
+
+@contextlib.contextmanager
+def counting_products(weights):
+    """Counts ``F.linear`` calls on any of ``weights`` (nn.Linear's forward and the table's build both call it)."""
+    seen = {id(w) for w in weights}
+    calls = [0]
+    original = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        calls[0] += id(weight) in seen
+        return original(x, weight, bias)
+
+    torch.nn.functional.linear = linear
+    try:
+        yield calls
+    finally:
+        torch.nn.functional.linear = original
+
+
+@pytest.fixture(scope="module")
+def plain(flux_dir):
+    return build(flux_dir)
+
+
+def test_the_table_gives_the_plain_output_reading_each_weight_once_a_phase(flux_dir, plain):
+    pipe = build(flux_dir, ON)
+    linears = modulation_linears(pipe.components["transformer"])
+    assert len(linears) == 2 * len(pipe.components["transformer"].transformer_blocks) + len(
+        pipe.components["transformer"].single_transformer_blocks) + 1
+    expected = plain("a cat", seed=0, steps=5).array
+    with counting_products([m.weight for m in linears]) as calls:
+        out = pipe("a cat", seed=0, steps=5).array
+    assert calls[0] == len(linears)  # one matmul per linear for the request's five steps
+    assert np.abs(out - expected).max() <= 1e-5
+    with counting_products([m.weight for m in modulation_linears(plain.components["transformer"])]) as calls:
+        plain("a cat", seed=0, steps=5)
+    assert calls[0] == 5 * len(linears)  # what the plain run reads: every weight at every step
+    note = pipe.explain(as_dict=True)["applied"]["modulation"]
+    assert note.startswith(f"transformer: {len(linears)} modulation linears from a table built once per phase")
+    assert "modulation linears precomputed per request" in pipe.explain()
+
+
+def test_two_prompts_with_true_cfg_take_their_own_rows(flux_dir):
+    """Four rows a forward (two prompts, each with the negative prompt's pass): each row finds its own step and
+    prompt in the table, which holds each conditioning once."""
+    cfg = "recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 2.5}]"
+    request = dict(seed=3, steps=4, negative_prompt="blurry")
+    expected = build(flux_dir, cfg)(["a cat", "a red car in the snow"], **request).array
+    out = build(flux_dir, cfg, ON)(["a cat", "a red car in the snow"], **request).array
+    assert np.abs(out - expected).max() <= 1e-5
+
+
+def test_each_row_finds_its_own_step_among_many_close_ones(plain):
+    """A 400-step schedule's embeddings, each computed alone (as a forward does), against the table's, computed in
+    one batch: every one is nearest to its own step's."""
+    family, transformer = plain.family, plain.components["transformer"]
+    cond = plain.encode(plain.request("a cat", seed=0))[0]
+    timesteps = list(torch.linspace(1000, 1, 400))
+    with torch.no_grad():
+        table = family.modulation_embeddings(transformer, timesteps, [3.5] * 400, cond)
+        alone = torch.cat([family.modulation_embeddings(transformer, [t], [3.5], cond) for t in timesteps])
+    assert torch.equal(nearest_rows(alone, table), torch.arange(400))
+
+
+def test_a_rollout_replays_exactly_with_the_table(flux_dir):
+    pipe = build(flux_dir, ON, "recipe.defaults.steps=4")
+    ro = pipe.rollout(["a cat", "a dog"], group_size=2, seed=1, sampler={"kind": "sde"})
+    for micro in (1, 3, None):
+        replay = pipe.log_prob(ro, micro_batch=micro)
+        assert torch.equal(replay.log_probs.cpu(), ro.log_probs), f"micro-batch {micro}"
+
+
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_compiled_code_reads_the_table_and_compiles_once_for_several_step_counts(flux_dir, plain, monkeypatch, mode):
+    """Compiled, the lookups read each request's table (not values traced in), and tables of 3 and 6 steps are one
+    padded size: no new graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    pipe = build(flux_dir, ON, f"policies.compile={{mode: {mode}, backend: aot_eager}}")
+    assert np.abs(pipe("a cat", seed=0, steps=3).array - plain("a cat", seed=0, steps=3).array).max() <= 1e-5
+    graphs = counters["stats"]["unique_graphs"]
+    assert np.abs(pipe("a cat", seed=1, steps=6).array - plain("a cat", seed=1, steps=6).array).max() <= 1e-5
+    assert counters["stats"]["unique_graphs"] == graphs  # 3 and 6 steps: both tables padded to 8 rows
+    build_table = ModulationTables.build
+
+    def zeroed(self, embeddings):  # a table of zeros: the compiled blocks must now compute otherwise
+        table = build_table(self, embeddings)
+        table.outputs = [o if o is None else torch.zeros_like(o) for o in table.outputs]
+        return table
+
+    monkeypatch.setattr(ModulationTables, "build", zeroed)
+    assert np.abs(pipe("a cat", seed=0, steps=3).array - plain("a cat", seed=0, steps=3).array).max() > 1e-2
+
+
+def test_a_rebuild_without_the_policy_removes_its_hooks(flux_dir):
+    pipe = build(flux_dir, ON)
+    transformer = pipe.components["transformer"]
+
+    def hooked():
+        return [n for n, m in transformer.named_modules() if getattr(m, "_diffusers_hook", None) is not None
+                and (m._diffusers_hook.get_hook(LINEAR_HOOK) or m._diffusers_hook.get_hook(EMBEDDER_HOOK))]
+
+    assert len(hooked()) == len(modulation_linears(transformer)) + 1
+    omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components), overrides=TINY_OVERRIDES["flux"],
+                   device="cpu")
+    assert hooked() == [] and not hasattr(transformer, "_omnispec_modulation")
+
+
+def test_refused_where_the_family_has_no_table(sd3_dir):
+    with pytest.raises(SpecError, match=r"policies.mlp.precomputed_modulation: family 'sd3' has no modulation table"):
+        build(sd3_dir, ON, spec="sd3.5-medium.yaml", family="sd3")
+
+
+def test_refused_with_an_offloaded_denoiser(flux_dir):
+    with pytest.raises(SpecError, match=r"policies.mlp.precomputed_modulation: .* offload 'model' keeps off it"):
+        build(flux_dir, ON, "policies.offload={strategy: model}")
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bfloat16_under_cuda_graphs(flux_dir):
+    """What the H200 runs: bf16, compiled blocks recorded as CUDA graphs (the table and the rows are graph inputs
+    copied in at each replay); the plain run's output within bf16's rounding, and a rollout's replay exact."""
+    cuda = ["runtime.device=cuda", "model.dtype=bfloat16", "policies.compile={mode: regional, cudagraphs: true}"]
+    torch._dynamo.reset()
+    expected = build(flux_dir, *cuda)("a cat", seed=0, steps=4).array
+    pipe = build(flux_dir, ON, *cuda)
+    for seed in (0, 0, 1):  # the second and third requests replay the graphs with new tables
+        out = pipe("a cat", seed=seed, steps=4).array
+    assert np.abs(pipe("a cat", seed=0, steps=4).array - expected).max() <= 2e-2
+    assert np.abs(out - expected).max() > 1e-2  # seed 1 differs: the graphs did not keep an earlier output
+    ro = pipe.rollout(["a cat", "a dog"], group_size=2, seed=1, sampler={"kind": "sde"}, steps=4)
+    for micro in (1, None):
+        assert torch.equal(pipe.log_prob(ro, grad=False, micro_batch=micro).log_probs.cpu(), ro.log_probs)

@@ -89,6 +89,19 @@ def test_each_row_finds_its_own_step_among_many_close_ones(plain):
     assert torch.equal(nearest_rows(alone, table), torch.arange(400))
 
 
+def test_a_forward_whose_embedding_is_not_in_the_table_is_refused(flux_dir, monkeypatch):
+    """A family's ``modulation_embeddings`` that computes other timesteps than its forwards (here every step's
+    timestep moved by 300): the table's first forward fails, naming the field."""
+    from omnispec.runtime.families.flux import FluxFamily
+
+    own = FluxFamily.modulation_embeddings
+    monkeypatch.setattr(FluxFamily, "modulation_embeddings",
+                        lambda self, denoiser, timesteps, embedded, cond:
+                        own(self, denoiser, [t - 300 for t in timesteps], embedded, cond))
+    with pytest.raises(RuntimeError, match=r"precomputed_modulation: a forward's timestep embedding is not in"):
+        build(flux_dir, ON)("a cat", seed=0, steps=3)
+
+
 def test_a_rollout_replays_exactly_with_the_table(flux_dir):
     pipe = build(flux_dir, ON, "recipe.defaults.steps=4")
     ro = pipe.rollout(["a cat", "a dog"], group_size=2, seed=1, sampler={"kind": "sde"})

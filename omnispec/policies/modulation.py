@@ -13,7 +13,10 @@ row of its conditionings), and one on each modulation linear (``modulation_linea
 rows instead of computing. The nearest row, not a step index, so that no forward needs to be told which step or which
 of the request's rows it runs: the table holds them all, and the match is exact up to the rounding between a step's
 embedding computed alone and in the table's batch (the steps of a schedule lie far apart in it: its timestep
-embedding is sinusoidal, with frequencies up to one radian per timestep unit). ``Run`` builds a phase's table on the
+embedding is sinusoidal, with frequencies up to one radian per timestep unit). A table's first forward outside
+compiled code checks that every row lies within ``TABLE_TOLERANCE`` of its match, and raises otherwise: a family whose
+``modulation_embeddings`` missed a case its forwards compute fails there instead of modulating with another step's
+values. ``Run`` builds a phase's table on the
 first prediction of it and installs it around each prediction only: outside one (a warm-up, a benchmark calling the
 denoiser), and for a linear whose weights are no longer plain (a LoRA's base is: the table is the base's output and
 the LoRA adds to it; an fp8 or sharded linear is not), the model computes as it does.
@@ -52,8 +55,12 @@ class _TableRows(ModelHook):
         self.tables = tables
 
     def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
-        embeddings = self.tables.embeddings
-        self.tables.rows = None if embeddings is None else nearest_rows(output, embeddings)
+        tables = self.tables
+        embeddings = tables.embeddings
+        tables.rows = None if embeddings is None else nearest_rows(output, embeddings)
+        if tables.rows is not None and not tables.checked and not torch.compiler.is_compiling():
+            check_rows(output, embeddings, tables.rows)
+            tables.checked = True
         return output
 
 
@@ -78,10 +85,30 @@ def nearest_rows(embedding: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return ((t * t).sum(-1) - 2 * e @ t.T).argmin(-1)
 
 
+# How far (squared, relative to the embedding's own squared norm) a forward's embedding may lie from its table row.
+# On the tiny FLUX in bfloat16 a row computed alone equals its batched twin, and neighbouring steps of a 28-step
+# schedule lie 0.12 apart; steps whose timesteps round to one bfloat16 value (a 400-step schedule's, near 1,000) have
+# equal rows, and so equal outputs, whichever is matched.
+TABLE_TOLERANCE = 1e-3
+
+
+def check_rows(embedding: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> None:
+    """Refuse a forward whose embedding is not in the table (a family's ``modulation_embeddings`` that misses a case
+    its forwards compute): checked on a table's first forward, once (it reads the distances on the host)."""
+    e = embedding.float()
+    off = ((e - table.float()[rows]) ** 2).sum(-1) / (e * e).sum(-1).clamp_min(1e-30)
+    if (worst := off.max().item()) > TABLE_TOLERANCE:
+        raise RuntimeError(f"{FIELD}: a forward's timestep embedding is not in the modulation table (relative "
+                           f"squared distance {worst:.2e} to the nearest row, tolerance {TABLE_TOLERANCE:.0e}): the "
+                           "family's modulation_embeddings does not cover what its forwards compute; set "
+                           f"{FIELD}=false")
+
+
 @dataclass
 class _Table:
     embeddings: torch.Tensor
     outputs: list[torch.Tensor | None]  # per hooked linear, None where it computes
+    checked: bool = False
 
 
 class ModulationTables:
@@ -91,6 +118,7 @@ class ModulationTables:
         self.embedder = embedder
         self.rows: torch.Tensor | None = None
         self.embeddings: torch.Tensor | None = None
+        self.checked = False  # whether the installed table's first eager forward found its rows in it
         HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TableRows(self), EMBEDDER_HOOK)
         self.linears: list[tuple[torch.nn.Linear, _TableLookup]] = []
         for _, linear in linears:
@@ -115,12 +143,13 @@ class ModulationTables:
 
     @contextlib.contextmanager
     def installed(self, table: _Table) -> Iterator[None]:
-        self.embeddings = table.embeddings
+        self.embeddings, self.checked = table.embeddings, table.checked
         for (_, lookup), outputs in zip(self.linears, table.outputs, strict=True):
             lookup.outputs = outputs
         try:
             yield
         finally:
+            table.checked = self.checked
             self.embeddings = self.rows = None
             for _, lookup in self.linears:
                 lookup.outputs = None

@@ -2,13 +2,14 @@
 read once per phase instead of once per step, a rollout's exact replay, compiled blocks, refusals."""
 
 import contextlib
+import copy
 
 import numpy as np
 import pytest
 import torch
 
 import omnispec
-from omnispec.policies.modulation import EMBEDDER_HOOK, LINEAR_HOOK, ModulationTables, nearest_rows
+from omnispec.policies.modulation import EMBEDDER_HOOK, ModulationTables, TabledLinear, nearest_rows
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
@@ -65,6 +66,37 @@ def test_the_table_gives_the_plain_output_reading_each_weight_once_a_phase(flux_
     note = pipe.explain(as_dict=True)["applied"]["modulation"]
     assert note.startswith(f"transformer: {len(linears)} modulation linears from a table built once per phase")
     assert "modulation linears precomputed per request" in pipe.explain()
+
+
+def test_modules_handed_over_with_trainable_weights_use_the_table_in_inference(flux_dir, plain):
+    """Modules a caller builds (``components=``) keep ``requires_grad`` on: generating (no gradients) still reads
+    the table, one matmul per linear."""
+    components = dict(plain.components)
+    transformer = components["transformer"] = copy.deepcopy(plain.components["transformer"]).requires_grad_(True)
+    pipe = omnispec.build(SPECS / "flux1-dev.yaml", components=components, device="cpu",
+                          overrides=[*TINY_OVERRIDES["flux"], ON])
+    linears = modulation_linears(transformer)
+    with counting_products([m.weight for m in linears]) as calls:
+        out = pipe("a cat", seed=0, steps=4).array
+    assert calls[0] == len(linears)
+    assert np.abs(out - plain("a cat", seed=0, steps=4).array).max() <= 1e-5
+
+
+def test_a_replay_training_the_modulation_gets_its_gradients_and_the_rollouts_values(flux_dir):
+    """Full fine-tuning (every weight trainable): each replay with gradients builds its table with them, from the
+    same matmuls as the rollout's kept table (ratio exactly 1), and a backward after each micro-batch reaches the
+    modulation linears."""
+    pipe = build(flux_dir, ON, "recipe.defaults.steps=3")
+    transformer = pipe.components["transformer"].requires_grad_(True)
+    ro = pipe.rollout(["a cat", "a dog"], group_size=2, seed=1, sampler={"kind": "sde"})
+    for micro in (1, None):
+        transformer.zero_grad()
+        replay = pipe.log_prob(ro, micro_batch=micro)
+        assert torch.equal(replay.log_probs.detach().cpu(), ro.log_probs), f"micro-batch {micro}"
+        replay.log_probs.sum().backward()
+        grads = [m.weight.grad for m in modulation_linears(transformer)] + [
+            transformer.time_text_embed.timestep_embedder.linear_1.weight.grad]
+        assert all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
 def test_two_prompts_with_true_cfg_take_their_own_rows(flux_dir):
@@ -133,18 +165,39 @@ def test_compiled_code_reads_the_table_and_compiles_once_for_several_step_counts
     assert np.abs(pipe("a cat", seed=0, steps=3).array - plain("a cat", seed=0, steps=3).array).max() > 1e-2
 
 
+def test_blocks_alike_compile_to_one_graph(plain):
+    """Regional compilation with two double and two single blocks: as many graphs with the table as without (a
+    hook per linear made dynamo guard on each block's own function and compile a block of each kind again)."""
+    from torch._dynamo.utils import counters
+
+    def graphs(*overrides):
+        components = dict(plain.components)
+        transformer = components["transformer"] = copy.deepcopy(plain.components["transformer"])
+        for blocks in (transformer.transformer_blocks, transformer.single_transformer_blocks):
+            blocks.append(copy.deepcopy(blocks[0]))
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        pipe = omnispec.build(SPECS / "flux1-dev.yaml", components=components, device="cpu", overrides=[
+            *TINY_OVERRIDES["flux"], "policies.compile={mode: regional, backend: aot_eager}", *overrides])
+        pipe("a cat", seed=0, steps=2)
+        return counters["stats"]["unique_graphs"] - before
+
+    assert graphs(ON) == graphs()  # 3 on the CPU: the single blocks take a second graph for a stride
+
+
 def test_a_rebuild_without_the_policy_removes_its_hooks(flux_dir):
     pipe = build(flux_dir, ON)
     transformer = pipe.components["transformer"]
 
     def hooked():
-        return [n for n, m in transformer.named_modules() if getattr(m, "_diffusers_hook", None) is not None
-                and (m._diffusers_hook.get_hook(LINEAR_HOOK) or m._diffusers_hook.get_hook(EMBEDDER_HOOK))]
+        return [n for n, m in transformer.named_modules() if type(m) is TabledLinear or (
+            getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(EMBEDDER_HOOK))]
 
     assert len(hooked()) == len(modulation_linears(transformer)) + 1
     omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components), overrides=TINY_OVERRIDES["flux"],
                    device="cpu")
     assert hooked() == [] and not hasattr(transformer, "_omnispec_modulation")
+    assert all(type(m) is torch.nn.Linear and "modulation" not in vars(m) for m in modulation_linears(transformer))
 
 
 def test_refused_where_the_family_has_no_table(sd3_dir):

@@ -44,8 +44,11 @@ HOOK_NAME = "omnispec_fused_gelu"
 def plain_linear(module: Any, like: torch.Tensor) -> bool:
     """Whether ``module`` is a ``torch.nn.Linear`` whose weights are plain tensors of ``like``'s device and dtype:
     what the fused operators take (a LoRA layer, quantized or sharded weights, weights still offloaded are not)."""
-    if type(module) is not torch.nn.Linear:
-        return False
+    return type(module) is torch.nn.Linear and plain_weights(module, like)
+
+
+def plain_weights(module: Any, like: torch.Tensor) -> bool:
+    """Whether a linear ``module``'s weight and bias are plain tensors of ``like``'s device and dtype."""
     tensors = [module.weight] + ([module.bias] if module.bias is not None else [])
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == like.device and t.dtype == like.dtype
                for t in tensors)

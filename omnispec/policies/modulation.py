@@ -7,23 +7,25 @@ FLUX.1-dev reads 6.5 GB of modulation weights a step, 2.2 ms of a compiled 1024Â
 embedded guidance and the pooled prompt, all known before the first step, so every step's rows can be projected in
 one matmul per linear, each weight read once.
 
-``ModulationTables`` holds a denoiser's hooks: one on the embedder (the family's ``modulation_embedder``), which
-finds for each row of a forward's embedding the nearest row of the table's embeddings (every step of the phase, every
-row of its conditionings), and one on each modulation linear (``modulation_linears``), which then returns its table
-rows instead of computing. The nearest row, not a step index, so that no forward needs to be told which step or which
-of the request's rows it runs: the table holds them all, and the match is exact up to the rounding between a step's
-embedding computed alone and in the table's batch (the steps of a schedule lie far apart in it: its timestep
-embedding is sinusoidal, with frequencies up to one radian per timestep unit). A table's first forward outside
-compiled code checks that every row lies within ``TABLE_TOLERANCE`` of its match, and raises otherwise: a family whose
-``modulation_embeddings`` missed a case its forwards compute fails there instead of modulating with another step's
-values. ``Run`` builds a phase's table on the
-first prediction of it and installs it around each prediction only: outside one (a warm-up, a benchmark calling the
-denoiser), and for a linear whose weights are no longer plain (a LoRA's base is: the table is the base's output and
-the LoRA adds to it; an fp8 or sharded linear is not), the model computes as it does.
+``ModulationTables`` holds what a denoiser gets: a hook on the embedder (the family's ``modulation_embedder``),
+which finds for each row of a forward's embedding the nearest row of the table's embeddings (every step of the
+phase, every row of its conditionings), and each modulation linear (``modulation_linears``) made a ``TabledLinear``,
+which then returns its table rows instead of computing. The nearest row, not a step index, so that no forward needs
+to be told which step or which of the request's rows it runs: the table holds them all, and the match is exact up to
+the rounding between a step's embedding computed alone and in the table's batch (the steps of a schedule lie far
+apart in it: its timestep embedding is sinusoidal, with frequencies up to one radian per timestep unit). A table's
+first forward outside compiled code checks that every row lies within ``TABLE_TOLERANCE`` of its match, and raises
+otherwise: a family whose ``modulation_embeddings`` missed a case its forwards compute fails there instead of
+modulating with another step's values. ``Run`` keeps a phase's table from its first prediction and installs it
+around each prediction only: outside one (a warm-up, a benchmark calling the denoiser), and for a linear whose
+weights are no longer plain (a LoRA's base is: the table is the base's output and the LoRA adds to it; an fp8 or
+sharded linear is not), the model computes as it does.
 
 Rollout and replay build the same table (every step of the phase, every row of the request, in the same order): a
-replay with other micro-batches reads the very values its rollout read. The tables are built without gradients; a
-linear whose weight takes gradients is left to compute.
+replay with other micro-batches reads the very values its rollout read. Without gradients a phase's table is built
+once and kept; in a forward with gradients where the embedder's or a linear's weights take them (a trainer training
+them), each prediction builds its own table with gradients, from the same matmuls, so it holds the kept table's
+values and its backward reaches those weights (a kept one would be freed by the first backward).
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from ..bridge import remove_hook
 from ..spec import PipelineSpec, SpecError
-from .mlp import plain_linear
+from .mlp import plain_weights
 
 FIELD = "policies.mlp.precomputed_modulation"
 EMBEDDER_HOOK = "omnispec_modulation_rows"
-LINEAR_HOOK = "omnispec_modulation_table"
 
 
 class _TableRows(ModelHook):
@@ -64,18 +65,20 @@ class _TableRows(ModelHook):
         return output
 
 
-class _TableLookup(ModelHook):
-    """On a modulation linear: its table's rows for this forward, or its own product without a table."""
+class TabledLinear(torch.nn.Linear):
+    """A modulation linear under the policy: its table's rows for this forward, or ``nn.Linear``'s product without
+    a table. Swapped in by class, not hooked: the module keeps its place, names, parameters and whatever wraps it
+    (a LoRA layer's base), and a hook's per-module ``forward`` would make dynamo guard on each block's own function
+    and compile every block of a regional compile anew (55 recompiles over FLUX.1-dev's 57 blocks, a first call of
+    35.6 s against 13.8, H200)."""
 
-    def __init__(self, tables: ModulationTables):
-        super().__init__()
-        self.tables = tables
-        self.outputs: torch.Tensor | None = None
+    modulation: ModulationTables
+    modulation_outputs: torch.Tensor | None
 
-    def new_forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        rows, outputs = self.tables.rows, self.outputs
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, outputs = self.modulation.rows, self.modulation_outputs
         if outputs is None or rows is None or x.dim() != 2 or x.shape[0] != rows.shape[0]:
-            return self.fn_ref.original_forward(x)
+            return super().forward(x)
         return outputs.index_select(0, rows)
 
 
@@ -120,44 +123,61 @@ class ModulationTables:
         self.embeddings: torch.Tensor | None = None
         self.checked = False  # whether the installed table's first eager forward found its rows in it
         HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TableRows(self), EMBEDDER_HOOK)
-        self.linears: list[tuple[torch.nn.Linear, _TableLookup]] = []
+        self.linears: list[TabledLinear] = []
         for _, linear in linears:
-            lookup = _TableLookup(self)
-            HookRegistry.check_if_exists_or_initialize(linear).register_hook(lookup, LINEAR_HOOK)
-            self.linears.append((linear, lookup))
+            linear.__class__ = TabledLinear
+            linear.modulation, linear.modulation_outputs = self, None
+            self.linears.append(linear)  # type: ignore[arg-type]
+
+    def takes_gradients(self) -> bool:
+        """Whether a forward now would take gradients into the embedder's or the modulation linears' weights."""
+        if not torch.is_grad_enabled():
+            return False
+        linears = [p for linear in self.linears for p in linear.parameters(recurse=False)]
+        return any(p.requires_grad for p in [*self.embedder.parameters(), *linears])
 
     def build(self, embeddings: torch.Tensor) -> _Table:
         """Every hooked linear's output for every row of ``embeddings`` (the embedder's, as the model's SiLU feeds
         it to the linears), one matmul each; None for a linear whose weights are not plain tensors on the
-        embeddings' device, or take gradients."""
-        with torch.no_grad():
-            embeddings = embeddings.detach()
-            outputs: list[torch.Tensor | None] = []
-            for linear, _ in self.linears:
-                weight = linear.weight
-                if not plain_linear(linear, weight) or weight.device != embeddings.device or weight.requires_grad:
-                    outputs.append(None)
-                    continue
-                outputs.append(F.linear(F.silu(embeddings).to(weight.dtype), weight, linear.bias))
+        embeddings' device."""
+        outputs: list[torch.Tensor | None] = []
+        for linear in self.linears:
+            weight = linear.weight
+            if not plain_weights(linear, weight) or weight.device != embeddings.device:
+                outputs.append(None)
+                continue
+            outputs.append(F.linear(F.silu(embeddings).to(weight.dtype), weight, linear.bias))
         return _Table(embeddings, outputs)
+
+    def for_phase(self, family: Any, walk: Any, run: Any, kept: dict[int, _Table]) -> _Table:
+        """Phase ``run``'s table: the one in ``kept`` (by id of ``run``), else built (``phase_table``) and kept;
+        in a forward taking gradients into these weights, built afresh with them."""
+        if self.takes_gradients():
+            return phase_table(family, self, walk, run)
+        if (table := kept.get(id(run))) is None:
+            with torch.no_grad():
+                table = kept[id(run)] = phase_table(family, self, walk, run)
+        return table
 
     @contextlib.contextmanager
     def installed(self, table: _Table) -> Iterator[None]:
         self.embeddings, self.checked = table.embeddings, table.checked
-        for (_, lookup), outputs in zip(self.linears, table.outputs, strict=True):
-            lookup.outputs = outputs
+        for linear, outputs in zip(self.linears, table.outputs, strict=True):
+            linear.modulation_outputs = outputs
         try:
             yield
         finally:
             table.checked = self.checked
             self.embeddings = self.rows = None
-            for _, lookup in self.linears:
-                lookup.outputs = None
+            for linear in self.linears:
+                linear.modulation_outputs = None
 
     def remove(self) -> None:
+        """The embedder unhooked and each linear a ``torch.nn.Linear`` again."""
         remove_hook(self.embedder, EMBEDDER_HOOK)
-        for linear, _ in self.linears:
-            remove_hook(linear, LINEAR_HOOK)
+        for linear in self.linears:
+            linear.__class__ = torch.nn.Linear
+            del linear.modulation, linear.modulation_outputs
 
 
 def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _Table:
@@ -169,9 +189,7 @@ def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _
     timesteps = [walk.steps.timesteps[i] for i in steps]
     embedded = [run.plans[i].embedded for i in steps]
     conditions = list({id(c): c for c in run.passes.conditions.values()}.values())
-    with torch.no_grad():
-        embeddings = torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c)
-                                for c in conditions])
+    embeddings = torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c) for c in conditions])
     n = embeddings.shape[0]
     size = max(8, 1 << (n - 1).bit_length())
     return tables.build(torch.cat([embeddings, embeddings[:1].expand(size - n, -1)]))

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..policies.caches import cache_context
-from ..policies.modulation import phase_table, tables_of
+from ..policies.modulation import tables_of
 from ..spec import Phase
 from ..spec.guidance import term_of
 from ..spec.recipe import ImageInput, PreviousInput
@@ -148,14 +148,12 @@ class Run:
         return {s: (x[s].float() - guided[s]) / sigma for s in guided}
 
     def _modulation(self, walk: Walk, run: PhaseRun) -> contextlib.AbstractContextManager:
-        """The phase's modulation table installed (``policies.mlp.precomputed_modulation``), built on its first
-        prediction; nothing without the policy."""
+        """The phase's modulation table installed (``policies.mlp.precomputed_modulation``, kept from its first
+        prediction); nothing without the policy."""
         tables = tables_of(run.denoiser)
         if tables is None or run.passes is None:
             return contextlib.nullcontext()
-        if (table := self._tables.get(id(run))) is None:
-            table = self._tables[id(run)] = phase_table(self.family, tables, walk, run)
-        return tables.installed(table)
+        return tables.installed(tables.for_phase(self.family, walk, run, self._tables))
 
     def _passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
                 ) -> dict[str, Streams]:

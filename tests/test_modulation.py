@@ -185,6 +185,23 @@ def test_blocks_alike_compile_to_one_graph(plain):
     assert graphs(ON) == graphs()  # 3 on the CPU: the single blocks take a second graph for a stride
 
 
+def test_a_table_in_storage_another_run_reused_is_built_again(flux_dir):
+    """Tables of one size share storage across requests (CUDA graphs take it as a static input): a run whose table
+    another run's has since overwritten builds its own again instead of reading the other prompt's values."""
+    from omnispec.runtime.run import Run
+
+    pipe = build(flux_dir, ON)
+    first, second = (Run(pipe, pipe.request(prompt, seed=0, steps=3)) for prompt in ("a cat", "a red car"))
+    starts = {run: run._start(run.walks[0], None) for run in (first, second)}
+    with torch.no_grad():
+        before = first.prediction(first.walks[0], 0, starts[first])["latents"]
+        other = second.prediction(second.walks[0], 0, starts[second])["latents"]
+        again = first.prediction(first.walks[0], 0, starts[first])["latents"]
+    tables = pipe.components["transformer"]._omnispec_modulation
+    assert len(tables.storage) == 1 and not torch.equal(before, other)
+    assert torch.equal(again, before)
+
+
 def test_a_rebuild_without_the_policy_removes_its_hooks(flux_dir):
     pipe = build(flux_dir, ON)
     transformer = pipe.components["transformer"]

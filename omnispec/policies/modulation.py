@@ -122,6 +122,8 @@ class ModulationTables:
         self.rows: torch.Tensor | None = None
         self.embeddings: torch.Tensor | None = None
         self.checked = False  # whether the installed table's first eager forward found its rows in it
+        # Kept tables' storage by row count (the two sizes used last), with the table whose values it holds now.
+        self.storage: dict[int, _Table] = {}
         HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TableRows(self), EMBEDDER_HOOK)
         self.linears: list[TabledLinear] = []
         for _, linear in linears:
@@ -150,13 +152,32 @@ class ModulationTables:
         return _Table(embeddings, outputs)
 
     def for_phase(self, family: Any, walk: Any, run: Any, kept: dict[int, _Table]) -> _Table:
-        """Phase ``run``'s table: the one in ``kept`` (by id of ``run``), else built (``phase_table``) and kept;
-        in a forward taking gradients into these weights, built afresh with them."""
+        """Phase ``run``'s table: the one in ``kept`` (by id of ``run``) while the storage still holds it, else
+        built (``phase_table``) into the storage and kept; in a forward taking gradients into these weights, built
+        afresh with them."""
         if self.takes_gradients():
             return phase_table(family, self, walk, run)
-        if (table := kept.get(id(run))) is None:
+        table = kept.get(id(run))
+        if table is None or self.storage.get(table.embeddings.shape[0]) is not table:
             with torch.no_grad():
-                table = kept[id(run)] = phase_table(family, self, walk, run)
+                table = kept[id(run)] = self._stored(phase_table(family, self, walk, run))
+        return table
+
+    def _stored(self, table: _Table) -> _Table:
+        """``table``'s values in the storage of its size, which a table of that size built earlier leaves behind:
+        compiled blocks under CUDA graphs take a module's tensors as static inputs, so a table in new memory at
+        each request would have every block's graph recorded again (about 1 s a FLUX.1-dev request, H200)."""
+        size = table.embeddings.shape[0]
+        held = self.storage.pop(size, None)
+        if held is not None and _same_layout(held, table):
+            held.embeddings.copy_(table.embeddings)
+            for into, values in zip(held.outputs, table.outputs, strict=True):
+                if into is not None:
+                    into.copy_(values)
+            table = _Table(held.embeddings, held.outputs)
+        self.storage[size] = table
+        while len(self.storage) > 2:
+            del self.storage[next(iter(self.storage))]
         return table
 
     @contextlib.contextmanager
@@ -178,6 +199,12 @@ class ModulationTables:
         for linear in self.linears:
             linear.__class__ = torch.nn.Linear
             del linear.modulation, linear.modulation_outputs
+
+
+def _same_layout(a: _Table, b: _Table) -> bool:
+    pairs = [(a.embeddings, b.embeddings), *zip(a.outputs, b.outputs, strict=True)]
+    return all((x is None) == (y is None) and (x is None or (x.shape, x.dtype, x.device) == (
+        y.shape, y.dtype, y.device)) for x, y in pairs)
 
 
 def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _Table:

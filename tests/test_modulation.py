@@ -217,6 +217,53 @@ def test_a_rebuild_without_the_policy_removes_its_hooks(flux_dir):
     assert all(type(m) is torch.nn.Linear and "modulation" not in vars(m) for m in modulation_linears(transformer))
 
 
+def test_qwen_image_with_true_cfg_reads_each_weight_once_from_one_row_per_step(qwen_image_dir):
+    """Qwen-Image's embedding reads no prompt: the table holds one row per step (its prompt's and its negative
+    prompt's passes, two forwards of their own lengths, share them), and the output is the plain run's."""
+    def qwen(*overrides):
+        return build(qwen_image_dir, *overrides, spec="qwen-image.yaml", family="qwen_image")
+
+    request = dict(seed=2, steps=5, negative_prompt="blurry, low quality")
+    expected = qwen()("a cat", **request).array
+    pipe = qwen(ON)
+    transformer = pipe.components["transformer"]
+    linears = [m for n, m in transformer.named_modules() if n.endswith(("img_mod.1", "txt_mod.1", "norm_out.linear"))]
+    assert len(linears) == 2 * len(transformer.transformer_blocks) + 1
+    with counting_products([m.weight for m in linears]) as calls:
+        out = pipe("a cat", **request).array
+    assert calls[0] == len(linears)
+    assert np.abs(out - expected).max() <= 1e-5
+    assert list(transformer._omnispec_modulation.storage) == [8]  # 5 steps, one row each (not 10), padded to 8
+
+
+def test_qwen_image_edit_with_zero_cond_t_finds_its_timestep_zero_rows(qwen_edit_dir):
+    """Qwen-Image-Edit-2511's ``zero_cond_t``: the reference images' tokens are modulated at timestep 0, so the
+    embedder computes rows at 0 beside each step's, which the table holds too; the text stream's linear, which takes
+    only the first half, computes its own product."""
+    from PIL import Image
+
+    from omnispec.testing import qwen_vl_processor
+
+    picture = Image.fromarray((np.random.RandomState(0).rand(40, 56, 3) * 255).astype(np.uint8))
+
+    def edit(*overrides):
+        return omnispec.build(SPECS / "qwen-image-edit-plus.yaml", source=str(qwen_edit_dir), components={
+            "processor": qwen_vl_processor(qwen_edit_dir / "processor")}, overrides=[
+            *TINY_OVERRIDES["qwen_image_edit"], "model.components.transformer.config.zero_cond_t=true", *overrides])
+
+    request = dict(seed=3, conditions=[picture], negative_prompt="blurry", height=32, width=32)
+    expected = edit()("make it blue", **request).array
+    assert np.abs(edit(ON)("make it blue", **request).array - expected).max() <= 1e-5
+
+
+def test_a_group_of_samples_of_one_prompt_takes_one_row_a_step(flux_dir):
+    """GRPO's groups: four samples of each of two prompts, three steps: 6 distinct rows (padded to 8), not 24."""
+    pipe = build(flux_dir, ON, "recipe.defaults.steps=3")
+    ro = pipe.rollout(["a cat", "a dog"], group_size=4, seed=1, sampler={"kind": "sde"})
+    assert list(pipe.components["transformer"]._omnispec_modulation.storage) == [8]
+    assert torch.equal(pipe.log_prob(ro, micro_batch=3).log_probs.detach().cpu(), ro.log_probs)
+
+
 def test_refused_where_the_family_has_no_table(sd3_dir):
     with pytest.raises(SpecError, match=r"policies.mlp.precomputed_modulation: family 'sd3' has no modulation table"):
         build(sd3_dir, ON, spec="sd3.5-medium.yaml", family="sd3")

@@ -60,7 +60,8 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
     if p.mlp.precomputed_modulation:
         if getattr(family, "modulation_embedder", None) is None:
             problems.append(Problem("policies.mlp.precomputed_modulation",
-                                    f"family {family.name!r} has no modulation table (the FLUX families have one)"))
+                                    f"family {family.name!r} has no modulation table (the FLUX and Qwen-Image families "
+                                    "have one)"))
         elif p.offload.strategy != "none":
             problems.append(Problem("policies.mlp.precomputed_modulation",
                                     f"the table is built on the device from the denoiser's weights, which offload "

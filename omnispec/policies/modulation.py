@@ -82,6 +82,15 @@ class TabledLinear(torch.nn.Linear):
         return outputs.index_select(0, rows)
 
 
+def distinct_rows(embeddings: torch.Tensor) -> torch.Tensor:
+    """``embeddings`` without repeated rows (each kept at its first place): a group of samples of one prompt, or a
+    family whose embedding reads no prompt (Qwen-Image's), gives every step one row, not one per sample and pass."""
+    _, inverse = torch.unique(embeddings.detach().float(), dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), len(inverse), device=inverse.device, dtype=inverse.dtype)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin")
+    return embeddings[first.sort().values]
+
+
 def nearest_rows(embedding: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """For each row of ``embedding``, the index of ``table``'s row nearest to it (squared distance, in float32)."""
     e, t = embedding.float(), table.float()
@@ -209,14 +218,15 @@ def _same_layout(a: _Table, b: _Table) -> bool:
 
 def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _Table:
     """The table of phase ``run`` of ``walk`` (a ``plan.PhaseRun``): the embedding of every step the phase computes
-    and every row of each conditioning its passes read (each conditioning once), padded to a power of two rows (at
-    least 8) with copies of the first, so that a compiled block sees a handful of table sizes, not one per
-    request's step count."""
+    and every row of each conditioning its passes read (each conditioning once, each distinct row once), padded to a
+    power of two rows (at least 8) with copies of the first, so that a compiled block sees a handful of table sizes,
+    not one per request's step count."""
     steps = [i for i in run.indices if not run.plans[i].zero]
     timesteps = [walk.steps.timesteps[i] for i in steps]
     embedded = [run.plans[i].embedded for i in steps]
     conditions = list({id(c): c for c in run.passes.conditions.values()}.values())
-    embeddings = torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c) for c in conditions])
+    embeddings = distinct_rows(torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c)
+                                          for c in conditions]))
     n = embeddings.shape[0]
     size = max(8, 1 << (n - 1).bit_length())
     return tables.build(torch.cat([embeddings, embeddings[:1].expand(size - n, -1)]))

@@ -35,6 +35,8 @@ class QwenImageFamily(PackedLatents, Family):
     block_lists = ("transformer_blocks",)
     ragged_passes_apart = True  # QwenImagePipeline's true CFG: two forwards, each prompt at its own length
     attention_roles = {"joint": ("transformer_blocks.*.attn",)}
+    modulation_embedder = "time_text_embed"
+    modulation_linears = ("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear")
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
 
     @classmethod
@@ -95,6 +97,17 @@ class QwenImageFamily(PackedLatents, Family):
                 img_shapes=[self.image_shapes(geometry)] * b, attention_kwargs={}, return_dict=False,
             )[0]
         return {"latents": out[:, :tokens]}
+
+    def modulation_embeddings(self, denoiser, timesteps, embedded, cond):
+        """``time_text_embed`` of every step's timestep through ``predict``'s and the model's conversions (the
+        embedding reads no prompt: every row of a step is alike); a model with ``zero_cond_t`` (its reference
+        images' tokens modulated at timestep 0) also embeds timestep 0."""
+        rows, latent_dtype, model_dtype = cond.batch_size, self.latent_dtype(denoiser), denoiser.dtype
+        device = cond.batched["encoder_hidden_states"].device
+        t = torch.cat([timestep.expand(rows).to(latent_dtype) / 1000 for timestep in timesteps]).to(model_dtype)
+        if getattr(denoiser.config, "zero_cond_t", False):
+            t = torch.cat([t, t * 0])
+        return denoiser.time_text_embed(t.to(device), torch.empty(0, dtype=model_dtype, device=device))
 
     def _sequence_padded(self, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Under ulysses the text splits over the sequence ranks: pad it (masked) to a multiple of their count."""

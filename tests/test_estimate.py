@@ -131,6 +131,20 @@ def test_offload_keeps_less_on_the_device(flux_dir, flux_estimate):
     assert "host memory for offloaded weights" in render_estimate(model)
 
 
+def test_the_modulation_table_counts_in_the_denoise_stage(flux_dir, flux_estimate, flux_pipe):
+    """``precomputed_modulation``: the table a real run keeps (3 steps, one pass: 3 rows padded to 8, its outputs
+    over the four modulation linears and its embeddings) is added to the denoise stage and noted."""
+    spec = omnispec.load_spec(SPECS / "flux1-dev.yaml", [*FLUX, "policies.mlp.precomputed_modulation=true"])
+    tabled = estimate(spec, source=str(flux_dir), kind="cpu")
+    transformer = flux_pipe.components["transformer"]
+    names = ("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear")
+    linears = [m for n, m in transformer.named_modules() if n.endswith(names)]
+    expected = 8 * 4 * (sum(m.out_features for m in linears) + transformer.inner_dim)  # float32
+    extra = tabled.activation_bytes["denoise"] - flux_estimate.activation_bytes["denoise"]
+    assert extra == expected
+    assert any(note.startswith("modulation table: at most") for note in tabled.notes)
+
+
 def test_time_per_step_comes_from_a_device_kinds_published_peaks(flux_dir, flux_estimate):
     """Nothing is timed live: the same count gives each kind's time from its peak for the dtype, its bandwidth and
     its launch cost; a compiled forward reaches a larger share of the peak and has no launches to pay."""

@@ -174,7 +174,8 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
             family.predict(modules[first.phase.denoiser], x, t, cond, geometry, embedded=step_plan.embedded)
         result.forward_flops = sum(g.flops * g.calls for g in counter.groups.values())
         result.step_flops = result.forward_flops * len(names) / rows
-        result.activation_bytes["denoise"] = counter.peak
+        result.activation_bytes["denoise"] = counter.peak + _modulation_table(spec, family, modules[
+            first.phase.denoiser], request.steps * len(names), result)
         result.ops = sorted(counter.groups.values(), key=lambda g: -g.flops * g.calls)
         result.kernels, result.moved_bytes = counter.kernels, counter.moved
         result.notes.append(f"request: 1 sample, {len(names)} pass(es) per step in {result.forwards_per_step} "
@@ -189,6 +190,19 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
         except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
             pass
     result.activation_bytes["decode"] = counter.peak
+
+
+def _modulation_table(spec: PipelineSpec, family: Any, denoiser: Any, rows: int, result: Estimate) -> int:
+    """The modulation table's bytes under ``precomputed_modulation`` (``rows``: at most one per step and pass),
+    noted; 0 without it."""
+    if not spec.policies.mlp.precomputed_modulation:
+        return 0
+    from ..policies.modulation import modulation_linears, table_bytes
+
+    size = table_bytes(modulation_linears(family, denoiser), rows)
+    result.notes.append(f"modulation table: at most {size / 2**20:.0f} MiB on the device during the denoise (at most "
+                        f"{rows} rows: one per step and pass; a pass of the same prompt shares its row)")
+    return size
 
 
 def _peak(spec: PipelineSpec, result: Estimate, modules: dict[str, Any]) -> None:

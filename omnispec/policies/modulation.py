@@ -126,7 +126,7 @@ class _Table:
 class ModulationTables:
     """A denoiser's modulation hooks and the table installed now (``embeddings`` None: none)."""
 
-    def __init__(self, embedder: torch.nn.Module, linears: Sequence[tuple[str, torch.nn.Linear]]):
+    def __init__(self, embedder: torch.nn.Module, linears: Sequence[torch.nn.Linear]):
         self.embedder = embedder
         self.rows: torch.Tensor | None = None
         self.embeddings: torch.Tensor | None = None
@@ -135,7 +135,7 @@ class ModulationTables:
         self.storage: dict[int, _Table] = {}
         HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TableRows(self), EMBEDDER_HOOK)
         self.linears: list[TabledLinear] = []
-        for _, linear in linears:
+        for linear in linears:
             linear.__class__ = TabledLinear
             linear.modulation, linear.modulation_outputs = self, None
             self.linears.append(linear)  # type: ignore[arg-type]
@@ -228,8 +228,7 @@ def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _
     embeddings = distinct_rows(torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c)
                                           for c in conditions]))
     n = embeddings.shape[0]
-    size = max(8, 1 << (n - 1).bit_length())
-    return tables.build(torch.cat([embeddings, embeddings[:1].expand(size - n, -1)]))
+    return tables.build(torch.cat([embeddings, embeddings[:1].expand(padded_rows(n) - n, -1)]))
 
 
 def tables_of(denoiser: torch.nn.Module) -> ModulationTables | None:
@@ -247,15 +246,31 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
             del denoiser._omnispec_modulation
         if not on:
             continue
-        modules = dict(denoiser.named_modules())
-        embedder = modules.get(family.modulation_embedder or "")
-        linears = [(n, m) for n, m in modules.items() if type(m) is torch.nn.Linear
-                   and any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)]
+        embedder = dict(denoiser.named_modules()).get(family.modulation_embedder or "")
+        linears = modulation_linears(family, denoiser)
         if embedder is None or not linears:
             raise SpecError.single(f"{name} has no {family.modulation_embedder!r} embedder or no modulation linears "
                                    f"({', '.join(family.modulation_linears)}) to precompute", FIELD)
         denoiser._omnispec_modulation = ModulationTables(embedder, linears)
-        per_row = sum(m.out_features * m.weight.element_size() for _, m in linears)
         notes.append(f"{name}: {len(linears)} modulation linears from a table built once per phase "
-                     f"({per_row / 2**20:.1f} MiB per step and row)")
+                     f"({table_bytes(linears, 1) / 2**20:.1f} MiB per distinct step and prompt row)")
     return "; ".join(notes) if on else None
+
+
+def modulation_linears(family: Any, denoiser: torch.nn.Module) -> list[torch.nn.Linear]:
+    """``denoiser``'s linears that ``family.modulation_linears`` names."""
+    return [m for n, m in denoiser.named_modules() if type(m) in (torch.nn.Linear, TabledLinear)
+            and any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)]
+
+
+def padded_rows(n: int) -> int:
+    """The rows a table of ``n`` distinct embedding rows takes (``phase_table``): a power of two, at least 8."""
+    return max(8, 1 << (n - 1).bit_length())
+
+
+def table_bytes(linears: Sequence[torch.nn.Linear], rows: int) -> int:
+    """Device bytes of a table of ``rows`` distinct embedding rows over ``linears``: its outputs and embeddings
+    (for a single row, unpadded: what each row adds)."""
+    per_row = sum(m.out_features * m.weight.element_size() for m in linears)
+    per_row += linears[0].in_features * linears[0].weight.element_size()
+    return (rows if rows == 1 else padded_rows(rows)) * per_row

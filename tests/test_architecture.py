@@ -146,7 +146,7 @@ ALLOWED = {
     "families": {"spec", "bridge", "log"},
     "policies": {"spec", "bridge", "log"},
     "runtime": {"spec", "families", "policies", "records", "bridge", "log"},
-    "estimate": {"spec", "families", "runtime", "log"},
+    "estimate": {"spec", "families", "runtime", "policies", "log"},  # what a policy keeps on the device
     "rl": {"spec", "families", "runtime", "log"},
     "replaying": {"spec", "records", "runtime"},
     "draft": {"spec", "families", "runtime"},  # a weights file is recognised as loading recognises it

@@ -3,6 +3,7 @@ read once per phase instead of once per step, a rollout's exact replay, compiled
 
 import contextlib
 import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -262,6 +263,48 @@ def test_a_group_of_samples_of_one_prompt_takes_one_row_a_step(flux_dir):
     ro = pipe.rollout(["a cat", "a dog"], group_size=4, seed=1, sampler={"kind": "sde"})
     assert list(pipe.components["transformer"]._omnispec_modulation.storage) == [8]
     assert torch.equal(pipe.log_prob(ro, micro_batch=3).log_probs.detach().cpu(), ro.log_probs)
+
+
+def test_a_lora_on_the_modulation_adds_to_the_tables_base_output(plain):
+    """A LoRA adapter on the modulation linears (peft wraps each ``TabledLinear`` as its base layer): the table gives
+    the base's product, the adapter adds its own, and the output is the plain run's with the same adapter."""
+    from peft import LoraConfig
+
+    def with_lora(*overrides):
+        components = dict(plain.components)
+        transformer = components["transformer"] = copy.deepcopy(plain.components["transformer"])
+        pipe = omnispec.build(SPECS / "flux1-dev.yaml", components=components, device="cpu",
+                              overrides=[*TINY_OVERRIDES["flux"], *overrides])
+        torch.manual_seed(0)
+        transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights=False, target_modules=[
+            "norm1.linear", "norm1_context.linear", "norm.linear"]))
+        return pipe, pipe("a cat", seed=0, steps=3).array
+
+    _, expected = with_lora()
+    pipe, out = with_lora(ON)
+    bases = [m.base_layer for n, m in pipe.components["transformer"].named_modules() if n.endswith("norm1.linear")]
+    assert bases and all(type(b) is TabledLinear for b in bases)
+    assert np.abs(out - expected).max() <= 1e-5
+    assert np.abs(out - plain("a cat", seed=0, steps=3).array).max() > 1e-3  # the adapter does change the output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_quantized_modulation_linears_are_refused_and_left_out_of_quantization_are_tabled(flux_dir):
+    """Quantized modulation linears (int8: a quantization's own linear class) leave the table nothing: refused, with
+    the ``exclude`` that keeps them plain; with it, the table holds them and the rest stays quantized."""
+    int8 = "policies.quantization={transformer: {method: int8_weight_only%s}}"
+    with pytest.raises(SpecError, match=r"precomputed_modulation: transformer's modulation linears are all "
+                                        r"QuantizedLinear \(quantized\).*exclude: \[norm1.linear, "
+                                        r"norm1_context.linear, norm.linear, norm_out.linear\]"):
+        build(flux_dir, int8 % "", ON)
+    kept = int8 % ", exclude: [norm1.linear, norm1_context.linear, norm.linear, norm_out.linear]"
+    expected = build(flux_dir, kept)("a cat", seed=0, steps=3).array
+    pipe = build(flux_dir, kept, ON)
+    assert type(pipe.components["transformer"].transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+    linears = modulation_linears(pipe.components["transformer"])
+    with counting_products([m.weight for m in linears]) as calls:
+        out = pipe("a cat", seed=0, steps=3).array
+    assert calls[0] == len(linears) and np.abs(out - expected).max() <= 1e-5
 
 
 def test_refused_where_the_family_has_no_table(sd3_dir):

@@ -18,7 +18,7 @@ first forward outside compiled code checks that every row lies within ``TABLE_TO
 otherwise: a family whose ``modulation_embeddings`` missed a case its forwards compute fails there instead of
 modulating with another step's values. ``Run`` keeps a phase's table from its first prediction and installs it
 around each prediction only: outside one (a warm-up, a benchmark calling the denoiser), and for a linear whose
-weights are no longer plain (a LoRA's base is: the table is the base's output and the LoRA adds to it; an fp8 or
+weights are not plain (a LoRA's base is: the table is the base's output and the LoRA adds to it; a quantized or
 sharded linear is not), the model computes as it does.
 
 Rollout and replay build the same table (every step of the phase, every row of the request, in the same order): a
@@ -247,20 +247,32 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
         if not on:
             continue
         embedder = dict(denoiser.named_modules()).get(family.modulation_embedder or "")
+        named = modulation_linears(family, denoiser, plain_only=False)
         linears = modulation_linears(family, denoiser)
-        if embedder is None or not linears:
+        if embedder is None or not named:
             raise SpecError.single(f"{name} has no {family.modulation_embedder!r} embedder or no modulation linears "
                                    f"({', '.join(family.modulation_linears)}) to precompute", FIELD)
+        if not linears:
+            raise SpecError.single(
+                f"{name}'s modulation linears are all {type(named[0]).__name__} (quantized), which a table cannot "
+                f"take: leave them out of policies.quantization (exclude: [{', '.join(_leaves(family))}]) or set "
+                "this false", FIELD)
         denoiser._omnispec_modulation = ModulationTables(embedder, linears)
         notes.append(f"{name}: {len(linears)} modulation linears from a table built once per phase "
                      f"({table_bytes(linears, 1) / 2**20:.1f} MiB per distinct step and prompt row)")
     return "; ".join(notes) if on else None
 
 
-def modulation_linears(family: Any, denoiser: torch.nn.Module) -> list[torch.nn.Linear]:
-    """``denoiser``'s linears that ``family.modulation_linears`` names."""
-    return [m for n, m in denoiser.named_modules() if type(m) in (torch.nn.Linear, TabledLinear)
-            and any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)]
+def modulation_linears(family: Any, denoiser: torch.nn.Module, plain_only: bool = True) -> list[torch.nn.Linear]:
+    """``denoiser``'s modules that ``family.modulation_linears`` names: those a table takes (``torch.nn.Linear``s,
+    not a quantization's linear classes), or with ``plain_only`` false all of them."""
+    return [m for n, m in denoiser.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)
+            and (not plain_only or type(m) in (torch.nn.Linear, TabledLinear))]
+
+
+def _leaves(family: Any) -> list[str]:
+    """The modulation linears' names without their block paths (``norm1.linear``): quantization's ``exclude`` form."""
+    return list(dict.fromkeys(p.rsplit("*.", 1)[-1] for p in family.modulation_linears))
 
 
 def padded_rows(n: int) -> int:

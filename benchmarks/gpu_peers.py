@@ -524,7 +524,8 @@ def compile_part(wl: Workload, args) -> None:
             _step_row(wl, "compile", "omnispec", label,
                       {"spec": overrides, "attention": pipe.explain(as_dict=True).get("attention"),
                        "explain": applied.get("compile"),
-                       "mlp": applied.get("mlp")}, omnispec_runner(pipe, name), twin)
+                       "mlp": applied.get("mlp"), "modulation": applied.get("modulation")},
+                      omnispec_runner(pipe, name), twin)
         except Exception as exc:  # noqa: BLE001 - keep the other rows
             error_row("compile", name, "omnispec", label, exc)
         pipe = twin = None

@@ -2,6 +2,7 @@
 the step-caching rows against cache-dit (skipped when cache-dit is not installed; it is no omnispec dependency)."""
 
 import copy
+import re
 import types
 
 import pytest
@@ -77,10 +78,13 @@ def test_dbcache_row_and_first_block_row_make_the_same_full_forwards(peers):
 def test_compile_part_runs_each_omnispec_variant_asked(peers, monkeypatch):
     monkeypatch.setattr(peers, "cachedit_compile", lambda twin: (_ for _ in ()).throw(RuntimeError("not here")))
     wl = peers.Workload("flux", 1, 1e12)
-    peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager,regional+backend=aot_eager+fused_gelu",
+    peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager,"
+                                                  "regional+backend=aot_eager+fused_gelu+modulation",
                                  compile_extra=False))
     ours = [r for r in peers.ROWS if r.get("engine") == "omnispec"]
     assert [r["config"] for r in ours] == ["compile: regional + backend=aot_eager",
-                                           "compile: regional + backend=aot_eager + fused_gelu"]
+                                           "compile: regional + backend=aot_eager + fused_gelu + modulation"]
     assert all("error" not in r for r in ours), ours
     assert ours[0]["settings"]["mlp"] is None and ours[1]["settings"]["mlp"].startswith("transformer: bias + GELU")
+    assert ours[0]["settings"]["modulation"] is None
+    assert re.match(r"transformer: \d+ modulation linears from a table", ours[1]["settings"]["modulation"])

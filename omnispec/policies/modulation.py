@@ -258,8 +258,10 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
                 f"take: leave them out of policies.quantization (exclude: [{', '.join(_leaves(family))}]) or set "
                 "this false", FIELD)
         denoiser._omnispec_modulation = ModulationTables(embedder, linears)
-        notes.append(f"{name}: {len(linears)} modulation linears from a table built once per phase "
-                     f"({table_bytes(linears, 1) / 2**20:.1f} MiB per distinct step and prompt row)")
+        per_row = table_bytes(linears, 1)
+        size = f"{per_row / 2**20:.1f} MiB" if per_row >= 2**20 else f"{per_row / 2**10:.1f} KiB"
+        notes.append(f"{name}: {len(linears)} modulation linears from a table built once per phase ({size} per "
+                     "distinct step and prompt row)")
     return "; ".join(notes) if on else None
 
 

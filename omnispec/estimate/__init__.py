@@ -197,9 +197,9 @@ def _modulation_table(spec: PipelineSpec, family: Any, denoiser: Any, rows: int,
     noted; 0 without it."""
     if not spec.policies.mlp.precomputed_modulation:
         return 0
-    from ..policies.modulation import modulation_linears, table_bytes
+    from ..policies.modulation import modulation_linears, padded_rows, row_bytes
 
-    size = table_bytes(modulation_linears(family, denoiser), rows)
+    size = padded_rows(rows) * row_bytes(modulation_linears(family, denoiser))
     result.notes.append(f"modulation table: at most {size / 2**20:.0f} MiB on the device during the denoise (at most "
                         f"{rows} rows: one per step and pass; a pass of the same prompt shares its row)")
     return size

@@ -56,12 +56,11 @@ class _TableRows(ModelHook):
         self.tables = tables
 
     def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
-        tables = self.tables
-        embeddings = tables.embeddings
-        tables.rows = None if embeddings is None else nearest_rows(output, embeddings)
-        if tables.rows is not None and not tables.checked and not torch.compiler.is_compiling():
-            check_rows(output, embeddings, tables.rows)
-            tables.checked = True
+        tables, table = self.tables, self.tables.table
+        tables.rows = None if table is None else nearest_rows(output, table.embeddings)
+        if table is not None and not table.checked and not torch.compiler.is_compiling():
+            check_rows(output, table.embeddings, tables.rows)
+            table.checked = True
         return output
 
 
@@ -120,17 +119,16 @@ def check_rows(embedding: torch.Tensor, table: torch.Tensor, rows: torch.Tensor)
 class _Table:
     embeddings: torch.Tensor
     outputs: list[torch.Tensor | None]  # per hooked linear, None where it computes
-    checked: bool = False
+    checked: bool = False  # whether a first eager forward found its rows in it
 
 
 class ModulationTables:
-    """A denoiser's modulation hooks and the table installed now (``embeddings`` None: none)."""
+    """A denoiser's modulation hooks and the table installed now (``table``; None: none)."""
 
     def __init__(self, embedder: torch.nn.Module, linears: Sequence[torch.nn.Linear]):
         self.embedder = embedder
         self.rows: torch.Tensor | None = None
-        self.embeddings: torch.Tensor | None = None
-        self.checked = False  # whether the installed table's first eager forward found its rows in it
+        self.table: _Table | None = None
         # Kept tables' storage by row count (the two sizes used last), with the table whose values it holds now.
         self.storage: dict[int, _Table] = {}
         HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TableRows(self), EMBEDDER_HOOK)
@@ -191,14 +189,13 @@ class ModulationTables:
 
     @contextlib.contextmanager
     def installed(self, table: _Table) -> Iterator[None]:
-        self.embeddings, self.checked = table.embeddings, table.checked
+        self.table = table
         for linear, outputs in zip(self.linears, table.outputs, strict=True):
             linear.modulation_outputs = outputs
         try:
             yield
         finally:
-            table.checked = self.checked
-            self.embeddings = self.rows = None
+            self.table = self.rows = None
             for linear in self.linears:
                 linear.modulation_outputs = None
 
@@ -258,7 +255,7 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
                 f"take: leave them out of policies.quantization (exclude: [{', '.join(_leaves(family))}]) or set "
                 "this false", FIELD)
         denoiser._omnispec_modulation = ModulationTables(embedder, linears)
-        per_row = table_bytes(linears, 1)
+        per_row = row_bytes(linears)
         size = f"{per_row / 2**20:.1f} MiB" if per_row >= 2**20 else f"{per_row / 2**10:.1f} KiB"
         notes.append(f"{name}: {len(linears)} modulation linears from a table built once per phase ({size} per "
                      "distinct step and prompt row)")
@@ -282,9 +279,7 @@ def padded_rows(n: int) -> int:
     return max(8, 1 << (n - 1).bit_length())
 
 
-def table_bytes(linears: Sequence[torch.nn.Linear], rows: int) -> int:
-    """Device bytes of a table of ``rows`` distinct embedding rows over ``linears``: its outputs and embeddings
-    (for a single row, unpadded: what each row adds)."""
-    per_row = sum(m.out_features * m.weight.element_size() for m in linears)
-    per_row += linears[0].in_features * linears[0].weight.element_size()
-    return (rows if rows == 1 else padded_rows(rows)) * per_row
+def row_bytes(linears: Sequence[torch.nn.Linear]) -> int:
+    """Device bytes a table row over ``linears`` takes: its outputs and its embedding."""
+    return (sum(m.out_features * m.weight.element_size() for m in linears)
+            + linears[0].in_features * linears[0].weight.element_size())

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxPipeline
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.hooks import ModelHook
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxSingleTransformerBlock
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -98,6 +98,11 @@ class FusedSingleBlockMlp(ModelHook):
     def hooks(cls, denoiser: torch.nn.Module, ops: Any) -> list[tuple[torch.nn.Module, ModelHook]]:
         return [(block, cls(ops)) for block in getattr(denoiser, "single_transformer_blocks", ())
                 if type(block) is FluxSingleTransformerBlock]
+
+
+def _guidance(rows: int, embedded: float | None, device: torch.device) -> torch.Tensor:
+    """The embedded guidance a FLUX forward takes for ``rows`` rows (FluxPipeline's 3.5 unless the plan sets one)."""
+    return torch.full([rows], 3.5 if embedded is None else embedded, device=device, dtype=torch.float32)
 
 
 class FluxFamily(PackedLatents, Family):
@@ -195,9 +200,7 @@ class FluxFamily(PackedLatents, Family):
             ids = bridge.prepare_latent_image_ids(FluxPipeline, b, h // 2, w // 2, latents.device, latents.dtype)
             geometry.extra[key] = ids if extra_ids is None else torch.cat([ids, extra_ids.to(ids)])
         img_ids = geometry.extra[key]
-        guidance = None
-        if denoiser.config.guidance_embeds:
-            guidance = torch.full([b], 3.5 if embedded is None else embedded, device=latents.device, dtype=torch.float32)
+        guidance = _guidance(b, embedded, latents.device) if denoiser.config.guidance_embeds else None
         t = timestep.expand(b).to(latents.dtype)
         with self.layer_skip(denoiser, perturbation):
             return denoiser(
@@ -214,8 +217,7 @@ class FluxFamily(PackedLatents, Family):
         t = torch.cat([(timestep.expand(rows).to(latent_dtype) / 1000) for timestep in timesteps])
         args = [t.to(model_dtype) * 1000]
         if denoiser.config.guidance_embeds:
-            guidance = torch.cat([torch.full([rows], 3.5 if e is None else e, device=pooled.device,
-                                             dtype=torch.float32) for e in embedded])
+            guidance = torch.cat([_guidance(rows, e, pooled.device) for e in embedded])
             args.append(guidance.to(model_dtype) * 1000)
         return denoiser.time_text_embed(*args, pooled.repeat(len(timesteps), 1))
 

@@ -369,7 +369,8 @@ MODEL_OPTIONS = ("fused_qkv",)
 POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
                   "fused_gelu": "policies.mlp.fused_gelu=true",
                   "flash4": "policies.attention.default=flash4",
-                  "modulation": "policies.mlp.precomputed_modulation=true"}
+                  "modulation": "policies.mlp.precomputed_modulation=true",
+                  "quack": "policies.mlp.fused_gelu_kernel=quack"}
 
 
 def compile_overrides(variant: str) -> list[str]:

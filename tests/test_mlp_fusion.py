@@ -66,6 +66,15 @@ def test_the_operators_compile_with_their_gradients():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("matmul", ["cublaslt", "quack"])
+def test_inductor_keeps_the_operator_whole_with_either_matmul(matmul):
+    """The operator's arguments as inductor lowers them (an argument named ``kernel`` once collided with its own)."""
+    x, w, b = (_rand(2, 5, 8, dtype=torch.float32, seed=1), _rand(12, 8, dtype=torch.float32),
+               _rand(12, dtype=torch.float32, seed=2))
+    compiled = torch.compile(lambda x: linear_gelu(x, w, b, matmul), fullgraph=True, backend="inductor")
+    torch.testing.assert_close(compiled(x), F.gelu(F.linear(x, w, b), approximate="tanh"))
+
+
 def test_a_projection_the_operators_do_not_take_runs_its_own_forward(monkeypatch):
     calls = []
     monkeypatch.setattr(mlp, "linear_gelu", lambda *args: calls.append(args) or linear_gelu(*args))

@@ -78,10 +78,11 @@ def _epilogue_runs(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 @torch.library.custom_op("omnispec::linear_gelu", mutates_args=())
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                kernel: str = "cublaslt") -> torch.Tensor:
+                matmul: str = "cublaslt") -> torch.Tensor:
     """``gelu(linear(x, weight, bias), approximate="tanh")``, the bias and GELU in the matmul's epilogue on CUDA:
-    cuBLASLt's, or quack's (``kernel="quack"``) where it takes the call."""
-    if kernel == "quack" and (out := _quack_linear_gelu(x, weight, bias)) is not None:
+    cuBLASLt's, or quack's (``matmul="quack"``) where it takes the call. (Not named ``kernel``: inductor's lowering
+    of an operator it keeps whole takes a ``kernel`` argument of its own.)"""
+    if matmul == "quack" and (out := _quack_linear_gelu(x, weight, bias)) is not None:
         return out
     if _epilogue_runs(x, bias):
         out = torch._addmm_activation(bias, _rows(x), weight.t(), use_gelu=True)
@@ -90,7 +91,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @linear_gelu.register_fake
-def _(x, weight, bias, kernel="cublaslt"):
+def _(x, weight, bias, matmul="cublaslt"):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -102,16 +102,16 @@ def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
 def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of a denoiser as diffusers made it, whatever an omnispec build did to it: without the attention hooks
     (a per-module hooked forward makes dynamo recompile each repeated block), the fused q/k and feed-forward
-    processors and hooks (the q/k processors hold omnispec's custom operator, which cannot be copied: shared by the
-    copy, then removed from it) and the compiled calls (a copy would share the original's compiled code; the peer
-    compiles its own)."""
+    processors and hooks (they hold omnispec's custom operators, which cannot be copied: shared by the copy, then
+    removed from it) and the compiled calls (a copy would share the original's compiled code; the peer compiles
+    its own)."""
     import copy
 
     from omnispec.policies import mlp
     from omnispec.policies.attention import unfused_attention
     from omnispec.policies.qk_norm_rope import qk_norm_rope
 
-    twin = copy.deepcopy(module, memo={id(qk_norm_rope): qk_norm_rope})
+    twin = copy.deepcopy(module, memo={id(op): op for op in (mlp.OPERATORS, qk_norm_rope)})
     mlp.unfuse_gelus(twin)
     for m in twin.modules():
         unfused_attention(m)
@@ -369,8 +369,7 @@ MODEL_OPTIONS = ("fused_qkv",)
 POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
                   "fused_gelu": "policies.mlp.fused_gelu=true",
                   "flash4": "policies.attention.default=flash4",
-                  "modulation": "policies.mlp.precomputed_modulation=true",
-                  "quack": "policies.mlp.fused_gelu_kernel=quack"}
+                  "modulation": "policies.mlp.precomputed_modulation=true"}
 
 
 def compile_overrides(variant: str) -> list[str]:

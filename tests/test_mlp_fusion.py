@@ -2,9 +2,6 @@
 arithmetic, the hook's fallback for weights the operators do not take, and on CUDA cuBLASLt's epilogue against the
 model's own operations."""
 
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -14,7 +11,6 @@ from diffusers.models.activations import GELU
 import omnispec
 from omnispec.policies import mlp
 from omnispec.policies.mlp import by_halves, linear_gelu, linear_of_pair, plain_linear
-from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS
@@ -66,15 +62,6 @@ def test_the_operators_compile_with_their_gradients():
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("matmul", ["cublaslt", "quack"])
-def test_inductor_keeps_the_operator_whole_with_either_matmul(matmul):
-    """The operator's arguments as inductor lowers them (an argument named ``kernel`` once collided with its own)."""
-    x, w, b = (_rand(2, 5, 8, dtype=torch.float32, seed=1), _rand(12, 8, dtype=torch.float32),
-               _rand(12, dtype=torch.float32, seed=2))
-    compiled = torch.compile(lambda x: linear_gelu(x, w, b, matmul), fullgraph=True, backend="inductor")
-    torch.testing.assert_close(compiled(x), F.gelu(F.linear(x, w, b), approximate="tanh"))
-
-
 def test_a_projection_the_operators_do_not_take_runs_its_own_forward(monkeypatch):
     calls = []
     monkeypatch.setattr(mlp, "linear_gelu", lambda *args: calls.append(args) or linear_gelu(*args))
@@ -93,19 +80,6 @@ def test_a_projection_the_operators_do_not_take_runs_its_own_forward(monkeypatch
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's epilogue runs on CUDA")
-needs_quack = pytest.mark.skipif(mlp.quack_missing() is not None, reason="quack-kernels is not installed")
-
-
-def test_the_quack_kernel_needs_fused_gelu_and_the_package(request, monkeypatch):
-    with pytest.raises(SpecError, match=r"policies.mlp: fused_gelu_kernel 'quack' applies only with fused_gelu: true"):
-        omnispec.build(SPECS / "digits.yaml", overrides=["policies.mlp.fused_gelu_kernel=quack"])
-    for name in ("quack", "quack.gemm_interface"):  # an import of quack now fails, installed or not
-        monkeypatch.setitem(sys.modules, name, None)
-    assert mlp.quack_missing().startswith("ModuleNotFoundError")
-    with pytest.raises(SpecError, match=r"policies.mlp.fused_gelu_kernel: fused_gelu_kernel quack needs the package "
-                                        r"quack-kernels, which is not importable here \(ModuleNotFoundError"):
-        omnispec.build(SPECS / "digits.yaml", overrides=["policies.mlp.fused_gelu=true",
-                                                         "policies.mlp.fused_gelu_kernel=quack"])
 
 
 @cuda
@@ -123,8 +97,7 @@ def test_the_epilogue_is_the_model_operations_within_a_rounding():
 
 
 @cuda
-@pytest.mark.parametrize("kernel", ["cublaslt", pytest.param("quack", marks=needs_quack)])
-def test_a_row_is_computed_as_in_any_batch_and_as_compiled(kernel):
+def test_a_row_is_computed_as_in_any_batch_and_as_compiled():
     """Exact RL replay: a sample's numbers do not depend on its batch-mates or on compilation."""
     x, w, b = _rand(2, 4608, 3072, dtype=torch.bfloat16, device="cuda"), _rand(
         12288, 3072, dtype=torch.bfloat16, device="cuda", seed=1) / 64, _rand(12288, dtype=torch.bfloat16,
@@ -133,7 +106,7 @@ def test_a_row_is_computed_as_in_any_batch_and_as_compiled(kernel):
                                                                                          device="cuda", seed=4)
 
     def mlp_block(x):
-        return linear_of_pair(x, linear_gelu(x, w, b, kernel), wo, bo)
+        return linear_of_pair(x, linear_gelu(x, w, b), wo, bo)
 
     with torch.no_grad():
         both = mlp_block(x)
@@ -166,75 +139,3 @@ def test_a_run_with_the_fused_feed_forwards_is_the_plain_run_within_roundings(re
     _, plain = _image(request, fixture, spec, family, "cuda")
     _, fused = _image(request, fixture, spec, family, "cuda", "policies.mlp.fused_gelu=true")
     assert np.abs(fused - plain).max() <= 1e-3  # float32: the epilogue's GELU may differ in its last bits
-
-
-def _stand_in_quack(monkeypatch, gemm_act):
-    """A module named as quack's GEMM interface, with ``gemm_act`` in place of quack's."""
-    module = types.ModuleType("quack.gemm_interface")
-    module.gemm_act = gemm_act
-    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
-    monkeypatch.setitem(sys.modules, "quack.gemm_interface", module)
-
-
-def test_the_quack_kernel_reaches_every_fused_projection_and_off_cuda_runs_the_model(request, monkeypatch):
-    """FLUX's feed-forwards and its single blocks' hooks carry the kernel into the operator; off CUDA the operator runs
-    the model's own operations, so quack is never called there."""
-    _stand_in_quack(monkeypatch, lambda *args, **kwargs: pytest.fail("quack was called off CUDA"))
-    pipe, fused = _image(request, "flux_dir", "flux1-dev.yaml", "flux", "cpu", "policies.mlp.fused_gelu=true",
-                         "policies.mlp.fused_gelu_kernel=quack")
-    assert pipe.explain(as_dict=True)["applied"]["mlp"].endswith(
-        "(quack's GEMM on CUDA; the model's own operations elsewhere)")
-    transformer = pipe.components["transformer"]
-    gelus = [m for m in transformer.modules() if isinstance(m, mlp.FusedGelu)]
-    hooks = [block._diffusers_hook.get_hook(mlp.HOOK_NAME) for block in transformer.single_transformer_blocks]
-    assert gelus and all(m.kernel == "quack" for m in gelus)
-    assert hooks and all(hook.ops.kernel == "quack" for hook in hooks)
-    assert np.array_equal(fused, _image(request, "flux_dir", "flux1-dev.yaml", "flux", "cpu")[1])
-
-
-@cuda
-def test_a_shape_quack_refuses_runs_on_cublaslt_from_then_on(monkeypatch, caplog):
-    calls = []
-
-    def refusing(*args, **kwargs):
-        calls.append(args[0].shape)
-        raise AssertionError("tile does not divide the inner size")
-
-    _stand_in_quack(monkeypatch, refusing)
-    monkeypatch.setattr(mlp, "QUACK_REFUSED", {})
-    x, w, b = (_rand(2, 7, 40, dtype=torch.bfloat16, device="cuda"), _rand(24, 40, dtype=torch.bfloat16, device="cuda",
-                                                                          seed=1), _rand(24, dtype=torch.bfloat16,
-                                                                                         device="cuda", seed=2))
-    want = linear_gelu(x, w, b)
-    with caplog.at_level("WARNING"):
-        assert torch.equal(linear_gelu(x, w, b, "quack"), want)
-        assert torch.equal(linear_gelu(x[:1], w, b, "quack"), want[:1])  # another batch: the same shape, remembered
-    assert calls == [(14, 40)]
-    assert list(mlp.QUACK_REFUSED) == [(40, 24, torch.bfloat16, "cuda:0", True)]
-    assert [r.getMessage() for r in caplog.records if "quack" in r.getMessage()] == [
-        "quack's GEMM refused the feed-forward matmul 40 -> 24 (AssertionError: tile does not divide the inner size); "
-        "those calls run on cuBLASLt from now on"]
-
-
-@cuda
-@needs_quack
-def test_quacks_epilogue_is_the_model_operations_within_a_rounding():
-    x, w, b = _rand(3, 300, 256, dtype=torch.bfloat16, device="cuda"), _rand(1024, 256, dtype=torch.bfloat16,
-                                                                             device="cuda", seed=1) / 16, _rand(
-        1024, dtype=torch.bfloat16, device="cuda", seed=2)
-    got = linear_gelu(x, w, b, "quack")
-    assert not mlp.QUACK_REFUSED
-    torch.testing.assert_close(got, F.gelu(F.linear(x, w, b), approximate="tanh"), rtol=2 ** -7, atol=2 ** -7)
-    torch.testing.assert_close(got, linear_gelu(x, w, b), rtol=2 ** -7, atol=2 ** -7)  # cuBLASLt's epilogue
-
-
-@cuda
-@needs_quack
-def test_a_bfloat16_flux_run_on_quack_is_the_cublaslt_run_within_roundings(request):
-    overrides = ["model.dtype=bfloat16", "policies.mlp.fused_gelu=true"]
-    _, cublaslt = _image(request, "flux_dir", "flux1-dev.yaml", "flux", "cuda", *overrides)
-    _, quack = _image(request, "flux_dir", "flux1-dev.yaml", "flux", "cuda", *overrides,
-                      "policies.mlp.fused_gelu_kernel=quack")
-    assert not mlp.QUACK_REFUSED
-    a, b = (np.asarray(img, dtype=np.float64).ravel() - 0.5 for img in (cublaslt, quack))
-    assert a @ b / np.sqrt((a @ a) * (b @ b)) > 0.999

@@ -279,8 +279,7 @@ def test_a_lora_over_a_dynamically_quantized_base_gets_gradients_and_replays_exa
     pytest.param("cuda", "regional", marks=pytest.mark.gpu),
     pytest.param("cuda", "regional+cudagraphs", marks=pytest.mark.gpu),
     pytest.param("cuda", "full+cudagraphs", marks=pytest.mark.gpu),
-    pytest.param("cuda", "regional+cudagraphs+flash4", marks=pytest.mark.gpu),
-    pytest.param("cuda", "regional+cudagraphs+quack", marks=pytest.mark.gpu)])
+    pytest.param("cuda", "regional+cudagraphs+flash4", marks=pytest.mark.gpu)])
 def test_replay_with_gradients_equals_the_rollout_in_bfloat16(device, compile_mode):
     """What a trainer's first ratio reads: log-probs replayed with gradients (a LoRA training) against the
     rollout's, in bfloat16. Compiled, the training graphs a replay with gradients runs fuse other kernels than the
@@ -288,22 +287,18 @@ def test_replay_with_gradients_equals_the_rollout_in_bfloat16(device, compile_mo
     (about 1e-3 off on the CPU), and a replay takes its values from a forward without gradients (``exact``). With
     CUDA graphs the rollout's forwards start a graph generation each and the replay's with gradients none (a whole
     compiled denoiser on the CPU took a minute here: those cases run on CUDA only). ``flash4``: FlashAttention-4
-    compiled in, its backward the operator's registered one. ``quack``: the feed-forwards' GELU matmuls on quack's
-    GEMM (``policies.mlp.fused_gelu_kernel``)."""
+    compiled in, its backward the operator's registered one."""
     from peft import LoraConfig
 
     mode, *options = compile_mode.split("+")
     compiled = mode != "none"
     if "flash4" in options:
         pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
-    if "quack" in options:
-        pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed")
-    kernels = {"flash4": ["policies.attention.default=flash4"],
-               "quack": ["policies.mlp.fused_gelu=true", "policies.mlp.fused_gelu_kernel=quack"]}
     pipe = omnispec.build(SPECS / "digits.yaml", overrides=[
         "runtime.progress=false", "recipe.defaults.steps=4", f"runtime.device={device}", "model.dtype=bfloat16",
         f"policies.compile.mode={mode}",
-        *(o for option in options for o in kernels.get(option, [f"policies.compile.{option}=true"])),
+        *("policies.attention.default=flash4" if option == "flash4" else f"policies.compile.{option}=true"
+          for option in options),
         *(["policies.compile.eager_rounding=false"] if compiled else [])])
     torch.manual_seed(0)
     pipe.components["transformer"].add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"],
@@ -317,10 +312,6 @@ def test_replay_with_gradients_equals_the_rollout_in_bfloat16(device, compile_mo
     replay.log_probs.sum().backward()
     grads = [p.grad for n, p in pipe.components["transformer"].named_parameters() if "lora" in n]
     assert all(g is not None and g.abs().sum() > 0 for g in grads), "the LoRA got no gradient through the replay"
-    if "quack" in options:
-        from omnispec.policies.mlp import QUACK_REFUSED
-
-        assert not QUACK_REFUSED, f"quack refused the digits model's feed-forwards: {QUACK_REFUSED}"
     if compiled and device == "cpu":  # what ``exact`` is for: the training graphs' own values are off
         one_forward = pipe.log_prob(ro, grad=True, exact=False).log_probs.detach().cpu()
         assert (one_forward - ro.log_probs).abs().max().item() > 0, \

@@ -32,15 +32,14 @@ APPROXIMATE = ("sage",)
 AUTO_EXCLUDED = ("sdpa_math",)
 
 
-def remember_failure(failures: dict[tuple, str], key: tuple, exc: BaseException, what: str,
-                     fallback: str = "torch's SDPA") -> None:
+def remember_failure(failures: dict[tuple, str], key: tuple, exc: BaseException, what: str) -> None:
     """Keep why the calls of ``key`` failed, warning once (``what`` says which calls); those calls then run on
-    ``fallback``. Running out of memory is no failure of a kernel: it is raised again."""
+    torch's SDPA. Running out of memory is no failure of a kernel: it is raised again."""
     if isinstance(exc, torch.OutOfMemoryError):
         raise exc
     if key not in failures:
         failures[key] = f"{type(exc).__name__}: {first_line(exc)}"
-        logger.warning(f"{what} ({failures[key]}); those calls run on {fallback} from now on")
+        logger.warning(f"{what} ({failures[key]}); those calls run on torch's SDPA from now on")
 
 
 # ---- the replacement kernels ----------------------------------------------------------------------

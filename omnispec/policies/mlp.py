@@ -17,14 +17,6 @@ bfloat16 step (cosine 0.99999 at FLUX's shapes). Elsewhere than CUDA (cuBLASLt's
 ``_addmm_activation`` takes the exact GELU) the operators run the model's own operations. The backwards are the
 model's formulas, written out.
 
-``fused_gelu_kernel: quack`` runs the GELU matmuls on quack's CuTe GEMM (package ``quack-kernels``) with the same
-epilogue: at an H200's power cap it does FLUX.1-dev's feed-forward matmuls 4.7-4.9% faster than cuBLASLt (0.527 ms
-against 0.553 for a single block's), where for the plain matmuls cuBLAS stays ahead by 5-18% (BENCHMARKS.md,
-2026-12-04, thirteenth session). Its tile and schedule are fixed (quack's default configuration, no autotuning, no
-split of the inner dimension), so a row's numbers do not depend on the batch, as exact RL replay needs. A call shape
-quack refuses runs on cuBLASLt from then on, with one warning: the decision is per shape without the batch and only
-goes one way, as ``flash4``'s is.
-
 Which modules: every diffusers ``GELU`` with the tanh approximation (the feed-forwards of FLUX, SD3, Wan, LTX-2,
 Qwen-Image), and what the family's ``parallel_mlp_hooks`` hook (FLUX's single blocks). A module whose weights are
 not plain tensors on the input's device (a LoRA, fp8 or sharded weights, an offloaded layer) runs its own forward.
@@ -32,7 +24,6 @@ not plain tensors on the input's device (a LoRA, fp8 or sharded weights, an offl
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,13 +37,8 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..bridge import remove_hook
 from ..spec import PipelineSpec, SpecError
-from ..spec.errors import first_line
-from .attention_kernels import remember_failure
 
 HOOK_NAME = "omnispec_fused_gelu"
-
-# Call shapes quack's GEMM refused in this process -> why: (inner size, outputs, dtype, device, with bias).
-QUACK_REFUSED: dict[tuple, str] = {}
 
 
 def plain_linear(module: Any, like: torch.Tensor) -> bool:
@@ -77,13 +63,8 @@ def _epilogue_runs(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 @torch.library.custom_op("omnispec::linear_gelu", mutates_args=())
-def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                matmul: str = "cublaslt") -> torch.Tensor:
-    """``gelu(linear(x, weight, bias), approximate="tanh")``, the bias and GELU in the matmul's epilogue on CUDA:
-    cuBLASLt's, or quack's (``matmul="quack"``) where it takes the call. (Not named ``kernel``: inductor's lowering
-    of an operator it keeps whole takes a ``kernel`` argument of its own.)"""
-    if matmul == "quack" and (out := _quack_linear_gelu(x, weight, bias)) is not None:
-        return out
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``gelu(linear(x, weight, bias), approximate="tanh")``, the bias and GELU in the matmul's epilogue on CUDA."""
     if _epilogue_runs(x, bias):
         out = torch._addmm_activation(bias, _rows(x), weight.t(), use_gelu=True)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -91,48 +72,19 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @linear_gelu.register_fake
-def _(x, weight, bias, matmul="cublaslt"):
+def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _quack_linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """quack's GEMM with the bias and tanh GELU in its epilogue; None where it does not take the call (off CUDA,
-    other dtypes, a shape it refused before or refuses now)."""
-    key = (x.shape[-1], weight.shape[0], x.dtype, str(x.device), bias is not None)
-    if (not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or (bias is not None and bias.dtype != x.dtype) or key in QUACK_REFUSED):
-        return None
-    try:
-        from quack.gemm_interface import gemm_act
-
-        _, out = gemm_act(_rows(x).contiguous(), weight.t(), bias=bias, activation="gelu_tanh_approx",
-                          store_preact=False, tuned=False)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    except Exception as exc:  # noqa: BLE001 - its DSL compiler and asserts fail many ways; see the module docstring
-        remember_failure(QUACK_REFUSED, key, exc, f"quack's GEMM refused the feed-forward matmul {key[0]} -> {key[1]}",
-                         fallback="cuBLASLt")
-        return None
-
-
-def quack_missing() -> str | None:
-    """Why quack's GEMM cannot be imported here, or None."""
-    try:
-        importlib.import_module("quack.gemm_interface")
-    except Exception as exc:  # noqa: BLE001 - any import failure means unusable (its DSL compiler fails many ways)
-        why = first_line(exc)
-        return f"{type(exc).__name__}{': ' + why if why else ''}"
-    return None
-
-
 def _linear_gelu_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
+    ctx.save_for_backward(*inputs)
 
 
 def _linear_gelu_backward(ctx, grad):
     """The product recomputed (rounded, as the model keeps it), then GELU's and the linear's gradients."""
     x, weight, bias = ctx.saved_tensors
     grad_pre = torch.ops.aten.gelu_backward(grad, F.linear(x, weight, bias), approximate="tanh")
-    return *_linear_backward(ctx, _rows(grad_pre), x, weight, bias), None
+    return _linear_backward(ctx, _rows(grad_pre), x, weight, bias)
 
 
 def _linear_backward(ctx, grad_rows, x, weight, bias):
@@ -189,7 +141,7 @@ linear_of_pair.register_autograd(_linear_of_pair_backward, setup_context=_linear
 
 
 @register_flop_formula(torch.ops.omnispec.linear_gelu)
-def _linear_gelu_flops(x_shape, weight_shape, bias_shape, *_, out_shape=None, **__) -> int:
+def _linear_gelu_flops(x_shape, weight_shape, bias_shape, out_shape=None, **_) -> int:
     """The matmul's (torch's counter would see none: the operator's kernels run inside it, out of its sight)."""
     return 2 * math.prod(x_shape) * weight_shape[0]
 
@@ -201,21 +153,14 @@ def _linear_of_pair_flops(first_shape, second_shape, weight_shape, bias_shape, o
 
 @dataclass(frozen=True)
 class MlpOperators:
-    """What a family's ``parallel_mlp_hooks`` builds on: the fused operators, with the policy's GELU matmul kernel,
-    and the test of a linear they take."""
+    """What a family's ``parallel_mlp_hooks`` builds on: the fused operators and the test of a linear they take."""
 
-    kernel: str = "cublaslt"
+    linear_gelu: Callable[..., torch.Tensor]
+    linear_of_pair: Callable[..., torch.Tensor]
+    takes: Callable[[Any, torch.Tensor], bool]
 
-    def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear_gelu(x, weight, bias, self.kernel)
 
-    def linear_of_pair(self, first: torch.Tensor, second: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-        return linear_of_pair(first, second, weight, bias)
-
-    @staticmethod
-    def takes(module: Any, like: torch.Tensor) -> bool:
-        return plain_linear(module, like)
+OPERATORS = MlpOperators(linear_gelu, linear_of_pair, plain_linear)
 
 
 class FusedGelu(torch.nn.Module):
@@ -224,16 +169,15 @@ class FusedGelu(torch.nn.Module):
     (``plain_linear``: a LoRA, quantized weights). A module put in place rather than a hook on the ``GELU``: dynamo
     guards a hooked module's forward by identity, and a regionally compiled block would recompile for each block."""
 
-    def __init__(self, replaced: GELU, kernel: str = "cublaslt"):
+    def __init__(self, replaced: GELU):
         super().__init__()
         self.proj = replaced.proj
-        self.kernel = kernel
         self.__dict__["replaced"] = replaced  # not a submodule: its weights are ``proj``'s
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not plain_linear(self.proj, hidden_states):
             return self.replaced.gelu(self.proj(hidden_states))
-        return linear_gelu(hidden_states, self.proj.weight, self.proj.bias, self.kernel)
+        return linear_gelu(hidden_states, self.proj.weight, self.proj.bias)
 
     def restored(self) -> GELU:
         """The ``GELU`` it replaced, with the projection it holds now (a LoRA may have wrapped it since)."""
@@ -241,9 +185,9 @@ class FusedGelu(torch.nn.Module):
         return self.replaced
 
 
-def fuse_gelus(model: torch.nn.Module, kernel: str = "cublaslt") -> int:
+def fuse_gelus(model: torch.nn.Module) -> int:
     """Put ``FusedGelu`` in place of ``model``'s tanh-GELU projections; returns how many."""
-    return _swap_children(model, lambda m: FusedGelu(m, kernel) if isinstance(m, GELU) and m.approximate == "tanh"
+    return _swap_children(model, lambda m: FusedGelu(m) if isinstance(m, GELU) and m.approximate == "tanh"
                           and type(m.proj) is torch.nn.Linear else None)
 
 
@@ -269,18 +213,14 @@ def apply_mlp(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.
     """Put ``FusedGelu`` in place of the denoisers' tanh-GELU projections and hook the family's parallel blocks
     (``fused_gelu``); a rebuild over the same modules first undoes what an earlier build did. Returns explain's note
     (None: nothing fused)."""
-    fused, kernel = spec.policies.mlp.fused_gelu, spec.policies.mlp.fused_gelu_kernel
-    if fused and kernel == "quack" and (why := quack_missing()) is not None:
-        raise SpecError.single(f"fused_gelu_kernel quack needs the package quack-kernels, which is not importable "
-                               f"here ({why}); pip install 'omnispec[quack]'", "policies.mlp.fused_gelu_kernel")
+    fused = spec.policies.mlp.fused_gelu
     notes = []
     for name, denoiser in denoisers.items():
         unfuse_gelus(denoiser)
         if not fused:
             continue
-        gelus = fuse_gelus(denoiser, kernel)
-        operators = MlpOperators(kernel)
-        blocks = family.parallel_mlp_hooks(denoiser, operators) if family.parallel_mlp_hooks is not None else []
+        gelus = fuse_gelus(denoiser)
+        blocks = family.parallel_mlp_hooks(denoiser, OPERATORS) if family.parallel_mlp_hooks is not None else []
         for module, hook in blocks:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
         if not gelus and not blocks:
@@ -290,5 +230,4 @@ def apply_mlp(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.
                      + (f", {len(blocks)} parallel blocks projected without concatenating" if blocks else ""))
     if not fused:
         return None
-    matmul = "quack's GEMM" if kernel == "quack" else "cuBLASLt"
-    return "; ".join(notes) + f" ({matmul} on CUDA; the model's own operations elsewhere)"
+    return "; ".join(notes) + " (CUDA; the model's own operations elsewhere)"

@@ -42,11 +42,6 @@ class MlpPolicy(SpecModel):
         "a pass of their own, and let a family's parallel block (FLUX's single blocks) project its attention and MLP "
         "outputs back without concatenating them. CUDA; the model's own operations elsewhere. Rounds once where the "
         "model rounds twice: outputs differ from the model's by about one bfloat16 step."))
-    fused_gelu_kernel: Literal["cublaslt", "quack"] = Field(default="cublaslt", description=(
-        "The matmul fused_gelu runs its feed-forward projections with: cuBLASLt's bias+GELU epilogue (torch's own), "
-        "or quack's CuTe GEMM with the same epilogue (package quack-kernels, which flash-attn-4 also installs), 4.7% "
-        "faster on FLUX.1-dev's feed-forward matmuls at an H200's power cap. A call shape quack refuses runs on "
-        "cuBLASLt from then on, with one warning."))
     precomputed_modulation: bool = Field(default=False, description=(
         "Compute the denoiser's modulation linears (AdaLN's shift, scale and gate, which read only the timestep and "
         "pooled-prompt embedding) for every step and sample of a request in one matmul each when its first step "
@@ -54,12 +49,6 @@ class MlpPolicy(SpecModel):
         "the whole weight (6.5 GB a step for FLUX.1-dev, 13.6 GB for Qwen-Image). Families that have it: FLUX, "
         "Qwen-Image. Costs the table's memory (per step and distinct prompt: 2 MiB for FLUX.1-dev; per step: 4.2 MiB "
         "for Qwen-Image); outputs differ from the model's by the rounding of a larger matmul."))
-
-    @model_validator(mode="after")
-    def _kernel_needs_fused_gelu(self) -> MlpPolicy:
-        if self.fused_gelu_kernel != "cublaslt" and not self.fused_gelu:
-            raise ValueError(f"fused_gelu_kernel {self.fused_gelu_kernel!r} applies only with fused_gelu: true")
-        return self
 
 
 class OffloadSpec(SpecModel):

@@ -53,6 +53,37 @@ def test_unusable_backend_is_a_build_error_with_reason(flux_dir):
         run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention.default=xformers")
 
 
+def test_a_kernel_probe_keeps_torchs_warnings_for_its_reason(monkeypatch):
+    """On CUDA in float32 torch warns why each SDPA kernel cannot run: the probe's answer, which belongs in the reason
+    it returns (an error or ``explain``), not on a user's terminal (``omnispec -q`` printed them on an H200)."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    from omnispec.policies import attention_kernels
+
+    real = F.scaled_dot_product_attention
+
+    def warning_sdpa(refuse):
+        def sdpa(q, k, v, **kwargs):
+            warnings.warn("Flash attention kernel not used because: (Triggered internally at sdp_utils.cpp:988.)")
+            warnings.warn("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float "
+                          "(Triggered internally at sdp_utils_cpp.h:91.)")
+            if refuse:
+                raise RuntimeError("No available kernel. Aborting execution.")
+            return real(q, k, v, **kwargs)
+        return sdpa
+
+    refused = ("RuntimeError: No available kernel. Aborting execution. (torch: Expected query, key and value to all "
+               "be of dtype: {Half, BFloat16}. Got Query dtype: float)")
+    for refuse, want in ((True, refused), (False, None)):
+        monkeypatch.setattr(F, "scaled_dot_product_attention", warning_sdpa(refuse))
+        with warnings.catch_warnings(record=True) as escaped:
+            warnings.simplefilter("always")
+            assert attention_kernels.probe("sdpa_flash", torch.device("cpu"), torch.float32, 8) == want
+        assert [str(w.message) for w in escaped] == []
+
+
 def test_unusable_backend_falls_back_when_allowed(flux_dir, plain_flux):
     pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention={default: sage, allow_fallback: true}")
     assert np.abs(out - plain_flux).max() <= 1e-6

@@ -6,6 +6,7 @@ them on the model's attentions (hooks, ``auto``'s timing, the fallbacks)."""
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -134,21 +135,37 @@ def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int)
         if cuda_only and device.type != "cuda":
             return f"{package} runs only on CUDA"
     q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
-    try:
-        with backend_context(backend):
-            out = F.scaled_dot_product_attention(q, q, q)
-        if backend == "flash4":  # its operators fall back to SDPA on a refusal: ask them
-            from .flash4 import refused
+    # torch warns why each SDPA kernel it passes over cannot run (float32 on CUDA: flash, memory-efficient and cuDNN
+    # each): that is the probe's answer, so it goes into the reason returned, not to the user's terminal
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            with backend_context(backend):
+                out = F.scaled_dot_product_attention(q, q, q)
+            if backend == "flash4":  # its operators fall back to SDPA on a refusal: ask them
+                from .flash4 import refused
 
-            if (why := refused(*(q.transpose(1, 2),) * 3)) is not None:
-                return f"flash-attn-4 refused a test call ({why})"
-        ref = F.scaled_dot_product_attention(q.float(), q.float(), q.float())
-        if not torch.isfinite(out).all() or torch.nn.functional.cosine_similarity(
-            out.float().flatten(), ref.flatten(), dim=0) < 0.99:
-            return "gave wrong results in a test call"
-    except Exception as exc:  # noqa: BLE001 - a kernel that can't run raises many kinds of errors
-        return f"{type(exc).__name__}: {first_line(exc) or 'no kernel'}"
+                if (why := refused(*(q.transpose(1, 2),) * 3)) is not None:
+                    return f"flash-attn-4 refused a test call ({why})"
+            ref = F.scaled_dot_product_attention(q.float(), q.float(), q.float())
+            if not torch.isfinite(out).all() or torch.nn.functional.cosine_similarity(
+                out.float().flatten(), ref.flatten(), dim=0) < 0.99:
+                return "gave wrong results in a test call"
+        except Exception as exc:  # noqa: BLE001 - a kernel that can't run raises many kinds of errors
+            said = _torch_said(caught)
+            return f"{type(exc).__name__}: {first_line(exc) or 'no kernel'}" + (f" (torch: {said})" if said else "")
     return None
+
+
+def _torch_said(caught: list[warnings.WarningMessage]) -> str:
+    """torch's warnings from a probe call, each once, without where in torch they were raised and without the
+    headings ("... not used because:") whose reasons follow as warnings of their own."""
+    said: list[str] = []
+    for warning in caught:
+        text = str(warning.message).split(" (Triggered internally")[0].strip()
+        if text and not text.endswith("because:") and text not in said:
+            said.append(text)
+    return "; ".join(said)
 
 
 _PROBES: dict[tuple[str, str, torch.dtype, int], str | None] = {}

@@ -15,6 +15,12 @@ import sys as _sys
 _sys.path.insert(0, str(ROOT))
 
 
+def inherited_path() -> list[str]:
+    """This process's PYTHONPATH entries, to keep behind a child process's own: where they hold the dependencies
+    (installed with ``pip --target``), a child without them could not import pydantic."""
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 def spec_paths(node, prefix=()):
     """Every path into a spec's plain data (keys and list indices), the root first: where mutations go."""
     yield prefix

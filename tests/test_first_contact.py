@@ -17,7 +17,7 @@ from omnispec.log import HARMLESS
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, inherited_path
 
 FLUX = TINY_OVERRIDES["flux"]
 SETS = [a for o in FLUX for a in ("--set", o)]
@@ -139,8 +139,9 @@ def test_a_librarys_syntax_warnings_reach_only_a_verbose_cli(tmp_path, verbosity
     invalid escape sequences on python 3.12: a note for its authors, which a run's stderr showed."""
     (tmp_path / "noisy_library.py").write_text("x = 1\nsame = x is 1\n")  # SyntaxWarning: "is" with a literal
     script = f"from omnispec.log import configure; configure({verbosity}); import noisy_library"
+    path = os.pathsep.join([str(tmp_path), str(ROOT), *inherited_path()])
     out = subprocess.run([sys.executable, "-B", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+                         env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr
     assert ("SyntaxWarning" in out.stderr) == shown, out.stderr
 

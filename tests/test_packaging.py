@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, inherited_path
 
 
 def _project():
@@ -74,6 +74,6 @@ def test_the_installed_wheel_runs_a_bundled_spec_by_name(tmp_path):
             "p = omnispec.build('digits', overrides=['runtime.progress=false', 'recipe.defaults.steps=2']); "
             "print(type(p.components['transformer']).__module__, p('seven', seed=0).array.shape)") % str(site)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(site)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *inherited_path()])})
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[0] == "omnispec.src_models.digits.model"

@@ -245,7 +245,7 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
             continue
         embedder = dict(denoiser.named_modules()).get(family.modulation_embedder or "")
         named = modulation_linears(family, denoiser, plain_only=False)
-        linears = modulation_linears(family, denoiser)
+        linears = [m for m in named if _table_takes(m)]
         if embedder is None or not named:
             raise SpecError.single(f"{name} has no {family.modulation_embedder!r} embedder or no modulation linears "
                                    f"({', '.join(family.modulation_linears)}) to precompute", FIELD)
@@ -266,7 +266,12 @@ def modulation_linears(family: Any, denoiser: torch.nn.Module, plain_only: bool 
     """``denoiser``'s modules that ``family.modulation_linears`` names: those a table takes (``torch.nn.Linear``s,
     not a quantization's linear classes), or with ``plain_only`` false all of them."""
     return [m for n, m in denoiser.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)
-            and (not plain_only or type(m) in (torch.nn.Linear, TabledLinear))]
+            and (not plain_only or _table_takes(m))]
+
+
+def _table_takes(module: torch.nn.Module) -> bool:
+    """Whether a table can stand in for ``module``: a plain (or already tabled) linear, not a quantization's class."""
+    return type(module) in (torch.nn.Linear, TabledLinear)
 
 
 def _leaves(family: Any) -> list[str]:

@@ -122,6 +122,17 @@ def _auto_device_is_the_cpu():
     build.resolve_device = resolve
 
 
+def int8_weight(weight) -> bool:
+    """Whether ``weight`` is torchao's int8 weight-only tensor, whatever torchao calls it: ``Int8Tensor`` (its data in
+    ``qdata``) in the 0.18 the project pins, ``AffineQuantizedTensor`` (in ``tensor_impl.int_data``) in the 0.17 that
+    torch 2.11 machines have."""
+    from torchao.utils import TorchAOBaseTensor
+
+    data = getattr(weight, "qdata", None)
+    data = getattr(getattr(weight, "tensor_impl", None), "int_data", None) if data is None else data
+    return isinstance(weight, TorchAOBaseTensor) and data is not None and str(data.dtype) == "torch.int8"
+
+
 def cpu_env(*paths: Path, **extra: str) -> dict[str, str]:
     """The environment for a process a test starts that runs models (ranks of a parallel run, a benchmark's smoke
     run): this one's, with CUDA hidden (``_auto_device_is_the_cpu`` for a process of its own) and the repository,

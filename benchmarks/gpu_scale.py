@@ -8,10 +8,10 @@ VAE decode's peak memory tiled against untiled.
 
 Wan 14B at 480x832x81 and LTX-2 19B at 512x768x121 (random bf16 weights at the real configs, the same seed on every
 rank, built by ``gpu_interpreter`` / ``gpu_ltx2``). The single-GPU row runs on rank 0 while the others wait. A
-configuration omnispec refuses for a family (LTX-2 has no tensor plan; its VAE decoder draws noise, so no
-vae_patch) is a row with the refusal, not an error. VAE rows: Wan's VAE at 720x1280x121 (its default tiles) and FLUX's at
-1024x1024 (512 px tiles, 64 px overlap), decode peak with tiling off and on, switched on as ``policies.vae.tiling``
-does.
+configuration omnispec refuses for a family (a family without a tensor plan, a VAE decoder that draws noise under
+vae_patch) is a row with the refusal, not an error. VAE rows: Wan's VAE at 720x1280x121 (its default tiles) and
+FLUX's at 1024x1024 (512 px tiles, 64 px overlap), decode peak with tiling off and on, switched on as
+``policies.vae.tiling`` does.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if gi.DEVICE == "cuda" else 0.0
 
 
+def _allocated_gib() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if gi.DEVICE == "cuda" else 0.0
+
+
 def _reset_peak() -> None:
     if gi.DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -96,12 +100,16 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
                              decode=label.endswith("vae_patch2"))
 
     _reset_peak()
+    before = _allocated_gib()  # the built pipeline, and whatever an earlier row failed to free
     with torch.no_grad():
         run(lo)
         med, samples = gi.per_step(run, lo, hi, repeats)
-    denoisers = [pipe.components[n] for n, c in pipe.spec.model.components.items() if c.role == "denoiser"]
+    # no name may keep a denoiser past here: a sharded one is freed only by the collection below (FSDP's hooks and
+    # prefetch lists hold it in cycles), and one still named then stays on the device into the next row
+    denoiser_bytes = sum(_local_bytes(pipe.components[n]) for n, c in pipe.spec.model.components.items()
+                         if c.role == "denoiser")
     row |= {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "peak_gib": _peak_gib(),
-            "denoiser_gib_per_rank": sum(_local_bytes(d) for d in denoisers) / 2**30}
+            "allocated_before_gib": before, "denoiser_gib_per_rank": denoiser_bytes / 2**30}
     pipe = mods = None
     gi.free_device_memory()
     if single:

@@ -194,7 +194,11 @@ def remove_hook(module: Any, name: str) -> None:
 
 
 def has_repeated_blocks(module: Any) -> bool:
-    return bool(getattr(module, "_repeated_blocks", None))
+    """Whether diffusers' ``compile_repeated_blocks`` finds blocks to compile in ``module``: the class names them
+    (``_repeated_blocks``) and submodules of exactly those class names are there. It compares ``type(m).__name__``,
+    so blocks that FSDP2's ``fully_shard`` gave a class of its own (``FSDPFluxTransformerBlock``) are not found."""
+    names = getattr(module, "_repeated_blocks", None) or ()
+    return any(type(m).__name__ in names for m in module.modules())
 
 
 # ---- tensor parallel --------------------------------------------------------------------------------------

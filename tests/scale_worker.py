@@ -42,7 +42,8 @@ def run_case(family: str, source: str, specs: str, sets: list[str], prompts: int
     audio = 0.0 if expected.audio is None else float(np.abs(got.audio - expected.audio).max())
     return {"image": max(float(np.abs(got.array - expected.array).max()), audio), "latents": lat,
             "shape": list(got.array.shape), "bytes": local_bytes(pipe.components["transformer"]),
-            "whole": whole}
+            "whole": whole, "compiled_blocks": sum(getattr(m, "_compiled_call_impl", None) is not None
+                                                   for m in pipe.components["transformer"].modules())}
 
 
 def main() -> None:

@@ -161,8 +161,14 @@ def two_ranks(flux_dir, wan_dir, ltx20_dir):
         "offload2-wan": ["wan", str(wan_dir), ["policies.parallel.shard=2", offload], 2],
         "vae_patch2-flux": ["flux", str(flux_dir), ["policies.parallel.cfg=2", "policies.parallel.vae_patch=2"], 2],
         "vae_patch2-wan": ["wan", str(wan_dir), ["policies.parallel.cfg=2", "policies.parallel.vae_patch=2"], 1],
+        # last: compiled blocks (their compiled code stays cached in the worker for the cases after them)
+        "tensor2-compiled-wan": ["wan", str(wan_dir), ["policies.parallel.tensor=2", REGIONAL], 2],
+        "shard2-compiled-flux": ["flux", str(flux_dir), ["policies.parallel.shard=2", REGIONAL], 3],
     }
     return _launch(2, cases)
+
+
+REGIONAL = "policies.compile.mode=regional"
 
 
 @pytest.mark.parametrize("name", ["tensor2-flux", "tensor2-wan", "tensor2-ltx2"])
@@ -176,6 +182,15 @@ def test_shard_2_equals_one_process_and_holds_half_the_weights(two_ranks, name):
     got = _check(two_ranks, name)
     parameters_only = got["whole"]["cpu"]
     assert got["bytes"]["cpu"] <= 0.55 * parameters_only  # half, plus the replicated buffers (RoPE tables)
+
+
+@pytest.mark.parametrize("name", ["tensor2-compiled-wan", "shard2-compiled-flux"])
+def test_compiled_blocks_under_tensor_and_shard_equal_one_process(two_ranks, name):
+    """``compile: regional`` is what tensor and shard take (``full`` is refused). Wan's split q/k norms all-reduce
+    inside its compiled blocks; the blocks FSDP2 shards get a class of its own, which diffusers'
+    ``compile_repeated_blocks`` looks for by name and would not find (it raised, naming the block classes)."""
+    got = _check(two_ranks, name)
+    assert got["compiled_blocks"] == 2  # each of the tiny model's two blocks
 
 
 @pytest.mark.parametrize("name", ["vae_patch2-flux", "vae_patch2-wan"])

@@ -45,6 +45,17 @@ def test_scale_out_rules_name_the_field_and_the_reason(sets, where, says):
     assert where in str(err.value) and says in str(err.value)
 
 
+def test_a_full_graph_of_each_block_is_refused_with_hooked_offload_and_taken_with_distributed_offload():
+    """diffusers' layerwise offload onloads from hooks the compiler cannot trace; distributed offload's onload is
+    FSDP2's all-gather, which compiles with the block (the compiled cases of ``two_ranks``)."""
+    regional = "policies.compile.mode=regional"
+    with pytest.raises(SpecError, match=r"policies.compile.fullgraph: layerwise offload .* onloads each block"):
+        load_spec(SPECS / "flux1-dev.yaml", overrides=["policies.offload.strategy=layerwise", regional])
+    spec = load_spec(SPECS / "flux1-dev.yaml", overrides=[
+        "policies.parallel.shard=2", "policies.offload={strategy: layerwise, distributed: true}", regional])
+    assert spec.policies.compile.fullgraph
+
+
 def test_world_size_counts_mesh_axes_and_not_vae_patch():
     spec = load_spec(SPECS / "flux1-dev.yaml", overrides=[
         "policies.parallel.shard=2", "policies.parallel.ulysses=2", "policies.parallel.vae_patch=2",
@@ -164,6 +175,7 @@ def two_ranks(flux_dir, wan_dir, ltx20_dir):
         # last: compiled blocks (their compiled code stays cached in the worker for the cases after them)
         "tensor2-compiled-wan": ["wan", str(wan_dir), ["policies.parallel.tensor=2", REGIONAL], 2],
         "shard2-compiled-flux": ["flux", str(flux_dir), ["policies.parallel.shard=2", REGIONAL], 3],
+        "offload2-compiled-flux": ["flux", str(flux_dir), ["policies.parallel.shard=2", offload, REGIONAL], 2],
     }
     return _launch(2, cases)
 
@@ -184,11 +196,12 @@ def test_shard_2_equals_one_process_and_holds_half_the_weights(two_ranks, name):
     assert got["bytes"]["cpu"] <= 0.55 * parameters_only  # half, plus the replicated buffers (RoPE tables)
 
 
-@pytest.mark.parametrize("name", ["tensor2-compiled-wan", "shard2-compiled-flux"])
+@pytest.mark.parametrize("name", ["tensor2-compiled-wan", "shard2-compiled-flux", "offload2-compiled-flux"])
 def test_compiled_blocks_under_tensor_and_shard_equal_one_process(two_ranks, name):
-    """``compile: regional`` is what tensor and shard take (``full`` is refused). Wan's split q/k norms all-reduce
-    inside its compiled blocks; the blocks FSDP2 shards get a class of its own, which diffusers'
-    ``compile_repeated_blocks`` looks for by name and would not find (it raised, naming the block classes)."""
+    """``compile: regional`` is what tensor and shard take (``full`` is refused), each block a full graph. Wan's
+    split q/k norms all-reduce inside its compiled blocks; the blocks FSDP2 shards get a class of its own, which
+    diffusers' ``compile_repeated_blocks`` looks for by name and would not find (it raised, naming the block
+    classes); with distributed offload FSDP2's hooks also bring each block's shard from host memory."""
     got = _check(two_ranks, name)
     assert got["compiled_blocks"] == 2  # each of the tiny model's two blocks
 

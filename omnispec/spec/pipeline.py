@@ -195,8 +195,10 @@ def _policy_problems(spec: PipelineSpec):
         )
     if policies.compile.mode != "none" and policies.compile.fullgraph:
         # diffusers' offload and cache hooks call compiler-disabled functions (onload, cache decisions) from
-        # inside the forwards being compiled: a full graph cannot contain them
-        if policies.offload.streams_blocks and policies.compile.mode == "regional":
+        # inside the forwards being compiled: a full graph cannot contain them. Distributed offload onloads
+        # through FSDP2's hooks instead, which compile with the blocks (tests/test_scale_out.py).
+        if (policies.offload.streams_blocks and not getattr(policies.offload, "distributed", False)
+                and policies.compile.mode == "regional"):
             yield ("policies", "compile", "fullgraph"), (
                 f"{policies.offload.strategy} offload (policies.offload.strategy) onloads each block from a hook "
                 "the compiler must not trace; set policies.compile.fullgraph: false (the block bodies still "

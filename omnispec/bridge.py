@@ -53,6 +53,8 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "recompile each block"),
     ("diffusers.models.attention_dispatch.AttentionBackendName", "_NATIVE_FLASH", "the attention backend ring "
      "attention needs (it returns the log-sum-exp that merges ring steps)"),
+    ("diffusers.WanTransformer3DModel", "_cp_plan", "which modules diffusers' context parallelism hooks to split "
+     "their inputs (Wan's first block): a compiled block carrying that hook cannot be one graph"),
     ("diffusers.FluxTransformer2DModel", "_tp_plan", "a model's tensor-parallel plan (which linears split by column "
      "or row); the public enable_parallelism(TensorParallelConfig) refuses CPU meshes and context parallelism on top"),
     ("diffusers.hooks.tensor_parallel", "_resolve_tp_plan", "a flat plan grouped per block, as parallelize_module "
@@ -201,6 +203,21 @@ def has_repeated_blocks(module: Any) -> bool:
     return any(type(m).__name__ in names for m in module.modules())
 
 
+def context_parallel_split_modules(module: Any) -> list[Any]:
+    """The submodules whose inputs diffusers' context parallelism splits (``enable_parallelism`` hooks them), per the
+    model class's plan, where an input split is a mapping (argument -> how) and an output gather is not: the root's
+    own entry (``""``) and the gathers left out."""
+    plan = getattr(type(module), "_cp_plan", None) or {}
+    found = []
+    for name, entry in plan.items():
+        if name and isinstance(entry, dict):
+            try:
+                found.append(module.get_submodule(name))
+            except AttributeError:  # a plan entry this configuration of the model does not build
+                continue
+    return found
+
+
 # ---- tensor parallel --------------------------------------------------------------------------------------
 
 def model_tensor_plan(module: Any) -> dict[str, Any] | None:
@@ -221,7 +238,8 @@ def parallelize_with_plan(module: Any, plan: dict[str, Any], mesh: Any) -> None:
 
 
 __all__ = ["CHECKED_AGAINST", "NATIVE_FLASH_BACKEND", "PRIVATE", "apply_layer_skip_hook", "cache_hook_names",
-           "denormalize_audio_latents", "denormalize_latents", "encode_vae_image", "has_repeated_blocks", "model_tensor_plan", "parallelize_with_plan",
+           "context_parallel_split_modules", "denormalize_audio_latents", "denormalize_latents", "encode_vae_image",
+           "has_repeated_blocks", "model_tensor_plan", "parallelize_with_plan",
            "hook_registry", "normalize_latents", "pack_audio_latents", "pack_latents", "prepare_latent_image_ids",
            "remove_hook", "set_cache_context", "unpack_audio_latents", "unpack_latents"]
 

@@ -38,6 +38,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.backend == "inductor" and (options := _torch_compile_options(policy)):
         kwargs["options"] = options
     _allow_block_variants()
+    split = 0
     for name, c in spec.model.components.items():
         if c.role != "denoiser":
             continue
@@ -48,10 +49,14 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             module.compile(**kwargs)
         else:
             _compile_blocks(name, module, family, kwargs)
+            if spec.policies.parallel.sequence > 1 and policy.fullgraph:
+                split += _split_blocks_with_breaks(module, kwargs)
             if policy.cudagraphs:
                 _new_generation_per_call(module)
         _mark_compiled(module)
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
+    if split:
+        options += f", {split} block(s) whose inputs sequence parallelism splits with graph breaks"
     if policy.backend == "inductor":
         options += ", eager rounding" if policy.eager_rounding else ""
         options += ", fixed reductions" if policy.reductions_fixed else ""
@@ -69,6 +74,17 @@ def _compile_blocks(name: str, module: Any, family: Any, kwargs: dict[str, Any])
         raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
     for block in blocks:
         block.compile(**kwargs)
+
+
+def _split_blocks_with_breaks(module: Any, kwargs: dict[str, Any]) -> int:
+    """Recompile, with graph breaks allowed, the compiled blocks whose inputs diffusers' context parallelism splits
+    (Wan's and Qwen-Image's first block): its hook runs inside the block's forward and reads the forward's signature
+    on every call, which dynamo cannot trace, so a full graph of such a block fails at its first call. The other
+    blocks stay whole graphs. Returns how many."""
+    hooked = [m for m in bridge.context_parallel_split_modules(module) if getattr(m, "_compiled_call_impl", None)]
+    for block in hooked:
+        block.compile(**{**kwargs, "fullgraph": False})
+    return len(hooked)
 
 
 def _compile_whole_as_graph(module: Any, kwargs: dict[str, Any]) -> None:

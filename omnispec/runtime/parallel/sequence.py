@@ -77,7 +77,9 @@ def _install_cpu_flash_kernel() -> None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, scale=scale)
         unused = query.new_empty(0, dtype=torch.int64)  # cumulative lengths / philox state: varlen and dropout only
-        return out, lse, unused, unused, query.shape[2], key.shape[2], unused, unused, query.new_empty(0)
+        # the CPU kernel's log-sum-exp is a (batch, heads, tokens) view of a token-major tensor; the CUDA op's (which
+        # the compiler's meta kernel describes) is contiguous
+        return out, lse.contiguous(), unused, unused, query.shape[2], key.shape[2], unused, unused, query.new_empty(0)
 
     library = torch.library.Library("aten", "IMPL")
     library.impl("_scaled_dot_product_flash_attention", flash_cpu, "CPU")

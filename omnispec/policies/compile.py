@@ -56,7 +56,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         _mark_compiled(module)
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
     if split:
-        options += f", {split} block(s) whose inputs sequence parallelism splits with graph breaks"
+        options += f", graph breaks in the {split} block(s) whose inputs sequence parallelism splits"
     if policy.backend == "inductor":
         options += ", eager rounding" if policy.eager_rounding else ""
         options += ", fixed reductions" if policy.reductions_fixed else ""

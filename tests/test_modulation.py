@@ -312,6 +312,13 @@ def test_refused_where_the_family_has_no_table(sd3_dir):
         build(sd3_dir, ON, spec="sd3.5-medium.yaml", family="sd3")
 
 
+def test_refused_with_a_sharded_denoiser(flux_dir):
+    """Refused before any weight loads (one process is enough): sharded, the build of the table met FSDP's DTensor
+    shards outside a block's forward and failed at the first request."""
+    with pytest.raises(SpecError, match=r"policies.mlp.precomputed_modulation: .* shard 2 splits over the ranks"):
+        build(flux_dir, ON, "policies.parallel.shard=2")
+
+
 def test_refused_with_an_offloaded_denoiser(flux_dir):
     with pytest.raises(SpecError, match=r"policies.mlp.precomputed_modulation: .* offload 'model' keeps off it"):
         build(flux_dir, ON, "policies.offload={strategy: model}")

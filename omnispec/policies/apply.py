@@ -66,6 +66,11 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
             problems.append(Problem("policies.mlp.precomputed_modulation",
                                     f"the table is built on the device from the denoiser's weights, which offload "
                                     f"{p.offload.strategy!r} keeps off it; use offload none"))
+        elif p.parallel.shard > 1:
+            problems.append(Problem("policies.mlp.precomputed_modulation",
+                                    f"the table is built from the denoiser's whole weights, which shard "
+                                    f"{p.parallel.shard} splits over the ranks (whole only inside each block's "
+                                    "forward); set this false or shard 1"))
     limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
     if limit:
         problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))

@@ -137,7 +137,7 @@ def cpu_env(*paths: Path, **extra: str) -> dict[str, str]:
     """The environment for a process a test starts that runs models (ranks of a parallel run, a benchmark's smoke
     run): this one's, with CUDA hidden (``_auto_device_is_the_cpu`` for a process of its own) and the repository,
     then ``paths``, first on PYTHONPATH (kept after them: an install there stays importable)."""
-    path = os.pathsep.join(str(p) for p in (ROOT, *paths, os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join([str(p) for p in (ROOT, *paths)] + inherited_path())
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **extra}
 
 

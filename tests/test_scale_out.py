@@ -19,6 +19,7 @@ from omnispec.testing import TINY_OVERRIDES
 from conftest import ROOT, SPECS, cpu_env
 
 TOL = 1e-4
+REGIONAL = "policies.compile.mode=regional"
 
 
 # ---- the spec's rules ---------------------------------------------------------------------------------------
@@ -48,11 +49,10 @@ def test_scale_out_rules_name_the_field_and_the_reason(sets, where, says):
 def test_a_full_graph_of_each_block_is_refused_with_hooked_offload_and_taken_with_distributed_offload():
     """diffusers' layerwise offload onloads from hooks the compiler cannot trace; distributed offload's onload is
     FSDP2's all-gather, which compiles with the block (the compiled cases of ``two_ranks``)."""
-    regional = "policies.compile.mode=regional"
     with pytest.raises(SpecError, match=r"policies.compile.fullgraph: layerwise offload .* onloads each block"):
-        load_spec(SPECS / "flux1-dev.yaml", overrides=["policies.offload.strategy=layerwise", regional])
+        load_spec(SPECS / "flux1-dev.yaml", overrides=["policies.offload.strategy=layerwise", REGIONAL])
     spec = load_spec(SPECS / "flux1-dev.yaml", overrides=[
-        "policies.parallel.shard=2", "policies.offload={strategy: layerwise, distributed: true}", regional])
+        "policies.parallel.shard=2", "policies.offload={strategy: layerwise, distributed: true}", REGIONAL])
     assert spec.policies.compile.fullgraph
 
 
@@ -181,8 +181,6 @@ def two_ranks(flux_dir, wan_dir, ltx20_dir):
     }
     return _launch(2, cases)
 
-
-REGIONAL = "policies.compile.mode=regional"
 
 
 @pytest.mark.parametrize("name", ["tensor2-flux", "tensor2-wan", "tensor2-ltx2"])

@@ -41,6 +41,7 @@ SMOKES = [
     ("gpu_replay_bits", ["--parts", "block,attn.to_q,ff.net.0", "--fused-gelu"], 1),
     ("gpu_parallel", ["--repeats", "1"], 2),
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code
+    ("gpu_shard_graphs", [], 1),
 ]
 # Rows a CPU cannot run by nature: diffusers' CUDA-only attention backends, which the GPU run measures.
 CUDA_ONLY = ("_native_cudnn", "_native_flash", "sdpa_cudnn", "sdpa_efficient")

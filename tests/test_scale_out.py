@@ -34,6 +34,9 @@ REGIONAL = "policies.compile.mode=regional"
     (["policies.offload={strategy: layerwise, distributed: true}"], "policies.offload.distributed",
      "policies.parallel.shard"),
     (["policies.parallel.shard=2", "policies.compile.mode=full"], "policies.compile.mode", "regional"),
+    # a one-rank FSDP2 mesh on an H200 recorded 3-4 new block graphs at every call (2026-12-04)
+    (["policies.parallel.shard=2", "policies.compile={mode: regional, cudagraphs: true}"],
+     "policies.compile.cudagraphs", "recorded again at every call"),
     (["policies.parallel.vae_patch=2", "policies.parallel.cfg=2"], "policies.parallel.vae_patch",
      "policies.vae.tiling"),
     (["policies.parallel.vae_patch=2", "policies.vae.tiling=true"], "policies.parallel.vae_patch",

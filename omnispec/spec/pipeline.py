@@ -219,6 +219,11 @@ def _policy_problems(spec: PipelineSpec):
                 f"the {policies.cache.kind} cache (policies.cache.kind) keeps block outputs from one step to a later "
                 "one, which a CUDA graph's next replay overwrites; turn one of them off (step_mask, which reuses "
                 "whole predictions, runs with it)")
+        if policies.parallel.shard > 1:
+            yield ("policies", "compile", "cudagraphs"), (
+                "sharding (policies.parallel.shard) gathers each block's weights into new memory at every call, and a "
+                "CUDA graph replays the addresses it recorded, so every block's graph would be recorded again at "
+                "every call; turn one of them off")
     if policies.compile.mode != "none":
         chosen_backends = {("default",): policies.attention.default} | {
             ("per_role", r): b for r, b in policies.attention.per_role.items()}

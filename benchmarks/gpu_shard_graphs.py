@@ -1,0 +1,135 @@
+"""Do sharded blocks keep their CUDA graphs? Why ``policies.parallel.shard`` with ``compile.cudagraphs`` is refused.
+
+``python -m benchmarks.gpu_shard_graphs [--calls 6] [--json FILE]``  (one process on one GPU; ``--smoke``: the CPU,
+gloo, without graphs: checks the script only)
+
+A tiny FLUX transformer (two double and two single blocks, bf16) is compiled the way a build compiles it under
+``compile: {mode: regional, cudagraphs: true}`` (omnispec's compile options, a new graph generation per call), once
+as it is and once with its blocks sharded by omnispec's shard axis (FSDP2 ``fully_shard`` per block, resharded after
+each forward) over a one-rank mesh, which gathers each block's weights at every call as N ranks do. Each row is one
+denoiser call: its largest difference from the uncompiled, unsharded model, and how many CUDA graphs the graph trees
+have recorded so far. Graphs recorded at every call mean the weights' addresses moved: the recording is paid again
+each call, and past torch's limit of unexpected re-recordings the blocks run without graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from . import gpu_interpreter as gi
+
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+
+
+def tiny_flux(dtype: torch.dtype) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+                                  attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                                  pooled_projection_dim=32, axes_dims_rope=(8, 12, 12),
+                                  guidance_embeds=True).to(gi.DEVICE, dtype).eval()
+
+
+def compiled_like_a_build(model: torch.nn.Module, graphs: bool) -> None:
+    """``model``'s blocks compiled as ``policies.compile`` regional (with ``cudagraphs``) compiles them."""
+    from omnispec.policies import compile as build_compile
+    from omnispec.spec.policies import CompilePolicy
+
+    policy = CompilePolicy(mode="regional", cudagraphs=graphs, backend="aot_eager" if gi.SMOKE else "inductor")
+    kwargs = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
+    if policy.backend == "inductor":
+        kwargs["options"] = build_compile._torch_compile_options(policy)
+    build_compile._compile_blocks("transformer", model, SimpleNamespace(block_lists=BLOCK_LISTS), kwargs)
+    if graphs:
+        build_compile._new_generation_per_call(model)
+
+
+class GraphCount:
+    """Counts the CUDA graphs inductor's graph trees record (``CUDAGraphNode``s made) while it is entered."""
+
+    def __enter__(self) -> GraphCount:
+        from torch._inductor import cudagraph_trees
+
+        self.node, self.recorded = cudagraph_trees.CUDAGraphNode, 0
+        self.original = self.node.__init__
+
+        def counting(node, *args, **kwargs):
+            self.recorded += 1
+            self.original(node, *args, **kwargs)
+
+        self.node.__init__ = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.node.__init__ = self.original
+
+
+def inputs(step: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    def randn(*shape):
+        return torch.randn(*shape, device=gi.DEVICE, dtype=dtype, generator=generator)
+
+    return dict(hidden_states=randn(1, 64, 16), encoder_hidden_states=randn(1, 8, 64), pooled_projections=randn(1, 32),
+                timestep=torch.tensor([0.9 - 0.1 * step], device=gi.DEVICE),
+                guidance=torch.tensor([3.5], device=gi.DEVICE), img_ids=torch.zeros(64, 3, device=gi.DEVICE),
+                txt_ids=torch.zeros(8, 3, device=gi.DEVICE), return_dict=False)
+
+
+def rows_for(sharded: bool, calls: int, mesh) -> list[dict]:
+    from omnispec.runtime.parallel.shard import shard_denoiser
+
+    dtype = torch.bfloat16 if gi.DEVICE == "cuda" else torch.float32
+    reference = tiny_flux(dtype)
+    model = copy.deepcopy(reference)
+    if sharded:
+        shard_denoiser(model, BLOCK_LISTS, SimpleNamespace(shard_mesh=mesh))
+    compiled_like_a_build(model, graphs=gi.DEVICE == "cuda")
+    generator = torch.Generator(gi.DEVICE).manual_seed(1)
+    rows = []
+    with GraphCount() as graphs, torch.no_grad():
+        for call in range(calls):
+            x = inputs(call, dtype, generator)
+            want, got = reference(**x)[0], model(**x)[0]
+            rows.append({"blocks": "sharded" if sharded else "whole", "call": call,
+                         "max_abs_diff": (got.float() - want.float()).abs().max().item(),
+                         "graphs_recorded": graphs.recorded})
+            print(json.dumps(rows[-1]), flush=True)
+    torch._dynamo.reset()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=6)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="the CPU, gloo, no graphs (checks the script only)")
+    args = parser.parse_args()
+    if args.smoke:
+        gi.enable_smoke()
+    import diffusers
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with tempfile.TemporaryDirectory() as folder:
+        store = dist.FileStore(f"{folder}/store", 1)  # one rank: no port to pick
+        dist.init_process_group("nccl" if gi.DEVICE == "cuda" else "gloo", store=store, rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh(gi.DEVICE, (1,))
+            calls = 3 if args.smoke else args.calls
+            rows = rows_for(False, calls, mesh) + rows_for(True, calls, mesh)
+        finally:
+            dist.destroy_process_group()
+    if args.json:
+        versions = {"torch": torch.__version__, "diffusers": diffusers.__version__}
+        args.json.write_text(json.dumps({"rows": rows, "versions": versions}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,8 @@ Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not d
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -302,15 +304,51 @@ def _profiled(label: str, run, steps: int) -> dict:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gi.DEVICE == "cuda" else [])
         gi._sync()
         start = time.perf_counter()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities) as prof, graph_input_copies() as (copied, _):
             run(1 + steps)
             gi._sync()
         wall = time.perf_counter() - start
     row = {"part": "profile", "config": label, "steps_profiled": 1 + steps,
            "wall_ms_per_step": wall * 1e3 / (1 + steps), **kernel_summary(prof, 1 + steps, "_per_step"),
-           "idle": idle_summary(prof, 1 + steps)}
+           "idle": idle_summary(prof, 1 + steps),
+           "graph_input_copies": [{"shape": list(shape), "dtype": dtype, "copies_per_step": n / (1 + steps),
+                                   "mib_per_step": n * nbytes / 2**20 / (1 + steps)}
+                                  for (shape, dtype, nbytes), n in copied.most_common()]}
     print(json.dumps(row), flush=True)
     return row
+
+
+@contextlib.contextmanager
+def graph_input_copies():
+    """Count the tensors CUDA graph trees copy into a recorded graph's inputs before each replay (those computed
+    outside the graphs: not a parameter, a buffer, a tensor marked static or an earlier graph's output), by shape,
+    dtype and bytes, and collect them as (data pointer, shape). Patches a private method of ``torch._inductor.cudagraph_trees``
+    (a diagnostic of this benchmark and the tests: torch reports the copies' count,
+    ``cudagraph_recorded_non_static_inputs``, at recording, but not what they are); yields ``(Counter, set)``, empty
+    where that method is missing."""
+    copied: collections.Counter = collections.Counter()
+    sources: set[tuple[int, tuple[int, ...]]] = set()
+    from torch._inductor import cudagraph_trees
+
+    node = cudagraph_trees.CUDAGraphNode
+    original = getattr(node, "_copy_inputs_and_remove_from_src", None)
+    if original is None:
+        yield copied, sources
+        return
+
+    def counting(self, dsts, srcs):
+        for index in self.non_static_input_idx:
+            if isinstance(srcs[index], torch.Tensor):
+                t = srcs[index]
+                copied[(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())] += 1
+                sources.add((t.data_ptr(), tuple(t.shape)))
+        return original(self, dsts, srcs)
+
+    node._copy_inputs_and_remove_from_src = counting
+    try:
+        yield copied, sources
+    finally:
+        node._copy_inputs_and_remove_from_src = original
 
 
 def idle_summary(prof, per: int, largest: int = 15) -> dict:

@@ -614,6 +614,59 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
     mine._compiled_call_impl = None
 
 
+def test_regional_graphs_keep_the_rotary_embedding_in_static_storage(flux_dir, plain_flux, monkeypatch):
+    """Under regional CUDA graphs each block's graph copies the inputs computed outside the graphs before its replay;
+    FLUX's rotary embedding (the family's ``shared_block_inputs``) is kept in storage marked static instead, written
+    once per denoiser call. The same storage at each call without gradients, fresh tensors with gradients or for a
+    second output of one shape within a call, the values unchanged, and a rebuild without graphs unhooks it."""
+    import torch
+
+    from omnispec.policies.compile import SHARED_INPUTS_HOOK
+
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: None)  # the blocks eager: values exact
+    pipe, image = run(flux_dir, "flux1-dev.yaml", "flux", "policies.compile={mode: regional, cudagraphs: true}")
+    np.testing.assert_array_equal(image, plain_flux)
+    assert "pos_embed, time_text_embed kept in place for the blocks' graphs" in pipe.explain()
+    dit = pipe.components["transformer"]
+    weight = next(dit.parameters())
+    ids = torch.randn(24, 3, device=weight.device)
+    handed = []
+    monkeypatch.setattr(dit.transformer_blocks[0], "forward", lambda *a, **kw: handed.append(
+        kw["image_rotary_emb"]) or (kw["encoder_hidden_states"], kw["hidden_states"]))
+    at = dict(device=weight.device, dtype=weight.dtype)
+
+    def call():
+        return dit(hidden_states=torch.randn(1, 16, dit.config.in_channels, **at),
+                   encoder_hidden_states=torch.randn(1, 8, dit.config.joint_attention_dim, **at),
+                   pooled_projections=torch.randn(1, dit.config.pooled_projection_dim, **at),
+                   timestep=torch.tensor([0.5], **at), img_ids=ids[:16], txt_ids=ids[16:],
+                   guidance=torch.tensor([3.5], **at), return_dict=False)
+
+    with torch.no_grad():
+        call()
+        call()
+    with torch.enable_grad():
+        call()
+    (cos0, sin0), (cos1, sin1), (cos2, sin2) = handed
+    assert cos0 is cos1 and sin0 is sin1 and cos0.data_ptr() != sin0.data_ptr()  # one storage per place, kept
+    assert cos0._dynamo_static_input_type == "unguarded"
+    assert cos2 is not cos0 and not hasattr(cos2, "_dynamo_static_input_type")  # with gradients: as computed
+    want = type(dit.pos_embed).forward(dit.pos_embed, torch.cat([ids[16:], ids[:16]]))
+    torch.testing.assert_close(cos0, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin0, want[1], rtol=0, atol=0)
+    with torch.no_grad():  # a second output of one shape within a denoiser call is handed over as computed
+        first, second = dit.pos_embed(ids[:20]), dit.pos_embed(ids[:20])
+    assert first[0]._dynamo_static_input_type == "unguarded"
+    assert second[0] is not first[0] and not hasattr(second[0], "_dynamo_static_input_type")
+    again = omnispec.build(SPECS / "flux1-dev.yaml", components=dict(pipe.components),
+                           overrides=[*TINY_OVERRIDES["flux"]], device=str(weight.device))
+    from omnispec.bridge import hook_registry
+
+    registry = hook_registry(again.components["transformer"].pos_embed)
+    assert registry is None or registry.get_hook(SHARED_INPUTS_HOOK) is None
+    assert not again.components["transformer"]._forward_pre_hooks
+
+
 def test_a_whole_denoiser_graph_hands_out_copies_and_starts_a_generation_per_call(flux_dir, monkeypatch):
     """``mode: full`` with ``cudagraphs``: the whole call is compiled (not ``Module.compile``, whose hooks would run
     inside the graph); without gradients each call starts a generation and returns copies of the graph's outputs,
@@ -702,6 +755,49 @@ def test_a_whole_denoiser_graph_gives_the_eager_images_on_cuda(flux_dir):
     for want, got in zip(eager, graphs, strict=True):
         assert np.abs(got - want).max() <= 1e-3
     assert np.abs(graphs[0] - graphs[1]).max() > 1e-2
+
+
+# The families with ``shared_block_inputs``, each as the tiny checkpoint runs.
+SHARED_INPUT_CASES = {
+    "flux": ("flux1-dev.yaml", "flux_dir", TINY_OVERRIDES["flux"]),
+    "wan": ("wan2.1-t2v-1.3b.yaml", "wan_dir", TINY_OVERRIDES["wan"]),
+    "qwen_image": ("qwen-image.yaml", "qwen_image_dir", TINY_OVERRIDES["qwen_image"]),
+    "ltx2": ("ltx2-t2v.yaml", "ltx2_dir", TINY_OVERRIDES["ltx2"]),
+    "hunyuan_video15": ("hunyuanvideo-1.5-t2v.yaml", "hunyuan_video15_dir", TINY_OVERRIDES["hunyuan_video15"]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(SHARED_INPUT_CASES))
+def test_regional_graphs_copy_none_of_the_shared_block_inputs_on_cuda(family, request):
+    """On the GPU, through inductor's real CUDA-graph trees: the blocks' graphs copy none of the tensors the family's
+    ``shared_block_inputs`` hand them (without ``KeptBlockInputs`` each block copies them before every replay; the
+    first block's hidden states, from the eager embedders, are still copied, as is a view the denoiser takes of a kept
+    tensor, Wan's timestep projection), and two requests in a row give the eager outputs within float32 roundings."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    from benchmarks.gpu_policies import graph_input_copies
+    from omnispec.bridge import hook_registry
+    from omnispec.policies.compile import SHARED_INPUTS_HOOK
+
+    spec, checkpoint, overrides = SHARED_INPUT_CASES[family]
+    source = request.getfixturevalue(checkpoint)
+    outputs = {}
+    for graphs in (False, True):
+        pipe = omnispec.build(SPECS / spec, source=str(source), device="cuda", overrides=[
+            *overrides, *(["policies.compile={mode: regional, cudagraphs: true}"] if graphs else [])])
+        outputs[graphs] = [pipe("a cat", seed=0).array]
+        with graph_input_copies() as (copied, sources):
+            outputs[graphs].append(pipe("a dog on a skateboard", seed=0).array)
+    registries = [hook_registry(m) for m in pipe.components["transformer"].modules()]
+    kept = {(t.data_ptr(), tuple(t.shape)) for r in registries if r is not None
+            and (hook := r.get_hook(SHARED_INPUTS_HOOK)) for t in hook.storage.values()}
+    for want, got in zip(outputs[False], outputs[True], strict=True):
+        assert np.abs(got - want).max() <= 1e-3
+    assert kept and copied, f"kept {len(kept)}, copied {copied}: the counting missed the replays"
+    assert not kept & sources, copied
 
 
 def test_magcache_needs_ratios_or_calibration():

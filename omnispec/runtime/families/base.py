@@ -180,6 +180,10 @@ class Family:
     # MLP side by side, projected back together), given the denoiser and the fused operators the policy hands over
     # (``policies.mlp.MlpOperators``); None: the family has no such blocks.
     parallel_mlp_hooks: ClassVar[Callable[[Any, Any], list[tuple[Any, Any]]] | None] = None
+    # Modules of the denoiser called once per forward whose outputs every block reads (the rotary embedding, the
+    # timestep embedding, the text states the cross-attentions read): under regional CUDA graphs they are kept in
+    # static storage (``compile.KeptBlockInputs``) instead of being copied into every block's graph before each replay.
+    shared_block_inputs: ClassVar[tuple[str, ...]] = ()
     # ``policies.mlp.precomputed_modulation``: the denoiser's module whose output is the embedding every modulation
     # linear reads (each through a SiLU), and fnmatch patterns of those linears' names; ``modulation_embeddings``
     # computes that embedding for every step ahead. None: the family has none, and the field is refused.

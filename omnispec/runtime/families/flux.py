@@ -110,6 +110,7 @@ class FluxFamily(PackedLatents, Family):
     context_parallel = True
     pipeline_class = FluxPipeline
     block_lists = ("transformer_blocks", "single_transformer_blocks")
+    shared_block_inputs = ("pos_embed", "time_text_embed")
     attention_roles = {"joint": ("transformer_blocks.*.attn",), "single": ("single_transformer_blocks.*.attn",)}
     required = {
         "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",

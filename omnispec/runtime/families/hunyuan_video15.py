@@ -26,6 +26,7 @@ class HunyuanVideo15Family(Family):
     name = "hunyuan_video15"
     pipeline_class = HunyuanVideo15Pipeline
     block_lists = ("transformer_blocks",)
+    shared_block_inputs = ("rope",)
     attention_roles = {"joint": ("transformer_blocks.*.attn",),
                        "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}
     cache_limits = {"first_block": UNREGISTERED, "magcache": UNREGISTERED}

@@ -35,6 +35,7 @@ class LTX2Family(Family):
     modalities = (MODALITY,)
     max_images = 1
     block_lists = ("transformer_blocks",)
+    shared_block_inputs = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
     attention_roles = {
         "video_self": ("transformer_blocks.*.attn1",), "audio_self": ("transformer_blocks.*.audio_attn1",),
         "video_cross": ("transformer_blocks.*.attn2",), "audio_cross": ("transformer_blocks.*.audio_attn2",),

@@ -33,6 +33,7 @@ class QwenImageFamily(PackedLatents, Family):
     context_parallel = True
     tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
     block_lists = ("transformer_blocks",)
+    shared_block_inputs = ("pos_embed", "time_text_embed")
     ragged_passes_apart = True  # QwenImagePipeline's true CFG: two forwards, each prompt at its own length
     attention_roles = {"joint": ("transformer_blocks.*.attn",)}
     modulation_embedder = "time_text_embed"

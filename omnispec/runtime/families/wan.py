@@ -16,6 +16,7 @@ class WanFamily(Family):
     context_parallel = True
     pipeline_class = WanPipeline
     block_lists = ("blocks",)
+    shared_block_inputs = ("rope", "condition_embedder")
     attention_roles = {"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
     tensor_parallel_refusal = None

@@ -248,11 +248,10 @@ def _keep_shared_block_inputs(module: Any, family: Any) -> list[str]:
     """Hook the family's ``shared_block_inputs`` modules of ``module`` (``KeptBlockInputs``), each call of ``module``
     clearing what they saw; returns the names hooked."""
     named = dict(module.named_modules())
-    hooks: list[KeptBlockInputs] = []
-    for name in family.shared_block_inputs:
-        if name in named:
-            hooks.append(hook := KeptBlockInputs())
-            HookRegistry.check_if_exists_or_initialize(named[name]).register_hook(hook, SHARED_INPUTS_HOOK)
+    names = [name for name in family.shared_block_inputs if name in named]
+    hooks = [KeptBlockInputs() for _ in names]
+    for name, hook in zip(names, hooks, strict=True):
+        HookRegistry.check_if_exists_or_initialize(named[name]).register_hook(hook, SHARED_INPUTS_HOOK)
 
     def clear(_module: Any, _args: Any) -> None:
         for hook in hooks:
@@ -260,13 +259,13 @@ def _keep_shared_block_inputs(module: Any, family: Any) -> list[str]:
 
     if hooks:
         module._omnispec_shared_inputs_calls = module.register_forward_pre_hook(clear)
-    return [name for name in family.shared_block_inputs if name in named]
+    return names
 
 
 def _uncompiled(module: Any) -> None:
     """``module`` and its blocks as an earlier build found them: the forwards that build compiled
-    (``Module.compile``'s ``_compiled_call_impl``) plain again, its CUDA-graph generation hook gone; what the caller
-    compiled before handing the module in stays."""
+    (``Module.compile``'s ``_compiled_call_impl``) plain again, its CUDA-graph hooks (generations, kept block inputs)
+    gone; what the caller compiled before handing the module in stays."""
     for attribute in ("_omnispec_cudagraph_generations", "_omnispec_shared_inputs_calls"):
         if (handle := getattr(module, attribute, None)) is not None:
             handle.remove()

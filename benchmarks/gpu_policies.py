@@ -105,16 +105,18 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of a denoiser as diffusers made it, whatever an omnispec build did to it: without the attention hooks
     (a per-module hooked forward makes dynamo recompile each repeated block), the fused q/k and feed-forward
     processors and hooks (they hold omnispec's custom operators, which cannot be copied: shared by the copy, then
-    removed from it) and the compiled calls (a copy would share the original's compiled code; the peer compiles
-    its own)."""
+    removed from it), the CUDA-graph hooks (graph generations, kept block inputs) and the compiled calls (a copy
+    would share the original's compiled code; the peer compiles its own)."""
     import copy
 
     from omnispec.policies import mlp
     from omnispec.policies.attention import unfused_attention
+    from omnispec.policies.compile import uncompiled
     from omnispec.policies.qk_norm_rope import qk_norm_rope
 
     twin = copy.deepcopy(module, memo={id(op): op for op in (mlp.OPERATORS, qk_norm_rope)})
     mlp.unfuse_gelus(twin)
+    uncompiled(twin)
     for m in twin.modules():
         unfused_attention(m)
         m._compiled_call_impl = None
@@ -322,10 +324,10 @@ def _profiled(label: str, run, steps: int) -> dict:
 def graph_input_copies():
     """Count the tensors CUDA graph trees copy into a recorded graph's inputs before each replay (those computed
     outside the graphs: not a parameter, a buffer, a tensor marked static or an earlier graph's output), by shape,
-    dtype and bytes, and collect them as (data pointer, shape). Patches a private method of ``torch._inductor.cudagraph_trees``
-    (a diagnostic of this benchmark and the tests: torch reports the copies' count,
-    ``cudagraph_recorded_non_static_inputs``, at recording, but not what they are); yields ``(Counter, set)``, empty
-    where that method is missing."""
+    dtype and bytes, and collect them as (data pointer, shape). Patches a private method of
+    ``torch._inductor.cudagraph_trees`` (a diagnostic of this benchmark and the tests: torch reports the copies'
+    count, ``cudagraph_recorded_non_static_inputs``, at recording, but not what they are); yields ``(Counter, set)``,
+    empty where that method is missing."""
     copied: collections.Counter = collections.Counter()
     sources: set[tuple[int, tuple[int, ...]]] = set()
     from torch._inductor import cudagraph_trees

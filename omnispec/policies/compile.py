@@ -36,7 +36,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     policy = spec.policies.compile
     for name, c in spec.model.components.items():  # a rebuild over the same modules starts from them uncompiled
         if c.role in ("denoiser", "vae") and hasattr(components.get(name), "modules"):
-            _uncompiled(components[name])
+            uncompiled(components[name])
     if policy.mode == "none":
         return "none"
     kwargs: dict[str, Any] = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
@@ -262,7 +262,7 @@ def _keep_shared_block_inputs(module: Any, family: Any) -> list[str]:
     return names
 
 
-def _uncompiled(module: Any) -> None:
+def uncompiled(module: Any) -> None:
     """``module`` and its blocks as an earlier build found them: the forwards that build compiled
     (``Module.compile``'s ``_compiled_call_impl``) plain again, its CUDA-graph hooks (generations, kept block inputs)
     gone; what the caller compiled before handing the module in stays."""

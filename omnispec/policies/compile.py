@@ -208,11 +208,11 @@ class KeptBlockInputs(ModelHook):
     """On a denoiser module whose output every block reads (the family's ``shared_block_inputs``: the rotary
     embedding), under regional CUDA graphs: without gradients, its output tensors copied into storage kept per place
     and shape and marked static (``torch._dynamo.mark_static_address``), so each block's graph reads them where they
-    lie. Otherwise the graph trees copy such an input into every block's recorded input before each replay: on
-    FLUX.1-dev 1024² the rotary cos and sin, 114 copies and 0.96 ms a step (H200, 2026-12-04); this leaves one copy of
-    each a step. With gradients the output passes as it is: a pending backward may read what a later forward would
-    overwrite, and its graphs then copy as before. So does a second output of one place and shape within one denoiser
-    call (``seen``, cleared as each call starts), which would overwrite the first while the blocks still read it."""
+    lie. Otherwise the graph trees copy such an input into every block's recorded input before each replay (FLUX.1:
+    the rotary cos and sin, twice per block and step); this leaves one copy of each a step. With gradients the output
+    passes as it is: a pending backward may read what a later forward would overwrite, and its graphs then copy as
+    before. So does a second output of one place and shape within one denoiser call (``seen``, cleared as each call
+    starts), which would overwrite the first while the blocks still read it."""
 
     KEEP = 8  # stored tensors, the least recently used dropped past it (a dropped shape's graphs record again)
 

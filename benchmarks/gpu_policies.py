@@ -381,9 +381,10 @@ def idle_summary(prof, per: int, largest: int = 15) -> dict:
             "largest_us": [{"us": us, "after": prev, "before": nxt} for us, prev, nxt in sorted(gaps)[::-1][:largest]]}
 
 
-def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
+def kernel_summary(prof, per: int, unit: str, largest: int = 12, per_kind: int = 5) -> dict:
     """A finished profile's device kernels, grouped by ``KERNEL_KINDS``, in ms per ``per`` (steps, rollouts), with
-    the ``largest`` kernels by time; on the CPU (smoke runs), the operators' CPU time instead."""
+    the ``largest`` kernels by time and each kind's ``per_kind`` largest (what makes up "other", say); on the CPU
+    (smoke runs), the operators' CPU time instead."""
     device = gi.DEVICE == "cuda"
     kernels = {}
     for event in prof.key_averages():
@@ -392,13 +393,21 @@ def kernel_summary(prof, per: int, unit: str, largest: int = 12) -> dict:
             kernels[event.key] = (kernels.get(event.key, (0.0, 0))[0] + spent, event.count)
     per_unit = {name: (us / 1e3 / per, count / per) for name, (us, count) in kernels.items()}
     kinds: dict[str, float] = {}
+    members: dict[str, list[str]] = {}
     for name, (ms, _) in per_unit.items():
         kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + ms
-    top = sorted(per_unit.items(), key=lambda item: -item[1][0])[:largest]
+        members.setdefault(kind, []).append(name)
+
+    def rows(names: list[str], n: int) -> list[dict]:
+        top = sorted(names, key=lambda name: -per_unit[name][0])[:n]
+        return [{"kernel": name[:120], f"ms{unit}": per_unit[name][0], f"calls{unit}": per_unit[name][1]}
+                for name in top]
+
     return {f"device_busy_ms{unit}": sum(kinds.values()),
             f"kinds_ms{unit}": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "largest": [{"kernel": name[:120], f"ms{unit}": ms, f"calls{unit}": calls} for name, (ms, calls) in top]}
+            "largest": rows(list(per_unit), largest),
+            "largest_per_kind": {kind: rows(names, per_kind) for kind, names in members.items()}}
 
 
 # Variant options that change the model rather than the compile policy (an experiment of this benchmark):

@@ -29,8 +29,10 @@ Single-GPU parts. ``eager`` is diffusers' own pipeline on the untouched modules;
 denoiser (what they patch stays off the originals); omnispec builds over the modules with ``attention: sdpa``.
 - compile: per-step time (N_hi - N_lo steps) of cache-dit's compile path against omnispec ``compile: regional``
   (``--omnispec-compile``: other omnispec configurations, as gpu_policies' ``--compile-variants``);
-  compile seconds, what dynamo did, first denoiser output's cosine to eager. ``--compile-extra`` adds omnispec
-  regional under cache-dit's inductor settings (separates the settings from the regions compiled).
+  compile seconds, what dynamo did, first denoiser output's cosine to eager. ``--compile-rounds N`` then keeps the
+  first omnispec configuration and cache-dit's built and times them in N interleaved rounds (ABBA): one paired ratio
+  a round, which the clock's drift between processes at the power cap does not reach. ``--compile-extra`` adds
+  omnispec regional under cache-dit's inductor settings (separates the settings from the regions compiled).
 - step_mask: one fixed compute/reuse pattern, cache-dit's ``steps_mask(total_steps, mask_policy)``, run by
   cache-dit (``DBCacheConfig(steps_computation_mask=..., steps_computation_policy="static")``) and by omnispec
   (``cache: {kind: step_mask, mask: ...}``); whole-request time at the workload's cache steps.
@@ -419,6 +421,37 @@ def process_wide_compile_settings():
         torch.set_float32_matmul_precision(precision)
 
 
+@contextlib.contextmanager
+def cachedit_settings():
+    """cache-dit's process-wide settings for what runs inside, the earlier ones back after (its interleaved rounds)."""
+    with process_wide_compile_settings():
+        _peer("cache_dit").set_compile_configs()
+        torch.set_float32_matmul_precision("high")
+        yield
+
+
+def _interleaved_row(wl: Workload, sides: dict[str, tuple], rounds: int) -> dict:
+    """Two built and compiled sides' per-step times in ``rounds`` rounds, the order flipped each round (ABBA), and
+    each round's ratio of the second side's time to the first's. The rounds are paired samples: the clock at the
+    power cap moves both alike within a round, where separate processes differed by about 1.5% (BENCHMARKS.md,
+    2026-12-04)."""
+    lo, hi = wl.w["steps"]
+    names = list(sides)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for index in range(rounds):
+        for n in names if index % 2 == 0 else names[::-1]:
+            run, settings = sides[n]
+            with settings():
+                med, _ = _per_step(run, lo, hi, 1)
+            samples[n].append(med * 1e3)
+    first, second = names
+    ratios = [b / a for a, b in zip(samples[first], samples[second], strict=True)]
+    return emit({"part": "compile", "workload": wl.name, "engine": "both", "config": f"interleaved: {first} | {second}",
+                 "rounds": rounds, "samples_ms": samples,
+                 "median_ms_per_step": {n: statistics.median(v) for n, v in samples.items()},
+                 "second_over_first_per_round": ratios, "second_over_first": statistics.median(ratios)})
+
+
 def cachedit_compile(transformer: torch.nn.Module) -> dict:
     """cache-dit's compile path, as its CLI's ``maybe_compile_transformer`` runs it (``--compile``)."""
     cache_dit = _peer("cache_dit")
@@ -513,6 +546,8 @@ def _twin(wl: Workload) -> torch.nn.Module:
 def compile_part(wl: Workload, args) -> None:
     name = wl.name
     wl.eager_step()
+    # with --compile-rounds the first omnispec row and cache-dit's stay built for the interleaved rounds after them
+    sides: dict[str, tuple] = {}
     # omnispec first: cache-dit's process-wide settings must not reach it (they are restored anyway)
     for variant in args.omnispec_compile.split(","):
         label = "compile: " + variant.replace("+", " + ")
@@ -521,16 +556,19 @@ def compile_part(wl: Workload, args) -> None:
             overrides = gp.compile_overrides(variant)
             pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, overrides)
             applied = pipe.explain(as_dict=True).get("applied", {})
+            run = omnispec_runner(pipe, name)
             _step_row(wl, "compile", "omnispec", label,
                       {"spec": overrides, "attention": pipe.explain(as_dict=True).get("attention"),
                        "explain": applied.get("compile"),
-                       "mlp": applied.get("mlp"), "modulation": applied.get("modulation")},
-                      omnispec_runner(pipe, name), twin)
+                       "mlp": applied.get("mlp"), "modulation": applied.get("modulation")}, run, twin)
+            if args.compile_rounds and not sides:
+                sides[f"omnispec {label}"] = (run, contextlib.nullcontext)
         except Exception as exc:  # noqa: BLE001 - keep the other rows
             error_row("compile", name, "omnispec", label, exc)
-        pipe = twin = None
-        gi.free_device_memory()
-        torch._dynamo.reset()
+        pipe = twin = run = None
+        if not sides:  # a kept side's compiled code stays
+            gi.free_device_memory()
+            torch._dynamo.reset()
 
     with process_wide_compile_settings():
         try:
@@ -539,11 +577,20 @@ def compile_part(wl: Workload, args) -> None:
             run = diffusers_runner(diffusers_pipeline(name, wl.mods, twin), name)
             _step_row(wl, "compile", "cache-dit", "compile path", {**how, "pipeline": WORK[name]["pipeline"]}, run,
                       twin)
+            if sides:
+                sides["cache-dit compile path"] = (run, cachedit_settings)
         except Exception as exc:  # noqa: BLE001
             error_row("compile", name, "cache-dit", "compile path", exc)
         twin = run = None
-        gi.free_device_memory()
-        torch._dynamo.reset()
+    if len(sides) == 2:
+        try:
+            _interleaved_row(wl, sides, args.compile_rounds)
+        except Exception as exc:  # noqa: BLE001
+            error_row("compile", name, "both", "interleaved rounds", exc)
+    sides.clear()
+    gi.free_device_memory()
+    torch._dynamo.reset()
+    with process_wide_compile_settings():
         if args.compile_extra:
             try:
                 _peer("cache_dit").set_compile_configs()
@@ -1170,7 +1217,9 @@ def table() -> None:
         f = r.get("forwards")
         fw = f"{f['full_forwards']} / {f['block_computes_in_full_forwards']}" if f else ""
         note = ""
-        if "time_ratio_vs_diffusers_offload" in r:
+        if "second_over_first" in r:
+            note = f"second / first {r['second_over_first']:.3f} (median of {r['rounds']} interleaved rounds)"
+        elif "time_ratio_vs_diffusers_offload" in r:
             note = f"{r['time_ratio_vs_diffusers_offload']:.2f}x diffusers' offload"
         elif "denoiser_cosine_vs_eager" in r:
             note = f"cos {r['denoiser_cosine_vs_eager']:.5f}"
@@ -1200,6 +1249,9 @@ def main() -> None:
     parser.add_argument("--omnispec-compile", default="regional",
                         help="omnispec's rows of the compile part, comma-separated, as gpu_policies' "
                              "--compile-variants (e.g. regional,regional+cudagraphs+qk_norm_rope+fused_gelu)")
+    parser.add_argument("--compile-rounds", type=int, default=0, metavar="N",
+                        help="then N interleaved rounds (ABBA) of the first omnispec row against cache-dit's, both "
+                             "kept built: a paired ratio per round")
     parser.add_argument("--compile-extra", action="store_true",
                         help="also omnispec regional compile under cache-dit's inductor settings")
     parser.add_argument("--offload-steps", type=int, default=4)

@@ -80,7 +80,7 @@ def test_compile_part_runs_each_omnispec_variant_asked(peers, monkeypatch):
     wl = peers.Workload("flux", 1, 1e12)
     peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager,"
                                                   "regional+backend=aot_eager+fused_gelu+modulation",
-                                 compile_extra=False))
+                                 compile_extra=False, compile_rounds=0))
     ours = [r for r in peers.ROWS if r.get("engine") == "omnispec"]
     assert [r["config"] for r in ours] == ["compile: regional + backend=aot_eager",
                                            "compile: regional + backend=aot_eager + fused_gelu + modulation"]
@@ -88,3 +88,33 @@ def test_compile_part_runs_each_omnispec_variant_asked(peers, monkeypatch):
     assert ours[0]["settings"]["mlp"] is None and ours[1]["settings"]["mlp"].startswith("transformer: bias + GELU")
     assert ours[0]["settings"]["modulation"] is None
     assert re.match(r"transformer: \d+ modulation linears from a table", ours[1]["settings"]["modulation"])
+
+
+@pytest.mark.timeout(180)
+def test_compile_rounds_interleave_the_first_omnispec_row_with_the_peer(peers, monkeypatch):
+    """``--compile-rounds``: both sides stay built after their rows and run in turns, the order flipped each round;
+    one paired ratio per round. The peer's compile path stands in as the same regional compile (aot_eager)."""
+    import contextlib
+
+    def stand_in(twin):
+        twin.compile_repeated_blocks(fullgraph=False, backend="aot_eager")
+        return {"call": "stand-in"}
+
+    monkeypatch.setattr(peers, "cachedit_compile", stand_in)
+    monkeypatch.setattr(peers, "cachedit_settings", contextlib.nullcontext)
+    timed, per_step = [], peers._per_step
+    monkeypatch.setattr(peers, "_per_step", lambda run, *a: timed.append(run.__qualname__.split(".")[0]) or per_step(
+        run, *a))
+    wl = peers.Workload("flux", 1, 1e12)
+    peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager", compile_extra=False,
+                                 compile_rounds=3))
+    assert not [r for r in peers.ROWS if "error" in r], peers.ROWS
+    row = peers.ROWS[-1]
+    first, second = "omnispec compile: regional + backend=aot_eager", "cache-dit compile path"
+    assert row["config"] == f"interleaved: {first} | {second}" and row["rounds"] == 3
+    assert [len(row["samples_ms"][side]) for side in (first, second)] == [3, 3]
+    assert row["second_over_first_per_round"] == [b / a for a, b in zip(row["samples_ms"][first],
+                                                                         row["samples_ms"][second])]
+    assert row["second_over_first"] == sorted(row["second_over_first_per_round"])[1]
+    ours, theirs = "omnispec_runner", "diffusers_runner"
+    assert timed[-6:] == [ours, theirs, theirs, ours, ours, theirs]  # ABBA: the order flips each round

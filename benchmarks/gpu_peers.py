@@ -421,12 +421,17 @@ def process_wide_compile_settings():
         torch.set_float32_matmul_precision(precision)
 
 
+def set_cachedit_settings() -> None:
+    """cache-dit's process-wide settings, as its CLI sets them before compiling."""
+    _peer("cache_dit").set_compile_configs()
+    torch.set_float32_matmul_precision("high")
+
+
 @contextlib.contextmanager
 def cachedit_settings():
     """cache-dit's process-wide settings for what runs inside, the earlier ones back after (its interleaved rounds)."""
     with process_wide_compile_settings():
-        _peer("cache_dit").set_compile_configs()
-        torch.set_float32_matmul_precision("high")
+        set_cachedit_settings()
         yield
 
 
@@ -454,9 +459,7 @@ def _interleaved_row(wl: Workload, sides: dict[str, tuple], rounds: int) -> dict
 
 def cachedit_compile(transformer: torch.nn.Module) -> dict:
     """cache-dit's compile path, as its CLI's ``maybe_compile_transformer`` runs it (``--compile``)."""
-    cache_dit = _peer("cache_dit")
-    cache_dit.set_compile_configs()
-    torch.set_float32_matmul_precision("high")
+    set_cachedit_settings()
     transformer.compile_repeated_blocks(fullgraph=False)
     return {"call": "cache_dit.set_compile_configs(); torch.set_float32_matmul_precision('high'); "
                     "transformer.compile_repeated_blocks(fullgraph=False)"}
@@ -593,8 +596,7 @@ def compile_part(wl: Workload, args) -> None:
     with process_wide_compile_settings():
         if args.compile_extra:
             try:
-                _peer("cache_dit").set_compile_configs()
-                torch.set_float32_matmul_precision("high")
+                set_cachedit_settings()
                 twin = _twin(wl)
                 pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, ["policies.compile.mode=regional"])
                 _step_row(wl, "compile", "omnispec", "compile: regional, under cache-dit's inductor settings",

@@ -3,7 +3,7 @@
 ``python -m benchmarks.gpu_shard_graphs [--calls 6] [--json FILE]``  (one process on one GPU; ``--smoke``: the CPU,
 gloo, without graphs: checks the script only)
 
-A tiny FLUX transformer (two double and two single blocks, bf16) is compiled the way a build compiles it under
+A tiny FLUX transformer (two double and two single blocks, bf16) is compiled by the build's own compile step under
 ``compile: {mode: regional, cudagraphs: true}`` (omnispec's compile options, a new graph generation per call), once
 as it is and once with its blocks sharded by omnispec's shard axis (FSDP2 ``fully_shard`` per block, resharded after
 each forward) over a one-rank mesh, which gathers each block's weights at every call as N ranks do. Each row is one
@@ -25,7 +25,7 @@ import torch
 
 from . import gpu_interpreter as gi
 
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_flux(dtype: torch.dtype) -> torch.nn.Module:
@@ -38,18 +38,16 @@ def tiny_flux(dtype: torch.dtype) -> torch.nn.Module:
                                   guidance_embeds=True).to(gi.DEVICE, dtype).eval()
 
 
-def compiled_like_a_build(model: torch.nn.Module, graphs: bool) -> None:
-    """``model``'s blocks compiled as ``policies.compile`` regional (with ``cudagraphs``) compiles them."""
-    from omnispec.policies import compile as build_compile
-    from omnispec.spec.policies import CompilePolicy
+def compiled_like_a_build(model: torch.nn.Module, family: type, graphs: bool) -> None:
+    """``model`` compiled by the build's own step for ``policies.compile`` regional (with ``cudagraphs``), as
+    FLUX.1-dev's spec names it ``transformer``."""
+    from omnispec.policies.compile import apply_compile
+    from omnispec.spec import load_spec
 
-    policy = CompilePolicy(mode="regional", cudagraphs=graphs, backend="aot_eager" if gi.SMOKE else "inductor")
-    kwargs = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
-    if policy.backend == "inductor":
-        kwargs["options"] = build_compile._torch_compile_options(policy)
-    build_compile._compile_blocks("transformer", model, SimpleNamespace(block_lists=BLOCK_LISTS), kwargs)
-    if graphs:
-        build_compile._new_generation_per_call(model)
+    backend = "aot_eager" if gi.SMOKE else "inductor"
+    spec = load_spec(ROOT / "specs" / "flux1-dev.yaml", overrides=[
+        f"policies.compile={{mode: regional, cudagraphs: {str(graphs).lower()}, backend: {backend}}}"])
+    apply_compile(spec, family, {"transformer": model})
 
 
 class GraphCount:
@@ -83,14 +81,15 @@ def inputs(step: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
 
 
 def rows_for(sharded: bool, calls: int, mesh) -> list[dict]:
+    from omnispec.runtime.families.flux import FluxFamily
     from omnispec.runtime.parallel.shard import shard_denoiser
 
     dtype = torch.bfloat16 if gi.DEVICE == "cuda" else torch.float32
     reference = tiny_flux(dtype)
     model = copy.deepcopy(reference)
     if sharded:
-        shard_denoiser(model, BLOCK_LISTS, SimpleNamespace(shard_mesh=mesh))
-    compiled_like_a_build(model, graphs=gi.DEVICE == "cuda")
+        shard_denoiser(model, FluxFamily.block_lists, SimpleNamespace(shard_mesh=mesh))
+    compiled_like_a_build(model, FluxFamily, graphs=gi.DEVICE == "cuda")
     generator = torch.Generator(gi.DEVICE).manual_seed(1)
     rows = []
     with GraphCount() as graphs, torch.no_grad():

@@ -185,7 +185,6 @@ def two_ranks(flux_dir, wan_dir, ltx20_dir):
     return _launch(2, cases)
 
 
-
 @pytest.mark.parametrize("name", ["tensor2-flux", "tensor2-wan", "tensor2-ltx2"])
 def test_tensor_2_equals_one_process_and_splits_the_blocks(two_ranks, name):
     got = _check(two_ranks, name)

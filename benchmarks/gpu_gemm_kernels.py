@@ -25,15 +25,22 @@ which can hand cuBLASLt an algorithm of the caller's choice: torch always takes 
 that heuristic ranks by a short run at the peak clock, as FlashAttention-4's tiles were chosen). A name given again
 is timed again in that place (the clock drifts as a run goes on: alternate kernels).
 
+``cublas_full_reduction`` is ``cublas`` with torch's ``allow_bf16_reduced_precision_reduction`` off, which narrows
+the reduction schemes torch lets cuBLASLt choose from.
+
 Each row: device ms per call (CUDA events over replays of the call recorded as a CUDA graph, median of five
 rounds), TFLOP/s, the relative L2 distance from a float32 matmul on the same inputs, and with ``--clocks`` the
 median SM clock and board power nvidia-smi read during the timed rounds; ``lt`` rows also the algorithm's tile,
-stages, cluster shape and split-K as nvmath reports them.
+stages, cluster shape and split-K as nvmath reports them. ``--memsets`` adds what the profiler's trace shows of the
+recorded call: the memsets cuBLAS puts into a graph ahead of its kernel (a compiled FLUX step's profile has one
+before each of its 248 matmuls, and a gap after it), their bytes and device time, and the kernels, per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,7 +116,47 @@ def _cublaslt(gelu: bool, rank: int) -> Callable:
     return run
 
 
+def _full_reduction(fn: Callable) -> Callable:
+    """``fn`` with ``allow_bf16_reduced_precision_reduction`` off while it runs (a CUDA graph records the choice
+    cuBLAS makes then)."""
+    def run(*inputs):
+        flags = torch.backends.cuda.matmul
+        before, flags.allow_bf16_reduced_precision_reduction = flags.allow_bf16_reduced_precision_reduction, False
+        try:
+            return fn(*inputs)
+        finally:
+            flags.allow_bf16_reduced_precision_reduction = before
+    return run
+
+
+def memsets(fn: Callable, inputs: tuple, calls: int = 4) -> dict:
+    """The device's work for one call of ``fn`` recorded as a CUDA graph, from the profiler's trace of ``calls``
+    replays: memsets (count, bytes, microseconds) and kernels. (The gaps between them are left out: in a graph of
+    one matmul the trace puts 20-36 µs between the memset and the kernel, where a step's profile has ~2 µs.)"""
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        fn(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            graph.replay()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    sets = [e for e in events if e.get("cat") == "gpu_memset"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    return {"memsets_per_call": len(sets) / calls,
+            "memset_bytes": sorted({e.get("args", {}).get("bytes", -1) for e in sets}),
+            "memset_us_per_call": sum(e["dur"] for e in sets) / calls,
+            "kernels_per_call": len(kernels) / calls, "kernels": sorted({e["name"][:80] for e in kernels})}
+
+
 def kernel(name: str, gelu: bool) -> Callable:
+    if name == "cublas_full_reduction":
+        return _full_reduction(_cublas(gelu))
     if name.startswith("lt") and name[2:].isdigit():
         return _cublaslt(gelu, int(name[2:]))
     if name == "cublas":
@@ -118,13 +165,20 @@ def kernel(name: str, gelu: bool) -> Callable:
         return _quack(gelu, None)
     if name in QUACK_TILES:
         return _quack(gelu, QUACK_TILES[name])
-    raise ValueError(f"unknown kernel {name!r}: cublas, quack, {', '.join(QUACK_TILES)}, lt0, lt1, ...")
+    raise ValueError(f"unknown kernel {name!r}: cublas, cublas_full_reduction, quack, {', '.join(QUACK_TILES)}, "
+                     "lt0, lt1, ...")
 
 
 def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, seconds: float,
-            clocks: bool) -> dict:
+            clocks: bool, with_memsets: bool = False) -> dict:
     (rows, inner), outputs = inputs[0].shape, inputs[1].shape[0]
     row = kernel_row(shape, name, fn, inputs, reference, 2 * rows * inner * outputs, seconds=seconds, clocks=clocks)
+    if with_memsets:
+        try:
+            row = {**row, **memsets(fn, inputs)}
+        except Exception as exc:  # noqa: BLE001 - the row's timing stands without its trace
+            row = {**row, "memsets_error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(row), flush=True)
     return {**row, **getattr(fn, "details", {})}
 
 
@@ -135,11 +189,13 @@ def main() -> None:
                         help="comma-separated; a name given again is timed again in that place")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each of the five timed rounds")
     parser.add_argument("--clocks", action="store_true", help="sample the SM clock and power with nvidia-smi")
+    parser.add_argument("--memsets", action="store_true",
+                        help="profile each recorded call: its memsets and kernels (CUDA only)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
-    kernels = ["cublas", "cublas"] if args.smoke else args.kernels.split(",")  # quack runs on CUDA only
+    kernels = ["cublas", "cublas_full_reduction"] if args.smoke else args.kernels.split(",")  # quack: CUDA only
     torch.manual_seed(0)
     rows = []
     for shape in args.shapes.split(","):
@@ -157,8 +213,14 @@ def main() -> None:
         rows += errors
         rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference,
                                                                        0.01 if args.smoke else args.seconds,
-                                                                       args.clocks))
-    report(rows, args.json, KERNEL_COLUMNS)
+                                                                       args.clocks, args.memsets and not args.smoke))
+    columns = dict(KERNEL_COLUMNS)
+    if args.memsets:
+        columns |= {"memsets": lambda r: r.get("memsets_per_call", ""),
+                    "memset bytes": lambda r: r.get("memset_bytes", ""),
+                    "memset us": lambda r: r.get("memset_us_per_call", ""),
+                    "kernels": lambda r: r.get("kernels_per_call", "")}
+    report(rows, args.json, columns)
 
 
 if __name__ == "__main__":

@@ -439,9 +439,15 @@ def _interleaved_row(wl: Workload, sides: dict[str, tuple], rounds: int) -> dict
     """Two built and compiled sides' per-step times in ``rounds`` rounds, the order flipped each round (ABBA), and
     each round's ratio of the second side's time to the first's. The rounds are paired samples: the clock at the
     power cap moves both alike within a round, where separate processes differed by about 1.5% (BENCHMARKS.md,
-    2026-12-04)."""
+    2026-12-04). Each side first runs once untimed under its settings: without that, omnispec's first 2-step request after
+    cache-dit's row took half a second longer than its 6-step one (something rebuilt on the first switch, not looked
+    into), and that round's per-step sample came out negative."""
     lo, hi = wl.w["steps"]
     names = list(sides)
+    for n in names:
+        run, settings = sides[n]
+        with settings():
+            _per_step(run, lo, hi, 1)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for index in range(rounds):
         for n in names if index % 2 == 0 else names[::-1]:

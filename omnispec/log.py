@@ -33,6 +33,9 @@ HARMLESS = (
     ("transformers.utils.import_utils", "requires torchvision (not installed); falling back"),  # a PIL backend
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),  # NF4 gone
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),  # an optional CPU kernel package
+    # the same optional kernel, looked for on the Hub through `kernels` (which transformers 5.25 brings) where the
+    # CPU has AVX512-BF16; bitsandbytes is imported by peft, which diffusers' hooks import
+    ("kernels._internals.hf_hub", "Skipping publisher trust check"),
     # GGUF: diffusers keeps Wan's time embedder in fp32 (_keep_in_fp32_modules), as it should
     ("diffusers.quantizers.gguf.gguf_quantizer", "is required to remain in FP32, dequantizing now"),
 )

@@ -124,7 +124,7 @@ def test_the_cli_says_nothing_of_the_libraries_and_nothing_at_all_with_q(flux_di
     run = ["run", "flux1-dev", "--source", str(flux_dir), "--prompt", "cat", *SETS, "--steps", "1"]
     loud = cli(*run, "--output", str(tmp_path / "a.png"))
     assert loud.returncode == 0, loud.stderr
-    for noise in ("torchao", "torchvision", "Tensor objects", "pytree", "Enum subclass"):
+    for noise in ("torchao", "torchvision", "Tensor objects", "pytree", "Enum subclass", "publisher trust"):
         assert noise not in loud.stderr, loud.stderr
     quiet = cli("-q", *run, "--output", str(tmp_path / "b.png"))
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip() == str(tmp_path / "b.png")

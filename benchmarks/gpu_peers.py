@@ -439,9 +439,9 @@ def _interleaved_row(wl: Workload, sides: dict[str, tuple], rounds: int) -> dict
     """Two built and compiled sides' per-step times in ``rounds`` rounds, the order flipped each round (ABBA), and
     each round's ratio of the second side's time to the first's. The rounds are paired samples: the clock at the
     power cap moves both alike within a round, where separate processes differed by about 1.5% (BENCHMARKS.md,
-    2026-12-04). Each side first runs once untimed under its settings: without that, omnispec's first 2-step request after
-    cache-dit's row took half a second longer than its 6-step one (something rebuilt on the first switch, not looked
-    into), and that round's per-step sample came out negative."""
+    2026-12-04). Each side first runs once untimed under its settings, since the first switch between them is slow:
+    omnispec's first 2-step request after cache-dit's row once took half a second longer than its 6-step one, a
+    negative per-step sample."""
     lo, hi = wl.w["steps"]
     names = list(sides)
     for n in names:

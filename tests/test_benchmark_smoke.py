@@ -34,6 +34,7 @@ SMOKES = [
                      "--profile-rollout"], 1),
     ("gpu_activation_quant", ["--iters", "2"], 1),
     ("gpu_norm_rope", [], 1),
+    ("gpu_adaln_norm", [], 1),  # every default variant: each heuristic's scope entered around a compile
     ("gpu_gemm_epilogue", [], 1),
     ("gpu_attention_kernels", [], 1),
     ("gpu_gemm_kernels", [], 1),

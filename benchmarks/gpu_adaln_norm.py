@@ -13,9 +13,10 @@ read from a table by index, as ``policies.mlp.precomputed_modulation`` gives the
 - ``double norm1``: the image stream normed and modulated (``AdaLayerNormZero``);
 - ``double norm2``: the gated attention output added to the image stream (kept), normed, modulated;
 
-in variants: ``eager`` (diffusers' operations, the reference); ``inductor`` compiled with omnispec's compile options,
-followed by options of ``inductor_heuristics`` (``+persistent_rows=4096``, ``+descent_tuning``) and of the compile
-policy (``+no_fixed_reductions``: inductor times its launches); ``copy``, one activation cloned: the floor's rate.
+in variants: ``eager`` (diffusers' operations, the reference); ``inductor``, compiled with omnispec's compile options,
+with compile policy fields after ``+`` (``+persistent_rows=4096``: the norm reads its row once;
+``+tune_launches``: cache-dit's coordinate-descent tuning; ``+no_fixed_reductions``: inductor times its reductions'
+launches); ``copy``, one activation cloned: the floor's rate.
 Each row gives device microseconds per call (CUDA events over replays of the call recorded as a CUDA graph, the
 median of five rounds), the bytes it must move (activations read once, outputs written once), their rate, and the
 output's distance from eager's.
@@ -32,13 +33,12 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
-from . import inductor_heuristics
 from .kernel_timing import measure_each, microseconds, report
 
 DIM, TEXT, IMAGE, STEPS = 3072, 512, 4096, 28  # FLUX.1-dev at 1024², 28 steps in the modulation table
 EPS = 1e-6
-DEFAULT_VARIANTS = ("eager,inductor,inductor+persistent_rows=4096,inductor+descent_tuning,"
-                    "inductor+persistent_rows=4096+descent_tuning,inductor+no_fixed_reductions+descent_tuning,copy")
+DEFAULT_VARIANTS = ("eager,inductor,inductor+persistent_rows=4096,inductor+tune_launches,"
+                    "inductor+persistent_rows=4096+tune_launches,inductor+no_fixed_reductions+tune_launches,copy")
 
 
 def _modulation(table: torch.Tensor, rows: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
@@ -106,14 +106,17 @@ def _activations(inputs: tuple) -> list[torch.Tensor]:
 
 
 def compiled(variant: str, smoke: bool) -> Callable:
-    """A fresh module compiled by ``variant`` (``inductor+no_fixed_reductions+...``; aot_eager for the CPU smoke)."""
+    """A function compiling a module by ``variant``: ``inductor`` and compile policy options after ``+``
+    (``inductor+persistent_rows=4096+no_fixed_reductions``), through omnispec's inductor options (aot_eager for the
+    CPU smoke, which checks the options and the script)."""
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec.policies import CompilePolicy
 
-    fields = [t for t in variant.split("+")[1:] if not inductor_heuristics.is_option(t)]
-    if unknown := [f for f in fields if f != "no_fixed_reductions"]:
-        raise ValueError(f"unknown variant options {unknown}")
-    policy = CompilePolicy(mode="regional", fixed_reductions="no_fixed_reductions" not in fields)
+    fields: dict[str, object] = {}
+    for option in variant.split("+")[1:]:
+        name, _, value = option.partition("=")
+        fields[name.removeprefix("no_")] = int(value) if value.isdigit() else value or not name.startswith("no_")
+    policy = CompilePolicy(mode="regional", **fields)
     return lambda module: torch.compile(module, fullgraph=True, dynamic=False, **(
         {"backend": "aot_eager"} if smoke else {"options": _torch_compile_options(policy)}))
 
@@ -123,8 +126,8 @@ def _copy(*inputs):
 
 
 def measure(shape: str, variant: str, module: Callable, inputs: tuple, reference: tuple, iters: int) -> dict:
-    torch._dynamo.reset()  # a fresh compile under this variant's settings, not another variant's cache entries
-    with inductor_heuristics.applied(variant), torch.no_grad():
+    torch._dynamo.reset()  # a fresh compile under this variant's options, not another variant's cache entries
+    with torch.no_grad():
         for _ in range(3):  # compilation, tuning at the first launch, the allocator
             out = module(*inputs)
         rounds = microseconds(module, inputs, iters, gi.DEVICE)
@@ -146,8 +149,8 @@ def measure(shape: str, variant: str, module: Callable, inputs: tuple, reference
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma-separated: eager, copy, inductor[+OPTION...] (OPTIONs: no_fixed_reductions, "
-                             f"{', '.join(inductor_heuristics.OPTIONS)})")
+                        help="comma-separated: eager, copy, inductor[+OPTION...], each OPTION a compile policy field "
+                             "(persistent_rows=4096, tune_launches, no_fixed_reductions)")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")

@@ -28,8 +28,7 @@ a step in diffusers). Text encoders are one-layer stand-ins of the real widths (
 Single-GPU parts. ``eager`` is diffusers' own pipeline on the untouched modules; peers run on deep copies of the
 denoiser (what they patch stays off the originals); omnispec builds over the modules with ``attention: sdpa``.
 - compile: per-step time (N_hi - N_lo steps) of cache-dit's compile path against omnispec ``compile: regional``
-  (``--omnispec-compile``: other omnispec configurations, as gpu_policies' ``--compile-variants``, inductor's
-  heuristics of ``inductor_heuristics`` among their options);
+  (``--omnispec-compile``: other omnispec configurations, as gpu_policies' ``--compile-variants``);
   compile seconds, what dynamo did, first denoiser output's cosine to eager. ``--compile-rounds N`` then keeps the
   first omnispec configuration and cache-dit's built and times them in N interleaved rounds (ABBA): one paired ratio
   a round, which the clock's drift between processes at the power cap does not reach. ``--compile-extra`` adds
@@ -112,7 +111,6 @@ import torch
 
 from . import gpu_interpreter as gi
 from . import gpu_policies as gp
-from . import inductor_heuristics
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a photo of a cat"
@@ -568,11 +566,10 @@ def compile_part(wl: Workload, args) -> None:
             pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, overrides)
             applied = pipe.explain(as_dict=True).get("applied", {})
             run = omnispec_runner(pipe, name)
-            with inductor_heuristics.applied(variant) as heuristics:  # compiled in the row's first call
-                _step_row(wl, "compile", "omnispec", label,
-                          {"spec": overrides, "attention": pipe.explain(as_dict=True).get("attention"),
-                           "explain": applied.get("compile"), "inductor_heuristics": heuristics,
-                           "mlp": applied.get("mlp"), "modulation": applied.get("modulation")}, run, twin)
+            _step_row(wl, "compile", "omnispec", label,
+                      {"spec": overrides, "attention": pipe.explain(as_dict=True).get("attention"),
+                       "explain": applied.get("compile"),
+                       "mlp": applied.get("mlp"), "modulation": applied.get("modulation")}, run, twin)
             if args.compile_rounds and not sides:
                 sides[f"omnispec {label}"] = (run, contextlib.nullcontext)
         except Exception as exc:  # noqa: BLE001 - keep the other rows

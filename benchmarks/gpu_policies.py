@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
-from . import inductor_heuristics, inductor_passes
+from . import inductor_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,9 +238,7 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
     def variant(name: str) -> dict:
         prepare_model(name, mods["transformer"])
         pipe = _build(w["spec"], mods, [*compile_overrides(name), *smoke_backend])
-        with inductor_heuristics.applied(name):
-            row = _compiled_row("compile", name.replace("+", " + "), _runner(pipe, w["request"]), flops, repeats,
-                                ceiling)
+        row = _compiled_row("compile", name.replace("+", " + "), _runner(pipe, w["request"]), flops, repeats, ceiling)
         unprepare_model(mods["transformer"])
         return row
 
@@ -292,8 +290,7 @@ def profile_part(repeats: int, ceiling: float) -> list[dict]:
             continue
         prepare_model(variant, mods["transformer"])
         pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
-        with inductor_heuristics.applied(variant):
-            rows.append(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
+        rows.append(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
         pipe = None
         unprepare_model(mods["transformer"])
         torch._dynamo.reset()
@@ -427,11 +424,10 @@ POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
 def compile_overrides(variant: str) -> list[str]:
     """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on;
     ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``), ``+OPTION=VALUE`` sets one
-    (``regional+backend=aot_eager``); ``MODEL_OPTIONS`` are left to ``prepare_model`` and inductor's heuristics
-    (``+persistent_rows=4096``) to ``inductor_heuristics.applied`` around the row."""
+    (``regional+backend=aot_eager``); ``MODEL_OPTIONS`` are left to ``prepare_model``."""
     mode, *options = variant.split("+")
-    kept = [o for o in options if o not in MODEL_OPTIONS and not inductor_heuristics.is_option(o)]
-    return [f"policies.compile.mode={mode}", *(POLICY_OPTIONS.get(o) or _compile_option(o) for o in kept)]
+    return [f"policies.compile.mode={mode}", *(POLICY_OPTIONS.get(option) or _compile_option(option)
+                                               for option in options if option not in MODEL_OPTIONS)]
 
 
 def _inductor_only(variant: str) -> bool:
@@ -506,10 +502,9 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
         prepare_model(mode, twin)  # before the build quantizes it
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *compile_overrides(mode)])
         run = _runner(pipe, w["request"])
-        with inductor_heuristics.applied(mode):
-            rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
-            if QUANT_PROFILE[0]:
-                rows.append(_profiled(label, run, repeats))
+        rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
+        if QUANT_PROFILE[0]:
+            rows.append(_profiled(label, run, repeats))
         pipe = run = twin = None
         _release({})
         torch._dynamo.reset()  # the next configuration compiles afresh
@@ -770,8 +765,7 @@ def main() -> None:
                              "option after a '+' (e.g. regional,regional+cudagraphs,regional+autotune); the option "
                              "fused_qkv fuses each attention's projections first (diffusers' fuse_qkv_projections); "
                              "qk_norm_rope sets policies.attention.fused_qk_norm_rope, fused_gelu "
-                             "policies.mlp.fused_gelu; persistent_rows=N and descent_tuning change inductor's "
-                             "heuristics for that row (benchmarks/inductor_heuristics.py)")
+                             "policies.mlp.fused_gelu")
     parser.add_argument("--compile-rounds", type=int, default=1, metavar="N",
                         help="build and time the compile part's compiled configurations N times, in reverse order "
                              "every other round, and pool the samples (for differences smaller than a call's drift)")

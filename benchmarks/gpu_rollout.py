@@ -33,7 +33,7 @@ import torch
 
 from . import gpu_interpreter as gi
 from . import gpu_policies as gp
-from . import inductor_heuristics, inductor_passes
+from . import inductor_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
@@ -488,11 +488,7 @@ INDUCTOR_OPTIONS = ("cudagraphs", "autotune", "eager_rounding", "fixed_reduction
 def _variant_overrides(args, variant: str) -> list[str]:
     """A compile variant's overrides (``regional+cudagraphs``, ``regional+vae``); --smoke keeps its mode and its
     other options on aot_eager, inductor's options dropped (inductor's CPU codegen takes minutes, and CUDA graphs
-    need CUDA). Inductor's heuristics (``inductor_heuristics``) are refused: a rollout's replay with gradients compiles
-    after its row, where they would no longer apply, and the replay would not be the rollout's."""
-    if heuristics := [o for o in variant.split("+")[1:] if inductor_heuristics.is_option(o)]:
-        raise SystemExit(f"error: {', '.join(heuristics)} is a gpu_policies/gpu_peers row experiment; a rollout's "
-                         "replay compiles outside the row, so gpu_rollout does not take it")
+    need CUDA)."""
     if args.smoke:
         mode, *options = variant.split("+")
         kept = [o for o in options if o.removeprefix("no_").split("=")[0] not in INDUCTOR_OPTIONS]

@@ -79,16 +79,12 @@ def test_compile_part_runs_each_omnispec_variant_asked(peers, monkeypatch):
     monkeypatch.setattr(peers, "cachedit_compile", lambda twin: (_ for _ in ()).throw(RuntimeError("not here")))
     wl = peers.Workload("flux", 1, 1e12)
     peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager,"
-                                                  "regional+backend=aot_eager+fused_gelu+modulation+descent_tuning",
+                                                  "regional+backend=aot_eager+fused_gelu+modulation",
                                  compile_extra=False, compile_rounds=0))
     ours = [r for r in peers.ROWS if r.get("engine") == "omnispec"]
-    assert [r["config"] for r in ours] == [
-        "compile: regional + backend=aot_eager",
-        "compile: regional + backend=aot_eager + fused_gelu + modulation + descent_tuning"]
+    assert [r["config"] for r in ours] == ["compile: regional + backend=aot_eager",
+                                           "compile: regional + backend=aot_eager + fused_gelu + modulation"]
     assert all("error" not in r for r in ours), ours
-    # inductor's heuristics go around the row, not into the spec
-    assert [r["settings"]["inductor_heuristics"] for r in ours] == [[], ["descent_tuning"]]
-    assert not any("descent" in override for override in ours[1]["settings"]["spec"])
     assert ours[0]["settings"]["mlp"] is None and ours[1]["settings"]["mlp"].startswith("transformer: bias + GELU")
     assert ours[0]["settings"]["modulation"] is None
     assert re.match(r"transformer: \d+ modulation linears from a table", ours[1]["settings"]["modulation"])

@@ -17,7 +17,9 @@ otherwise keeps a fused intermediate in float32 in an inference graph but saves 
 rollout (no gradients) and its replay with gradients would compute different log-probs under compile.
 ``fixed_reductions`` (default on unless ``autotune``) is the same promise for sums: inductor times a reduction
 kernel's candidate launch configurations at its first launch unless told to pick by rule (``deterministic``), and the
-configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart."""
+configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart.
+``persistent_rows`` lets a norm over a longer row than inductor's 1,024 elements read it once (``compile_rows``);
+``tune_launches`` turns on inductor's coordinate-descent tuning of its kernels' launches."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             uncompiled(components[name])
     if policy.mode == "none":
         return "none"
+    if policy.persistent_rows:
+        from .compile_rows import foreign_choices
+
+        if in_the_way := foreign_choices():
+            raise SpecError.single(f"persistent_rows changes inductor's own heuristics, and {in_the_way}",
+                                   "policies.compile.persistent_rows")
     kwargs: dict[str, Any] = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
     if policy.backend == "inductor" and (options := _torch_compile_options(policy)):
         kwargs["options"] = options
@@ -68,6 +76,8 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.backend == "inductor":
         options += ", eager rounding" if policy.eager_rounding else ""
         options += ", fixed reductions" if policy.reductions_fixed else ""
+        options += f", norms read once up to {policy.persistent_rows} elements" if policy.persistent_rows else ""
+        options += ", launches tuned" if policy.tune_launches else ""
     decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
             + decoders)
@@ -142,8 +152,9 @@ def _mark_compiled(module: Any) -> None:
 
 def _torch_compile_options(policy: Any) -> dict[str, Any]:
     """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
-    so the mode goes in as the options inductor lists for it), eager's roundings kept where asked, and the graph pass
-    that stores a dynamic fp8 quantization's input narrow (``compile_passes``)."""
+    so the mode goes in as the options inductor lists for it), eager's roundings kept where asked, coordinate-descent
+    tuning where asked, the graph pass that stores a dynamic fp8 quantization's input narrow (``compile_passes``),
+    and the pass that carries ``persistent_rows`` (``compile_rows``)."""
     import torch._inductor
 
     from .compile_passes import NarrowQuantizedInputs  # imports inductor's graph-pass machinery: only when compiling
@@ -153,7 +164,14 @@ def _torch_compile_options(policy: Any) -> dict[str, Any]:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:
         options["deterministic"] = True
+    if policy.tune_launches:
+        options.update(coordinate_descent_tuning=True, coordinate_descent_check_all_directions=True)
     options["post_grad_custom_pre_pass"] = NarrowQuantizedInputs(then=torch._inductor.config.post_grad_custom_pre_pass)
+    if policy.persistent_rows:
+        from .compile_rows import PersistentRows
+
+        options["post_grad_custom_post_pass"] = PersistentRows(
+            policy.persistent_rows, then=torch._inductor.config.post_grad_custom_post_pass)
     return options
 
 

@@ -65,13 +65,28 @@ def _reaches_fp8_cast(node: torch.fx.Node, depth: int = 4) -> bool:
     return False
 
 
+def installed(then: Any) -> tuple[Any, ...]:
+    """What a process installed in one of inductor's custom pass slots (nothing, a pass, or a list of them), as the
+    tuple of passes an omnispec pass runs after its own work: kept rather than replaced."""
+    return tuple(then) if isinstance(then, (list, tuple)) else (then,) if then is not None else ()
+
+
+def cache_key(source: str, then: tuple[Any, ...], *settings: Any) -> tuple[Any, ...] | None:
+    """An omnispec pass's key in inductor's caches: its file's hash, its settings, and the chained passes' own keys;
+    None (inductor then skips its cache, as it would for them alone) when one of those cannot say what it is."""
+    chained = [c.uuid() if isinstance(c, CustomGraphPass) else None for c in then]
+    if any(u is None for u in chained):
+        return None
+    return get_hash_for_files((source,)), *settings, *chained
+
+
 class NarrowQuantizedInputs(CustomGraphPass):
     """``narrow_quantized_inputs`` as inductor's post-grad pre-pass, followed by ``then``: what was installed
-    process-wide before the compile (a pass, or a list of them), kept rather than replaced. ``routed`` counts what it
-    changed in this process (zero after a compile: a cache hit, or nothing quantized)."""
+    process-wide before the compile, kept rather than replaced. ``routed`` counts what it changed in this process
+    (zero after a compile: a cache hit, or nothing quantized)."""
 
     def __init__(self, then: Any = None) -> None:
-        self.then = tuple(then) if isinstance(then, (list, tuple)) else (then,) if then is not None else ()
+        self.then = installed(then)
         self.routed = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -80,9 +95,4 @@ class NarrowQuantizedInputs(CustomGraphPass):
             custom(graph)
 
     def uuid(self) -> tuple[Any, ...] | None:
-        """This file's hash and the chained passes' own; None (inductor then skips its cache, as it would for them
-        alone) when one of those cannot say what it is."""
-        chained = [c.uuid() if isinstance(c, CustomGraphPass) else None for c in self.then]
-        if any(u is None for u in chained):
-            return None
-        return get_hash_for_files((__file__,)), *chained
+        return cache_key(__file__, self.then)

@@ -221,10 +221,21 @@ class CompilePolicy(SpecModel):
         "adds up in, and timing can pick differently for a rollout's inference kernel and its replay's training "
         "kernel, or in another process. Inductor only. Default: on, unless autotune (which times every choice, "
         "matmuls too, and which this mode would stop)."))
+    persistent_rows: int | None = Field(default=None, ge=2048, le=16384, description=(
+        "Reductions along a row of at most this many elements (a LayerNorm's or RMSNorm's row) keep the row in "
+        "registers and read it once: inductor's persistent reductions, which its own rule stops at 1,024 elements. "
+        "Past that a norm's kernel reads its row twice (sums, then output); FLUX's, SD3.5's, Wan's and "
+        "Qwen-Image's rows have 1,536 to 5,120. A rule, not a timing: a rollout and its replay get the same "
+        "kernels. Inductor's Triton kernels (CUDA) only."))
+    tune_launches: bool = Field(default=False, description=(
+        "Inductor times its own Triton kernels' launch shapes by coordinate descent at each kernel's first launch, "
+        "as cache-dit sets inductor up: more time on the first call. Under fixed_reductions (the default) it tunes "
+        "the pointwise kernels only, whose results do not depend on their launch; autotune tunes them anyway."))
 
     @model_validator(mode="after")
     def _inductor_options(self) -> CompilePolicy:
-        asked = [name for name in ("cudagraphs", "autotune", "vae") if getattr(self, name)]
+        asked = [name for name in ("cudagraphs", "autotune", "vae", "persistent_rows", "tune_launches")
+                 if getattr(self, name)]
         if asked and self.mode == "none":
             raise ValueError(f"{' and '.join(asked)} apply to compiled code; set mode regional or full")
         modes = [name for name in asked if name != "vae"]

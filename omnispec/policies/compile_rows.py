@@ -1,0 +1,74 @@
+"""Norms that read their rows once (``policies.compile.persistent_rows``).
+
+Inductor writes a reduction along a row either as a persistent kernel, which holds the whole row in registers and
+reads it once, or as a looped one, which reads the row once for its sums and again for the output. Its rule makes a
+row persistent only up to 1,024 elements (``InductorChoices.should_use_persistent_reduction``, torch 2.11 to 2.13),
+and the norms of FLUX, SD3.5, Wan and Qwen-Image run over rows of 1,536 to 5,120: compiled, each of FLUX.1-dev's
+single blocks spends 57 µs a call in its looped norm on an H200, where its bytes move once in about 20
+(BENCHMARKS.md, issue 27). ``persistent_rows: N`` raises that bound to N for inner reductions.
+
+Inductor's config has no key for that bound, and its heuristics live in one object per thread (``V.choices``). So
+the bound rides with the compile as a post-grad pass (``PersistentRows``), the one per-compile object inductor both
+carries through a compile's lowering and keys its caches by; the pass changes no graph, and puts ``RowChoices`` on
+the compiling thread, whose rule reads the bound from the pass of the compile in progress and otherwise decides as
+inductor does. A compile without the option (omnispec's or anyone's) keeps inductor's rule. It is a rule, not a
+timing: a rollout and its replay get the same kernels. Triton kernels only (CUDA); inductor's CPU code does not ask.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch._inductor import config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.runtime.hints import ReductionHint
+from torch._inductor.virtualized import V
+
+from .compile_passes import cache_key, installed
+
+log = logging.getLogger(__name__)
+
+
+class RowChoices(InductorChoices):
+    """Inductor's heuristics, with inner reductions up to the compile's ``persistent_rows`` made persistent."""
+
+    def should_use_persistent_reduction(self, features: Any, cooperative_reduction: bool) -> bool:
+        rows = getattr(config.post_grad_custom_post_pass, "persistent_rows", None)
+        if (rows and config.triton.persistent_reductions and not cooperative_reduction
+                and features.get_reduction_hint() == ReductionHint.INNER
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel, rows)):
+            return True
+        return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+
+def foreign_choices() -> str | None:
+    """What stands in the way of ``RowChoices`` in this process: heuristics of someone else's, installed for every
+    thread (``inductor_choices_class``) or on this one; None when there is nothing."""
+    if config.inductor_choices_class is not None:
+        return f"torch._inductor.config.inductor_choices_class is set ({config.inductor_choices_class!r})"
+    current = V.choices
+    if type(current) not in (InductorChoices, RowChoices):
+        return f"this thread's inductor heuristics are {type(current).__qualname__}"
+    return None
+
+
+class PersistentRows(CustomGraphPass):
+    """Inductor's post-grad post-pass for one compile: carries ``persistent_rows`` (read by ``RowChoices``), runs
+    ``then`` (what was installed process-wide before, kept), and changes nothing itself."""
+
+    def __init__(self, persistent_rows: int, then: Any = None) -> None:
+        self.persistent_rows = persistent_rows
+        self.then = installed(then)
+
+    def __call__(self, graph: Any) -> None:
+        if type(V.choices) is InductorChoices:
+            V.set_choices_handler(RowChoices())  # for this thread from now on; it decides as inductor does elsewhere
+        elif not isinstance(V.choices, RowChoices):
+            log.warning("compile.persistent_rows does not apply: %s", foreign_choices())
+        for custom in self.then:
+            custom(graph)
+
+    def uuid(self) -> tuple[Any, ...] | None:
+        return cache_key(__file__, self.then, self.persistent_rows)

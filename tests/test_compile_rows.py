@@ -1,0 +1,154 @@
+"""``policies.compile.persistent_rows`` and ``tune_launches`` (omnispec/policies/compile_rows.py, compile.py): the
+bound rides with its own compile, keys inductor's caches, decides inductor's persistence there and nowhere else,
+and the spec takes the options only where they mean something."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import sympy
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.runtime.hints import ReductionHint
+from torch._inductor.virtualized import V
+
+from omnispec.policies.compile import _torch_compile_options
+from omnispec.policies.compile_rows import PersistentRows, RowChoices
+from omnispec.spec import SpecError
+from omnispec.spec.policies import CompilePolicy
+
+
+def _features(columns: int, hint: ReductionHint = ReductionHint.INNER) -> SimpleNamespace:
+    return SimpleNamespace(reduction_numel=sympy.Integer(columns), numel=sympy.Integer(4608),
+                           get_reduction_hint=lambda: hint)
+
+
+@pytest.fixture
+def lowering():
+    """The part of a graph under lowering that inductor's persistence rule reads: sizes known statically."""
+    sizes = SimpleNamespace(statically_known_leq=lambda a, b: a <= b, optimization_hint=lambda n: n)
+    with V.set_graph_handler(SimpleNamespace(sizevars=sizes)):
+        yield
+
+
+class _Installed(CustomGraphPass):
+    """A post-grad post-pass a process installed before omnispec compiles."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, graph) -> None:
+        self.calls += 1
+
+    def uuid(self) -> str:
+        return "installed"
+
+
+def test_the_bound_decides_persistence_only_inside_a_compile_that_carries_it(lowering):
+    rule = RowChoices().should_use_persistent_reduction
+    assert rule(_features(1024), False) and not rule(_features(3072), False)  # inductor's own rule: up to 1,024
+    with inductor_config.patch(post_grad_custom_post_pass=PersistentRows(4096)):
+        assert rule(_features(3072), False) and rule(_features(4096), False)
+        assert not rule(_features(8192), False)
+        assert not rule(_features(3072), True), "a cooperative reduction stays inductor's to decide"
+        assert not rule(_features(3072, ReductionHint.OUTER), False)
+        with inductor_config.patch({"triton.persistent_reductions": False}):
+            assert not rule(_features(3072), False)
+    with inductor_config.patch(post_grad_custom_post_pass=_Installed()):  # someone else's compile
+        assert not rule(_features(3072), False)
+
+
+def test_the_options_carry_the_bound_and_the_tuning_and_key_the_cache_by_them():
+    plain = _torch_compile_options(CompilePolicy(mode="regional"))
+    assert "post_grad_custom_post_pass" not in plain and "coordinate_descent_tuning" not in plain
+    tuned = _torch_compile_options(CompilePolicy(mode="regional", tune_launches=True))
+    assert tuned["coordinate_descent_tuning"] and tuned["coordinate_descent_check_all_directions"]
+    assert tuned["deterministic"], "under fixed reductions inductor tunes only pointwise kernels"
+    rows = _torch_compile_options(CompilePolicy(mode="regional", persistent_rows=4096))["post_grad_custom_post_pass"]
+    assert isinstance(rows, PersistentRows) and rows.persistent_rows == 4096 and rows.then == ()
+    assert rows.uuid() != PersistentRows(8192).uuid()  # a graph compiled under one bound is not served to another
+    installed = _Installed()
+    with inductor_config.patch(post_grad_custom_post_pass=installed):
+        chained = _torch_compile_options(CompilePolicy(mode="regional", persistent_rows=4096))
+    chained = chained["post_grad_custom_post_pass"]
+    assert chained.then == (installed,) and chained.uuid()[-1] == "installed"
+    graph = torch.fx.Graph()
+    chained(graph)
+    assert installed.calls == 1
+
+
+def test_a_compile_with_the_bound_puts_the_rule_on_its_thread_and_computes_as_before():
+    """On the CPU inductor writes C++ (the rule is never asked), so the output equals the compile without it; the
+    pass still runs in the compile and leaves ``RowChoices`` on the thread, deciding as inductor does elsewhere."""
+    x = torch.randn(6, 3072, dtype=torch.bfloat16) * 3
+    scale = torch.randn(3072, dtype=torch.bfloat16) * 0.3
+
+    def modulated_norm(x, scale):
+        return torch.nn.functional.layer_norm(x, (3072,), eps=1e-6) * (1 + scale)
+
+    with V.set_choices_handler(InductorChoices()):
+        torch._dynamo.reset()
+        options = {**_torch_compile_options(CompilePolicy(mode="regional", persistent_rows=4096)),
+                   "fx_graph_cache": False}
+        got = torch.compile(modulated_norm, fullgraph=True, options=options)(x, scale)
+        assert isinstance(V.choices, RowChoices)
+    torch._dynamo.reset()
+    options = {**_torch_compile_options(CompilePolicy(mode="regional")), "fx_graph_cache": False}
+    assert torch.equal(got, torch.compile(modulated_norm, fullgraph=True, options=options)(x, scale))
+
+
+def test_the_spec_takes_the_options_for_inductors_compiles_only():
+    for bad, message in [({"persistent_rows": 4096}, "apply to compiled code"),
+                         ({"mode": "regional", "backend": "aot_eager", "tune_launches": True}, "inductor's"),
+                         ({"mode": "regional", "persistent_rows": 1024}, "greater than or equal to 2048"),
+                         ({"mode": "regional", "persistent_rows": 65536}, "less than or equal to 16384")]:
+        with pytest.raises(ValueError, match=message):
+            CompilePolicy(**bad)
+
+
+def test_a_process_with_heuristics_of_its_own_is_refused_at_build(monkeypatch):
+    from omnispec.policies import compile as compile_policy
+
+    monkeypatch.setattr(inductor_config, "inductor_choices_class", lambda: InductorChoices())
+    spec = SimpleNamespace(policies=SimpleNamespace(compile=CompilePolicy(mode="regional", persistent_rows=4096)),
+                           model=SimpleNamespace(components={}))
+    with pytest.raises(SpecError, match="inductor_choices_class is set") as refused:
+        compile_policy.apply_compile(spec, None, {})
+    assert refused.value.problems[0].path == "policies.compile.persistent_rows"
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_single_blocks_norm_reads_its_rows_once_and_each_row_alone():
+    """FLUX's single-block start at its width (a concatenation, a LayerNorm over 3,072, a modulation): inductor's
+    own rule writes the norm as a looped reduction, the bound as a persistent one; the output stays within bf16's
+    rounding of eager's, and a row computed alone equals the row in a batch (what an exact replay with other
+    micro-batches needs)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    def single_start(text, image, shift, scale):
+        x = torch.cat([text, image], dim=1)
+        return torch.nn.functional.layer_norm(x, (3072,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None], x
+
+    def kernels(policy: CompilePolicy, *args) -> tuple[list[str], tuple]:
+        torch._dynamo.reset()
+        options = {**_torch_compile_options(policy), "fx_graph_cache": False}
+        out, code = run_and_get_code(torch.compile(single_start, fullgraph=True, dynamic=False, options=options), *args)
+        return re.findall(r"def (triton_(?:red|per)_\w*layer_norm\w*)\(", "\n".join(code)), out
+
+    torch.manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    args = (torch.randn(2, 64, 3072, **bf16) * 3, torch.randn(2, 448, 3072, **bf16) * 3,
+            torch.randn(2, 3072, **bf16) * 0.3, torch.randn(2, 3072, **bf16) * 0.3)
+    looped, _ = kernels(CompilePolicy(mode="regional"), *args)
+    assert looped and all(name.startswith("triton_red_") for name in looped), looped
+    persistent, (normed, joined) = kernels(CompilePolicy(mode="regional", persistent_rows=4096), *args)
+    assert persistent and all(name.startswith("triton_per_") for name in persistent), persistent
+    want, _ = single_start(*args)
+    assert (normed.float() - want.float()).abs().max() <= 2 ** -4 * want.float().abs().max()
+    _, (alone, _) = kernels(CompilePolicy(mode="regional", persistent_rows=4096), *(a[1:] for a in args))
+    assert torch.equal(alone, normed[1:])

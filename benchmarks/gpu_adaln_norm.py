@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
-from .kernel_timing import measure_each, microseconds, report
+from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, report
 
 DIM, TEXT, IMAGE, STEPS = 3072, 512, 4096, 28  # FLUX.1-dev at 1024², 28 steps in the modulation table
 EPS = 1e-6
@@ -180,10 +180,7 @@ def main() -> None:
         rows += measure_each(shape, variants,
                              lambda name, fn, shape=shape, inputs=inputs, reference=reference:
                              measure(shape, name, fn, inputs, reference, iters))
-    report(rows, args.json, {"us per call": lambda r: f"{r['us_per_call']:.1f}",
-                             "TB/s": lambda r: f"{r['tb_per_s']:.2f}",
-                             "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
-                             "share differing": lambda r: r.get("share_differing_vs_eager", "")})
+    report(rows, args.json, BANDWIDTH_COLUMNS)
 
 
 if __name__ == "__main__":

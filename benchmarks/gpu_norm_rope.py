@@ -33,7 +33,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from . import gpu_interpreter as gi
-from .kernel_timing import measure_each, microseconds, report
+from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, report
 
 HEADS, HEAD_DIM, TEXT, IMAGE = 24, 128, 512, 4096  # FLUX.1 at 1024²
 EPS = 1e-6
@@ -158,10 +158,7 @@ def main() -> None:
         with torch.no_grad():
             reference = module(*inputs)
         rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference, iters))
-    report(rows, args.json, {"us per call": lambda r: f"{r['us_per_call']:.1f}",
-                             "TB/s": lambda r: f"{r['tb_per_s']:.2f}",
-                             "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
-                             "share differing": lambda r: r.get("share_differing_vs_eager", "")})
+    report(rows, args.json, BANDWIDTH_COLUMNS)
 
 
 if __name__ == "__main__":

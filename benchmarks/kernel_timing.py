@@ -122,6 +122,14 @@ KERNEL_COLUMNS: dict[str, Callable[[dict], object]] = {
     "first call s": lambda r: f"{r['first_call_s']:.1f}", "rel L2 vs fp32": lambda r: f"{r['rel_l2_vs_fp32']:.2e}"}
 
 
+# The columns a memory-bound kernel's row prints (``gpu_norm_rope``, ``gpu_adaln_norm``): its time, the rate at which
+# it moves the bytes it must, and how far its output is from eager's.
+BANDWIDTH_COLUMNS: dict[str, Callable[[dict], object]] = {
+    "us per call": lambda r: f"{r['us_per_call']:.1f}", "TB/s": lambda r: f"{r['tb_per_s']:.2f}",
+    "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
+    "share differing": lambda r: r.get("share_differing_vs_eager", "")}
+
+
 def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:
     """``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others still run."""
     rows = []

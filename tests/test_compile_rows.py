@@ -12,6 +12,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.choices import InductorChoices
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.dependencies import MemoryDep
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
@@ -21,9 +22,18 @@ from omnispec.spec import SpecError
 from omnispec.spec.policies import CompilePolicy
 
 
-def _features(columns: int, hint: ReductionHint = ReductionHint.INNER) -> SimpleNamespace:
+def _features(columns: int, hint: ReductionHint = ReductionHint.INNER, reads: tuple = ()) -> SimpleNamespace:
+    node = SimpleNamespace(read_writes=SimpleNamespace(reads=list(reads), writes=[]))
     return SimpleNamespace(reduction_numel=sympy.Integer(columns), numel=sympy.Integer(4608),
-                           get_reduction_hint=lambda: hint)
+                           get_reduction_hint=lambda: hint, scheduler_nodes=lambda: [node])
+
+
+ROW, COLUMN = sympy.symbols("c0 c1")
+
+
+def _read(index: sympy.Expr) -> MemoryDep:
+    """A read of a 256 x 3,072 buffer at ``index`` of (row, column)."""
+    return MemoryDep("buf", index, (ROW, COLUMN), (256, 3072))
 
 
 @pytest.fixture
@@ -55,6 +65,10 @@ def test_the_bound_decides_persistence_only_inside_a_compile_that_carries_it(low
         assert not rule(_features(8192), False)
         assert not rule(_features(3072), True), "a cooperative reduction stays inductor's to decide"
         assert not rule(_features(3072, ReductionHint.OUTER), False)
+        # DEFAULT: a row of FLUX's modulation table read by index inside the reduction; along rows, it counts
+        table = _read(COLUMN + 18432 * sympy.Symbol("tmp0") + 6144)
+        assert rule(_features(3072, ReductionHint.DEFAULT, (_read(3072 * ROW + COLUMN), table)), False)
+        assert not rule(_features(3072, ReductionHint.DEFAULT, (_read(ROW + 256 * COLUMN),)), False)  # down columns
         with inductor_config.patch({"triton.persistent_reductions": False}):
             assert not rule(_features(3072), False)
     with inductor_config.patch(post_grad_custom_post_pass=_Installed()):  # someone else's compile
@@ -120,35 +134,54 @@ def test_a_process_with_heuristics_of_its_own_is_refused_at_build(monkeypatch):
     assert refused.value.problems[0].path == "policies.compile.persistent_rows"
 
 
+def single_block_start(text, image, shift, scale):
+    """FLUX's single-block start at its width: the streams joined (kept: the residual), a LayerNorm over 3,072,
+    the modulation."""
+    x = torch.cat([text, image], dim=1)
+    return torch.nn.functional.layer_norm(x, (3072,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None], x
+
+
+def double_block_second_norm(image, attention, table, rows):
+    """A FLUX double block after attention: the attention output gated by the modulation table's row (read by
+    index, which makes inductor call the reduction DEFAULT), added, normed, modulated."""
+    _, _, gate, shift, scale, _ = table.index_select(0, rows).chunk(6, dim=1)
+    image = image + gate.unsqueeze(1) * attention
+    return torch.nn.functional.layer_norm(image, (3072,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None], image
+
+
 @pytest.mark.gpu
-def test_on_cuda_a_single_blocks_norm_reads_its_rows_once_and_each_row_alone():
-    """FLUX's single-block start at its width (a concatenation, a LayerNorm over 3,072, a modulation): inductor's
-    own rule writes the norm as a looped reduction, the bound as a persistent one; the output stays within bf16's
-    rounding of eager's, and a row computed alone equals the row in a batch (what an exact replay with other
-    micro-batches needs)."""
+@pytest.mark.parametrize("place", ["single block", "double block"])
+def test_on_cuda_flux_norms_read_their_rows_once_and_each_row_alone(place):
+    """Inductor's own rule writes FLUX's norms as looped reductions, the bound as persistent ones; the output stays
+    within bf16's rounding of eager's, and a row computed alone equals the row in a batch (what an exact replay with
+    other micro-batches needs)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
 
-    def single_start(text, image, shift, scale):
-        x = torch.cat([text, image], dim=1)
-        return torch.nn.functional.layer_norm(x, (3072,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None], x
-
-    def kernels(policy: CompilePolicy, *args) -> tuple[list[str], tuple]:
+    def kernels(fn, policy: CompilePolicy, *args) -> tuple[list[str], tuple]:
         torch._dynamo.reset()
         options = {**_torch_compile_options(policy), "fx_graph_cache": False}
-        out, code = run_and_get_code(torch.compile(single_start, fullgraph=True, dynamic=False, options=options), *args)
+        out, code = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False, options=options), *args)
         return re.findall(r"def (triton_(?:red|per)_\w*layer_norm\w*)\(", "\n".join(code)), out
 
     torch.manual_seed(0)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    args = (torch.randn(2, 64, 3072, **bf16) * 3, torch.randn(2, 448, 3072, **bf16) * 3,
-            torch.randn(2, 3072, **bf16) * 0.3, torch.randn(2, 3072, **bf16) * 0.3)
-    looped, _ = kernels(CompilePolicy(mode="regional"), *args)
+    if place == "single block":
+        fn, args = single_block_start, (torch.randn(2, 64, 3072, **bf16) * 3, torch.randn(2, 448, 3072, **bf16) * 3,
+                                         torch.randn(2, 3072, **bf16) * 0.3, torch.randn(2, 3072, **bf16) * 0.3)
+        alone_args = tuple(a[1:] for a in args)
+    else:
+        table = torch.randn(8, 6 * 3072, **bf16) * 0.3
+        fn, args = double_block_second_norm, (torch.randn(2, 512, 3072, **bf16) * 3,
+                                              torch.randn(2, 512, 3072, **bf16) * 3, table,
+                                              torch.tensor([3, 5], device="cuda"))
+        alone_args = (args[0][1:], args[1][1:], table, args[3][1:])
+    looped, _ = kernels(fn, CompilePolicy(mode="regional"), *args)
     assert looped and all(name.startswith("triton_red_") for name in looped), looped
-    persistent, (normed, joined) = kernels(CompilePolicy(mode="regional", persistent_rows=4096), *args)
+    persistent, (normed, _) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *args)
     assert persistent and all(name.startswith("triton_per_") for name in persistent), persistent
-    want, _ = single_start(*args)
+    want, _ = fn(*args)
     assert (normed.float() - want.float()).abs().max() <= 2 ** -4 * want.float().abs().max()
-    _, (alone, _) = kernels(CompilePolicy(mode="regional", persistent_rows=4096), *(a[1:] for a in args))
+    _, (alone, _) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *alone_args)
     assert torch.equal(alone, normed[1:])

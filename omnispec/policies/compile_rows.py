@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import sympy
 from torch._inductor import config
 from torch._inductor.choices import InductorChoices
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.dependencies import MemoryDep
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
@@ -37,10 +39,26 @@ class RowChoices(InductorChoices):
     def should_use_persistent_reduction(self, features: Any, cooperative_reduction: bool) -> bool:
         rows = getattr(config.post_grad_custom_post_pass, "persistent_rows", None)
         if (rows and config.triton.persistent_reductions and not cooperative_reduction
-                and features.get_reduction_hint() == ReductionHint.INNER
-                and V.graph.sizevars.statically_known_leq(features.reduction_numel, rows)):
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel, rows) and _along_rows(features)):
             return True
         return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+
+def _along_rows(features: Any) -> bool:
+    """Whether the kernel's reduction runs along memory's rows. Inductor's hint says so (INNER) unless a read in
+    the reduction is indexed by a value: FLUX's double blocks' second norms add the gated attention output first,
+    the gate read from the modulation table by the step's row, and inductor then calls the reduction DEFAULT (it
+    decides on coalescing later, from tiling scores this rule is not given). Such a kernel counts when each of its
+    reads and writes is contiguous, a constant, or of stride 1 in the last dimension (the tests inductor applies
+    to a reduction kernel's pointwise parts)."""
+    hint = features.get_reduction_hint()
+    if hint == ReductionHint.INNER:
+        return True
+    if hint != ReductionHint.DEFAULT:
+        return False
+    deps = (dep for node in features.scheduler_nodes() for dep in (*node.read_writes.reads, *node.read_writes.writes))
+    return all(not isinstance(dep, MemoryDep) or dep.is_contiguous() or isinstance(dep.index, (sympy.Integer, int))
+               or dep.stride1_for_last_dim() for dep in deps)
 
 
 def foreign_choices() -> str | None:

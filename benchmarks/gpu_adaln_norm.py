@@ -33,8 +33,10 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
+from . import gpu_policies as gp
 from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, report
 
+ROOT = Path(__file__).resolve().parents[1]
 DIM, TEXT, IMAGE, STEPS = 3072, 512, 4096, 28  # FLUX.1-dev at 1024², 28 steps in the modulation table
 EPS = 1e-6
 DEFAULT_VARIANTS = ("eager,inductor,inductor+persistent_rows=4096,inductor+tune_launches,"
@@ -106,17 +108,14 @@ def _activations(inputs: tuple) -> list[torch.Tensor]:
 
 
 def compiled(variant: str, smoke: bool) -> Callable:
-    """A function compiling a module by ``variant``: ``inductor`` and compile policy options after ``+``
-    (``inductor+persistent_rows=4096+no_fixed_reductions``), through omnispec's inductor options (aot_eager for the
-    CPU smoke, which checks the options and the script)."""
+    """A function compiling a module by ``variant``: ``inductor`` and compile policy options after ``+``, as
+    gpu_policies' compile variants write them (``inductor+persistent_rows=4096+no_fixed_reductions``), through
+    omnispec's inductor options (aot_eager for the CPU smoke, which checks the options and the script)."""
     from omnispec.policies.compile import _torch_compile_options
-    from omnispec.spec.policies import CompilePolicy
+    from omnispec.spec import load_spec
 
-    fields: dict[str, object] = {}
-    for option in variant.split("+")[1:]:
-        name, _, value = option.partition("=")
-        fields[name.removeprefix("no_")] = int(value) if value.isdigit() else value or not name.startswith("no_")
-    policy = CompilePolicy(mode="regional", **fields)
+    overrides = gp.compile_overrides("regional" + variant.removeprefix("inductor"))
+    policy = load_spec(ROOT / "specs" / "flux1-dev.yaml", overrides).policies.compile
     return lambda module: torch.compile(module, fullgraph=True, dynamic=False, **(
         {"backend": "aot_eager"} if smoke else {"options": _torch_compile_options(policy)}))
 

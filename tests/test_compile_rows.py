@@ -16,6 +16,7 @@ from torch._inductor.dependencies import MemoryDep
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
+from benchmarks.gpu_adaln_norm import DoubleNorm2, SingleNorm
 from omnispec.policies.compile import _torch_compile_options
 from omnispec.policies.compile_rows import PersistentRows, RowChoices
 from omnispec.spec import SpecError
@@ -134,27 +135,14 @@ def test_a_process_with_heuristics_of_its_own_is_refused_at_build(monkeypatch):
     assert refused.value.problems[0].path == "policies.compile.persistent_rows"
 
 
-def single_block_start(text, image, shift, scale):
-    """FLUX's single-block start at its width: the streams joined (kept: the residual), a LayerNorm over 3,072,
-    the modulation."""
-    x = torch.cat([text, image], dim=1)
-    return torch.nn.functional.layer_norm(x, (3072,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None], x
-
-
-def double_block_second_norm(image, attention, table, rows):
-    """A FLUX double block after attention: the attention output gated by the modulation table's row (read by
-    index, which makes inductor call the reduction DEFAULT), added, normed, modulated."""
-    _, _, gate, shift, scale, _ = table.index_select(0, rows).chunk(6, dim=1)
-    image = image + gate.unsqueeze(1) * attention
-    return torch.nn.functional.layer_norm(image, (3072,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None], image
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("place", ["single block", "double block"])
 def test_on_cuda_flux_norms_read_their_rows_once_and_each_row_alone(place):
-    """Inductor's own rule writes FLUX's norms as looped reductions, the bound as persistent ones; the output stays
-    within bf16's rounding of eager's, and a row computed alone equals the row in a batch (what an exact replay with
-    other micro-batches needs)."""
+    """FLUX's single-block start (the streams joined, normed, modulated) and a double block's second norm (the
+    attention output gated by the modulation table's row, read by index, which makes inductor call the reduction
+    DEFAULT), as gpu_adaln_norm times them: inductor's own rule writes them as looped reductions, the bound as
+    persistent ones; the output stays within bf16's rounding of eager's, and a row computed alone equals the row in
+    a batch (what an exact replay with other micro-batches needs)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -167,21 +155,22 @@ def test_on_cuda_flux_norms_read_their_rows_once_and_each_row_alone(place):
 
     torch.manual_seed(0)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    rows = torch.tensor([3, 5], device="cuda")
     if place == "single block":
-        fn, args = single_block_start, (torch.randn(2, 64, 3072, **bf16) * 3, torch.randn(2, 448, 3072, **bf16) * 3,
-                                         torch.randn(2, 3072, **bf16) * 0.3, torch.randn(2, 3072, **bf16) * 0.3)
-        alone_args = tuple(a[1:] for a in args)
+        fn = SingleNorm().cuda()
+        args = (torch.randn(2, 64, 3072, **bf16) * 3, torch.randn(2, 448, 3072, **bf16) * 3,
+                torch.randn(8, 3 * 3072, **bf16) * 0.3, rows)
+        alone_args = (args[0][1:], args[1][1:], args[2], rows[1:])
     else:
-        table = torch.randn(8, 6 * 3072, **bf16) * 0.3
-        fn, args = double_block_second_norm, (torch.randn(2, 512, 3072, **bf16) * 3,
-                                              torch.randn(2, 512, 3072, **bf16) * 3, table,
-                                              torch.tensor([3, 5], device="cuda"))
-        alone_args = (args[0][1:], args[1][1:], table, args[3][1:])
+        fn = DoubleNorm2().cuda()
+        args = (torch.randn(2, 512, 3072, **bf16) * 3, torch.randn(2, 512, 3072, **bf16) * 3,
+                torch.randn(8, 6 * 3072, **bf16) * 0.3, rows)
+        alone_args = (args[0][1:], args[1][1:], args[2], rows[1:])
     looped, _ = kernels(fn, CompilePolicy(mode="regional"), *args)
     assert looped and all(name.startswith("triton_red_") for name in looped), looped
-    persistent, (normed, _) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *args)
+    persistent, (normed, *_) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *args)
     assert persistent and all(name.startswith("triton_per_") for name in persistent), persistent
-    want, _ = fn(*args)
+    want, *_ = fn(*args)
     assert (normed.float() - want.float()).abs().max() <= 2 ** -4 * want.float().abs().max()
-    _, (alone, _) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *alone_args)
+    _, (alone, *_) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *alone_args)
     assert torch.equal(alone, normed[1:])

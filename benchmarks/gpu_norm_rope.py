@@ -12,9 +12,10 @@ This times that preparation at the single block's shapes (one sequence of 4,608 
 - ``eager``: diffusers' own code (``torch.nn.RMSNorm``, ``apply_rotary_emb``), uncompiled: the reference;
 - ``inductor``: the same compiled with omnispec's compile options (what a compiled step runs now);
 - ``inductor pairs``: the same arithmetic written on (even, odd) pairs instead of ``stack``/``unbind``;
-- ``triton TxHxW``: omnispec's kernel (``policies.attention.fused_qk_norm_rope``), one per tensor (the norm, eager's
-  rounding, the RoPE, one read, one write), each program taking T tokens of H heads with W warps
-  (``--triton-configs``; omnispec launches 16x4x4);
+- ``triton TxHxW``: omnispec's kernel (``policies.attention.fused_qk_norm_rope``: the norm, eager's rounding, the
+  RoPE, one read, one write) preparing q and k in one launch, each program taking T tokens of H heads of each with W
+  warps (``--triton-configs``; omnispec launches 16x4x4); ``per tensor``: the first shape with one launch for q and one
+  for k, which weighs the pairing;
 - ``copy``: q and k copied, the same bytes once each way: the floor.
 
 Each row gives device microseconds per call (CUDA events over replays of the call recorded as a CUDA graph, the
@@ -70,17 +71,17 @@ def _rope_pairs(x, cos, sin):
         x.dtype)
 
 
-def _triton_norm_rope(module: NormRope, tokens_per_program: int, heads_per_program: int, warps: int) -> Callable:
-    """omnispec's fused operator's Triton kernel (``policies.qk_norm_rope``) at a given launch shape."""
+def _triton_norm_rope(module: NormRope, tokens_per_program: int, heads_per_program: int, warps: int,
+                      paired: bool) -> Callable:
+    """omnispec's fused operator's Triton kernel (``policies.qk_norm_rope``) at a given launch shape, q and k in one
+    launch or one each."""
     from omnispec.policies.qk_norm_rope import launch
 
     shape = {"tokens_per_program": tokens_per_program, "heads_per_program": heads_per_program, "warps": warps}
 
     def run(q, k, cos, sin, text_q=None, text_k=None):
-        return (launch(q, module.norm_q.weight, module.norm_q.eps, cos, sin, text_q, module.norm_added_q.weight,
-                       **shape),
-                launch(k, module.norm_k.weight, module.norm_k.eps, cos, sin, text_k, module.norm_added_k.weight,
-                       **shape))
+        return launch(q, k, module.norm_q.weight, module.norm_k.weight, module.norm_q.eps, cos, sin, text_q, text_k,
+                      module.norm_added_q.weight, module.norm_added_k.weight, paired=paired, **shape)
 
     return run
 
@@ -124,8 +125,9 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--triton-configs", default="16x4x4",
-                        help="the Triton kernel's launch shapes, comma-separated: tokens x heads per program x warps")
+    parser.add_argument("--triton-configs", default="16x4x4,16x2x4,32x2x8",
+                        help="the Triton kernel's launch shapes, comma-separated: tokens x heads per program (of q and "
+                             "of k each) x warps; the first is also timed with one launch per tensor")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
     args = parser.parse_args()
@@ -149,9 +151,12 @@ def main() -> None:
     variants: dict[str, Callable] = {"eager": module, "inductor": compiled(module, args.smoke)}
     variants["inductor pairs"] = compiled(pairs, args.smoke)
     if gi.DEVICE == "cuda":
-        for config in args.triton_configs.split(","):
+        for i, config in enumerate(args.triton_configs.split(",")):
             tokens, heads_per_program, warps = (int(n) for n in config.split("x"))
-            variants[f"triton {config}"] = _triton_norm_rope(module, tokens, heads_per_program, warps)
+            variants[f"triton {config}"] = _triton_norm_rope(module, tokens, heads_per_program, warps, True)
+            if i == 0:  # the first shape also with one launch per tensor
+                variants[f"triton {config} per tensor"] = _triton_norm_rope(module, tokens, heads_per_program,
+                                                                            warps, False)
     variants["copy"] = _copy
     rows = []
     for shape, inputs in shapes.items():

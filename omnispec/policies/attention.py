@@ -320,7 +320,7 @@ def _fuse_qk_norm_rope(family: Any, role: str, modules: list[tuple[str, torch.nn
             module.set_processor(processor)
             fused += 1
     plan.notes[f"{role} q/k norm + RoPE"] = (
-        f"fused in {fused} of {len(modules)} attentions (one operator per tensor: a Triton kernel on CUDA, the "
+        f"fused in {fused} of {len(modules)} attentions (one operator for q and k: a Triton kernel on CUDA, the "
         "model's own operations elsewhere)" + ("" if fused == len(modules) else "; the others keep processors "
                                               "of their own"))
 

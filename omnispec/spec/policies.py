@@ -32,7 +32,7 @@ class AttentionPolicy(SpecModel):
     approximate: bool = Field(default=False, description="Let auto consider approximate kernels (sage).")
     fused_qk_norm_rope: bool = Field(default=False, description=(
         "Prepare each attention's queries and keys (per-head RMS norms, the text stream's first, the RoPE) in one "
-        "kernel per tensor instead of the model's separate operations (families that have it: FLUX; a Triton "
+        "kernel for both instead of the model's separate operations (families that have it: FLUX; a Triton "
         "kernel on CUDA, the model's own operations elsewhere)."))
 
 

@@ -21,8 +21,8 @@ from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Pertur
 
 class FusedQKNormRopeProcessor(FluxAttnProcessor):
     """diffusers' ``FluxAttnProcessor`` with the query and key norms, the text stream's concatenation and the RoPE
-    as one operator per tensor (``policies.attention.fused_qk_norm_rope``, which hands over the operator); the rest
-    as diffusers computes it."""
+    as one operator for both tensors (``policies.attention.fused_qk_norm_rope``, which hands over the operator); the
+    rest as diffusers computes it."""
 
     def __init__(self, replaced: FluxAttnProcessor, fused: Callable[..., torch.Tensor]):
         super().__init__()
@@ -51,8 +51,8 @@ class FusedQKNormRopeProcessor(FluxAttnProcessor):
             value = torch.cat([text_value, value], dim=1)
             text_weights = (attn.norm_added_q.weight, attn.norm_added_k.weight)
         cos, sin = image_rotary_emb
-        query = self.fused(query, attn.norm_q.weight, attn.norm_q.eps, cos, sin, text_query, text_weights[0])
-        key = self.fused(key, attn.norm_k.weight, attn.norm_k.eps, cos, sin, text_key, text_weights[1])
+        query, key = self.fused(query, key, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, cos, sin,
+                                text_query, text_key, *text_weights)
         backend, parallel_config = bridge.processor_settings(self)
         hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, backend=backend,
                                               parallel_config=parallel_config)
@@ -185,7 +185,8 @@ class FluxFamily(PackedLatents, Family):
         return bridge.pack_latents(FluxPipeline, spatial, b, c, h, w)
 
     def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-        return bridge.unpack_latents(FluxPipeline, latents, geometry.height, geometry.width, self.helper.vae_scale_factor)
+        return bridge.unpack_latents(FluxPipeline, latents, geometry.height, geometry.width,
+                                     self.helper.vae_scale_factor)
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:

@@ -1,0 +1,94 @@
+"""What omnispec's Triton kernel (``policies.qk_norm_rope``) compiles to for a GPU, on a machine without one.
+
+``python -m benchmarks.triton_ptx [--arch 90] [--configs 16x4x4,16x2x4] [--json FILE]``  (needs triton, whose wheel
+carries the ptxas that gives registers and spills)
+
+A memory-bound kernel moves its bytes at the memory's speed only when each thread loads and stores 16 bytes an
+instruction. Triton decides that from what it can prove about a pointer's contiguity and alignment, and releases
+differ: the kernel's first form, which chose the head stride (the text stream's or the image stream's) per token,
+compiled to 16-byte loads under triton 3.6 and 3.7.1 (torch 2.11's and 2.13's) and to 2-byte loads under 3.9
+(BENCHMARKS.md, 2026-12-05). This compiles the kernel as a launch at FLUX's shapes specializes it (every pointer and
+integer argument divisible by 16; bf16 tensors, float32 angles) and reports, per launch shape and for q and k in one
+launch or one launch each: registers, spilled bytes, and the global loads and stores by width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+CONSTEXPRS = ("TOKENS", "HEADS", "D", "PAIRED")
+HEAD_DIM = 128  # FLUX's
+
+
+def _argument_type(name: str) -> str:
+    """The type a launch at FLUX's shapes gives the kernel's argument ``name``."""
+    if name in CONSTEXPRS:
+        return "constexpr"
+    if name == "eps":
+        return "fp32"
+    if name in ("tokens", "first_tokens") or name.endswith(("_sb", "_st", "_sh")):
+        return "i32"
+    return "*fp32" if name in ("cos", "sin") else "*bf16"
+
+
+def compile_kernel(arch: int, tokens: int, heads: int, warps: int, paired: bool) -> dict:
+    """The kernel compiled for ``sm_<arch>``: its PTX's global memory instructions by width and, from ptxas,
+    its registers and spilled bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from omnispec.policies.qk_norm_rope_triton import qk_norm_rope_kernel as kernel
+
+    signature = {name: _argument_type(name) for name in kernel.arg_names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                 if signature[name] not in ("constexpr", "fp32")}
+    source = ASTSource(fn=kernel, signature=signature, attrs=divisible,
+                       constexprs={"TOKENS": tokens, "HEADS": heads, "D": HEAD_DIM, "PAIRED": paired})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "enable_fp_fusion": False})
+    ptx = compiled.asm["ptx"]
+    widths = collections.Counter(f"{op} {width}" for op, width in
+                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
+    row = {"config": f"{tokens}x{heads}x{warps}", "paired": paired, "arch": f"sm_{arch}", "triton": triton.__version__,
+           "global_memory_instructions": dict(sorted(widths.items()))}
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "kernel.ptx").write_text(ptx)
+        suffix = "a" if arch == 90 else ""
+        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", "kernel.ptx", "-o",
+                               "kernel.cubin"], cwd=folder, capture_output=True, text=True)
+    report = done.stdout + done.stderr
+    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
+        row["registers"] = int(registers.group(1))
+        row["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    else:
+        row["ptxas"] = report.strip().splitlines()[-1:] or ["no output"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: H100/H200)")
+    parser.add_argument("--configs", default="16x4x4,16x2x4",
+                        help="launch shapes, comma-separated: tokens x heads per program x warps")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for config in args.configs.split(","):
+        tokens, heads, warps = (int(n) for n in config.split("x"))
+        for paired in (True, False):
+            rows.append(compile_kernel(args.arch, tokens, heads, warps, paired))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

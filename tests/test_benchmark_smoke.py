@@ -4,6 +4,7 @@ time is scarce). ``gpu_peers`` has its own, finer test (tests/test_gpu_peers_smo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -130,3 +131,17 @@ def test_the_profile_idle_summary_counts_only_time_no_kernel_covers():
     assert [(g["us"], g["after"], g["before"]) for g in idle["largest_us"]] == [(40, "d", "a"), (30, "a", "c")]
     assert idle["by_neighbours"][0] == {"between": "d -> a", "ms_per_step": pytest.approx(0.02), "gaps_per_step": 0.5}
     assert idle_summary(types.SimpleNamespace(events=lambda: []), per=1) == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_inductor_kernels_smoke_compiles_every_kernel_for_hopper(tmp_path):
+    # the norms made persistent by the policy: every kernel of the block pair written, compiled for sm_90, reported
+    command = [sys.executable, "-m", "benchmarks.inductor_kernels", "--smoke", "--set",
+               "policies.compile.persistent_rows=4096"]
+    done = subprocess.run(command, cwd=tmp_path, env=cpu_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _rows(done.stdout)
+    norms = [row for row in rows if "layer_norm" in row["kernel"]]
+    assert len(norms) >= 5 and all(row["rows_read"] == "once" for row in norms), rows
+    assert all(row["global_memory_instructions"] and row.get("spilled_bytes", 0) == 0 for row in rows), rows

@@ -1,0 +1,169 @@
+"""Which Triton kernels inductor writes for FLUX's compiled blocks under omnispec's policies, and what each compiles
+to for a GPU, on a machine without one.
+
+``python -m benchmarks.inductor_kernels [--set policies.compile.persistent_rows=4096 ...] [--arch 90] [--json FILE]``
+(needs triton; ``--smoke``: FLUX's blocks at two heads of 16 dims)
+
+Builds a FLUX.1-dev-width transformer (24 heads of 128, 3,072 channels) of one double and one single block through
+``omnispec.build`` with regional compile, the fused q/k norm + RoPE, the fused GELU and the modulation table (and
+``--set``'s overrides), and runs one 256² step on the CPU with inductor's Triton code generation
+(``cpu_backend="triton"``): each kernel's source is kept, not launched. Each kernel is then compiled for
+``sm_<arch>`` with the launch inductor would choose on such a GPU (its first configuration: the only one for a
+reduction under ``fixed_reductions``; pointwise kernels are timed among a few at their first launch) and with every
+pointer 16-byte aligned, as inductor finds a GPU's inputs (on the CPU it marks none aligned). Per kernel: whether a
+reduction reads its rows once (``per``) or loops over them (``red``), the launch, registers and spilled bytes
+(ptxas), and the global loads and stores by width, 16 bytes (``v4.b32``) being what moves bytes at the memory's
+speed. The row counts are 256²'s; the code is the same at 1024² but for its sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from . import gpu_interpreter as gi
+
+POLICIES = ["runtime.progress=false", "policies.attention.default=sdpa", "policies.compile.mode=regional",
+            "policies.attention.fused_qk_norm_rope=true", "policies.mlp.fused_gelu=true",
+            "policies.mlp.precomputed_modulation=true", "model.dtype=bfloat16"]
+# An H200's properties, as inductor's launch heuristics read them.
+HOPPER = dict(type="cuda", index=0, multi_processor_count=132, cc=90, major=9, regs_per_multiprocessor=65536,
+              max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32)
+
+
+@contextlib.contextmanager
+def kept_kernel_sources() -> Iterator[list[tuple[str, str]]]:
+    """Inductor set to write Triton code for the CPU, each kernel's (name, source) kept and a launch that does
+    nothing returned in its place; inductor's caches off, so every kernel is written."""
+    import torch._inductor.config as config
+    import torch.utils._triton as torch_triton
+    from torch._inductor.async_compile import AsyncCompile
+
+    kept: list[tuple[str, str]] = []
+
+    class NoLaunch:
+        def run(self, *args, **kwargs) -> None:
+            pass
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    def keep(self, kernel_name: str, source_code: str, device_str: str = "cuda") -> NoLaunch:
+        kept.append((kernel_name, source_code))
+        return NoLaunch()
+
+    saved = AsyncCompile.triton, torch_triton.triton_hash_with_backend
+    AsyncCompile.triton = keep
+    torch_triton.triton_hash_with_backend = lambda: "inductor_kernels"  # asks a GPU driver otherwise
+    try:
+        with config.patch(cpu_backend="triton", compile_threads=1, force_disable_caches=True):
+            yield kept
+    finally:
+        AsyncCompile.triton, torch_triton.triton_hash_with_backend = saved
+
+
+def flux_kernels(overrides: list[str], smoke: bool) -> list[tuple[str, str]]:
+    """The Triton kernels of one step of the FLUX block pair built with ``overrides``."""
+    from diffusers import FluxTransformer2DModel
+
+    import omnispec
+
+    gi.enable_smoke()  # the text encoders and the VAE tiny, on the CPU
+    components = gi.flux_components()
+    width = dict(num_attention_heads=2, attention_head_dim=16, axes_dims_rope=(4, 4, 8)) if smoke else {}
+    components["transformer"] = FluxTransformer2DModel(
+        guidance_embeds=True, num_layers=1, num_single_layers=1, joint_attention_dim=gi.SMOKE_TEXT[1],
+        pooled_projection_dim=gi.SMOKE_TEXT[0], **width).to(torch.bfloat16)
+    pipe = omnispec.build(gi.ROOT / "specs" / "flux1-dev.yaml", components=components, device="cpu",
+                          overrides=[*POLICIES, *overrides])
+    with kept_kernel_sources() as kept:
+        pipe("a cat", height=64 if smoke else 256, width=64 if smoke else 256, steps=1, seed=0)
+    return list(kept)
+
+
+def _kernel_and_launches(name: str, source: str, folder: str) -> tuple:
+    """The kernel's Triton function, the launch configurations inductor's decorator gives it on an H200, and its
+    Triton metadata: the source run with the decorator's ``cached_autotune`` keeping what it is given."""
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    captured: dict = {}
+
+    def cached_autotune(size_hints, configs, triton_meta, **kwargs):
+        captured.update(configs=configs, triton_meta=triton_meta)
+        return lambda fn: fn
+
+    hopper = DeviceProperties(**HOPPER)
+    code = source.replace("triton_helpers.set_driver_to_cpu()", "").replace("DeviceProperties(", "_on_hopper(")
+    path = Path(folder) / f"{name}.py"  # triton reads a kernel's source from its file
+    path.write_text(code)
+    namespace = {"__file__": str(path), "__name__": name, "_on_hopper": lambda *args, **kwargs: hopper}
+    saved, triton_heuristics.cached_autotune = triton_heuristics.cached_autotune, cached_autotune
+    try:
+        exec(compile(code, str(path), "exec"), namespace)
+    finally:
+        triton_heuristics.cached_autotune = saved
+    return namespace[name], captured["configs"], captured["triton_meta"]
+
+
+def compiled_for_gpu(name: str, source: str, arch: int) -> dict:
+    """``name``'s kernel compiled for ``sm_<arch>`` with inductor's first launch configuration."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    with tempfile.TemporaryDirectory() as folder:
+        kernel, launches, meta = _kernel_and_launches(name, source, folder)
+        launch = launches[0]
+        signature = dict(meta["signature"])
+        attrs = dict(meta["configs"][0]) if meta.get("configs") else {}
+        attrs |= {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+        constants = {k: v for k, v in launch.kwargs.items() if k in signature}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                                           "enable_fp_fusion": meta.get("enable_fp_fusion", True)})
+        ptx = compiled.asm["ptx"]
+        (Path(folder) / "kernel.ptx").write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v",
+                               "kernel.ptx", "-o", "kernel.cubin"], cwd=folder, capture_output=True, text=True)
+    widths = collections.Counter(f"{op} {width}" for op, width in
+                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
+    row = {"kernel": name, "rows_read": {"per": "once", "red": "looped"}.get(name.split("_")[1], ""),
+           "launch": {**launch.kwargs, "num_warps": launch.num_warps}, "launches_tried": len(launches),
+           "global_memory_instructions": dict(sorted(widths.items()))}
+    report = done.stdout + done.stderr
+    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
+        row["registers"] = int(registers.group(1))
+        row["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a spec override on top of the regional compile and fused policies (repeatable)")
+    parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: H100/H200)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="two heads of 16 dims (checks the script only)")
+    args = parser.parse_args()
+    rows = []
+    for name, source in flux_kernels(args.set, args.smoke):
+        rows.append(compiled_for_gpu(name, source, args.arch))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"set": args.set, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -39,6 +39,7 @@ SMOKES = [
     ("gpu_gemm_epilogue", [], 1),
     ("gpu_attention_kernels", [], 1),
     ("gpu_gemm_kernels", [], 1),
+    ("gpu_joint_gemm", [], 1),
     # the whole block and one LoRA linear: every code path; the feed-forward as policies.mlp.fused_gelu makes it
     ("gpu_replay_bits", ["--parts", "block,attn.to_q,ff.net.0", "--fused-gelu"], 1),
     ("gpu_parallel", ["--repeats", "1"], 2),

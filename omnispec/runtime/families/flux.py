@@ -18,19 +18,23 @@ from ... import bridge
 from ...spec.request import Request
 from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
 
+# The fused operator ``policies.attention.fused_qk_norm_rope`` hands over (``omnispec::qk_norm_rope``): queries and
+# keys in, both prepared out.
+PreparesQueriesAndKeys = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
 
 class FusedQKNormRopeProcessor(FluxAttnProcessor):
     """diffusers' ``FluxAttnProcessor`` with the query and key norms, the text stream's concatenation and the RoPE
     as one operator for both tensors (``policies.attention.fused_qk_norm_rope``, which hands over the operator); the
     rest as diffusers computes it."""
 
-    def __init__(self, replaced: FluxAttnProcessor, fused: Callable[..., torch.Tensor]):
+    def __init__(self, replaced: FluxAttnProcessor, fused: PreparesQueriesAndKeys):
         super().__init__()
         bridge.set_processor_settings(self, bridge.processor_settings(replaced))  # backend, context parallelism
         self.fused = fused
 
     @classmethod
-    def replacing(cls, processor: Any, fused: Callable[..., torch.Tensor]) -> FusedQKNormRopeProcessor | None:
+    def replacing(cls, processor: Any, fused: PreparesQueriesAndKeys) -> FusedQKNormRopeProcessor | None:
         """The processor for an attention whose processor is ``processor``; None leaves it (an IP-Adapter's)."""
         return cls(processor, fused) if type(processor) is FluxAttnProcessor else None
 

@@ -370,7 +370,8 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
                 plan.notes[role] = (f"auto over [{', '.join(candidates)}], timed per shape on first use (forward "
                                     "and backward if that use trains), one choice per shape with or without gradients"
                                     + (f"; unusable here: {skipped}" if skipped else ""))
-                hook_for: Callable[[], ModelHook] = lambda r=role, c=candidates, h=heads, d=head_dim: AutoBackendHook(r, c, h, d)  # noqa: E731
+                hook_for: Callable[[], ModelHook] = (  # noqa: E731
+                    lambda r=role, c=candidates, h=heads, d=head_dim: AutoBackendHook(r, c, h, d))
             else:
                 reason = usable(wanted, device, dtype, head_dim)
                 if reason is not None:

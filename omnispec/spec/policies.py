@@ -249,7 +249,8 @@ class CompilePolicy(SpecModel):
 
     @property
     def reductions_fixed(self) -> bool:
-        """Whether inductor picks reduction configurations by rule (``fixed_reductions``, by default unless autotune)."""
+        """Whether inductor picks reduction configurations by rule (``fixed_reductions``; by default, unless
+        autotune)."""
         return self.fixed_reductions if self.fixed_reductions is not None else not self.autotune
 
     @property

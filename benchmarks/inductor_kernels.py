@@ -19,11 +19,8 @@ speed. The row counts are 256²'s; the code is the same at 1024² but for its si
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
-import re
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import gpu_interpreter as gi
+from .triton_ptx import compiled_facts
 
 POLICIES = ["runtime.progress=false", "policies.attention.default=sdpa", "policies.compile.mode=regional",
             "policies.attention.fused_qk_norm_rope=true", "policies.mlp.fused_gelu=true",
@@ -117,36 +115,17 @@ def _kernel_and_launches(name: str, source: str, folder: str) -> tuple:
 
 def compiled_for_gpu(name: str, source: str, arch: int) -> dict:
     """``name``'s kernel compiled for ``sm_<arch>`` with inductor's first launch configuration."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
     with tempfile.TemporaryDirectory() as folder:
         kernel, launches, meta = _kernel_and_launches(name, source, folder)
         launch = launches[0]
         signature = dict(meta["signature"])
         attrs = dict(meta["configs"][0]) if meta.get("configs") else {}
         attrs |= {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
-        constants = {k: v for k, v in launch.kwargs.items() if k in signature}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
-                                  target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": launch.num_warps, "num_stages": launch.num_stages,
-                                           "enable_fp_fusion": meta.get("enable_fp_fusion", True)})
-        ptx = compiled.asm["ptx"]
-        (Path(folder) / "kernel.ptx").write_text(ptx)
-        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v",
-                               "kernel.ptx", "-o", "kernel.cubin"], cwd=folder, capture_output=True, text=True)
-    widths = collections.Counter(f"{op} {width}" for op, width in
-                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
-    row = {"kernel": name, "rows_read": {"per": "once", "red": "looped"}.get(name.split("_")[1], ""),
-           "launch": {**launch.kwargs, "num_warps": launch.num_warps}, "launches_tried": len(launches),
-           "global_memory_instructions": dict(sorted(widths.items()))}
-    report = done.stdout + done.stderr
-    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
-        row["registers"] = int(registers.group(1))
-        row["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    return row
+        facts = compiled_facts(kernel, signature, {k: v for k, v in launch.kwargs.items() if k in signature}, attrs,
+                               arch, {"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                                      "enable_fp_fusion": meta.get("enable_fp_fusion", True)})
+    return {"kernel": name, "rows_read": {"per": "once", "red": "looped"}.get(name.split("_")[1], ""),
+            "launch": {**launch.kwargs, "num_warps": launch.num_warps}, "launches_tried": len(launches), **facts}
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 CONSTEXPRS = ("TOKENS", "HEADS", "D", "PAIRED")
 HEAD_DIM = 128  # FLUX's
@@ -37,40 +38,45 @@ def _argument_type(name: str) -> str:
     return "*fp32" if name in ("cos", "sin") else "*bf16"
 
 
-def compile_kernel(arch: int, tokens: int, heads: int, warps: int, paired: bool) -> dict:
-    """The kernel compiled for ``sm_<arch>``: its PTX's global memory instructions by width and, from ptxas,
-    its registers and spilled bytes."""
+def compiled_facts(fn: Any, signature: dict, constants: dict, attrs: dict, arch: int, options: dict) -> dict:
+    """A Triton function compiled for ``sm_<arch>``: its PTX's global memory instructions by width and, from the
+    triton wheel's ptxas, its registers and spilled bytes (or ptxas's last line where it gave none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
+
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    widths = collections.Counter(f"{op} {width}" for op, width in
+                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
+    facts: dict = {"global_memory_instructions": dict(sorted(widths.items()))}
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "kernel.ptx").write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v",
+                               "kernel.ptx", "-o", "kernel.cubin"], cwd=folder, capture_output=True, text=True)
+    report = done.stdout + done.stderr
+    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
+        facts["registers"] = int(registers.group(1))
+        facts["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    else:
+        facts["ptxas"] = report.strip().splitlines()[-1:] or ["no output"]
+    return facts
+
+
+def compile_kernel(arch: int, tokens: int, heads: int, warps: int, paired: bool) -> dict:
+    """The kernel compiled for ``sm_<arch>`` at a launch shape (``compiled_facts``)."""
+    import triton
 
     from omnispec.policies.qk_norm_rope_triton import qk_norm_rope_kernel as kernel
 
     signature = {name: _argument_type(name) for name in kernel.arg_names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                  if signature[name] not in ("constexpr", "fp32")}
-    source = ASTSource(fn=kernel, signature=signature, attrs=divisible,
-                       constexprs={"TOKENS": tokens, "HEADS": heads, "D": HEAD_DIM, "PAIRED": paired})
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps, "enable_fp_fusion": False})
-    ptx = compiled.asm["ptx"]
-    widths = collections.Counter(f"{op} {width}" for op, width in
-                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
-    row = {"config": f"{tokens}x{heads}x{warps}", "paired": paired, "arch": f"sm_{arch}", "triton": triton.__version__,
-           "global_memory_instructions": dict(sorted(widths.items()))}
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "kernel.ptx").write_text(ptx)
-        suffix = "a" if arch == 90 else ""
-        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", "kernel.ptx", "-o",
-                               "kernel.cubin"], cwd=folder, capture_output=True, text=True)
-    report = done.stdout + done.stderr
-    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
-        row["registers"] = int(registers.group(1))
-        row["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    else:
-        row["ptxas"] = report.strip().splitlines()[-1:] or ["no output"]
-    return row
+    constants = {"TOKENS": tokens, "HEADS": heads, "D": HEAD_DIM, "PAIRED": paired}
+    return {"config": f"{tokens}x{heads}x{warps}", "paired": paired, "arch": f"sm_{arch}", "triton": triton.__version__,
+            **compiled_facts(kernel, signature, constants, divisible, arch,
+                             {"num_warps": warps, "enable_fp_fusion": False})}
 
 
 def main() -> None:

@@ -33,6 +33,12 @@ def _inputs(tokens: int, text_tokens: int, dtype: torch.dtype, device: str = "cp
 
 
 TENSOR_INPUTS = (0, 1, 2, 3, 7, 8, 9, 10)  # the arguments a gradient flows to
+ACTIVATIONS = (0, 1, 7, 8)  # the arguments with a batch: queries, keys and the text stream's
+
+
+def _second_sample(inputs) -> tuple:
+    """The arguments for the batch's second sample alone."""
+    return tuple(x[1:] if i in ACTIVATIONS and x is not None else x for i, x in enumerate(inputs))
 
 
 @pytest.mark.parametrize("text_tokens", [0, 3])
@@ -87,7 +93,7 @@ def _interpreted_checks() -> None:
         # 37 tokens (not a multiple of the 16 a program takes), 6 heads (taken 3 at a time with 4 asked for), a
         # batch of 2, and strided views: the kernel's masks, head groups and strides
         inputs = list(_inputs(37, text_tokens, torch.float32, heads=6, head_dim=16))
-        for i in (0, 1, 7, 8):
+        for i in ACTIVATIONS:
             if inputs[i] is not None:
                 inputs[i] = _strided(inputs[i])
         paired = launch(*inputs)
@@ -95,7 +101,7 @@ def _interpreted_checks() -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for apart, together in zip(launch(*inputs, paired=False), paired, strict=True):
             assert torch.equal(apart, together), text_tokens
-        alone = launch(*(x[1:] if i in (0, 1, 7, 8) and x is not None else x for i, x in enumerate(inputs)))
+        alone = launch(*_second_sample(inputs))
         for one, batch in zip(alone, paired, strict=True):
             assert torch.equal(one, batch[1:]), text_tokens
 
@@ -137,7 +143,7 @@ def test_the_kernel_matches_the_model_operations_and_ignores_batch_mates(text_to
         # Where the sum of squares adds up in another order a normed value (of order 1) can round one bf16 step the
         # other way; the rotation moves the output by at most that step (1/32 for values in [4, 8)).
         assert share < 1e-4 and worst <= 2 ** -5, (share, worst)
-    alone = qk_norm_rope(*(x[1:] if i in (0, 1, 7, 8) and x is not None else x for i, x in enumerate(inputs)))
+    alone = qk_norm_rope(*_second_sample(inputs))
     for one, batch in zip(alone, got, strict=True):
         assert torch.equal(one, batch[1:])
     for apart, together in zip(launch(*inputs, paired=False), got, strict=True):

@@ -36,8 +36,10 @@ TEXT, IMAGE = 512, 4096  # FLUX.1 at 1024²
 SHAPES = {"attention projection": (3072, 3072), "feed-forward output": (12288, 3072)}  # (inner, outputs)
 
 
-def variants(text: int) -> dict[str, Callable]:
-    """The ways to compute the joint rows' projections, the first ``text`` rows by the first weight."""
+def variants(text: int, ends: torch.Tensor) -> dict[str, Callable]:
+    """The ways to compute the joint rows' projections, the first ``text`` rows by the first weight. ``ends``: the
+    groups' end rows (int32, on the device) for ``torch._grouped_mm``, made before the timing records its graph,
+    since a graph being recorded cannot copy from the host."""
     def two_matmuls(x: torch.Tensor, weights: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(x.shape[0], weights.shape[1])
         for rows, weight, bias in zip((slice(0, text), slice(text, None)), weights, biases, strict=True):
@@ -46,7 +48,6 @@ def variants(text: int) -> dict[str, Callable]:
 
     def grouped(bias: bool) -> Callable:
         def run(x: torch.Tensor, weights: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
-            ends = torch.tensor([text, x.shape[0]], device=x.device, dtype=torch.int32)
             out = torch._grouped_mm(x, weights.transpose(1, 2), offs=ends)
             if bias:
                 out[:text] += biases[0]
@@ -90,7 +91,8 @@ def main() -> None:
                   torch.randn(2, outputs, inner, device=device, dtype=torch.bfloat16) / inner ** 0.5,
                   torch.randn(2, outputs, device=device, dtype=torch.bfloat16) * 0.1)
         flops = 2 * tokens * inner * outputs
-        rows += measure_each(shape, variants(text), lambda name, fn: kernel_row(
+        ends = torch.tensor([text, tokens], device=device, dtype=torch.int32)
+        rows += measure_each(shape, variants(text, ends), lambda name, fn: kernel_row(
             shape, name, fn, inputs, reference(name, text, *inputs), flops,
             seconds=0.01 if args.smoke else args.seconds, clocks=args.clocks))
     report(rows, args.json, KERNEL_COLUMNS)

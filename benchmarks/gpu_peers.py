@@ -439,12 +439,13 @@ def _interleaved_row(wl: Workload, sides: dict[str, tuple], rounds: int) -> dict
     """Two built and compiled sides' per-step times in ``rounds`` rounds, the order flipped each round (ABBA), and
     each round's ratio of the second side's time to the first's. The rounds are paired samples: the clock at the
     power cap moves both alike within a round, where separate processes differed by about 1.5% (BENCHMARKS.md,
-    2026-12-04). Each side first runs once untimed under its settings, since the first switch between them is slow:
+    2026-12-04). An untimed round in each order comes first, since the first switches between the sides are slow:
     omnispec's first 2-step request after cache-dit's row once took half a second longer than its 6-step one, a
-    negative per-step sample."""
+    negative per-step sample, and after one untimed run of each side the first timed round still gave one
+    (2026-12-05)."""
     lo, hi = wl.w["steps"]
     names = list(sides)
-    for n in names:
+    for n in names + names[::-1]:
         run, settings = sides[n]
         with settings():
             _per_step(run, lo, hi, 1)

@@ -77,8 +77,12 @@ def test_the_bound_decides_persistence_only_inside_a_compile_that_carries_it(low
 
 
 def test_the_options_carry_the_bound_and_the_tuning_and_key_the_cache_by_them():
-    plain = _torch_compile_options(CompilePolicy(mode="regional"))
+    plain = _torch_compile_options(CompilePolicy(mode="regional", persistent_rows=1024))  # inductor's own rule
     assert "post_grad_custom_post_pass" not in plain and "coordinate_descent_tuning" not in plain
+    default = _torch_compile_options(CompilePolicy(mode="regional"))["post_grad_custom_post_pass"]
+    assert isinstance(default, PersistentRows) and default.persistent_rows == 4096  # the default under inductor
+    for elsewhere in (CompilePolicy(), CompilePolicy(mode="regional", backend="aot_eager")):
+        assert elsewhere.rows_read_once is None
     tuned = _torch_compile_options(CompilePolicy(mode="regional", tune_launches=True))
     assert tuned["coordinate_descent_tuning"] and tuned["coordinate_descent_check_all_directions"]
     assert tuned["deterministic"], "under fixed reductions inductor tunes only pointwise kernels"
@@ -111,28 +115,42 @@ def test_a_compile_with_the_bound_puts_the_rule_on_its_thread_and_computes_as_be
         got = torch.compile(modulated_norm, fullgraph=True, options=options)(x, scale)
         assert isinstance(V.choices, RowChoices)
     torch._dynamo.reset()
-    options = {**_torch_compile_options(CompilePolicy(mode="regional")), "fx_graph_cache": False}
+    options = {**_torch_compile_options(CompilePolicy(mode="regional", persistent_rows=1024)), "fx_graph_cache": False}
     assert torch.equal(got, torch.compile(modulated_norm, fullgraph=True, options=options)(x, scale))
 
 
 def test_the_spec_takes_the_options_for_inductors_compiles_only():
     for bad, message in [({"persistent_rows": 4096}, "apply to compiled code"),
                          ({"mode": "regional", "backend": "aot_eager", "tune_launches": True}, "inductor's"),
-                         ({"mode": "regional", "persistent_rows": 1024}, "greater than or equal to 2048"),
+                         ({"mode": "regional", "persistent_rows": 512}, "greater than or equal to 1024"),
                          ({"mode": "regional", "persistent_rows": 65536}, "less than or equal to 16384")]:
         with pytest.raises(ValueError, match=message):
             CompilePolicy(**bad)
 
 
-def test_a_process_with_heuristics_of_its_own_is_refused_at_build(monkeypatch):
+def test_a_process_with_heuristics_of_its_own_is_refused_at_build():
+    """(Inductor's ``config.patch``, not pytest's monkeypatch: undoing a config key, monkeypatch deletes it from
+    inductor's config for the rest of the process.)"""
     from omnispec.policies import compile as compile_policy
 
-    monkeypatch.setattr(inductor_config, "inductor_choices_class", lambda: InductorChoices())
     spec = SimpleNamespace(policies=SimpleNamespace(compile=CompilePolicy(mode="regional", persistent_rows=4096)),
                            model=SimpleNamespace(components={}))
-    with pytest.raises(SpecError, match="inductor_choices_class is set") as refused:
+    with (inductor_config.patch(inductor_choices_class=lambda: InductorChoices()),
+          pytest.raises(SpecError, match="inductor_choices_class is set") as refused):
         compile_policy.apply_compile(spec, None, {})
     assert refused.value.problems[0].path == "policies.compile.persistent_rows"
+
+
+def test_the_default_bound_steps_aside_for_heuristics_of_the_process():
+    """Asked for, the bound is refused where someone installed heuristics (above); by default it gives way, and
+    explain says inductor's own rule wrote the norms."""
+    from omnispec.policies import compile as compile_policy
+
+    spec = SimpleNamespace(policies=SimpleNamespace(compile=CompilePolicy(mode="regional")),
+                           model=SimpleNamespace(components={}))
+    with inductor_config.patch(inductor_choices_class=lambda: InductorChoices()):
+        assert "inductor's own norm kernels" in compile_policy.apply_compile(spec, None, {})
+    assert "norms read once up to 4096 elements" in compile_policy.apply_compile(spec, None, {})
 
 
 @pytest.mark.gpu
@@ -166,9 +184,9 @@ def test_on_cuda_flux_norms_read_their_rows_once_and_each_row_alone(place):
         args = (torch.randn(2, 512, 3072, **bf16) * 3, torch.randn(2, 512, 3072, **bf16) * 3,
                 torch.randn(8, 6 * 3072, **bf16) * 0.3, rows)
         alone_args = (args[0][1:], args[1][1:], args[2], rows[1:])
-    looped, _ = kernels(fn, CompilePolicy(mode="regional"), *args)
+    looped, _ = kernels(fn, CompilePolicy(mode="regional", persistent_rows=1024), *args)
     assert looped and all(name.startswith("triton_red_") for name in looped), looped
-    persistent, (normed, *_) = kernels(fn, CompilePolicy(mode="regional", persistent_rows=4096), *args)
+    persistent, (normed, *_) = kernels(fn, CompilePolicy(mode="regional"), *args)  # the default: 4,096
     assert persistent and all(name.startswith("triton_per_") for name in persistent), persistent
     want, *_ = fn(*args)
     assert (normed.float() - want.float()).abs().max() <= 2 ** -4 * want.float().abs().max()

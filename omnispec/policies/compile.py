@@ -32,6 +32,7 @@ from torch.utils import _pytree
 
 from .. import bridge
 from ..spec import PipelineSpec, SpecError
+from ..spec.policies import INDUCTOR_PERSISTENT_ROWS
 
 
 def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -> str:
@@ -41,12 +42,15 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             uncompiled(components[name])
     if policy.mode == "none":
         return "none"
-    if policy.persistent_rows:
+    if policy.rows_read_once:
         from .compile_rows import foreign_choices
 
         if in_the_way := foreign_choices():
-            raise SpecError.single(f"persistent_rows changes inductor's own heuristics, and {in_the_way}",
-                                   "policies.compile.persistent_rows")
+            if policy.persistent_rows is not None:
+                raise SpecError.single(f"persistent_rows changes inductor's own heuristics, and {in_the_way}",
+                                       "policies.compile.persistent_rows")
+            # the default steps aside for heuristics someone installed on purpose
+            policy = policy.model_copy(update={"persistent_rows": INDUCTOR_PERSISTENT_ROWS})
     kwargs: dict[str, Any] = {"fullgraph": policy.fullgraph, "dynamic": policy.dynamic, "backend": policy.backend}
     if policy.backend == "inductor" and (options := _torch_compile_options(policy)):
         kwargs["options"] = options
@@ -76,7 +80,8 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.backend == "inductor":
         options += ", eager rounding" if policy.eager_rounding else ""
         options += ", fixed reductions" if policy.reductions_fixed else ""
-        options += f", norms read once up to {policy.persistent_rows} elements" if policy.persistent_rows else ""
+        rows = policy.rows_read_once
+        options += f", norms read once up to {rows} elements" if rows else ", inductor's own norm kernels"
         options += ", launches tuned" if policy.tune_launches else ""
     decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
@@ -167,11 +172,11 @@ def _torch_compile_options(policy: Any) -> dict[str, Any]:
     if policy.tune_launches:
         options.update(coordinate_descent_tuning=True, coordinate_descent_check_all_directions=True)
     options["post_grad_custom_pre_pass"] = NarrowQuantizedInputs(then=torch._inductor.config.post_grad_custom_pre_pass)
-    if policy.persistent_rows:
+    if rows := policy.rows_read_once:
         from .compile_rows import PersistentRows
 
         options["post_grad_custom_post_pass"] = PersistentRows(
-            policy.persistent_rows, then=torch._inductor.config.post_grad_custom_post_pass)
+            rows, then=torch._inductor.config.post_grad_custom_post_pass)
     return options
 
 

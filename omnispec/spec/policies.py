@@ -193,6 +193,12 @@ CACHES.register(MagCache, "omnispec.policies.caches.magcache:MAGCACHE")
 CACHES.register(StepMaskCache, "omnispec.policies.caches.step_mask:STEP_MASK")
 
 
+# Inductor's own bound on persistent reductions (torch 2.11 to 2.13), and omnispec's default past it: FLUX.1-dev's
+# norms read once at 4,096 took 29.7 µs a call on an H200 where inductor's looped kernel took 45.5 (BENCHMARKS.md).
+INDUCTOR_PERSISTENT_ROWS = 1024
+DEFAULT_PERSISTENT_ROWS = 4096
+
+
 class CompilePolicy(SpecModel):
     mode: Literal["none", "regional", "full"] = "none"
     backend: str = "inductor"
@@ -221,12 +227,13 @@ class CompilePolicy(SpecModel):
         "adds up in, and timing can pick differently for a rollout's inference kernel and its replay's training "
         "kernel, or in another process. Inductor only. Default: on, unless autotune (which times every choice, "
         "matmuls too, and which this mode would stop)."))
-    persistent_rows: int | None = Field(default=None, ge=2048, le=16384, description=(
+    persistent_rows: int | None = Field(default=None, ge=1024, le=16384, description=(
         "Reductions along a row of at most this many elements (a LayerNorm's or RMSNorm's row) keep the row in "
         "registers and read it once: inductor's persistent reductions, which its own rule stops at 1,024 elements. "
         "Past that a norm's kernel reads its row twice (sums, then output); FLUX's, SD3.5's, Wan's and "
-        "Qwen-Image's rows have 1,536 to 5,120. A rule, not a timing: a rollout and its replay get the same "
-        "kernels. Inductor's Triton kernels (CUDA) only."))
+        "Qwen-Image's rows have 1,536 to 5,120. Default: 4,096 when inductor compiles (FLUX.1-dev's norms took "
+        "30 µs instead of 45 on an H200, BENCHMARKS.md); 1,024 keeps inductor's own rule. A rule, not a timing: a "
+        "rollout and its replay get the same kernels. Inductor's Triton kernels (CUDA) only."))
     tune_launches: bool = Field(default=False, description=(
         "Inductor times its own Triton kernels' launch shapes by coordinate descent at each kernel's first launch, "
         "as cache-dit sets inductor up: more time on the first call. Under fixed_reductions (the default) it tunes "
@@ -252,6 +259,16 @@ class CompilePolicy(SpecModel):
         """Whether inductor picks reduction configurations by rule (``fixed_reductions``; by default, unless
         autotune)."""
         return self.fixed_reductions if self.fixed_reductions is not None else not self.autotune
+
+    @property
+    def rows_read_once(self) -> int | None:
+        """The row length up to which inductor's norms read their rows once (``persistent_rows``, by default
+        ``DEFAULT_PERSISTENT_ROWS`` under inductor); None where inductor's own rule stands (no compile, another
+        backend, or 1,024 asked)."""
+        if self.mode == "none" or self.backend != "inductor":
+            return None
+        rows = self.persistent_rows if self.persistent_rows is not None else DEFAULT_PERSISTENT_ROWS
+        return rows if rows > INDUCTOR_PERSISTENT_ROWS else None
 
     @property
     def inductor_mode(self) -> str | None:

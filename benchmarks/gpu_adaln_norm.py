@@ -15,9 +15,8 @@ read from a table by index, as ``policies.mlp.precomputed_modulation`` gives the
 
 in variants: ``eager`` (diffusers' operations, the reference); ``inductor``, compiled with omnispec's compile options
 (by default the norm reads its row once, ``persistent_rows`` 4,096), with compile policy fields after ``+``
-(``+persistent_rows=1024``: inductor's own rule, the row read twice;
-``+tune_launches``: cache-dit's coordinate-descent tuning; ``+no_fixed_reductions``: inductor times its reductions'
-launches); ``copy``, one activation cloned: the floor's rate.
+(``+persistent_rows=1024``: inductor's own rule, the row read twice; ``+no_fixed_reductions``: inductor times its
+reductions' launches); ``copy``, one activation cloned: the floor's rate.
 Each row gives device microseconds per call (CUDA events over replays of the call recorded as a CUDA graph, the
 median of five rounds), the bytes it must move (activations read once, outputs written once), their rate, and the
 output's distance from eager's.
@@ -40,8 +39,8 @@ from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, report
 ROOT = Path(__file__).resolve().parents[1]
 DIM, TEXT, IMAGE, STEPS = 3072, 512, 4096, 28  # FLUX.1-dev at 1024², 28 steps in the modulation table
 EPS = 1e-6
-DEFAULT_VARIANTS = ("eager,inductor+persistent_rows=1024,inductor,inductor+persistent_rows=1024+tune_launches,"
-                    "inductor+tune_launches,inductor+persistent_rows=1024+no_fixed_reductions+tune_launches,copy")
+DEFAULT_VARIANTS = ("eager,inductor+persistent_rows=1024,inductor,inductor+persistent_rows=1024+no_fixed_reductions,"
+                    "inductor+no_fixed_reductions,copy")
 
 
 def _modulation(table: torch.Tensor, rows: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
@@ -150,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help="comma-separated: eager, copy, inductor[+OPTION...], each OPTION a compile policy field "
-                             "(persistent_rows=1024, tune_launches, no_fixed_reductions)")
+                             "(persistent_rows=1024, no_fixed_reductions)")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")

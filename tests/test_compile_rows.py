@@ -1,4 +1,4 @@
-"""``policies.compile.persistent_rows`` and ``tune_launches`` (omnispec/policies/compile_rows.py, compile.py): the
+"""``policies.compile.persistent_rows`` (omnispec/policies/compile_rows.py, compile.py): the
 bound rides with its own compile, keys inductor's caches, decides inductor's persistence there and nowhere else,
 and the spec takes the options only where they mean something."""
 
@@ -76,16 +76,13 @@ def test_the_bound_decides_persistence_only_inside_a_compile_that_carries_it(low
         assert not rule(_features(3072), False)
 
 
-def test_the_options_carry_the_bound_and_the_tuning_and_key_the_cache_by_them():
+def test_the_options_carry_the_bound_and_key_the_cache_by_it():
     plain = _torch_compile_options(CompilePolicy(mode="regional", persistent_rows=1024))  # inductor's own rule
     assert "post_grad_custom_post_pass" not in plain and "coordinate_descent_tuning" not in plain
     default = _torch_compile_options(CompilePolicy(mode="regional"))["post_grad_custom_post_pass"]
     assert isinstance(default, PersistentRows) and default.persistent_rows == 4096  # the default under inductor
     for elsewhere in (CompilePolicy(), CompilePolicy(mode="regional", backend="aot_eager")):
         assert elsewhere.rows_read_once is None
-    tuned = _torch_compile_options(CompilePolicy(mode="regional", tune_launches=True))
-    assert tuned["coordinate_descent_tuning"] and tuned["coordinate_descent_check_all_directions"]
-    assert tuned["deterministic"], "under fixed reductions inductor tunes only pointwise kernels"
     rows = _torch_compile_options(CompilePolicy(mode="regional", persistent_rows=4096))["post_grad_custom_post_pass"]
     assert isinstance(rows, PersistentRows) and rows.persistent_rows == 4096 and rows.then == ()
     assert rows.uuid() != PersistentRows(8192).uuid()  # a graph compiled under one bound is not served to another
@@ -121,7 +118,7 @@ def test_a_compile_with_the_bound_puts_the_rule_on_its_thread_and_computes_as_be
 
 def test_the_spec_takes_the_options_for_inductors_compiles_only():
     for bad, message in [({"persistent_rows": 4096}, "apply to compiled code"),
-                         ({"mode": "regional", "backend": "aot_eager", "tune_launches": True}, "inductor's"),
+                         ({"mode": "regional", "backend": "aot_eager", "persistent_rows": 4096}, "inductor's"),
                          ({"mode": "regional", "persistent_rows": 512}, "greater than or equal to 1024"),
                          ({"mode": "regional", "persistent_rows": 65536}, "less than or equal to 16384")]:
         with pytest.raises(ValueError, match=message):

@@ -18,8 +18,9 @@ rollout (no gradients) and its replay with gradients would compute different log
 ``fixed_reductions`` (default on unless ``autotune``) is the same promise for sums: inductor times a reduction
 kernel's candidate launch configurations at its first launch unless told to pick by rule (``deterministic``), and the
 configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart.
-``persistent_rows`` lets a norm over a longer row than inductor's 1,024 elements read it once (``compile_rows``);
-``tune_launches`` turns on inductor's coordinate-descent tuning of its kernels' launches."""
+``persistent_rows`` (4,096 by default) lets a norm over a longer row than inductor's 1,024 elements read it once
+(``compile_rows``). Inductor's coordinate-descent tuning of its kernels' launches, which cache-dit turns on, is not
+offered: under fixed reductions it made none of FLUX.1-dev's norms faster on an H200 (BENCHMARKS.md, 2026-12-05)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,6 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         options += ", fixed reductions" if policy.reductions_fixed else ""
         rows = policy.rows_read_once
         options += f", norms read once up to {rows} elements" if rows else ", inductor's own norm kernels"
-        options += ", launches tuned" if policy.tune_launches else ""
     decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
             + decoders)
@@ -157,9 +157,9 @@ def _mark_compiled(module: Any) -> None:
 
 def _torch_compile_options(policy: Any) -> dict[str, Any]:
     """torch.compile's inductor options for the policy: its mode's (torch.compile takes a mode or options, not both,
-    so the mode goes in as the options inductor lists for it), eager's roundings kept where asked, coordinate-descent
-    tuning where asked, the graph pass that stores a dynamic fp8 quantization's input narrow (``compile_passes``),
-    and the pass that carries ``persistent_rows`` (``compile_rows``)."""
+    so the mode goes in as the options inductor lists for it), eager's roundings kept where asked, the graph pass
+    that stores a dynamic fp8 quantization's input narrow (``compile_passes``), and the pass that carries
+    ``persistent_rows`` (``compile_rows``)."""
     import torch._inductor
 
     from .compile_passes import NarrowQuantizedInputs  # imports inductor's graph-pass machinery: only when compiling
@@ -169,8 +169,6 @@ def _torch_compile_options(policy: Any) -> dict[str, Any]:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:
         options["deterministic"] = True
-    if policy.tune_launches:
-        options.update(coordinate_descent_tuning=True, coordinate_descent_check_all_directions=True)
     options["post_grad_custom_pre_pass"] = NarrowQuantizedInputs(then=torch._inductor.config.post_grad_custom_pre_pass)
     if rows := policy.rows_read_once:
         from .compile_rows import PersistentRows

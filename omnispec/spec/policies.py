@@ -234,14 +234,10 @@ class CompilePolicy(SpecModel):
         "Qwen-Image's rows have 1,536 to 5,120. Default: 4,096 when inductor compiles (FLUX.1-dev's norms took "
         "30 µs instead of 45 on an H200, BENCHMARKS.md); 1,024 keeps inductor's own rule. A rule, not a timing: a "
         "rollout and its replay get the same kernels. Inductor's Triton kernels (CUDA) only."))
-    tune_launches: bool = Field(default=False, description=(
-        "Inductor times its own Triton kernels' launch shapes by coordinate descent at each kernel's first launch, "
-        "as cache-dit sets inductor up: more time on the first call. Under fixed_reductions (the default) it tunes "
-        "the pointwise kernels only, whose results do not depend on their launch; autotune tunes them anyway."))
 
     @model_validator(mode="after")
     def _inductor_options(self) -> CompilePolicy:
-        asked = [name for name in ("cudagraphs", "autotune", "vae", "persistent_rows", "tune_launches")
+        asked = [name for name in ("cudagraphs", "autotune", "vae", "persistent_rows")
                  if getattr(self, name)]
         if asked and self.mode == "none":
             raise ValueError(f"{' and '.join(asked)} apply to compiled code; set mode regional or full")

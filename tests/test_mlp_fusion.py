@@ -79,7 +79,7 @@ def test_a_projection_the_operators_do_not_take_runs_its_own_forward(monkeypatch
     assert fused.restored() is original and original.proj is fused.proj  # the wrapped layer stays
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's epilogue runs on CUDA")
+cuda = pytest.mark.gpu  # cuBLASLt's epilogue runs on CUDA
 
 
 @cuda

@@ -547,6 +547,7 @@ def test_inductor_picks_reductions_by_rule_unless_autotune_times_them():
         chosen = _torch_compile_options(load_spec(SPECS / "flux1-dev.yaml", [f"policies.compile={compile_policy}"])
                                         .policies.compile)
         chosen.pop("post_grad_custom_pre_pass")  # every compile's graph pass (tests/test_compile_passes.py)
+        chosen.pop("post_grad_custom_post_pass", None)  # the norms' rows read once (tests/test_compile_rows.py)
         return chosen
 
     assert options("{mode: regional}") == {"emulate_precision_casts": True, "deterministic": True}
@@ -596,7 +597,8 @@ def test_cudagraphs_and_autotune_are_inductor_modes_refused_where_they_cannot_ho
     import torch._inductor
 
     want = {**torch._inductor.list_mode_options("max-autotune"), "emulate_precision_casts": True}  # autotune: timed
-    assert compiled and all({k: v for k, v in kw["options"].items() if k != "post_grad_custom_pre_pass"} == want
+    graph_passes = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")  # tests/test_compile_{passes,rows}.py
+    assert compiled and all({k: v for k, v in kw["options"].items() if k not in graph_passes} == want
                             and "mode" not in kw for kw in compiled)
     assert len(marks) == 2  # one generation per denoiser call
     assert "cudagraphs, autotune" in pipe.explain()

@@ -131,7 +131,7 @@ def test_the_kernel_moves_its_rows_16_bytes_an_instruction_on_hopper(paired):
     assert row.get("spilled_bytes", 0) == 0, row
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
+@pytest.mark.gpu  # the Triton kernel
 @pytest.mark.parametrize("text_tokens", [0, 512])
 def test_the_kernel_matches_the_model_operations_and_ignores_batch_mates(text_tokens):
     inputs = _inputs(4096 if text_tokens else 4608, text_tokens, torch.bfloat16, "cuda", heads=24, head_dim=128)

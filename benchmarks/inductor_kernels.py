@@ -6,8 +6,9 @@ to for a GPU, on a machine without one.
 
 Builds a FLUX.1-dev-width transformer (24 heads of 128, 3,072 channels) of one double and one single block through
 ``omnispec.build`` with regional compile, the fused q/k norm + RoPE, the fused GELU and the modulation table (and
-``--set``'s overrides: ``persistent_rows=1024`` for inductor's own norm rule in place of the rows read once), and runs one 256² step on the CPU with inductor's Triton code generation
-(``cpu_backend="triton"``): each kernel's source is kept, not launched. Each kernel is then compiled for
+``--set``'s overrides: ``persistent_rows=1024`` for inductor's own norm rule in place of the rows read once), and
+runs one 256² step on the CPU with inductor's Triton code generation (``cpu_backend="triton"``): each kernel's
+source is kept, not launched. Each kernel is then compiled for
 ``sm_<arch>`` with the launch inductor would choose on such a GPU (its first configuration: the only one for a
 reduction under ``fixed_reductions``; pointwise kernels are timed among a few at their first launch) and with every
 pointer 16-byte aligned, as inductor finds a GPU's inputs (on the CPU it marks none aligned). Per kernel: whether a

@@ -83,7 +83,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         options += ", fixed reductions" if policy.reductions_fixed else ""
         rows = policy.rows_read_once
         options += f", norms read once up to {rows} elements" if rows else ", inductor's own norm kernels"
-    decoders = _compile_vae_decoders(spec, components) if policy.vae else ""
+    decoders = _compile_vae_decoders(spec, components, policy) if policy.vae else ""
     return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
             + decoders)
 
@@ -127,11 +127,11 @@ def _compile_whole_as_graph(module: Any, kwargs: dict[str, Any]) -> None:
     module._compiled_call_impl = call
 
 
-def _compile_vae_decoders(spec: PipelineSpec, components: dict[str, Any]) -> str:
+def _compile_vae_decoders(spec: PipelineSpec, components: dict[str, Any], policy: Any) -> str:
     """Compile the ``decoder`` of every VAE component whole; returns explain's note. Not full-graph: video VAEs
     decode chunk by chunk through caches of their own, where a break is better than a refusal. No CUDA graphs: a
-    decoder's output is the run's result, which the next decode's graph replay would overwrite."""
-    policy = spec.policies.compile
+    decoder's output is the run's result, which the next decode's graph replay would overwrite. ``policy``: the
+    compile policy as ``apply_compile`` settled it (its default rows bound may have given way)."""
     kwargs: dict[str, Any] = {"fullgraph": False, "dynamic": policy.dynamic, "backend": policy.backend}
     without_graphs = policy.model_copy(update={"cudagraphs": False})  # its mode's other options (autotune) stay
     if policy.backend == "inductor" and (options := _torch_compile_options(without_graphs)):

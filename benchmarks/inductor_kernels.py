@@ -1,8 +1,9 @@
 """Which Triton kernels inductor writes for FLUX's compiled blocks under omnispec's policies, and what each compiles
 to for a GPU, on a machine without one.
 
-``python -m benchmarks.inductor_kernels [--set policies.compile.persistent_rows=1024 ...] [--arch 90] [--json FILE]``
-(needs triton; ``--smoke``: FLUX's blocks at two heads of 16 dims)
+``python -m benchmarks.inductor_kernels [--set policies.compile.persistent_rows=1024 ...] [--norms 1536,5120]
+[--arch 90] [--json FILE]`` (needs triton; ``--smoke``: FLUX's blocks at two heads of 16 dims; ``--norms``: a
+modulated float32 RMSNorm and LayerNorm alone at each width, the other families' norms, in place of FLUX's blocks)
 
 Builds a FLUX.1-dev-width transformer (24 heads of 128, 3,072 channels) of one double and one single block through
 ``omnispec.build`` with regional compile, the fused q/k norm + RoPE, the fused GELU and the modulation table (and
@@ -89,6 +90,42 @@ def flux_kernels(overrides: list[str], smoke: bool) -> list[tuple[str, str]]:
     return list(kept)
 
 
+def _rms_norm_modulated(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
+    """An RMSNorm computed in float32 over the whole width (Wan's q and k norms run across the heads), then
+    modulated."""
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(x.dtype)
+    return h * (1 + scale) + shift
+
+
+def _layer_norm_modulated(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
+    """A LayerNorm computed in float32 (Wan's ``FP32LayerNorm``; SD3.5's and Qwen-Image's blocks norm their width
+    too), then modulated."""
+    h = torch.nn.functional.layer_norm(x.float(), x.shape[-1:], weight.float(), eps=1e-6).to(x.dtype)
+    return h * (1 + scale) + shift
+
+
+def norm_kernels(widths: list[int], overrides: list[str]) -> list[tuple[str, str]]:
+    """The Triton kernels of the other families' norm shapes at each row width, compiled alone with the compile
+    policy ``overrides`` give (FLUX's own norms come from ``flux_kernels``)."""
+    from omnispec.policies.compile import _torch_compile_options
+    from omnispec.spec import load_spec
+
+    policy = load_spec(gi.ROOT / "specs" / "flux1-dev.yaml", ["policies.compile.mode=regional", *overrides])
+    options = {**_torch_compile_options(policy.policies.compile), "fx_graph_cache": False}
+    kept_all = []
+    for width in widths:
+        bf16 = {"dtype": torch.bfloat16}
+        args = (torch.randn(1, 64, width, **bf16), torch.randn(width, **bf16), torch.randn(1, 1, width, **bf16),
+                torch.randn(1, 1, width, **bf16))
+        for fn in (_rms_norm_modulated, _layer_norm_modulated):
+            torch._dynamo.reset()
+            with kept_kernel_sources() as kept:
+                torch.compile(fn, fullgraph=True, dynamic=False, options=options)(*args)
+            kept_all += [(name, source, f"{fn.__name__.strip('_')} {width}") for name, source in kept]
+    return kept_all
+
+
 def _kernel_and_launches(name: str, source: str, folder: str) -> tuple:
     """The kernel's Triton function, the launch configurations inductor's decorator gives it on an H200, and its
     Triton metadata: the source run with the decorator's ``cached_autotune`` keeping what it is given."""
@@ -134,12 +171,20 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a spec override on top of the regional compile and fused policies (repeatable)")
     parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: H100/H200)")
+    parser.add_argument("--norms", metavar="WIDTH[,WIDTH...]",
+                        help="in place of FLUX's blocks: a float32 RMSNorm and LayerNorm, each modulated, over rows "
+                             "of these widths (the other families' norms: SD3.5 1,536, Qwen-Image 3,072, Wan 14B "
+                             "5,120)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="two heads of 16 dims (checks the script only)")
     args = parser.parse_args()
     rows = []
-    for name, source in flux_kernels(args.set, args.smoke):
-        rows.append(compiled_for_gpu(name, source, args.arch))
+    if args.norms:
+        kernels = norm_kernels([int(w) for w in args.norms.split(",")], args.set)
+    else:
+        kernels = [(name, source, "flux block pair") for name, source in flux_kernels(args.set, args.smoke)]
+    for name, source, shape in kernels:
+        rows.append({"shape": shape, **compiled_for_gpu(name, source, args.arch)})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"set": args.set, "rows": rows}, indent=1) + "\n")

@@ -146,3 +146,20 @@ def test_inductor_kernels_smoke_compiles_every_kernel_for_hopper(tmp_path):
     norms = [row for row in rows if "layer_norm" in row["kernel"]]
     assert len(norms) >= 5 and all(row["rows_read"] == "once" for row in norms), rows
     assert all(row["global_memory_instructions"] and row.get("spilled_bytes", 0) == 0 for row in rows), rows
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_inductor_kernels_reads_norm_rows_once_up_to_the_default_bound(tmp_path):
+    """The other families' norms at SD3.5's width and Wan 14B's: read once by default up to 4,096 elements, looped
+    past it, in 16-byte loads with nothing spilled where read once."""
+    command = [sys.executable, "-m", "benchmarks.inductor_kernels", "--norms", "1536,5120"]
+    done = subprocess.run(command, cwd=tmp_path, env=cpu_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["shape"]: row for row in _rows(done.stdout)}
+    assert set(rows) == {f"{norm}_modulated {width}" for norm in ("rms_norm", "layer_norm") for width in (1536, 5120)}
+    for shape, row in rows.items():
+        assert row["rows_read"] == ("once" if shape.endswith("1536") else "looped"), row
+        if row["rows_read"] == "once":
+            assert set(row["global_memory_instructions"]) <= {"ld v4.b32", "st v4.b32"}, row
+            assert row.get("spilled_bytes", 0) == 0, row

@@ -105,17 +105,17 @@ def _layer_norm_modulated(x: torch.Tensor, weight: torch.Tensor, shift: torch.Te
     return h * (1 + scale) + shift
 
 
-def norm_kernels(widths: list[int], overrides: list[str]) -> list[tuple[str, str]]:
-    """The Triton kernels of the other families' norm shapes at each row width, compiled alone with the compile
-    policy ``overrides`` give (FLUX's own norms come from ``flux_kernels``)."""
+def norm_kernels(widths: list[int], overrides: list[str]) -> list[tuple[str, str, str]]:
+    """The Triton kernels (name, source, shape) of the other families' norm shapes at each row width, compiled
+    alone with the compile policy ``overrides`` give (FLUX's own norms come from ``flux_kernels``)."""
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec import load_spec
 
     policy = load_spec(gi.ROOT / "specs" / "flux1-dev.yaml", ["policies.compile.mode=regional", *overrides])
     options = {**_torch_compile_options(policy.policies.compile), "fx_graph_cache": False}
     kept_all = []
+    bf16 = {"dtype": torch.bfloat16}
     for width in widths:
-        bf16 = {"dtype": torch.bfloat16}
         args = (torch.randn(1, 64, width, **bf16), torch.randn(width, **bf16), torch.randn(1, 1, width, **bf16),
                 torch.randn(1, 1, width, **bf16))
         for fn in (_rms_norm_modulated, _layer_norm_modulated):

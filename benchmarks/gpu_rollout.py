@@ -570,8 +570,12 @@ def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
     """Replay with gradients into the LoRA through the quantized base (its backward compiles anew): time per step,
     which LoRA weights got gradients, and the ratio a trainer reads; the same with ``exact=False`` (one forward,
     the training graphs' own values)."""
+    batchings = []
+
     def step(k: int, exact: bool) -> None:
-        pipe.log_prob(part, steps=[k], grad=True, exact=exact).log_probs.sum().backward()
+        replay = pipe.log_prob(part, steps=[k], grad=True, exact=exact)
+        replay.log_probs.sum().backward()
+        batchings.append(replay.batching)  # the micro-batch log_prob chose from the free memory
 
     try:
         samples = [_timed(step, k, True)[0] for k in (0, 0, 1, 1)]
@@ -581,6 +585,8 @@ def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
             samples[1:]) * 1e3, "samples_per_replay": args.replay_batch, "samples_ms": [s * 1e3 for s in samples],
               "ms_per_step_one_forward": statistics.median(one_forward) * 1e3,
               "lora_b_grads_nonzero": sum(g is not None and bool(g.abs().sum() > 0) for g in lora), "lora_b": len(lora),
+              "batching": {"micro_batch": batchings[-1].micro_batch, "recompute": batchings[-1].recompute,
+                           "why": batchings[-1].why},
               "max_abs_ratio_minus_1": ratio_off(pipe, part, grad_steps=[0, 1]),  # what a trainer's ratio reads
               "max_abs_ratio_minus_1_one_forward": ratio_off(pipe, part, grad_steps=[0, 1], exact=False)})
     except Exception as exc:  # noqa: BLE001 - the rollout rows above stand

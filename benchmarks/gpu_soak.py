@@ -1,13 +1,15 @@
 """Soak: one long-lived pipeline through many mixed requests; does its memory stop growing, does a repeated
 request return the identical array?
 
-``python -m benchmarks.gpu_soak [--requests 200 --steps 4,2 --sizes 512,768,1024] [--json FILE]``  (needs CUDA)
+``python -m benchmarks.gpu_soak [--model flux|wan_ti2v] [--requests 200 --steps 4,2 --sizes 512,768,1024]
+[--set OVERRIDE ...] [--json FILE]``  (needs CUDA; ``--set policies.compile.mode=regional`` soaks the compiled path)
 (``--smoke``: tiny models on the CPU, to check the script only; ``--digits``: the digits soak of
 ``tests/test_soak.py`` on the CPU, resident memory and live objects instead of device memory.)
 
-FLUX.1-dev at its real transformer size with random bf16 weights (``benchmarks.gpu_interpreter.flux_components``:
-tiny text encoders with the real widths, so a T5 encoding of 512 tokens is 4 MiB as in the real model). The
-requests mix sizes, prompts (repeated, and new ones that churn the prompt-encoding cache), batch sizes,
+``flux``: FLUX.1-dev at its real transformer size with random bf16 weights (``benchmarks.gpu_interpreter
+.flux_components``: tiny text encoders with the real widths, so a T5 encoding of 512 tokens is 4 MiB as in the real
+model). ``wan_ti2v``: Wan2.2 TI2V-5B's transformer at its real size, videos of ``--frames`` frames at small sizes
+(its defaults: 256 and 384 square, 9 and 17 frames, with CFG). The requests mix sizes, prompts (repeated, and new ones that churn the prompt-encoding cache), batch sizes,
 guidance scales and sequence lengths with refused requests, LoRA swaps (rank 16 on the attention projections),
 SDE rollouts followed by replays (half of them with gradients and a backward), and a reference request that must
 return the identical array each time. Device memory is sampled after every ``--every`` requests: allocated
@@ -77,8 +79,10 @@ def cuda_memory() -> dict[str, int]:
 def soak(pipe: Any, count: int, *, sizes: Sequence[int], steps: Sequence[int], batch_sizes: Sequence[int],
          guidance_scales: Sequence[float], sequence_lengths: Sequence[int], loras: Sequence[dict], lora_scales:
          Sequence[float] = (0.0, 0.5, 1.0), rollout_sampler: dict | None = None, memory: Callable[[], Any] = rss_bytes,
-         every: int = 50, seed: int = 0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+         every: int = 50, seed: int = 0, log: Callable[[str], None] | None = None,
+         frames: Sequence[int] = ()) -> dict[str, Any]:
     """Run ``count`` mixed requests through ``pipe``; return what was run, memory samples and the repeat check.
+    ``frames``: frame counts to draw from, for a video model (the first is the reference's and the rollouts').
 
     Every ``every`` requests, after ``gc.collect()``, ``memory()`` is sampled. The reference request (the first
     size and step count, guidance and adapters off) is compared bit for bit with its first output each time.
@@ -107,10 +111,12 @@ def soak(pipe: Any, count: int, *, sizes: Sequence[int], steps: Sequence[int], b
         if log:
             log(json.dumps(samples[-1]))
 
+    first = {"frames": frames[0]} if frames else {}
+
     def fields() -> dict[str, Any]:
         size = rng.choice(sizes)
         return {"height": size, "width": size, "steps": rng.choice(steps),
-                "max_sequence_length": rng.choice(sequence_lengths)}
+                "max_sequence_length": rng.choice(sequence_lengths)} | ({"frames": rng.choice(frames)} if frames else {})
 
     for i in range(count):
         if i % every == 0:
@@ -141,7 +147,7 @@ def soak(pipe: Any, count: int, *, sizes: Sequence[int], steps: Sequence[int], b
             if rollout_sampler is None:
                 continue
             prompts = [rng.choice(pool) for _ in range(rng.choice(batch_sizes))]
-            request = fields() | {"height": sizes[0], "width": sizes[0]}  # the smallest size: replays keep graphs
+            request = fields() | {"height": sizes[0], "width": sizes[0]} | first  # the smallest: replays keep graphs
             request["steps"] = max(request["steps"], 2)
             ro = pipe.rollout(prompts, group_size=2, seed=rng.randrange(2**32), sampler=rollout_sampler, **request)
             grad = rng.random() < 0.5
@@ -162,7 +168,7 @@ def soak(pipe: Any, count: int, *, sizes: Sequence[int], steps: Sequence[int], b
                 update_weights(pipe, [(name, param.detach().clone())])  # same values: a sync that changes nothing
         else:
             with reference(pipe):
-                out = pipe(pool[0], seed=1234, height=sizes[0], width=sizes[0], steps=steps[0])
+                out = pipe(pool[0], seed=1234, height=sizes[0], width=sizes[0], steps=steps[0], **first)
             if reference_array is None:
                 reference_array = out.array
             elif not np.array_equal(out.array, reference_array):
@@ -200,27 +206,46 @@ def digits_soak(count: int = 1000, cache_bytes: int = 16 * 1024, every: int = 50
         torch.set_num_threads(threads)
 
 
-def flux_pipeline(cache_bytes: int | None):
+# What each model soaks: its spec, its components (random weights at real sizes), the LoRA targets, and the request
+# mix's defaults (sizes, frames, sequence lengths); --smoke shrinks the sizes.
+MODELS = {
+    "flux": {"spec": "flux1-dev.yaml", "components": "flux_components", "lora": ("to_q", "to_k", "to_v"),
+             "sizes": "512,768,1024", "frames": "", "sequence_lengths": (128, 256, 512), "smoke_sizes": "64,32",
+             "sampler": {}},
+    # UniPC is a multistep solver: rollouts take Euler and SDE steps on its sigmas, as Flow-GRPO's Wan pipeline does
+    "wan_ti2v": {"spec": "wan2.2-ti2v-5b.yaml", "components": "wan_ti2v_components", "lora": ("to_q", "to_k", "to_v"),
+                 "sizes": "256,384", "frames": "9,17", "sequence_lengths": (128, 256, 512), "smoke_sizes": "64,32",
+                 "sampler": {"multistep": "euler"}},
+}
+
+
+def model_pipeline(model: str, cache_bytes: int | None, overrides: Sequence[str] = ()):
+    """``model``'s bundled spec over its components at real sizes, on the benchmark device."""
     import omnispec
 
     from . import gpu_interpreter as gi
 
-    overrides = ["runtime.progress=false"]
+    sets = ["runtime.progress=false", *overrides]
     if cache_bytes is not None:
-        overrides.append(f"runtime.encoding_cache_bytes={cache_bytes}")
-    return omnispec.build(ROOT / "specs" / "flux1-dev.yaml", components=gi.flux_components(), device=gi.DEVICE,
-                          overrides=overrides)
+        sets.append(f"runtime.encoding_cache_bytes={cache_bytes}")
+    components = getattr(gi, MODELS[model]["components"])()
+    return omnispec.build(ROOT / "specs" / MODELS[model]["spec"], components=components, device=gi.DEVICE,
+                          overrides=sets)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="flux")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--steps", default="4,2", help="step counts to draw from (the first is the reference's)")
-    parser.add_argument("--sizes", default="512,768,1024",
-                        help="square sizes to draw from (the first: the reference's and the rollouts')")
+    parser.add_argument("--sizes", help="square sizes to draw from (the first: the reference's and the rollouts'; "
+                                         "default: the model's)")
+    parser.add_argument("--frames", help="a video model's frame counts to draw from (default: the model's)")
     parser.add_argument("--batch-sizes", default="1,2")
     parser.add_argument("--every", type=int, default=10, help="sample memory every N requests")
     parser.add_argument("--cache-bytes", type=int, help="runtime.encoding_cache_bytes (default: the spec's default)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="OVERRIDE",
+                        help="a spec override for the soaked pipeline (e.g. policies.compile.mode=regional)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
@@ -235,30 +260,35 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1))
         return
 
+    model = MODELS[args.model]
+    args.sizes = args.sizes or model["sizes"]
+    args.frames = model["frames"] if args.frames is None else args.frames
     if args.smoke:
         gi.enable_smoke()
-        args.sizes, args.steps, args.requests, args.every = "64,32", "2,1", min(args.requests, 8), min(args.every, 4)
+        args.sizes, args.steps, args.requests, args.every = model["smoke_sizes"], "2,1", min(args.requests, 8), min(
+            args.every, 4)
+        args.frames = "5,9" if args.frames else ""
     elif not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
 
     def ints(text: str) -> list[int]:
-        return [int(x) for x in text.split(",")]
+        return [int(x) for x in text.split(",") if x]
 
-    pipe = flux_pipeline(args.cache_bytes)
+    pipe = model_pipeline(args.model, args.cache_bytes, args.overrides)
     transformer = pipe.components["transformer"].requires_grad_(False)  # a replay's gradients reach LoRA weights only
-    loras = [random_lora(transformer, ("to_q", "to_k", "to_v"), 4 if args.smoke else 16, s)
-             for s in range(3)]
+    loras = [random_lora(transformer, model["lora"], 4 if args.smoke else 16, s) for s in range(3)]
     memory = process_memory if gi.DEVICE == "cpu" else cuda_memory
     if gi.DEVICE != "cpu":
         torch.cuda.reset_peak_memory_stats()
-    result = soak(pipe, args.requests, sizes=ints(args.sizes), steps=ints(args.steps),
+    result = soak(pipe, args.requests, sizes=ints(args.sizes), steps=ints(args.steps), frames=ints(args.frames),
                   batch_sizes=ints(args.batch_sizes), guidance_scales=(2.0, 3.5, 5.0),
-                  sequence_lengths=(8, 16) if args.smoke else (128, 256, 512),
-                  loras=loras, rollout_sampler={"kind": "sde", "noise_level": 0.7,
+                  sequence_lengths=(8, 16) if args.smoke else model["sequence_lengths"],
+                  loras=loras, rollout_sampler={"kind": "sde", "noise_level": 0.7, **model["sampler"],
                                                 "window": {"kind": "fixed", "start": 0, "length": 1}},
                   memory=memory, every=args.every, seed=args.seed, log=print)
     result |= {"device": torch.cuda.get_device_name() if gi.DEVICE != "cpu" else "cpu", "args": vars(args) | {
-        "json": str(args.json) if args.json else None}}
+        "json": str(args.json) if args.json else None},
+        "attention": pipe.explain(as_dict=True).get("attention_with_gradients")}
     if gi.DEVICE != "cpu":
         mem = [s["memory"] for s in result["samples"]]
         warm = mem[len(mem) // 4:]

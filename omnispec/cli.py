@@ -239,7 +239,9 @@ def _explain(args: argparse.Namespace) -> int:
     from .spec.explain import describe_weights
 
     weights = describe_weights(spec, configs, args.source or spec.model.source)
-    info = explain_spec(spec, phase_sigmas=sigmas, attention=_planned_attention(spec), weights=weights)
+    plain, with_gradients = _planned_attention(spec)
+    info = explain_spec(spec, phase_sigmas=sigmas, attention=plain, attention_with_gradients=with_gradients,
+                        weights=weights)
     text = None if args.json else render_explain(info)
     if args.estimate:
         from .estimate import estimate, render_estimate
@@ -251,27 +253,12 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_attention(spec) -> dict[str, str]:
-    """Per attention role of the family: the backend the policy asks for and how it will be chosen (the
-    checks against this machine happen at build; ``Pipeline.explain()`` shows their outcome)."""
-    from .policies.attention import auto_as_sdpa
+def _planned_attention(spec) -> tuple[dict[str, str], dict[str, str]]:
+    """Per attention role of the family: the backend the policy asks for, without and with gradients."""
     from .runtime.families import family_class
+    from .spec.attention_plan import planned_attention
 
-    policy = spec.policies.attention
-    forced = auto_as_sdpa(spec)
-    out = {}
-    for role in family_class(spec.model.family).attention_roles:
-        backend = policy.per_role.get(role, policy.default)
-        source = "per_role" if role in policy.per_role else "default"
-        if backend == "auto":
-            why = (f"sdpa ({forced})" if forced else
-                   "auto: the fastest usable exact backend, timed per shape on first use (never slower than sdpa; "
-                   "forward and backward where gradients flow)")
-        else:
-            why = f"{backend} ({source}; checked by a test call at build"
-            why += ", falls back to sdpa if unusable)" if policy.allow_fallback else ")"
-        out[role] = why
-    return out
+    return planned_attention(spec, family_class(spec.model.family).attention_roles)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ from conftest import cpu_env
 SMOKES = [
     ("estimate_vs_measured", [], 1),
     ("gpu_soak", [], 1),
+    ("gpu_soak", ["--model", "wan_ti2v", "--set", "policies.compile.mode=regional",  # a video model, compiled
+                  "--set", "policies.compile.backend=aot_eager"], 1),
     ("gpu_lora_hotswap", [], 1),
     ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,ltx2_condition",  # LTX-2: gpu_ltx2's code
                          "--also", "policies.mlp.fused_gelu=true"], 1),

@@ -531,41 +531,44 @@ def test_a_backend_failing_its_backward_falls_back_with_one_warning(failing_back
         assert torch.allclose(got, want, atol=1e-6)
 
 
-def test_auto_checks_candidates_forward_and_backward_when_the_first_call_trains(failing_backend, monkeypatch):
+def test_auto_checks_candidates_forward_and_backward_where_a_forward_may_train(failing_backend, monkeypatch):
     monkeypatch.setattr(failing_backend, "_time_backend", _fast_xformers(failing_backend._time_backend))
     args = ("self", ["sdpa", "xformers"], 1, 2, 16, 8, torch.float32, torch.device("cpu"))
-    assert failing_backend.choose(*args, grad=True) == "sdpa"  # xformers' backward fails in the trial
-    assert failing_backend.choose(*args, grad=False) == "sdpa"  # one choice per shape
+    assert failing_backend.choose(*args, train=True) == "sdpa"  # xformers' backward fails in the trial
+    assert failing_backend.choose(*args, train=False) == "xformers"  # generation's own choice, forward only
 
 
 def test_auto_keeps_one_choice_per_attention_shape_whatever_the_batch(failing_backend, monkeypatch):
     """A replay in micro-batches calls attention at other batches than its rollout did: a kernel timed anew for
     them could round otherwise (a batch-1 replay with gradients was 5e-5 off its rollout on an H200)."""
-    monkeypatch.setattr(failing_backend, "_time_backend", _fast_xformers(failing_backend._time_backend))
-    rollout = ("self", ["sdpa", "xformers"], 8, 2, 16, 8, torch.float32, torch.device("cpu"))
-    assert failing_backend.choose(*rollout, grad=False) == "xformers"
-    replay = ("self", ["sdpa", "xformers"], 1, 2, 16, 8, torch.float32, torch.device("cpu"))
-    assert failing_backend.choose(*replay, grad=True) == "xformers"
-
-
-def test_auto_keeps_the_rollouts_kernel_for_its_replay_with_gradients(failing_backend, monkeypatch):
-    """A replay with gradients that timed its own kernel could run another forward than its rollout: its log-probs,
-    so the ratio a trainer reads, would move by that kernel's rounding. Here 'xformers' wins the rollout's trial and
-    loses a trial with backward, and rounds otherwise: the replay must keep it (its failing backward falls back)."""
-    from omnispec.policies import attention, attention_kernels
-
-    def rounds_otherwise(q, k, v, scale):
-        return _FailingBackward.apply(q, k, v) * (1 + 2**-10)
+    trials = []
 
     def timed(backend, q, repeats=5):
-        return 0.0 if (backend == "xformers") != q.requires_grad else 1.0
+        trials.append(q.shape[0])
+        return 0.0 if backend == "xformers" else 1.0
 
-    monkeypatch.setitem(attention_kernels._REPLACEMENTS, "xformers", rounds_otherwise)
+    monkeypatch.setattr(failing_backend, "_time_backend", timed)
+    rollout = ("self", ["sdpa", "xformers"], 8, 2, 16, 8, torch.float32, torch.device("cpu"))
+    assert failing_backend.choose(*rollout, train=True) == "xformers"
+    replay = ("self", ["sdpa", "xformers"], 1, 2, 16, 8, torch.float32, torch.device("cpu"))
+    assert failing_backend.choose(*replay, train=True) == "xformers"
+    assert trials == [8, 8]  # timed once, by the rollout's call
+
+
+def test_generation_keeps_its_own_auto_choice_and_a_rollout_shares_its_replays(failing_backend, monkeypatch):
+    """A rollout runs the kernels its replay with gradients will run: chosen forward and backward, shared by both
+    (their log-probs equal), apart from what generation chose by its forward alone ('xformers' wins only there)."""
+    from omnispec.policies import attention
+
+    def timed(backend, q, repeats=5):
+        return 0.0 if backend == "xformers" and not q.requires_grad else 1.0
+
     monkeypatch.setattr(attention, "_time_backend", timed)
     overrides = ["runtime.progress=false", "recipe.defaults.steps=2", "recipe.phases.0.guidance.terms=[]"]
     pipe = omnispec.build(DIGITS, overrides=overrides)
+    pipe("seven", seed=0)
     ro, replay, grads = _trained_replay(pipe)
-    assert set(attention.AUTO_CHOICES.values()) == {"xformers"}, attention.AUTO_CHOICES
+    assert {k[-1]: v for k, v in attention.AUTO_CHOICES.items()} == {False: "xformers", True: "sdpa"}
     assert torch.equal(replay.log_probs.detach(), ro.log_probs)
     assert all(g.abs().sum() > 0 for g in grads)
 

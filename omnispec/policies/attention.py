@@ -11,10 +11,16 @@ refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers 
 Under compile per-module hooks would make every block recompile, so the only replacement allowed there, ``flash4`` (an
 operator compiled code can call), is one redirect around the denoiser's call (``CompiledRedirectHook``) that dynamo
 traces into each compiled block.
+
+Forwards that may be differentiated (with gradients, a rollout's, a replay's: ``attention_kernels.may_train``) run
+what a backward may follow: ``GradientSafeHook`` on each denoiser keeps cuDNN attention out of the dispatcher's
+choice, ``auto`` chooses among the backends whose trial forward and backward pass, and a named replacement kernel is
+tried forward and backward at each call shape before it runs there. A rollout and its replays share every choice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import statistics
 import time
@@ -29,19 +35,27 @@ from torch.overrides import TorchFunctionMode
 
 from ..bridge import remove_hook
 from ..spec import PipelineSpec, SpecError
+from ..spec.attention_plan import SAFE_SDPA, auto_as_sdpa, training_backend
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
 from .attention_kernels import (
     APPROXIMATE,
     AUTO_EXCLUDED,
     CONCRETE,
+    GRADIENT_SAFE,
+    NOT_FOR_GRADIENTS,
     backend_context,
+    gradient_safe_context,
+    may_train,
     redirect_mode,
     remember_failure,
+    safe_sdpa,
     usable,
 )
 
 HOOK_NAME = "omnispec_attention"
+# The hook on each denoiser that puts its forwards that may be differentiated under ``GradientSafeSDPA``.
+GRADIENTS_HOOK = "omnispec_attention_gradients"
 # Where an attention module keeps the processor ``fused_qk_norm_rope`` replaced, for a rebuild to put it back.
 REPLACED_PROCESSOR = "omnispec_replaced_processor"
 # auto keeps sdpa unless another backend is faster by more than this (timing noise on a short trial).
@@ -50,13 +64,33 @@ AUTO_MARGIN = 0.03
 
 # ---- hooks ----------------------------------------------------------------------------------------
 
-class FixedBackendHook(ModelHook):
-    def __init__(self, backend: str):
-        super().__init__()
-        self.backend = backend
+class GradientSafeHook(ModelHook):
+    """Around a denoiser's call: where the forward may be differentiated (``attention_kernels.may_train``), its SDPA
+    calls run with cuDNN attention off unless a role named it (``GradientSafeSDPA``)."""
 
     def new_forward(self, module, *args, **kwargs):
-        return guarded_forward(self.fn_ref.original_forward, self.backend, args, kwargs, torch.is_grad_enabled())
+        with gradient_safe_context():
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+
+class FixedBackendHook(ModelHook):
+    """A role's named backend. Where the forward may be differentiated, a backend whose backward torch does not
+    train with everywhere first passes a trial forward and backward at the call's shape; a shape that fails it runs
+    on SDPA with cuDNN attention off (one warning), in the rollout and its replays alike."""
+
+    def __init__(self, role: str, backend: str, heads: int, head_dim: int):
+        super().__init__()
+        self.role, self.backend, self.heads, self.head_dim = role, backend, heads, head_dim
+
+    def new_forward(self, module, *args, **kwargs):
+        train = may_train()
+        backend = self.backend
+        if train and backend not in GRADIENT_SAFE:
+            hidden, tokens = call_shape(module, args, kwargs)
+            if not passes_gradient_trial(backend, hidden.shape[0], self.heads, tokens, self.head_dim, hidden.dtype,
+                                         hidden.device):
+                backend = "sdpa"
+        return guarded_forward(self.fn_ref.original_forward, backend, args, kwargs, torch.is_grad_enabled())
 
 
 class CompiledRedirectHook(ModelHook):
@@ -74,8 +108,10 @@ class CompiledRedirectHook(ModelHook):
             return self.fn_ref.original_forward(*args, **kwargs)
 
 
-# Process-wide cache of auto choices: (role, shape, dtype, device, grad) -> backend.
+# Process-wide cache of auto choices: (role, heads, tokens, head size, dtype, device, may train) -> backend.
 AUTO_CHOICES: dict[tuple, str] = {}
+# Process-wide results of trial forwards and backwards: (backend, heads, tokens, head size, dtype, device) -> passed.
+GRADIENT_TRIALS: dict[tuple, bool] = {}
 
 
 def _trial_input(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -86,57 +122,87 @@ def _trial_input(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
     return q.requires_grad_(grad)
 
 
-def _time_backend(backend: str, q: torch.Tensor, repeats: int = 5) -> float:
-    """Median seconds of one call under ``backend``; with ``q.requires_grad``, of a forward and its backward
-    (a backend that can't differentiate this call raises here, on a trial, not in a training step)."""
-    def run():
-        with backend_context(backend):
-            out = F.scaled_dot_product_attention(q, q, q)
-        if q.requires_grad:
-            (grad,) = torch.autograd.grad(out.sum(), q)
-            if not bool(torch.isfinite(grad).all()):
-                raise RuntimeError(f"{backend} gave non-finite gradients in a trial")
+def _trial(backend: str, q: torch.Tensor) -> None:
+    """One call under ``backend``; with ``q.requires_grad``, a forward and its backward (a backend that can't
+    differentiate this call raises here, on a trial, not in a training step)."""
+    with backend_context(backend):
+        out = F.scaled_dot_product_attention(q, q, q)
+    if q.requires_grad:
+        (grad,) = torch.autograd.grad(out.sum(), q)
+        if not bool(torch.isfinite(grad).all()):
+            raise RuntimeError(f"{backend} gave non-finite gradients in a trial")
 
-    run()
+
+def _time_backend(backend: str, q: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds of one ``_trial`` (after one untimed)."""
+    _trial(backend, q)
     times = []
     for _ in range(repeats):
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run()
+        _trial(backend, q)
         if q.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int, head_dim: int,
-           dtype: torch.dtype, device: torch.device, grad: bool = False) -> str:
-    """The fastest candidate for this attention shape (sdpa unless another beats it by ``AUTO_MARGIN``), timed once
-    per process by the first call of that shape, at that call's batch; with ``grad`` that trial is a forward and a
-    backward, so a process that trains first chooses only backends that can train.
+def passes_gradient_trial(backend: str, batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device) -> bool:
+    """Whether ``backend`` runs a forward and a backward of this attention shape here (tried once per process, at
+    the first call's batch); a failure is warned once and its calls run on SDPA with cuDNN attention off."""
+    key = (backend, heads, tokens, head_dim, dtype, str(device))
+    if key not in GRADIENT_TRIALS:
+        q = _trial_input(batch, heads, tokens, head_dim, dtype, device, grad=True)
+        try:
+            with torch.enable_grad(), safe_sdpa():
+                _trial(backend, q)
+            GRADIENT_TRIALS[key] = True
+        except (RuntimeError, NotImplementedError) as exc:
+            _fall_back((backend, (batch, heads, tokens, head_dim), dtype, "trial", True), exc)
+            GRADIENT_TRIALS[key] = False
+    return GRADIENT_TRIALS[key]
 
-    The choice is one per role, heads, tokens and head size, with or without gradients and whatever the batch: a
-    replay with gradients, in micro-batches of any size, must run the forward kernel its rollout ran, or its
-    log-probs move. On an H200 a choice timed apart for training put a bf16 digits replay 4e-4 off its rollout's
-    log-probs, and 0.0 once shared. A backend chosen by a rollout whose backward then fails falls back for the
-    gradient only (``_GuardedAttention``); the forward, and so the ratio, stays the rollout's."""
-    key = (role, heads, tokens, head_dim, dtype, str(device))
+
+def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int, head_dim: int,
+           dtype: torch.dtype, device: torch.device, train: bool = False) -> str:
+    """The fastest candidate for this attention shape (sdpa unless another beats it by ``AUTO_MARGIN``), timed once
+    per process by the first call of that shape, at that call's batch.
+
+    ``train``: the forward may be differentiated (``attention_kernels.may_train``: gradients on, or a rollout or a
+    replay). Then the trial is a forward and a backward, sdpa_cudnn is no candidate, and sdpa is SDPA with cuDNN
+    attention off; the choice is kept apart from the one without (generation), and shared by a rollout and all its
+    replays, with or without gradients and in micro-batches of any size: a replay must run the forward kernel its
+    rollout ran, or its log-probs move."""
+    key = (role, heads, tokens, head_dim, dtype, str(device), train)
+    if train:
+        candidates = [b for b in candidates if b not in NOT_FOR_GRADIENTS]
     if key not in AUTO_CHOICES:
         if len(candidates) == 1:
             AUTO_CHOICES[key] = candidates[0]
         else:
-            q = _trial_input(batch, heads, tokens, head_dim, dtype, device, grad)
+            q = _trial_input(batch, heads, tokens, head_dim, dtype, device, train)
             times = {}
-            for b in candidates:
-                try:
-                    times[b] = _time_backend(b, q)
-                except (RuntimeError, torch.OutOfMemoryError):  # a kernel that can't take this shape
-                    times[b] = float("inf")
+            with torch.set_grad_enabled(train), safe_sdpa() if train else contextlib.nullcontext():
+                for b in candidates:
+                    try:
+                        times[b] = _time_backend(b, q)
+                    except (RuntimeError, NotImplementedError):  # a kernel that can't take this shape
+                        times[b] = float("inf")
             del q
             best = min(times, key=times.get)
             AUTO_CHOICES[key] = best if times[best] < times["sdpa"] * (1 - AUTO_MARGIN) else "sdpa"
     return AUTO_CHOICES[key]
+
+
+def call_shape(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, int]:
+    """An attention module's hidden states and the tokens its attention spans (a joint attention's text tokens
+    too)."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    context = kwargs.get("encoder_hidden_states")
+    joint = context is not None and hidden.ndim == 3 and getattr(module, "added_kv_proj_dim", None)
+    return hidden, hidden.shape[1] + (context.shape[1] if joint else 0)
 
 
 class AutoBackendHook(ModelHook):
@@ -147,14 +213,10 @@ class AutoBackendHook(ModelHook):
         self.role, self.candidates, self.heads, self.head_dim = role, candidates, heads, head_dim
 
     def new_forward(self, module, *args, **kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        context = kwargs.get("encoder_hidden_states")
-        tokens = hidden.shape[1] + (context.shape[1] if context is not None and hidden.ndim == 3 and
-                                    getattr(module, "added_kv_proj_dim", None) else 0)
-        grad = torch.is_grad_enabled()  # a replay with grad: the LoRA inside the block may need them
+        hidden, tokens = call_shape(module, args, kwargs)
         backend = choose(self.role, self.candidates, hidden.shape[0], self.heads, tokens, self.head_dim,
-                         hidden.dtype, hidden.device, grad)
-        return guarded_forward(self.fn_ref.original_forward, backend, args, kwargs, grad)
+                         hidden.dtype, hidden.device, may_train())
+        return guarded_forward(self.fn_ref.original_forward, backend, args, kwargs, torch.is_grad_enabled())
 
 
 # ---- a failing backend falls back ----------------------------------------------------------------------
@@ -172,9 +234,9 @@ def _fall_back(key: tuple, exc: BaseException) -> None:
 
 
 def guarded_forward(forward: Callable, backend: str, args: tuple, kwargs: dict, grad: bool) -> Any:
-    """``forward`` with its SDPA calls on ``backend``. A call the backend fails at run time reruns on the default
-    SDPA with one warning, and so does a backward it fails (with gradients flowing, each call's graph is kept inside
-    ``_GuardedAttention``, whose backward falls back), so a kernel's failure never ends a training step."""
+    """``forward`` with its SDPA calls on ``backend``. A call the backend fails at run time reruns on SDPA with one
+    warning (cuDNN attention off where the forward may be differentiated), and so does a backward it fails (with
+    gradients flowing, each call's graph is kept inside ``_GuardedAttention``, whose backward falls back)."""
     if backend == "sdpa":
         return forward(*args, **kwargs)
     if grad:
@@ -221,8 +283,10 @@ class _GuardSDPA(TorchFunctionMode):
 
 class _GuardedAttention(torch.autograd.Function):
     """SDPA on a backend whose backward may fail: the forward builds the call's graph on detached inputs and keeps
-    it; the backward differentiates that graph, and if the backend fails there, recomputes the call on the default
-    SDPA and differentiates that instead (one warning)."""
+    it; the backward differentiates that graph, and if the backend fails there, recomputes the call on SDPA with
+    cuDNN attention off and differentiates that instead (one warning). A failure that leaves the device unusable (a
+    sticky CUDA error) cannot be caught: that is why a backend's backward is tried before it trains
+    (``passes_gradient_trial``)."""
 
     @staticmethod
     def forward(ctx, backend, key, options, query, key_t, value, attn_mask):  # type: ignore[override]
@@ -235,7 +299,8 @@ class _GuardedAttention(torch.autograd.Function):
                     out = F.scaled_dot_product_attention(**call)
             except (RuntimeError, NotImplementedError) as exc:
                 _fall_back(key, exc)
-                out = F.scaled_dot_product_attention(**call)
+                with safe_sdpa():
+                    out = F.scaled_dot_product_attention(**call)
         ctx.key, ctx.call, ctx.inner, ctx.out = key, call, inner, out
         return out.detach()
 
@@ -247,7 +312,7 @@ class _GuardedAttention(torch.autograd.Function):
             grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
         except (RuntimeError, NotImplementedError) as exc:
             _fall_back(ctx.key, exc)
-            with torch.enable_grad():
+            with torch.enable_grad(), safe_sdpa():
                 again = F.scaled_dot_product_attention(**ctx.call)
             grads = torch.autograd.grad(again, inputs, grad_out, allow_unused=True)
         out = [None] * 4
@@ -261,24 +326,13 @@ class _GuardedAttention(torch.autograd.Function):
 
 @dataclass
 class AttentionPlan:
-    """What runs per role, and why: shown by ``explain``."""
+    """What runs per role without gradients (``per_role``, why in ``notes``) and where a forward may be differentiated
+    (``training``: with gradients, in rollouts and in replays; why in ``training_notes``): shown by ``explain``."""
 
     per_role: dict[str, str] = field(default_factory=dict)
+    training: dict[str, str] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
-
-
-def auto_as_sdpa(spec: PipelineSpec) -> str | None:
-    """Why ``auto`` must be plain sdpa for this spec, or None when it may time kernels.
-
-    Under compile, per-module hooks would make the compiler recompile every block (the compiler's own SDPA
-    lowering decides the kernel); with several processes, timed trials could pick different kernels on
-    different ranks, and the ranks of one sequence or cfg group must compute alike.
-    """
-    if spec.policies.compile.mode != "none":
-        return "auto under compile: the compiler picks the SDPA kernel"
-    if spec.policies.parallel.world_size > 1:
-        return "auto with several processes: every rank runs the same kernel"
-    return None
+    training_notes: dict[str, str] = field(default_factory=dict)
 
 
 def role_key(family: Any, role: str, per_role: Mapping[str, str]) -> str | None:
@@ -335,68 +389,86 @@ def unfused_attention(module: torch.nn.Module) -> None:
 
 def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.Module],
                     device: torch.device) -> AttentionPlan:
-    policy = spec.policies.attention
-    perturbing = any(p.guidance.perturbs_attention for p in spec.recipe.phases)
     plan = AttentionPlan()
     problems: list[Problem] = []
     compiled = spec.policies.compile.mode != "none"
     for dname, denoiser in denoisers.items():
-        remove_hook(denoiser, HOOK_NAME)
+        for name in (HOOK_NAME, GRADIENTS_HOOK):
+            remove_hook(denoiser, name)
         traced: set[int] = set()  # head sizes flash4 takes under compile, through one hook on the denoiser
         for role, modules in role_modules(family, denoiser).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
                 unfused_attention(module)
-            if policy.fused_qk_norm_rope:
+            if spec.policies.attention.fused_qk_norm_rope:
                 _fuse_qk_norm_rope(family, role, modules, plan)
-            key = role_key(family, role, policy.per_role)
-            wanted = policy.per_role[key] if key else policy.default
-            where = f"policies.attention.{'per_role.' + key if key else 'default'}"
-            heads, head_dim = _head_dim(modules[0][1])
-            dtype = denoiser.dtype
-            forced = auto_as_sdpa(spec) if wanted == "auto" else None
-            if forced is not None:
-                plan.per_role[role] = "sdpa"
-                plan.notes[role] = f"sdpa ({forced})"
-                continue
-            if wanted == "auto":
-                allowed = [b for b in CONCRETE if (not perturbing or b in PERTURBABLE_BACKENDS)
-                           and (policy.approximate or b not in APPROXIMATE) and b not in AUTO_EXCLUDED]
-                reasons = {b: usable(b, device, dtype, head_dim) for b in allowed}
-                candidates = [b for b in allowed if reasons[b] is None]
-                if "sdpa" not in candidates:
-                    candidates.insert(0, "sdpa")
-                skipped = ", ".join(f"{b} ({r})" for b, r in reasons.items() if r)
-                plan.per_role[role] = "auto"
-                plan.notes[role] = (f"auto over [{', '.join(candidates)}], timed per shape on first use (forward "
-                                    "and backward if that use trains), one choice per shape with or without gradients"
-                                    + (f"; unusable here: {skipped}" if skipped else ""))
-                hook_for: Callable[[], ModelHook] = (  # noqa: E731
-                    lambda r=role, c=candidates, h=heads, d=head_dim: AutoBackendHook(r, c, h, d))
-            else:
-                reason = usable(wanted, device, dtype, head_dim)
-                if reason is not None:
-                    if not policy.allow_fallback:
-                        problems.append(Problem(where, f"{wanted} cannot run for role {role!r} of {dname} "
-                                                f"({dtype}, head size {head_dim}, {device}): {reason}"))
-                        continue
-                    plan.notes[role] = f"sdpa (fallback: {wanted} unusable: {reason})"
-                    wanted = "sdpa"
-                else:
-                    plan.notes[role] = f"{wanted} (explicit, checked by a test call on {device})"
-                plan.per_role[role] = wanted
-                hook_for = lambda b=wanted: FixedBackendHook(b)  # noqa: E731
-            if plan.per_role[role] == "sdpa":
-                plan.notes.setdefault(role, "sdpa: torch's dispatcher picks the kernel")
+            hook_for = _plan_role(spec, family, role, dname, modules[0][1], denoiser.dtype, device, plan, problems)
+            if hook_for is None:
                 continue
             if compiled:  # the spec rules let only flash4, named for every role, reach here
-                traced.add(head_dim)
+                traced.add(_head_dim(modules[0][1])[1])
                 plan.notes[role] += "; compiled in, through one redirect around the denoiser's call"
                 continue
             for _, module in modules:
                 HookRegistry.check_if_exists_or_initialize(module).register_hook(hook_for(), HOOK_NAME)
+        registry = HookRegistry.check_if_exists_or_initialize(denoiser)
         if traced:
-            HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(
-                CompiledRedirectHook("flash4", frozenset(traced)), HOOK_NAME)
+            registry.register_hook(CompiledRedirectHook("flash4", frozenset(traced)), HOOK_NAME)
+        registry.register_hook(GradientSafeHook(), GRADIENTS_HOOK)
     if problems:
         raise SpecError(problems)
     return plan
+
+
+def _plan_role(spec: PipelineSpec, family: Any, role: str, denoiser: str, module: torch.nn.Module,
+               dtype: torch.dtype, device: torch.device, plan: AttentionPlan,
+               problems: list[Problem]) -> Callable[[], ModelHook] | None:
+    """Decide one role's backend with and without gradients into ``plan`` (a problem into ``problems``); the hook
+    each of its attention modules gets, or None where plain SDPA needs none (``GradientSafeHook`` on the denoiser
+    then keeps cuDNN attention out of its forwards that may be differentiated)."""
+    policy = spec.policies.attention
+    key = role_key(family, role, policy.per_role)
+    wanted = policy.per_role[key] if key else policy.default
+    heads, head_dim = _head_dim(module)
+    compiled = spec.policies.compile.mode != "none"
+    hook_for: Callable[[], ModelHook] | None = None
+    if wanted == "auto" and (forced := auto_as_sdpa(spec)) is not None:
+        plain, trained, note = "sdpa", "sdpa", f"sdpa ({forced})"
+    elif wanted == "auto":
+        perturbing = any(p.guidance.perturbs_attention for p in spec.recipe.phases)
+        allowed = [b for b in CONCRETE if (not perturbing or b in PERTURBABLE_BACKENDS)
+                   and (policy.approximate or b not in APPROXIMATE) and b not in AUTO_EXCLUDED]
+        reasons = {b: usable(b, device, dtype, head_dim) for b in allowed}
+        candidates = [b for b in allowed if reasons[b] is None]
+        if "sdpa" not in candidates:
+            candidates.insert(0, "sdpa")
+        skipped = ", ".join(f"{b} ({r})" for b, r in reasons.items() if r)
+        plain = trained = "auto"
+        note = (f"auto over [{', '.join(candidates)}], timed per shape on first use"
+                + (f" (unusable here: {skipped})" if skipped else ""))
+        training_candidates = ", ".join(b for b in candidates if b not in NOT_FOR_GRADIENTS)
+        plan.per_role[role] = plan.training[role] = "auto"
+        plan.notes[role] = note
+        plan.training_notes[role] = (f"auto over [{training_candidates}], timed forward and backward per shape "
+                                            f"on first use, one choice shared by a rollout and its replays (sdpa "
+                                            f"there is {SAFE_SDPA})")
+        return lambda: AutoBackendHook(role, candidates, heads, head_dim)
+    else:
+        reason = usable(wanted, device, dtype, head_dim)
+        where = f"policies.attention.{'per_role.' + key if key else 'default'}"
+        if reason is not None and not policy.allow_fallback:
+            problems.append(Problem(where, f"{wanted} cannot run for role {role!r} of {denoiser} ({dtype}, head size "
+                                    f"{head_dim}, {device}): {reason}"))
+            return None
+        if reason is not None:
+            plain, note = "sdpa", f"sdpa (fallback: {wanted} unusable: {reason})"
+        elif wanted == "sdpa":
+            plain, note = wanted, "sdpa: torch's dispatcher picks the kernel"
+        else:
+            plain, note = wanted, f"{wanted} (explicit, checked by a test call on {device})"
+        trained = plain
+        if plain != "sdpa":
+            hook_for = lambda: FixedBackendHook(role, plain, heads, head_dim)
+    plan.per_role[role], plan.training[role] = plain, trained
+    plan.notes[role] = note
+    plan.training_notes[role] = training_backend(trained, compiled)
+    return hook_for

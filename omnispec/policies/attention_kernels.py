@@ -1,14 +1,21 @@
 """The attention kernels a role can run on, and whether each runs here: torch's SDPA kernels (chosen with
 ``torch.nn.attention.sdpa_kernel``) and the kernels that replace SDPA calls outright (xformers, SageAttention,
 FlashAttention-4), each probed once per device, dtype and head size by a real call. ``policies.attention`` puts
-them on the model's attentions (hooks, ``auto``'s timing, the fallbacks)."""
+them on the model's attentions (hooks, ``auto``'s timing, the fallbacks).
+
+**Forwards that may be differentiated.** A forward with gradients, and every forward of a rollout or a replay (whose
+log-probs a replay with gradients must reproduce bit for bit), runs ``training_forwards``' rule: an SDPA call that
+torch's dispatcher would be free to send to cuDNN attention runs with cuDNN attention off (``GradientSafeSDPA``):
+flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
+are the ones torch trains with everywhere; cuDNN attention's backward failed on an H100 (a sticky CUDA error that no
+fallback can catch: BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``."""
 
 from __future__ import annotations
 
 import importlib
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,90 @@ APPROXIMATE = ("sage",)
 # Never an auto candidate: the math kernel materialises the full score matrix (160 GiB for one Wan-14B
 # 480p layer) and is never the fastest.
 AUTO_EXCLUDED = ("sdpa_math",)
+# Named kernels a forward that may be differentiated runs without a trial of its backward: torch's own flash,
+# memory-efficient and math kernels (the ones it trains with everywhere) and the dispatcher restricted to them.
+GRADIENT_SAFE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math")
+# Never an auto candidate where a forward may be differentiated: cuDNN attention's backward runs only where named.
+NOT_FOR_GRADIENTS = ("sdpa_cudnn",)
+# SDPA's kernels in the order the dispatcher tries them while cuDNN attention is off.
+_SAFE_ORDER = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+               (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled))
+
+
+class SDPAMode(TorchFunctionMode):
+    """A mode that sees every SDPA call (``on_sdpa``) and passes everything else through."""
+
+    def on_sdpa(self, func: Callable, args: tuple, kwargs: dict):
+        return func(*args, **kwargs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.on_sdpa(func, args, kwargs)
+        if func is torch.Tensor.unflatten:
+            # the same operation; under compile dynamo traces the mode and cannot follow Tensor.unflatten's
+            # ``super().unflatten`` (torch 2.11 and 2.13), which every diffusers processor calls
+            return torch.unflatten(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# ---- forwards that may be differentiated --------------------------------------------------------------
+
+# How many ``training_forwards`` blocks are open: a plain module global, which dynamo guards on where a whole
+# denoiser is compiled with the hook that reads it.
+_training_depth = 0
+
+
+@contextmanager
+def training_forwards() -> Iterator[None]:
+    """Forwards inside run with the kernels a backward may follow, gradients or not: rollouts and their replays,
+    so a replay with gradients computes the forward its rollout computed."""
+    global _training_depth
+    _training_depth += 1
+    try:
+        yield
+    finally:
+        _training_depth -= 1
+
+
+def may_train() -> bool:
+    """Whether a forward starting now may be differentiated: gradients are on, or it is a rollout's or a replay's."""
+    return torch.is_grad_enabled() or _training_depth > 0
+
+
+def _safe_kernels() -> list[SDPBackend] | None:
+    """The kernels an SDPA call may run on while the dispatcher is free to pick cuDNN attention (it is on beside
+    another kernel): the others that are on, in the dispatcher's order; None where the choice is already made.
+    Compiled code cannot read the switches (dynamo does not trace them), and there no kernel was named (only
+    ``flash4``, which bypasses SDPA): all three."""
+    if torch.compiler.is_compiling():
+        return [kernel for kernel, _ in _SAFE_ORDER]
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    safe = [kernel for kernel, enabled in _SAFE_ORDER if enabled()]
+    return safe or None  # cuDNN alone: a spec named it
+
+
+def safe_sdpa() -> AbstractContextManager:
+    """cuDNN attention off for the SDPA calls inside, where the dispatcher would otherwise be free to pick it."""
+    safe = _safe_kernels()
+    return sdpa_kernel(safe, set_priority=True) if safe is not None else nullcontext()
+
+
+class GradientSafeSDPA(SDPAMode):
+    """SDPA calls in a forward that may be differentiated run under ``safe_sdpa``; a call whose kernel was named runs
+    as named. Dynamo traces the mode into compiled blocks and guards on it, so a block compiled for generation is
+    compiled again for rollouts and replays."""
+
+    def on_sdpa(self, func: Callable, args: tuple, kwargs: dict):
+        with safe_sdpa():
+            return func(*args, **kwargs)
+
+
+def gradient_safe_context() -> GradientSafeSDPA | nullcontext:
+    """``GradientSafeSDPA`` where a forward starting now may be differentiated, else nothing."""
+    return GradientSafeSDPA() if may_train() else nullcontext()
 
 
 def remember_failure(failures: dict[tuple, str], key: tuple, exc: BaseException, what: str) -> None:
@@ -73,7 +164,7 @@ _REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _
                                       "flash4": _flash4_attention}
 
 
-class _RedirectSDPA(TorchFunctionMode):
+class _RedirectSDPA(SDPAMode):
     """Sends plain (maskless, non-causal, no dropout) SDPA calls to another kernel, only those of ``head_sizes`` when
     given; others pass through."""
 
@@ -81,21 +172,15 @@ class _RedirectSDPA(TorchFunctionMode):
         super().__init__()
         self.kernel, self.head_sizes = kernel, head_sizes
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            call = dict(zip(names, args)) | kwargs  # diffusers passes query=/key=/value= by keyword
-            q, k, v = call.get("query"), call.get("key"), call.get("value")
-            plain = (q is not None and call.get("attn_mask") is None and not call.get("is_causal")
-                     and not call.get("dropout_p") and not call.get("enable_gqa") and q.shape[-3] == k.shape[-3]
-                     and (self.head_sizes is None or q.shape[-1] in self.head_sizes))
-            if plain:
-                return self.kernel(q, k, v, call.get("scale"))
-        if func is torch.Tensor.unflatten:
-            # the same operation; under compile dynamo traces this mode and cannot follow Tensor.unflatten's
-            # ``super().unflatten`` (torch 2.11 and 2.13), which every diffusers processor calls
-            return torch.unflatten(*args, **kwargs)
+    def on_sdpa(self, func: Callable, args: tuple, kwargs: dict):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        call = dict(zip(names, args)) | kwargs  # diffusers passes query=/key=/value= by keyword
+        q, k, v = call.get("query"), call.get("key"), call.get("value")
+        plain = (q is not None and call.get("attn_mask") is None and not call.get("is_causal")
+                 and not call.get("dropout_p") and not call.get("enable_gqa") and q.shape[-3] == k.shape[-3]
+                 and (self.head_sizes is None or q.shape[-1] in self.head_sizes))
+        if plain:
+            return self.kernel(q, k, v, call.get("scale"))
         return func(*args, **kwargs)
 
 

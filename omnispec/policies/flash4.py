@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_kernels import remember_failure
+from .attention_kernels import remember_failure, safe_sdpa
 
 # FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
 # 128 x 128 at head size 128, chosen at the peak clock; a running step holds the GPU at its power cap, and there
@@ -58,9 +58,11 @@ def _tile(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     # aten's operator, not F.scaled_dot_product_attention: omnispec's own redirect, active around a denoiser's call,
-    # sends the latter back here
-    return torch.ops.aten.scaled_dot_product_attention.default(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
+    # sends the latter back here. cuDNN attention off, forward and backward alike (``attention_kernels.safe_sdpa``):
+    # a refused shape's backward recomputes this call, so its forward must be one whose backward is proven.
+    with safe_sdpa():
+        return torch.ops.aten.scaled_dot_product_attention.default(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
 
 
 @torch.library.custom_op("omnispec::flash4_attention", mutates_args=())

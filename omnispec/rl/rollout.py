@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from torch.utils.checkpoint import checkpoint
 
+from ..policies.attention_kernels import training_forwards
 from ..runtime.families import Conditioning, Streams
 from ..runtime.families.base import to_host
 from ..runtime.phases import set_adapter
@@ -27,6 +29,7 @@ from ..spec.errors import Problem, from_validation_error
 from ..spec.recipe import SAMPLERS, Sampler, stochastic_kinds
 from ..spec.request import Request
 from .checks import check_pipeline, check_replay_args, check_rollout_args, check_rollout_fits, shape_of
+from .replay_memory import Batching, ReplayBatcher
 
 if TYPE_CHECKING:
     from ..runtime.pipeline import Pipeline
@@ -98,6 +101,8 @@ class Replay:
     # sqrt(sigma - sigma_next) factor (sde: noise_level sqrt(sigma / (1 - sigma)); dance_sde: eta); for cps the
     # transition std itself
     std_t: dict[str, torch.Tensor]
+    # how the forwards ran (``replay_memory``): micro-batch size, graphs kept or recomputed in the backward, and why
+    batching: Batching | None = None
 
 
 def kl(policy: Replay, reference: Replay, *, normalize: bool = True) -> torch.Tensor:
@@ -208,7 +213,7 @@ def rollout(
         if w is walk and result.x0 is not None:
             clean["x0"] = result.x0
 
-    with torch.no_grad():
+    with torch.no_grad(), training_forwards():  # the kernels its replays with gradients will run
         results = run.execute(observe)
         out = results[pipe.spec.recipe.output_index() or 0]
         latents = out.latents
@@ -270,6 +275,9 @@ def log_prob(
     ``steps`` are positions in the window (default: all). Samples are replayed grouped by the step they
     were at, ``micro_batch`` samples per forward, through the same step body and stepper as the rollout; a
     step of a multi-phase walk (Wan2.2's two experts) runs through the phase, denoiser and adapter that made it.
+    With gradients and ``micro_batch=None`` on a GPU, the micro-batch follows the device's free memory: the first
+    forward (one sample) is measured, and the rest keep their graphs for the trainer's backward where they fit, or
+    are recomputed inside it where they don't (``replay_memory``; ``Replay.batching`` says which and why).
 
     With gradients through a compiled denoiser, ``exact`` (the default) takes each prediction's values from a
     forward without gradients, the inference graphs the rollout ran, and its gradients from the forward with them:
@@ -312,7 +320,8 @@ def log_prob(
     sigmas: dict[int, list[float]] = {}  # per walk (by id), its sigmas: each stored state's noise level
     context = torch.enable_grad() if grad else torch.no_grad()
     two_forwards = grad and exact and pipe.spec.policies.compile.mode != "none"
-    with context:
+    batcher = ReplayBatcher(dev, grad, micro_batch, b * len(ks))
+    with context, training_forwards():
         for col, k in enumerate(ks):
             by_step: dict[int, list[int]] = {}
             for row in range(b):
@@ -325,15 +334,17 @@ def log_prob(
                     sigmas[id(walk)] = walk.steps.sigmas.tolist()
                 set_adapter(run.spec, walk.owner(i).phase, run.components, pipe.adapters)
                 scorer = run.plan.scorer(walk, sampler)
-                chunk = micro_batch or len(rows)
-                for start in range(0, len(rows), chunk):
-                    sel = rows[start:start + chunk]
+                start = 0
+                while start < len(rows):
+                    sel = rows[start:start + batcher.size(len(rows) - start)]
+                    start += len(sel)
                     index = torch.tensor(sel)
                     images = walk.images.rows(index) if walk.images is not None else None
-                    x = pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images,
-                                             walk.geometry, sigmas[id(walk)][i])
-                    pred = _prediction(run, walk, i, x, sel, two_forwards)
-                    result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(dev) for s in streams})
+                    with batcher.forward(len(sel)):
+                        x = pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images,
+                                                 walk.geometry, sigmas[id(walk)][i])
+                        pred = _prediction(run, walk, i, x, sel, two_forwards, batcher.recompute)
+                        result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(dev) for s in streams})
                     for s in streams:
                         out_lp[s][index, col] = result.stream_log_probs[s]  # type: ignore[index]
                         out_std[s][index, col] = result.std[s]  # type: ignore[index]
@@ -341,15 +352,27 @@ def log_prob(
                         for j, row in enumerate(sel):
                             means[s][row][col] = result.mean[s][j]  # type: ignore[index]
     stacked = {s: torch.stack([torch.stack(m) for m in means[s]]) for s in streams}  # type: ignore[arg-type]
-    return Replay(sum(out_lp.values()), out_lp, stacked, out_std, out_std_t)  # type: ignore[arg-type]
+    return Replay(sum(out_lp.values()), out_lp, stacked, out_std, out_std_t,  # type: ignore[arg-type]
+                  batching=batcher.batching)
 
 
-def _prediction(run: Run, walk: Walk, i: int, x: Streams, rows: list[int], two_forwards: bool) -> Streams:
+def _prediction(run: Run, walk: Walk, i: int, x: Streams, rows: list[int], two_forwards: bool,
+                recompute: bool) -> Streams:
     """The prediction a replay scores: with ``two_forwards``, the values of a forward without gradients (the
-    rollout's kernels) carrying the gradients of one with them (``log_prob``'s ``exact``)."""
-    if not two_forwards:
+    rollout's kernels) carrying the gradients of one with them (``log_prob``'s ``exact``). With ``recompute`` the
+    forward with gradients keeps nothing but its inputs and runs again inside the backward (``replay_memory``),
+    under the adapter of its phase as now."""
+    phase = walk.owner(i).phase
+
+    def traced() -> Streams:
+        set_adapter(run.spec, phase, run.components, run.pipe.adapters)
         return run.prediction(walk, i, x, rows=rows)
+
+    def differentiable() -> Streams:
+        return checkpoint(traced, use_reentrant=False) if recompute else traced()
+
+    if not two_forwards:
+        return differentiable()
     with torch.no_grad():
         values = run.prediction(walk, i, x, rows=rows)
-    traced = run.prediction(walk, i, x, rows=rows)
-    return {s: values[s] + (t - t.detach()) for s, t in traced.items()}  # t - t.detach() is 0 exactly
+    return {s: values[s] + (t - t.detach()) for s, t in differentiable().items()}  # t - t.detach() is 0 exactly

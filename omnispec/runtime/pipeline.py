@@ -217,8 +217,9 @@ class Pipeline:
         ``request`` fields (``steps``, ``height`` ...) plan a request other than the recipe's defaults."""
         req = resolve_request(self.spec, "", None, planning=True, **request)
         plan = self.plan(req)
-        attention = {role: note for role, note in self.policies.attention.notes.items()}
-        info = explain_spec(plan.spec, req.steps, plan.sigmas(), attention=attention or None, weights=self.weights)
+        applied = self.policies.attention
+        info = explain_spec(plan.spec, req.steps, plan.sigmas(), attention=dict(applied.notes) or None,
+                            attention_with_gradients=dict(applied.training_notes) or None, weights=self.weights)
         info["applied"] = dict(self.policies.notes)
         return info if as_dict else render_explain(info)
 

@@ -48,6 +48,7 @@ def explain_spec(
     steps: int | None = None,
     phase_sigmas: Mapping[str, Sequence[float]] | None = None,
     attention: Mapping[str, Any] | None = None,
+    attention_with_gradients: Mapping[str, Any] | None = None,
     weights: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A JSON-ready description of the run.
@@ -103,6 +104,8 @@ def explain_spec(
         out["mesh"] = describe_mesh(spec)
     if attention is not None:
         out["attention"] = dict(attention)
+    if attention_with_gradients is not None:
+        out["attention_with_gradients"] = dict(attention_with_gradients)
     if weights:
         out["weights"] = dict(weights)
     return out
@@ -255,6 +258,9 @@ def render_explain(info: Mapping[str, Any]) -> str:
     if "attention" in info:
         lines.append("attention per role:")
         lines += [f"  {role:<12} {why}" for role, why in info["attention"].items()]
+    if "attention_with_gradients" in info:
+        lines.append("attention per role with gradients (and in rollouts and replays):")
+        lines += [f"  {role:<12} {why}" for role, why in info["attention_with_gradients"].items()]
     if info.get("weights"):
         lines.append("weights:")
         lines += [f"  {name}: {note}" for name, note in info["weights"].items()]

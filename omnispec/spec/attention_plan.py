@@ -1,0 +1,73 @@
+"""Which attention kernel each role runs, with and without gradients, as far as the spec decides it (no torch).
+
+``explain`` shows it before a build; the attention policy (``policies/attention.py``) follows the same rules and
+adds what only the device can say (which kernels are usable, what ``auto`` chose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .pipeline import PipelineSpec
+
+# Named backends that run as named with gradients too: torch's own flash, memory-efficient and math kernels.
+SAFE_NAMED = ("sdpa_flash", "sdpa_efficient", "sdpa_math")
+# What plain ``sdpa`` is where a forward may be differentiated (a forward with gradients, a rollout, a replay).
+SAFE_SDPA = ("sdpa with cuDNN attention off (flash attention; memory-efficient where a call has a mask; math last), "
+             "whose backward torch trains with everywhere")
+
+
+def auto_as_sdpa(spec: PipelineSpec) -> str | None:
+    """Why ``auto`` must be plain sdpa for this spec, or None when it may time kernels.
+
+    Under compile, per-module hooks would make the compiler recompile every block (the compiler's own SDPA
+    lowering decides the kernel); with several processes, timed trials could pick different kernels on
+    different ranks, and the ranks of one sequence or cfg group must compute alike.
+    """
+    if spec.policies.compile.mode != "none":
+        return "auto under compile: the compiler picks the SDPA kernel"
+    if spec.policies.parallel.world_size > 1:
+        return "auto with several processes: every rank runs the same kernel"
+    return None
+
+
+ALSO = "; rollouts and their replays run it too, so a replay computes its rollout's forward"
+
+
+def training_backend(backend: str, compiled: bool) -> str:
+    """What a role whose forward without gradients runs ``backend`` runs where a forward may be differentiated."""
+    if backend == "sdpa" or backend == "auto":
+        return SAFE_SDPA + ALSO
+    if backend in SAFE_NAMED:
+        return f"{backend} (named; its backward is torch's own){ALSO}"
+    if backend == "flash4" and compiled:
+        return ("flash4 (its operators run a call shape FA4 refuses, forward or backward, on sdpa with cuDNN "
+                f"attention off){ALSO}")
+    return (f"{backend} (named), each call shape first checked by a trial forward and backward; a shape that fails it "
+            f"runs on sdpa with cuDNN attention off{ALSO}")
+
+
+def planned_attention(spec: PipelineSpec, roles: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Per attention role: the backend the policy asks for without gradients, and the one where a forward may be
+    differentiated, each with how it is chosen (the checks against a device happen at build; ``Pipeline.explain()``
+    shows their outcome)."""
+    policy = spec.policies.attention
+    forced = auto_as_sdpa(spec)
+    compiled = spec.policies.compile.mode != "none"
+    plain_notes, training_notes = {}, {}
+    for role in roles:
+        backend = policy.per_role.get(role, policy.default)
+        source = "per_role" if role in policy.per_role else "default"
+        if backend == "auto" and forced:
+            plain, trained = f"sdpa ({forced})", training_backend("sdpa", compiled)
+        elif backend == "auto":
+            plain = ("auto: the fastest usable exact backend, timed per shape on first use (never slower than "
+                     "sdpa)")
+            trained = ("auto over the backends whose trial forward and backward pass, timed that way per shape on "
+                       f"first use (sdpa_cudnn left out; sdpa is {SAFE_SDPA}){ALSO}")
+        else:
+            plain = f"{backend} ({source}; checked by a test call at build"
+            plain += ", falls back to sdpa if unusable)" if policy.allow_fallback else ")"
+            trained = training_backend(backend, compiled)
+        plain_notes[role], training_notes[role] = plain, trained
+    return plain_notes, training_notes

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..spec import Phase, PipelineSpec, SegmentSchedule
+from ..spec import Phase, PipelineSpec
 from ..spec.recipe import ImageInput, LatentUpsample, PreviousInput, Resize
 from .families import Family, Geometry, Streams
 from .lora import AdapterState, adapter_target
@@ -20,7 +20,7 @@ def phase_groups(spec: PipelineSpec) -> list[list[int]]:
     groups: list[list[int]] = []
     prev_of: str | None = None
     for i, phase in enumerate(spec.recipe.phases):
-        of = phase.schedule.of if isinstance(phase.schedule, SegmentSchedule) else None
+        of = phase.schedule.segment_of
         if of is not None and of == prev_of:
             groups[-1].append(i)
         else:
@@ -34,21 +34,18 @@ def group_steps(spec: PipelineSpec, group: list[int], steps: int, seq_len: int, 
     """The walk of a group over ``steps`` and, per phase of the group, the step indices it owns."""
     phases = [spec.recipe.phases[i] for i in group]
     first = phases[0].schedule
-    schedule = spec.recipe.schedules[first.of] if isinstance(first, SegmentSchedule) else first
-    walk = resolve_steps(schedule, steps, seq_len, components, device)
-    if not isinstance(first, SegmentSchedule):
+    walk = resolve_steps(first.walked(spec.recipe.schedules), steps, seq_len, components, device)
+    if first.segment_of is None:
         return walk, [list(range(len(walk)))]
     owned: list[list[int]] = [[] for _ in phases]
     T = walk.num_train_timesteps
     for i, t in enumerate(walk.timesteps.tolist()):
         for k, phase in enumerate(phases):
-            segment = phase.schedule
-            assert isinstance(segment, SegmentSchedule)
-            if segment.contains(t / T):
+            if phase.schedule.contains(t / T):  # a group of several phases is one of segments
                 owned[k].append(i)
                 break
         else:
-            raise ValueError(f"step {i} (t={t:g}) lies in no segment of {first.of!r}")
+            raise ValueError(f"step {i} (t={t:g}) lies in no segment of {first.segment_of!r}")
     return walk, owned
 
 
@@ -65,9 +62,7 @@ def checkpoint_sigmas(spec: PipelineSpec, schedulers: dict[str, dict[str, Any]],
     out: dict[str, list[float]] = {}
     for group in phase_groups(spec):
         phases = [spec.recipe.phases[i] for i in group]
-        first = phases[0].schedule
-        schedule = spec.recipe.schedules[first.of] if isinstance(first, SegmentSchedule) else first
-        if getattr(schedule, "component", None) not in components:
+        if phases[0].schedule.walked(spec.recipe.schedules).scheduler_component not in components:
             continue
         walk, owned = group_steps(spec, group, steps, 0, components, torch.device("cpu"))
         for phase, mine in zip(phases, owned):

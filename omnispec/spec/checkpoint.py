@@ -23,7 +23,7 @@ from .hub import hub_file, is_hub_id
 from .model import WEIGHTLESS_ROLES
 from .pipeline import PipelineSpec
 from .recipe import PreviousInput
-from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule
+from .schedule import FROM_CHECKPOINT
 
 ESCAPE = "set model.check_checkpoint: false to run it anyway"
 # transformers' Auto classes a spec may name, with what each loads (class names end so, after a Fast/Pil suffix).
@@ -320,7 +320,7 @@ def _boundary_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[P
     problems = []
     for i, phase in enumerate(spec.recipe.phases):
         schedule = phase.schedule
-        if not isinstance(schedule, SegmentSchedule):
+        if schedule.segment_of is None:
             continue
         for bound in ("low", "high"):
             value = getattr(schedule, bound)
@@ -373,10 +373,10 @@ def _flow_schedules(spec: PipelineSpec):
     """The flow-matching schedules a generation starts with: a phase refining a previous one walks a schedule
     of the recipe's own choosing (a draft's refinement, LTX-2's stage 2), which is not compared."""
     for i, phase in enumerate(spec.recipe.phases):
-        if isinstance(phase.schedule, FlowMatchSchedule) and not isinstance(phase.input, PreviousInput):
+        if phase.schedule.checked_against_checkpoint and not isinstance(phase.input, PreviousInput):
             yield f"recipe.phases.{i}.schedule", phase.schedule
     for name, shared in spec.recipe.schedules.items():
-        if isinstance(shared, FlowMatchSchedule):
+        if shared.checked_against_checkpoint:
             yield f"recipe.schedules.{name}", shared
 
 
@@ -401,19 +401,19 @@ def follow_checkpoint(spec: PipelineSpec, configs: CheckpointConfigs) -> Pipelin
     for i, phase in enumerate(phases):
         schedule = phase.schedule
         update: dict[str, Any] = {}
-        if isinstance(schedule, SegmentSchedule) and not schedule.resolved:
+        if schedule.unresolved and schedule.segment_of is not None:
             ratio = configs.boundary_ratio
             if ratio is None:
                 raise SpecError.single("follows the checkpoint's boundary_ratio, but its model_index.json has none",
                                        f"recipe.phases.{i}.schedule")
             update = {b: ratio for b in ("low", "high") if getattr(schedule, b) == FROM_CHECKPOINT}
-        elif isinstance(schedule, FlowMatchSchedule) and schedule.shift == FROM_CHECKPOINT:
+        elif schedule.unresolved:  # a flow_match shift from the checkpoint
             update = _followed_flow(spec, configs, f"recipe.phases.{i}.schedule")
         if update:
             phases[i] = phase.model_copy(update={"schedule": schedule.model_copy(update=update)})
     schedules = dict(spec.recipe.schedules)
     for name, shared in schedules.items():
-        if isinstance(shared, FlowMatchSchedule) and shared.shift == FROM_CHECKPOINT:
+        if shared.unresolved:
             schedules[name] = shared.model_copy(update=_followed_flow(spec, configs, f"recipe.schedules.{name}"))
     recipe = spec.recipe.model_copy(update={"phases": phases, "schedules": schedules})
     return spec.model_copy(update={"recipe": recipe})
@@ -429,13 +429,8 @@ def _followed_flow(spec: PipelineSpec, configs: CheckpointConfigs, where: str) -
 
 def unresolved(spec: PipelineSpec) -> bool:
     """Whether the spec still has ``from_checkpoint`` values (explain without ``--source`` shows them as such)."""
-    for phase in spec.recipe.phases:
-        s = phase.schedule
-        if isinstance(s, SegmentSchedule) and not s.resolved:
-            return True
-        if isinstance(s, FlowMatchSchedule) and s.shift == FROM_CHECKPOINT:
-            return True
-    return any(isinstance(s, FlowMatchSchedule) and s.shift == FROM_CHECKPOINT for s in spec.recipe.schedules.values())
+    return any(p.schedule.unresolved for p in spec.recipe.phases) or any(
+        s.unresolved for s in spec.recipe.schedules.values())
 
 
 __all__ = ["CheckpointConfigs", "checkpoint_problems", "follow_checkpoint", "read_configs", "same_class", "unresolved"]

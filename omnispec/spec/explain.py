@@ -11,36 +11,17 @@ from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
 from .policies import PARALLEL_AXES
 from .recipe import Phase
-from .schedule import FROM_CHECKPOINT, FlowMatchSchedule, SegmentSchedule, flow_match_sigmas
 from .weights_file import locate, read_weights_file
 
 
 def static_sigmas(spec: PipelineSpec, phase: Phase, steps: int) -> list[float] | None:
-    """Step sigmas (without the terminal 0) when they follow from the spec alone, else None. A segment gets
-    the steps of its shared schedule whose ``t/T`` (= sigma for flow matching) lies in its range."""
-    schedule = phase.schedule
-    if isinstance(schedule, SegmentSchedule):
-        shared = spec.recipe.schedules.get(schedule.of)
-        if not schedule.resolved or not isinstance(shared, FlowMatchSchedule) or not _static(shared):
-            return None
-        return [s for s in flow_match_sigmas(shared, shared.steps or steps)[:-1] if schedule.contains(s)]
-    if isinstance(schedule, FlowMatchSchedule) and _static(schedule):
-        return flow_match_sigmas(schedule, schedule.steps or steps)[:-1]
-    return None
-
-
-def _static(schedule: FlowMatchSchedule) -> bool:
-    return schedule.shift not in ("dynamic", "empirical", FROM_CHECKPOINT)
+    """Step sigmas (without the terminal 0) when they follow from the spec alone, else None."""
+    return phase.schedule.static_sigmas(steps, spec.recipe.schedules)
 
 
 def phase_step_count(spec: PipelineSpec, phase: Phase, steps: int) -> int | None:
     """A phase's step count, or None for a segment whose split only the checkpoint's scheduler knows."""
-    schedule = phase.schedule
-    if isinstance(schedule, SegmentSchedule):
-        return None
-    if schedule.sigmas is not None:
-        return len(schedule.sigmas)
-    return schedule.steps or steps
+    return phase.schedule.step_count(steps)
 
 
 def explain_spec(

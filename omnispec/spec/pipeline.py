@@ -12,7 +12,7 @@ from .guidance import GUIDANCE
 from .model import ROLES, WEIGHTLESS_ROLES, ModelSpec
 from .policies import CACHES, OFFLOADS, PERTURBABLE_BACKENDS, Policies
 from .recipe import IMAGE_TASKS, SAMPLERS, ImageInput, LatentUpsample, PreviousInput, Recipe
-from .schedule import FROM_CHECKPOINT, SCHEDULES, SHARED_SCHEDULES, SchedulerSchedule, SegmentSchedule
+from .schedule import FROM_CHECKPOINT, SCHEDULES, SHARED_SCHEDULES, SegmentSchedule
 
 Loc = tuple[str | int, ...]
 
@@ -99,19 +99,20 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
                 "cannot rebuild, so stochastic steps would not replay exactly; use cache kind step_mask (computing "
                 "every stochastic step) or none")
         schedule = phase.schedule
-        if isinstance(schedule, SchedulerSchedule):
-            if problem := role_problem(base + ("schedule", "component"), schedule.component, "scheduler"):
+        if schedule.scheduler_component is not None:
+            if problem := role_problem(base + ("schedule", "component"), schedule.scheduler_component, "scheduler"):
                 yield problem
-        if isinstance(schedule, SegmentSchedule):
-            if schedule.of not in spec.recipe.schedules:
+        if (of := schedule.segment_of) is not None:
+            if of not in spec.recipe.schedules:
                 have = ", ".join(spec.recipe.schedules) or "none"
-                yield base + ("schedule", "of"), f"{schedule.of!r} is not in recipe.schedules (have: {have})"
-            elif isinstance(phase.input, PreviousInput) and _segment_of(phases[i - 1]) == schedule.of:
+                yield base + ("schedule", "of"), f"{of!r} is not in recipe.schedules (have: {have})"
+            elif isinstance(phase.input, PreviousInput) and phases[i - 1].schedule.segment_of == of:
                 yield base + ("input",), "a segment continuing the previous phase's schedule takes its latents as they are"
     yield from _segment_problems(spec)
     for name, shared in spec.recipe.schedules.items():
-        if isinstance(shared, SchedulerSchedule):
-            if problem := role_problem(("recipe", "schedules", name, "component"), shared.component, "scheduler"):
+        if shared.scheduler_component is not None:
+            if problem := role_problem(("recipe", "schedules", name, "component"), shared.scheduler_component,
+                                       "scheduler"):
                 yield problem
 
     if spec.recipe.defaults.strength is not None and not isinstance(phases[0].input, ImageInput):
@@ -140,8 +141,6 @@ def _cross_field_problems(spec: PipelineSpec):  # noqa: C901 - one flat list of 
     yield from _scale_out_problems(spec)
 
 
-def _segment_of(phase) -> str | None:
-    return phase.schedule.of if isinstance(phase.schedule, SegmentSchedule) else None
 
 
 def _segment_problems(spec: PipelineSpec):
@@ -149,7 +148,7 @@ def _segment_problems(spec: PipelineSpec):
     phases = spec.recipe.phases
     seen: dict[str, list[int]] = {}
     for i, phase in enumerate(phases):
-        if (of := _segment_of(phase)) is not None:
+        if (of := phase.schedule.segment_of) is not None:
             seen.setdefault(of, []).append(i)
     for of, idx in seen.items():
         if idx != list(range(idx[0], idx[0] + len(idx))):

@@ -28,7 +28,7 @@ from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .images import ImageCondition, image_condition, mask_condition, pixel_size
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS, VIDEO_TASKS
-from .schedule import FlowMatchSchedule, SchedulerSchedule, SegmentSchedule, takes_request_steps
+from .schedule import ScheduleSpec
 from .videos import VideoCondition, holds_mask_frames, video_condition
 
 
@@ -179,20 +179,20 @@ def _steps_of_sigmas(spec: PipelineSpec, sigmas: Any, steps: Any) -> Any:
     return len(sigmas)
 
 
-def request_schedules(spec: PipelineSpec) -> Iterator[tuple[tuple[str, Any], FlowMatchSchedule | SchedulerSchedule]]:
+def request_schedules(spec: PipelineSpec) -> Iterator[tuple[tuple[str, Any], ScheduleSpec]]:
     """``(where, schedule)`` of every schedule a request's steps and sigmas apply to: a phase's own, or the shared
     schedule its segment walks (once)."""
     seen: set[str] = set()
     for i, phase in enumerate(spec.recipe.phases):
         schedule = phase.schedule
-        if isinstance(schedule, SegmentSchedule):
-            if schedule.of in seen:
+        if (of := schedule.segment_of) is not None:
+            if of in seen:
                 continue
-            seen.add(schedule.of)
-            where, schedule = ("schedules", schedule.of), spec.recipe.schedules[schedule.of]
+            seen.add(of)
+            where, schedule = ("schedules", of), spec.recipe.schedules[of]
         else:
             where = ("phases", i)
-        if takes_request_steps(schedule):
+        if schedule.takes_request_steps:
             yield where, schedule
 
 

@@ -7,7 +7,7 @@ the runtime uses the same function, so what ``explain`` prints is what runs.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -20,7 +20,70 @@ FROM_CHECKPOINT = "from_checkpoint"
 FromCheckpoint = Literal["from_checkpoint"]
 
 
-class FlowMatchSchedule(SpecModel):
+class ScheduleSpec(SpecModel):
+    """What every schedule kind answers, so that no caller asks which kind it holds.
+
+    ``schedules`` is the recipe's shared schedules (what a segment walks)."""
+
+    # Whether the checkpoint's scheduler config is compared against this schedule's own settings before loading.
+    checked_against_checkpoint: ClassVar[bool] = False
+
+    @property
+    def segment_of(self) -> str | None:
+        """The shared schedule this one is a segment of (None: it makes its own steps)."""
+        return None
+
+    @property
+    def scheduler_component(self) -> str | None:
+        """The scheduler component whose own ``set_timesteps`` makes the steps (None: omnispec's)."""
+        return None
+
+    @property
+    def unresolved(self) -> bool:
+        """Whether a value still comes from the checkpoint (``from_checkpoint``), resolved at build."""
+        return False
+
+    def walked(self, schedules: dict) -> ScheduleSpec:
+        """The schedule whose steps a walk over this one takes: itself, or the shared one a segment is part of."""
+        return self
+
+    def step_count(self, steps: int) -> int | None:
+        """Steps of a walk of a request of ``steps`` steps; None where only the checkpoint's scheduler knows."""
+        return None
+
+    @property
+    def takes_request_steps(self) -> bool:
+        """Whether a walk on it takes the request's step count (and so a request's ``sigmas``)."""
+        return False
+
+
+class OwnSteps:
+    """What a schedule with its own ``steps`` and ``sigmas`` fields says of its walks."""
+
+    steps: int | None
+    sigmas: list[float] | None
+
+    def step_count(self, steps: int) -> int | None:
+        return len(self.sigmas) if self.sigmas is not None else self.steps or steps
+
+    @property
+    def takes_request_steps(self) -> bool:
+        return self.steps is None and self.sigmas is None
+
+    def static_sigmas(self, steps: int, schedules: dict) -> list[float] | None:
+        """Step sigmas (without the terminal 0) when they follow from the spec alone, else None."""
+        return None
+
+    def describe(self, schedules: dict) -> str:
+        """How explain names it."""
+        raise NotImplementedError
+
+    def brief(self, schedules: dict) -> str:
+        """How explain names it inside a segment's description."""
+        return self.describe(schedules)
+
+
+class FlowMatchSchedule(OwnSteps, ScheduleSpec):
     """Euler flow matching on ``sigmas = linspace(1, 1/steps, steps)`` (or explicit ``sigmas``), shifted.
 
     ``shift`` is a static shift ``s*x / (1 + (s-1)*x)`` or ``dynamic``: the exponential time shift
@@ -41,8 +104,21 @@ class FlowMatchSchedule(SpecModel):
     max_seq_len: int = 4096
     shift_terminal: Unit | None = None
 
+    checked_against_checkpoint: ClassVar[bool] = True
+
+    @property
+    def unresolved(self) -> bool:
+        return self.shift == FROM_CHECKPOINT
+
+    def static_sigmas(self, steps: int, schedules: dict) -> list[float] | None:
+        if self.shift in ("dynamic", "empirical", FROM_CHECKPOINT):
+            return None
+        return flow_match_sigmas(self, self.step_count(steps))[:-1]  # type: ignore[arg-type]
+
+    def brief(self, schedules: dict) -> str:
+        return "flow_match"
+
     def describe(self, schedules: dict) -> str:
-        """How explain names it (``schedules``: the recipe's shared ones)."""
         shift = {"dynamic": "dynamic shift", "empirical": "empirical shift", FROM_CHECKPOINT:
                  "shift from the checkpoint"}.get(
             self.shift, f"shift {self.shift}")  # type: ignore[arg-type]
@@ -57,7 +133,7 @@ class FlowMatchSchedule(SpecModel):
         return self
 
 
-class SchedulerSchedule(SpecModel):
+class SchedulerSchedule(OwnSteps, ScheduleSpec):
     """Use a scheduler component's own ``set_timesteps``/``step`` (Wan's UniPC, or any diffusers scheduler).
 
     ``config`` overrides entries of the checkpoint's scheduler config (e.g. ``flow_shift``). ``sigmas`` are
@@ -71,11 +147,15 @@ class SchedulerSchedule(SpecModel):
     sigmas: list[Unit] | None = Field(default=None, min_length=1, max_length=MAX_STEPS)
     config: dict[str, ConfigValue] = Field(default_factory=dict)
 
+    @property
+    def scheduler_component(self) -> str | None:
+        return self.component
+
     def describe(self, schedules: dict) -> str:
         return f"scheduler component {self.component!r}"
 
 
-class SegmentSchedule(SpecModel):
+class SegmentSchedule(ScheduleSpec):
     """The steps of a shared schedule whose normalised timestep ``t/T`` lies in ``[low, high)``.
 
     ``high == 1`` includes ``t/T == 1``. Wan2.2 A14B: the high-noise expert takes ``[0.875, 1]``, the
@@ -100,20 +180,37 @@ class SegmentSchedule(SpecModel):
     def resolved(self) -> bool:
         return FROM_CHECKPOINT not in (self.low, self.high)
 
+    @property
+    def unresolved(self) -> bool:
+        return not self.resolved
+
+    @property
+    def segment_of(self) -> str | None:
+        return self.of
+
+    def walked(self, schedules: dict) -> ScheduleSpec:
+        return schedules[self.of]
+
+    def step_count(self, steps: int) -> int | None:
+        return None  # the shared walk's steps split between the segments by the scheduler's timesteps
+
+    def static_sigmas(self, steps: int, schedules: dict) -> list[float] | None:
+        """The shared schedule's static sigmas whose ``t/T`` (= sigma for flow matching) lies in this segment."""
+        shared = schedules.get(self.of)
+        if not self.resolved or shared is None:
+            return None
+        sigmas = shared.static_sigmas(steps, schedules)
+        return None if sigmas is None else [s for s in sigmas if self.contains(s)]
+
     def describe(self, schedules: dict) -> str:
         shared = schedules[self.of]
-        inner = "flow_match" if isinstance(shared, FlowMatchSchedule) else shared.describe(schedules)
+        inner = shared.brief(schedules)
         low, high = (f"{b:g}" if isinstance(b, float) else "the checkpoint's boundary" for b in (self.low, self.high))
         return f"segment [{low}, {high}{']' if self.high == 1 else ')'} of {self.of!r} ({inner})"
 
     def contains(self, t_norm: float) -> bool:
         assert isinstance(self.low, float) and isinstance(self.high, float), "resolve from_checkpoint bounds first"
         return self.low <= t_norm < self.high or (self.high == 1.0 and t_norm >= 1.0)
-
-
-def takes_request_steps(schedule: FlowMatchSchedule | SchedulerSchedule) -> bool:
-    """Whether a walk on ``schedule`` takes the request's step count (and so a request's ``sigmas``)."""
-    return schedule.steps is None and schedule.sigmas is None
 
 
 # A phase walks a schedule of its own (``SCHEDULES``: any kind, a segment included) or shares one in
@@ -125,8 +222,8 @@ for _registry in (SCHEDULES, SHARED_SCHEDULES):
     _registry.register(FlowMatchSchedule, "omnispec.runtime.schedule:FLOW_MATCH")
     _registry.register(SchedulerSchedule, "omnispec.runtime.schedule:SCHEDULER")
 SCHEDULES.register(SegmentSchedule, "omnispec.runtime.schedule:SEGMENT")
-SharedSchedule = Annotated[SpecModel, SHARED_SCHEDULES]
-Schedule = Annotated[SpecModel, SCHEDULES]
+SharedSchedule = Annotated[ScheduleSpec, SHARED_SCHEDULES]
+Schedule = Annotated[ScheduleSpec, SCHEDULES]
 
 
 def dynamic_mu(schedule: FlowMatchSchedule, seq_len: int) -> float:

@@ -5,6 +5,7 @@ or must agree with them. Spec level only (no model): the VACE family's runs are 
 import os
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,7 +97,7 @@ def test_broken_and_foreign_files_are_one_error(tmp_path):
     (tmp_path / "list.m3u8").write_text("#EXTM3U\n#EXTINF:1,\nfile:///etc/passwd\n")  # a playlist is never demuxed
     (tmp_path / "concat.txt").write_text("ffconcat version 1.0\nfile /etc/passwd\n")
     cut = encoded(tmp_path / "full.mp4", pictures())
-    (tmp_path / "cut.mp4").write_bytes(open(cut, "rb").read()[:200])
+    (tmp_path / "cut.mp4").write_bytes(Path(cut).read_bytes()[:200])
     cases = {"garbage.mp4": "not a readable video", "garbage.mkv": "not a readable video",
              "list.m3u8": "not a video omnispec reads", "concat.txt": "not a video omnispec reads",
              "cut.mp4": "not a readable video|no frames", "missing.mp4": "no such video file"}
@@ -107,13 +108,17 @@ def test_broken_and_foreign_files_are_one_error(tmp_path):
         video_condition(str(tmp_path))
 
 
-def test_the_demuxer_may_open_no_other_file(tmp_path):
-    """The demuxer is chosen from magic bytes (MP4, Matroska: neither opens other files), and behind that choice
-    every nested open is refused: shown here with FFmpeg's HLS demuxer forced on a playlist, which would read its
-    segment file."""
+def test_the_demuxer_may_open_no_other_file(tmp_path, monkeypatch):
+    """The demuxer is chosen from magic bytes (MP4, Matroska: neither opens other files), FFmpeg may demux no other
+    format, and behind both every nested open is refused: shown here with FFmpeg's HLS demuxer forced on a playlist,
+    which would read its segment file."""
     (tmp_path / "secret.ts").write_bytes(b"\x47" * 188)
     playlist = tmp_path / "list.m3u8"
     playlist.write_text("#EXTM3U\n#EXT-X-VERSION:3\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\nsecret.ts\n#EXT-X-ENDLIST\n")
+    with pytest.raises(SpecError, match="not a readable video"):  # the format whitelist
+        list(videos_module._demuxed(playlist, "hls", str(playlist), "request.video"))
+    without_whitelist = {k: v for k, v in videos_module._DEMUXER_OPTIONS.items() if k != "format_whitelist"}
+    monkeypatch.setattr(videos_module, "_DEMUXER_OPTIONS", without_whitelist)
     with pytest.raises(SpecError, match=r"may not open other resources \(.*secret\.ts\)"):
         list(videos_module._demuxed(playlist, "hls", str(playlist), "request.video"))
 

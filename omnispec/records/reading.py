@@ -17,7 +17,8 @@ from pathlib import Path
 from ..spec.bounded import RECORD, decode_utf8, parse_json
 from ..spec.errors import SpecError
 from ..spec.files import path_kind, read_bytes, regular_file
-from ..spec.videos import import_pyav
+from ..spec.images import IMAGE_FORMATS
+from ..spec.videos import checked_container, import_pyav, open_demuxer
 from .schema import FORMAT, KEY, Record, parse_record
 
 SIDECAR_SUFFIXES = (".npy", ".wav", ".webp")  # formats without a place for text: a <file>.json beside them
@@ -153,18 +154,22 @@ def _image_comment(path: Path) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
+            with Image.open(path, formats=IMAGE_FORMATS) as image:
                 text = image.info.get("comment")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as exc:
         raise SpecError.single(f"not a readable image: {exc}", file=str(path)) from None
     return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
 
 
 def _mp4_comment(path: Path) -> str | None:
+    """An MP4's ``comment`` tag, read as a conditioning video is opened: its first bytes name the container, its
+    boxes are checked within bounds, FFmpeg demuxes that container alone and opens nothing else."""
     av = import_pyav("reading an .mp4's record", file=str(path))
+    container = checked_container(path, what="output file")
     try:
-        with av.open(str(path)) as container:
-            return container.metadata.get("comment")
+        with path.open("rb") as handle, open_demuxer(av, handle, container) as opened:
+            return opened.metadata.get("comment")
     except Exception as exc:  # noqa: BLE001 - PyAV raises its own error types for every kind of bad container
         raise SpecError.single(f"not a readable MP4: {exc}", file=str(path)) from None
 

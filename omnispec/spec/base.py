@@ -31,6 +31,10 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 # A conditioning video: all its frames' pixels together (each frame within MAX_IMAGE_PIXELS), decoded as RGB within
 # 0.5 GB: 81 frames of 1280 x 1280, 121 of 1280 x 720 with room to spare.
 MAX_VIDEO_PIXELS = 1 << 27
+# Index entries of an MP4/MOV file, as FFmpeg builds them from its sample tables: each track's samples times its
+# edits, and all samples of its fragments (tens of bytes each: under 100 MB). A video of MAX_FRAMES frames with
+# an hour of AAC audio lists about 180,000.
+MAX_MEDIA_SAMPLES = 2_000_000
 MAX_PROMPTS = 1_024  # prompts of one request (each one is a sample a replay makes again)
 MAX_REFERENCES = 16  # reference images of one request
 MAX_LORA_SCALE = 1_000.0  # |scale| of a LoRA slot (real ones lie within a few units; 1e308 overflows to NaN)

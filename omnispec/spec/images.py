@@ -61,6 +61,7 @@ def image_condition(image: Any, frame: int, where: str) -> ImageCondition:
         image = _uint8_picture(image, where)  # 8-bit pixels are a picture: the same image as its PIL form
     if isinstance(image, Image.Image):
         _check_pixels(image.size[0] * image.size[1], f"{image.size[0]}x{image.size[1]}", where)
+        image = loaded_image(image, where)
         source_mode, palette = image.mode, image.palette.tobytes() if image.palette is not None else b""
         image = rgb(image, where)
         pixels = np.asarray(image)
@@ -105,6 +106,18 @@ def open_image(path: str, where: str) -> Any:
                                where) from None
     except (OSError, ValueError, SyntaxError, struct.error) as exc:
         raise SpecError.single(f"{path}: not a readable image ({exc})", where) from None
+
+
+def loaded_image(image: Any, where: str) -> Any:
+    """A PIL image the caller handed over, with its pixels read (PIL reads a file's lazily): one that was closed, or
+    opened from a truncated or corrupt file, is refused here instead of failing inside a conversion. Check its size
+    first: loading decodes every pixel its header claims."""
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as exc:
+        raise SpecError.single(f"the PIL image's pixels cannot be read ({exc}): it was closed, or its file is "
+                               "truncated or corrupt", where) from None
+    return image
 
 
 def rgb(image: Any, where: str = "image") -> Any:
@@ -285,4 +298,5 @@ def pixel_size(image: Any) -> tuple[int, int]:
     return int(image.shape[-3]), int(image.shape[-2])
 
 
-__all__ = ["IMAGE_FORMATS", "ImageCondition", "image_condition", "mask_condition", "open_image", "pixel_size", "rgb"]
+__all__ = ["IMAGE_FORMATS", "ImageCondition", "image_condition", "loaded_image", "mask_condition", "open_image",
+           "pixel_size", "rgb"]

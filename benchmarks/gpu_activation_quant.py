@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from omnispec.policies.compile_passes import NarrowQuantizedInputs
+from omnispec.kernels.inductor_passes import NarrowQuantizedInputs
 
 from . import gpu_interpreter as gi
 from . import gpu_policies as gp

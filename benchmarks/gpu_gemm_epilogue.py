@@ -51,7 +51,7 @@ def _double_eager(x, w_in, b_in, w_out, b_out):
 
 def _single_epilogue(x, a, w_mlp, b_mlp, w_out, b_out):
     """The same arithmetic as omnispec's operators, called directly (no custom operator, uncompiled)."""
-    from omnispec.policies.mlp import by_halves
+    from omnispec.kernels.gemm_epilogue import by_halves
 
     return by_halves(a, torch._addmm_activation(b_mlp, x, w_mlp.t(), use_gelu=True), w_out, b_out)
 
@@ -71,13 +71,13 @@ def _double_matmuls(x, w_in, b_in, w_out, b_out):
 
 
 def _single_omnispec(x, a, w_mlp, b_mlp, w_out, b_out):
-    from omnispec.policies.mlp import linear_gelu, linear_of_pair
+    from omnispec.kernels.gemm_epilogue import linear_gelu, linear_of_pair
 
     return linear_of_pair(a, linear_gelu(x, w_mlp, b_mlp), w_out, b_out)
 
 
 def _double_omnispec(x, w_in, b_in, w_out, b_out):
-    from omnispec.policies.mlp import linear_gelu
+    from omnispec.kernels.gemm_epilogue import linear_gelu
 
     return F.linear(linear_gelu(x, w_in, b_in), w_out, b_out)
 

@@ -73,9 +73,9 @@ def _rope_pairs(x, cos, sin):
 
 def _triton_norm_rope(module: NormRope, tokens_per_program: int, heads_per_program: int, warps: int,
                       paired: bool) -> Callable:
-    """omnispec's fused operator's Triton kernel (``policies.qk_norm_rope``) at a given launch shape, q and k in one
+    """omnispec's fused operator's Triton kernel (``kernels.qk_norm_rope``) at a given launch shape, q and k in one
     launch or one each."""
-    from omnispec.policies.qk_norm_rope import launch
+    from omnispec.kernels.qk_norm_rope import launch
 
     shape = {"tokens_per_program": tokens_per_program, "heads_per_program": heads_per_program, "warps": warps}
 

@@ -112,7 +112,7 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     from omnispec.policies import mlp
     from omnispec.policies.attention import unfused_attention
     from omnispec.policies.compile import uncompiled
-    from omnispec.policies.qk_norm_rope import qk_norm_rope
+    from omnispec.kernels.qk_norm_rope import qk_norm_rope
 
     twin = copy.deepcopy(module, memo={id(op): op for op in (mlp.OPERATORS, qk_norm_rope)})
     mlp.unfuse_gelus(twin)

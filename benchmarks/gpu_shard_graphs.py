@@ -47,7 +47,7 @@ def compiled_like_a_build(model: torch.nn.Module, family: type, graphs: bool) ->
     backend = "aot_eager" if gi.SMOKE else "inductor"
     spec = load_spec(ROOT / "specs" / "flux1-dev.yaml", overrides=[
         f"policies.compile={{mode: regional, cudagraphs: {str(graphs).lower()}, backend: {backend}}}"])
-    apply_compile(spec, family, {"transformer": model})
+    apply_compile(spec, family.targets.blocks, {"transformer": model})
 
 
 class GraphCount:
@@ -88,7 +88,7 @@ def rows_for(sharded: bool, calls: int, mesh) -> list[dict]:
     reference = tiny_flux(dtype)
     model = copy.deepcopy(reference)
     if sharded:
-        shard_denoiser(model, FluxFamily.block_lists, SimpleNamespace(shard_mesh=mesh))
+        shard_denoiser(model, FluxFamily.targets.blocks.lists, SimpleNamespace(shard_mesh=mesh))
     compiled_like_a_build(model, FluxFamily, graphs=gi.DEVICE == "cuda")
     generator = torch.Generator(gi.DEVICE).manual_seed(1)
     rows = []

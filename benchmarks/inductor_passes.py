@@ -5,7 +5,7 @@ a GELU) and its amax, a second divides by the row's scale and casts. What induct
 much each element costs to compute, set that kernel's time (BENCHMARKS.md, issue 27, 2026-12-03). Each pass here is
 an inductor post-grad custom pass (keyed in inductor's caches by this file's text), installed for the whole process
 by ``install`` or handed to one compile as ``Passes(names)``; omnispec's own pass
-(``omnispec/policies/compile_passes.py``, which began here as ``narrow_stores``) runs first and then these:
+(``omnispec/kernels/inductor_passes.py``, which began here as ``narrow_stores``) runs first and then these:
 
 - ``fast_tanh``: each tanh computed as ``2*sigmoid(2x) - 1`` (one fast exponential) instead of libdevice's accurate
   tanh, within 2e-7; measured to change nothing on the H200 (the kernel is not bound by the GELU's tanh).
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from omnispec.policies.compile_passes import NARROW
+from omnispec.kernels.inductor_passes import NARROW
 
 
 def _add(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:

@@ -1,4 +1,4 @@
-"""What omnispec's Triton kernel (``policies.qk_norm_rope``) compiles to for a GPU, on a machine without one.
+"""What omnispec's Triton kernel (``kernels.qk_norm_rope``) compiles to for a GPU, on a machine without one.
 
 ``python -m benchmarks.triton_ptx [--arch 90] [--configs 16x4x4,16x2x4] [--json FILE]``  (needs triton, whose wheel
 carries the ptxas that gives registers and spills)
@@ -68,7 +68,7 @@ def compile_kernel(arch: int, tokens: int, heads: int, warps: int, paired: bool)
     """The kernel compiled for ``sm_<arch>`` at a launch shape (``compiled_facts``)."""
     import triton
 
-    from omnispec.policies.qk_norm_rope_triton import qk_norm_rope_kernel as kernel
+    from omnispec.kernels.qk_norm_rope_triton import qk_norm_rope_kernel as kernel
 
     signature = {name: _argument_type(name) for name in kernel.arg_names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)

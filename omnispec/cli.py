@@ -258,7 +258,7 @@ def _planned_attention(spec) -> tuple[dict[str, str], dict[str, str]]:
     from .runtime.families import family_class
     from .spec.attention_plan import planned_attention
 
-    return planned_attention(spec, family_class(spec.model.family).attention_roles)
+    return planned_attention(spec, family_class(spec.model.family).targets.attention.roles)
 
 
 def _list(args: argparse.Namespace) -> int:

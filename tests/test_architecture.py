@@ -5,10 +5,12 @@ docs/architecture.md draws them."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -19,14 +21,15 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.spec.guidance import GUIDANCE, Term, TermSpec
 from omnispec.spec.guidance.base import StreamScale
-from omnispec.spec.policies import CACHES, OFFLOADS, CacheSpec
+from omnispec.runtime.families.digits import DigitsFamily
+from omnispec.spec.policies import CACHES, KERNEL_POLICIES, OFFLOADS, CacheSpec, KernelPolicySpec
 from omnispec.spec.recipe import SAMPLERS, StochasticWindow
 from omnispec.spec.schedule import SCHEDULES, SHARED_SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "omnispec"
 DIGITS = ROOT / "specs" / "digits.yaml"
-REGISTRIES = (GUIDANCE, CACHES, OFFLOADS, SAMPLERS, SCHEDULES, SHARED_SCHEDULES)
+REGISTRIES = (GUIDANCE, CACHES, OFFLOADS, SAMPLERS, SCHEDULES, SHARED_SCHEDULES)  # KERNEL_POLICIES: plugins' only
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.concept)
@@ -124,6 +127,67 @@ def test_unregistering_takes_a_kind_out_of_the_spec(registered):
         CACHES.register(EveryOtherStep, CACHES.implementation("none"))  # the fixture takes it out again
 
 
+# ---- a kernel policy registered from outside the package ------------------------------------------------------
+# Adding a policy touches its spec field (a kind of ``KERNEL_POLICIES``), its policy object, its target dataclass and
+# the families that support it (here a digits family with the target), nothing else of omnispec.
+
+@dataclass(frozen=True)
+class ScaledOutputTarget:
+    """What the toy policy needs from a model: the linears whose outputs it scales."""
+
+    linears: tuple[str, ...]
+
+
+class ScaledOutput(KernelPolicySpec):
+    """A test's kernel policy: scale the outputs of the linears its target names."""
+
+    kind: Literal["scaled_output"]
+    factor: float = 1.0
+
+
+class ScaledOutputPolicy:
+    def refusal(self, policy: ScaledOutput, targets: Any) -> str | None:
+        return None if targets.find("scaled_output") is not None else targets.missing("scaled_output")
+
+    def apply(self, policy: ScaledOutput, targets: Any, denoisers: dict) -> str:
+        target = targets.find("scaled_output")
+        hooked = [module.register_forward_hook(lambda m, args, out: out * policy.factor)
+                  for denoiser in denoisers.values() for name, module in denoiser.named_modules()
+                  if any(fnmatch.fnmatchcase(name, p) for p in target.linears)]
+        return f"{len(hooked)} linears' outputs scaled by {policy.factor}"
+
+
+class ScaledDigits(DigitsFamily):
+    name = "scaled_digits"
+    targets = replace(DigitsFamily.targets, extra={"scaled_output": ScaledOutputTarget(("blocks.*.attn.to_out.0",))})
+
+
+@pytest.fixture
+def scaled_output():
+    KERNEL_POLICIES.register(ScaledOutput, ScaledOutputPolicy())
+    yield
+    KERNEL_POLICIES.unregister("scaled_output")
+
+
+def _scaled(family: str, *kernels: str) -> Any:
+    overrides = [f"model.family={family}", "recipe.defaults.steps=2", f"policies.kernels=[{', '.join(kernels)}]"]
+    return omnispec.build(DIGITS, overrides=overrides, trust_code=True)
+
+
+def test_a_kernel_policy_registered_by_a_test_runs_on_a_family_with_its_target(scaled_output):
+    plain = _scaled("digits")("seven", seed=3).array
+    same = _scaled("test_architecture:ScaledDigits", "{kind: scaled_output, factor: 1.0}")
+    assert np.array_equal(same("seven", seed=3).array, plain)
+    assert same.explain(as_dict=True)["applied"]["scaled_output"] == "5 linears' outputs scaled by 1.0"
+    scaled = _scaled("test_architecture:ScaledDigits", "{kind: scaled_output, factor: 0.5}")
+    assert not np.array_equal(scaled("seven", seed=3).array, plain)
+
+
+def test_a_kernel_policy_on_a_family_without_its_target_is_the_one_refusal(scaled_output):
+    with pytest.raises(SpecError, match=r"policies.kernels.0: family 'digits' has no scaled_output"):
+        _scaled("digits", "{kind: scaled_output}")
+
+
 def test_a_kind_registers_once():
     class Again(TermSpec):
         kind: Literal["cfg"]
@@ -142,11 +206,13 @@ ALLOWED = {
     "log": set(),
     "bridge": set(),
     "src_models": set(),
+    "targets": set(),
+    "kernels": {"spec", "log"},
     "records": {"spec", "version"},
-    "families": {"spec", "bridge", "log"},
-    "policies": {"spec", "bridge", "log"},
-    "runtime": {"spec", "families", "policies", "records", "bridge", "log"},
-    "estimate": {"spec", "families", "runtime", "policies", "log"},  # what a policy keeps on the device
+    "families": {"spec", "bridge", "log", "targets"},
+    "policies": {"spec", "bridge", "log", "targets", "kernels"},
+    "runtime": {"spec", "families", "policies", "records", "bridge", "log", "targets", "kernels"},
+    "estimate": {"spec", "families", "runtime", "policies", "log", "targets", "kernels"},  # what a policy keeps
     "rl": {"spec", "families", "runtime", "log"},
     "replaying": {"spec", "records", "runtime"},
     "draft": {"spec", "families", "runtime"},  # a weights file is recognised as loading recognises it

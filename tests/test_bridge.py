@@ -16,21 +16,15 @@ from omnispec import bridge
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for p in (ROOT / "omnispec").rglob("*.py") if "__pycache__" not in p.parts)
 
-# torch's own internals read outside the bridge (the bridge is diffusers'), each for a reason written where used.
+# torch objects' private attributes read outside the bridge (the bridge is diffusers'; torch's private modules and
+# functions are read through omnispec/kernels/torch_internals.py), each for a reason written where used.
 TORCH_INTERNALS = {
     "_parameters", "_buffers",  # offload/model.py: swapping a module's tensors in place without Module.to
     "_version",  # offload/model.py: a tensor's in-place version counter, to copy back only what changed
     "_overloadpacket", "_cdata",  # estimate/counting.py: a dispatch mode telling ops and storages apart
-    "_scaled_dot_product_flash_attention_for_cpu",  # parallel/sequence.py: the CPU kernel ring attention needs on gloo
-    "_dynamo",  # policies/compile.py: dynamo's per-code recompile limit (torch._dynamo.config; no public setter)
     "_compiled_call_impl",  # policies/compile.py: Module.compile's compiled forward, undone by a rebuild
     "_call_impl",  # policies/compile.py: what Module.compile compiles (the call with its hooks), compiled the same
                    # way for a whole-denoiser CUDA graph, whose generation has to start outside the compiled code
-    "_inductor",  # policies/compile.py: a mode's options (torch._inductor.list_mode_options, as torch.compile's
-                  # docstring names it), since torch.compile takes a mode or options, not both; and whether the
-                  # CUDA-graph trees wait for a backward (no public reading), before starting a graph generation
-    "_addmm_activation",  # policies/mlp.py: cuBLASLt's bias + GELU epilogue, torch's only way to it (F.linear and
-                          # F.gelu are two kernels, and inductor keeps them two)
 }
 
 

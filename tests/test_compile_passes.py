@@ -1,4 +1,4 @@
-"""omnispec's inductor graph pass (omnispec/policies/compile_passes.py): a dynamic fp8 quantization's bf16 input is
+"""omnispec's inductor graph pass (omnispec/kernels/inductor_passes.py): a dynamic fp8 quantization's bf16 input is
 made a buffer of its own, every result keeps its bits, eager's and through inductor, and a pass the process
 installed runs after it instead of being replaced."""
 
@@ -11,7 +11,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from omnispec.policies.compile import _torch_compile_options
-from omnispec.policies.compile_passes import NarrowQuantizedInputs, narrow_quantized_inputs
+from omnispec.kernels.inductor_passes import NarrowQuantizedInputs, narrow_quantized_inputs
 from omnispec.spec.policies import CompilePolicy
 
 

@@ -1,4 +1,4 @@
-"""``policies.compile.persistent_rows`` (omnispec/policies/compile_rows.py, compile.py): the
+"""``policies.compile.persistent_rows`` (omnispec/kernels/inductor_rows.py, compile.py): the
 bound rides with its own compile, keys inductor's caches, decides inductor's persistence there and nowhere else,
 and the spec takes the options only where they mean something."""
 
@@ -18,7 +18,7 @@ from torch._inductor.virtualized import V
 
 from benchmarks.gpu_adaln_norm import DoubleNorm2, SingleNorm
 from omnispec.policies.compile import _torch_compile_options
-from omnispec.policies.compile_rows import PersistentRows, RowChoices
+from omnispec.kernels.inductor_rows import PersistentRows, RowChoices
 from omnispec.spec import SpecError
 from omnispec.spec.policies import CompilePolicy
 

@@ -184,13 +184,12 @@ def plain(request):
 @pytest.mark.parametrize("policy", list(EXACT_POLICIES))
 @pytest.mark.parametrize("family", list(POLICY_CASES))
 def test_exact_policies_give_the_plain_output(request, plain, family, policy):
-    from omnispec.policies.attention import role_modules
-
     pipe, out = policy_run(request, family, EXACT_POLICIES[policy])
     assert np.abs(out - plain[family]).max() <= 1e-5
     if policy == "attention":  # every declared role reaches attention modules, and only declared ones are hooked
-        roles = role_modules(pipe.family, pipe.components["transformer"])
-        assert set(roles) == set(pipe.family.attention_roles) and all(roles.values())
+        target = pipe.family.targets.attention
+        roles = target.modules(pipe.components["transformer"].named_modules())
+        assert set(roles) == set(target.roles) and all(roles.values())
 
 
 @pytest.mark.parametrize("policy", list(APPROXIMATE_POLICIES))

@@ -10,7 +10,7 @@ from diffusers.models.activations import GELU
 
 import omnispec
 from omnispec.policies import mlp
-from omnispec.policies.mlp import by_halves, linear_gelu, linear_of_pair, plain_linear
+from omnispec.kernels.gemm_epilogue import by_halves, linear_gelu, linear_of_pair, plain_linear
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS

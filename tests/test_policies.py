@@ -134,7 +134,8 @@ def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...], ba
 
 def _flash4_passes_the_probe(monkeypatch) -> None:
     """The real package runs on CUDA only: let the stand-in pass the build's check."""
-    from omnispec.policies import attention, attention_kernels, flash4
+    from omnispec.kernels import flash4
+    from omnispec.policies import attention, attention_kernels
 
     monkeypatch.setattr(flash4, "REFUSED", {})
     probe = attention_kernels.probe
@@ -163,7 +164,7 @@ def test_flash4_runs_the_attentions_in_its_own_layout_and_a_refused_shape_falls_
     """The wiring of ``flash4`` (the real kernels need CUDA: tests/test_policies.py's CUDA test runs them): every
     plain SDPA call of the model reaches flash-attn-4's function as [batch, tokens, heads, dim], the image is the
     plain run's, and a shape the package refuses runs on SDPA instead, with one warning, not a traceback."""
-    from omnispec.policies import flash4
+    from omnispec.kernels import flash4
 
     calls: list = []
     _fake_flash_attn_4(monkeypatch, calls, head_sizes=(16,))
@@ -228,7 +229,7 @@ def test_flash4_is_compiled_into_the_denoiser_with_its_backward(flux_dir, plain_
 def test_flash4_under_compile_falls_back_to_sdpa_where_the_package_refuses(monkeypatch, caplog, refuses):
     """Compiled code has no per-call guards: a call shape the package refuses (FA4 4.0.0b15 cannot build head size
     24's backward) runs on SDPA inside omnispec's operators, forward and gradients alike, with one warning."""
-    from omnispec.policies import flash4
+    from omnispec.kernels import flash4
     from omnispec.policies.attention_kernels import redirect_mode
 
     calls, backward_calls = [], []
@@ -266,7 +267,7 @@ def test_flash4_is_refused_under_sequence_parallelism_which_goes_through_sdpa():
     spec = load_spec(SPECS / "flux1-dev.yaml", overrides=["policies.attention.default=flash4",
                                                           "policies.parallel={ulysses: 2}"])
     with pytest.raises(SpecError, match="attention backend 'flash4' cannot run under sequence parallelism"):
-        check_axes(spec, family_class("flux"))
+        check_axes(spec, family_class("flux").targets)
 
 
 def _needs_flash_attn_4():
@@ -355,7 +356,7 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
 def test_flash4_on_cuda_gives_sdpa_outputs_at_lengths_off_its_tile(monkeypatch, tokens):
     """Lengths that are no multiple of the forward tile (``flash4.HOPPER_TILES``: 192 rows of k a step at head size
     128), a text encoder's among them: the operator's output and gradients within bf16 rounding of cuDNN's SDPA."""
-    from omnispec.policies import flash4
+    from omnispec.kernels import flash4
 
     _needs_flash_attn_4()
     monkeypatch.setattr(flash4, "REFUSED", {})

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from omnispec.policies.qk_norm_rope import kernel_refusal, launch, qk_norm_rope, reference
+from omnispec.kernels.qk_norm_rope import kernel_refusal, launch, qk_norm_rope, reference
 
 
 def _inputs(tokens: int, text_tokens: int, dtype: torch.dtype, device: str = "cpu", heads: int = 3,

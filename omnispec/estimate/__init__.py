@@ -32,6 +32,7 @@ from ..spec import PipelineSpec, SpecError
 from ..spec.files import path_kind, user_path
 from ..spec.model import WEIGHTLESS_ROLES
 from ..spec.policies import OFFLOADS
+from ..targets import ModulationTarget
 from .counting import Shadow, counting
 from .devices import BANDWIDTH_SHARE, COMPILED_SHARE, EAGER_SHARE, DeviceKind, device_kind
 from .report import ComponentBytes, Estimate, OpCount, render_estimate
@@ -174,7 +175,7 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
             family.predict(modules[first.phase.denoiser], x, t, cond, geometry, embedded=step_plan.embedded)
         result.forward_flops = sum(g.flops * g.calls for g in counter.groups.values())
         result.step_flops = result.forward_flops * len(names) / rows
-        result.activation_bytes["denoise"] = counter.peak + _modulation_table(spec, family, modules[
+        result.activation_bytes["denoise"] = counter.peak + _modulation_table(spec, family.targets.modulation, modules[
             first.phase.denoiser], request.steps * len(names), result)
         result.ops = sorted(counter.groups.values(), key=lambda g: -g.flops * g.calls)
         result.kernels, result.moved_bytes = counter.kernels, counter.moved
@@ -192,14 +193,15 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
     result.activation_bytes["decode"] = counter.peak
 
 
-def _modulation_table(spec: PipelineSpec, family: Any, denoiser: Any, rows: int, result: Estimate) -> int:
+def _modulation_table(spec: PipelineSpec, target: ModulationTarget | None, denoiser: Any, rows: int,
+                      result: Estimate) -> int:
     """The modulation table's bytes under ``precomputed_modulation`` (``rows``: at most one per step and pass),
     noted; 0 without it."""
-    if not spec.policies.mlp.precomputed_modulation:
+    if not spec.policies.mlp.precomputed_modulation or target is None:
         return 0
     from ..policies.modulation import modulation_linears, padded_rows, row_bytes
 
-    size = padded_rows(rows) * row_bytes(modulation_linears(family, denoiser))
+    size = padded_rows(rows) * row_bytes(modulation_linears(target, denoiser))
     result.notes.append(f"modulation table: at most {size / 2**20:.0f} MiB on the device during the denoise (at most "
                         f"{rows} rows: one per step and pass; a pass of the same prompt shares its row)")
     return size
@@ -218,7 +220,7 @@ def _peak(spec: PipelineSpec, result: Estimate, modules: dict[str, Any]) -> None
     result.weights_on_device = stages
     if not getattr(offload, "distributed", False):  # distributed offload: per rank, in the mesh lines
         result.host_bytes = strategy.host_bytes(offload, result.components)
-    per_rank(spec, family_class(spec.model.family), modules, result)
+    per_rank(spec, family_class(spec.model.family).targets.parallel, modules, result)
     peaks = {stage: stages[stage] + result.activation_bytes.get(stage, 0) for stage in stages}
     result.peak_stage = max(peaks, key=lambda s: peaks[s])
     result.peak_bytes = peaks[result.peak_stage]

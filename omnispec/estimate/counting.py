@@ -11,9 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from ..kernels.torch_internals import TorchDispatchMode, tree_flatten, tree_map
 from .report import OpCount
 
 _MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten._convolution")

@@ -8,15 +8,17 @@ from typing import Any
 
 from ..spec import PipelineSpec
 from ..spec.explain import describe_mesh
+from ..targets import ParallelTarget
 from .report import ComponentBytes, Estimate
 
 
-def tensor_split_bytes(family: Any, module: Any, component: ComponentBytes, degree: int) -> int:
+def tensor_split_bytes(target: ParallelTarget, module: Any, component: ComponentBytes, degree: int) -> int:
     """Bytes of ``module``'s parameters the family's tensor plan splits (diffusers' shard specs, on the meta
     module), in the component's bytes per parameter."""
     from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
-    plan = family.tensor_plan(module)
+    assert target.tensor_plan is not None, "the spec's checks refuse tensor parallelism without a plan"
+    plan = target.tensor_plan(module)
     specs = resolve_tp_shard_specs(module, dict(plan.linears), degree)
     params = dict(module.named_parameters())
     split = sum(params[name].numel() for name, spec in specs.items() if spec.dim is not None and name in params)
@@ -26,7 +28,7 @@ def tensor_split_bytes(family: Any, module: Any, component: ComponentBytes, degr
     return round(split * component.bytes / max(component.params, 1))
 
 
-def per_rank(spec: PipelineSpec, family: Any, modules: dict[str, Any], result: Estimate) -> None:
+def per_rank(spec: PipelineSpec, target: ParallelTarget, modules: dict[str, Any], result: Estimate) -> None:
     """Fill ``result.mesh`` and the per-rank bytes: ``weights_on_device`` becomes per rank, and
     ``denoiser_bytes_per_rank`` / ``host_bytes_per_rank`` say what a rank keeps of the denoisers at rest."""
     par = spec.policies.parallel
@@ -40,7 +42,7 @@ def per_rank(spec: PipelineSpec, family: Any, modules: dict[str, Any], result: E
             continue
         kept = c.bytes
         if par.tensor > 1 and modules.get(c.name) is not None:
-            kept = c.bytes - tensor_split_bytes(family, modules[c.name], c, par.tensor) * (par.tensor - 1) // par.tensor
+            kept = c.bytes - tensor_split_bytes(target, modules[c.name], c, par.tensor) * (par.tensor - 1) // par.tensor
             for stage in result.weights_on_device:
                 result.weights_on_device[stage] -= c.bytes - kept
         if par.shard > 1:

@@ -11,14 +11,17 @@ import torch
 
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import Problem
+from ..spec.policies import KERNEL_POLICIES
+from ..targets import Targets
 from . import quantization
 from .attention import AttentionPlan, apply_attention
 from .attention_kernels import usable
 from .caches import CacheRuntime, apply_cache
 from .compile import apply_compile
 from .mlp import apply_mlp
-from .modulation import apply_modulation
+from .modulation import ModulationStep, apply_modulation
 from .offload import apply_offload
+from .steps import StepPolicies, StepPolicy
 from .vae import apply_vae
 
 
@@ -34,34 +37,35 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 @dataclass
 class AppliedPolicies:
+    """What a build applied: the attention plan, the cache (None: none), the step policies the loop consults
+    (``steps``: the cache, the modulation table) and explain's notes."""
+
     attention: AttentionPlan = field(default_factory=AttentionPlan)
     cache: CacheRuntime | None = None
+    steps: StepPolicies = field(default_factory=StepPolicies)
     notes: dict[str, str] = field(default_factory=dict)
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> None:
+def check_policies(spec: PipelineSpec, targets: Targets, device: torch.device) -> None:
     """Refuse what cannot run here, naming the field; nothing is loaded yet."""
     p = spec.policies
     problems: list[Problem] = list(quantization.check(spec, device))
     dtype = _DTYPES[spec.model.dtype]
-    categories = set(getattr(family, "attention_categories", {}).values())
-    for role, backend in p.attention.per_role.items():
-        if role not in family.attention_roles and role not in categories:
-            known = ", ".join([*family.attention_roles, *sorted(categories)])
-            problems.append(Problem(f"policies.attention.per_role.{role}",
-                                    f"family {family.name!r} has no attention role {role!r} (roles: {known})"))
-    if p.attention.fused_qk_norm_rope and getattr(family, "qk_norm_rope_processor", None) is None:
+    names = targets.attention.names()
+    for role in p.attention.per_role:
+        if role not in names:
+            problems.append(Problem(f"policies.attention.per_role.{role}", f"family {targets.family!r} has no "
+                                    f"attention role {role!r} (roles: {', '.join(names)})"))
+    if p.attention.fused_qk_norm_rope and targets.attention.qk_norm_rope_processor is None:
         problems.append(Problem("policies.attention.fused_qk_norm_rope",
-                                f"family {family.name!r} has no fused q/k norm + RoPE processor (the FLUX families "
-                                "have one)"))
+                                targets.missing("qk_norm_rope") + " (the FLUX families have one)"))
     if p.mlp.precomputed_modulation:
-        if getattr(family, "modulation_embedder", None) is None:
+        if targets.modulation is None:
             problems.append(Problem("policies.mlp.precomputed_modulation",
-                                    f"family {family.name!r} has no modulation table (the FLUX and Qwen-Image families "
-                                    "have one)"))
+                                    targets.missing("modulation") + " (the FLUX and Qwen-Image families have one)"))
         elif p.offload.strategy != "none":
             problems.append(Problem("policies.mlp.precomputed_modulation",
                                     f"the table is built on the device from the denoiser's weights, which offload "
@@ -71,9 +75,13 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
                                     f"the table is built from the denoiser's whole weights, which shard "
                                     f"{p.parallel.shard} splits over the ranks (whole only inside each block's "
                                     "forward); set this false or shard 1"))
-    limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
+    for i, kernel in enumerate(p.kernels):
+        if (refusal := KERNEL_POLICIES.implementation(kernel).refusal(kernel, targets)) is not None:
+            problems.append(Problem(f"policies.kernels.{i}", refusal))
+    limit = targets.cache_limits.get(p.cache.kind)
     if limit:
-        problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))
+        problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {targets.family!r}: "
+                                                       f"{limit}"))
     explicit = {("default",): p.attention.default} | {("per_role", r): b for r, b in p.attention.per_role.items()}
     for where, backend in explicit.items():
         if backend == "auto" or p.attention.allow_fallback:
@@ -85,20 +93,27 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
         raise SpecError(problems)
 
 
-def apply_policies(spec: PipelineSpec, family: Any, components: dict[str, Any], device: torch.device) -> AppliedPolicies:
+def apply_policies(spec: PipelineSpec, targets: Targets, components: dict[str, Any],
+                   device: torch.device) -> AppliedPolicies:
     """Device placement, attention, MLP, cache, offload, compile (quantization already happened at load)."""
     applied = AppliedPolicies()
     denoisers = {n: components[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
-    applied.attention = apply_attention(spec, family, denoisers, device)
-    if (mlp := apply_mlp(spec, family, denoisers)) is not None:
+    applied.attention = apply_attention(spec, targets.attention, denoisers, device)
+    if (mlp := apply_mlp(spec, targets, denoisers)) is not None:
         applied.notes["mlp"] = mlp
-    if (modulation := apply_modulation(spec, family, denoisers)) is not None:
+    if (modulation := apply_modulation(spec, targets.modulation, denoisers)) is not None:
         applied.notes["modulation"] = modulation
     applied.cache = apply_cache(spec, components)
+    steps: list[StepPolicy] = [applied.cache] if applied.cache is not None else []
+    if modulation is not None:
+        steps.append(ModulationStep())
+    applied.steps = StepPolicies(steps)
     applied.notes["offload"] = apply_offload(spec, components, device)
-    applied.notes["compile"] = apply_compile(spec, family, components)
+    for kernel in spec.policies.kernels:  # a plugin's, after the built-in ones and before compile traces them
+        applied.notes[kernel.kind] = KERNEL_POLICIES.implementation(kernel).apply(kernel, targets, denoisers)
+    applied.notes["compile"] = apply_compile(spec, targets.blocks, components)
     if (vae := apply_vae(spec, components)) is not None:
         applied.notes["vae"] = vae
     if applied.cache is not None:
-        applied.notes["cache"] = applied.cache.kind + ("" if applied.cache.scoped else " (loop-level reuse)")
+        applied.notes["cache"] = applied.cache.kind + ("" if applied.cache.separate_passes else " (loop-level reuse)")
     return applied

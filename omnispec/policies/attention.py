@@ -12,7 +12,7 @@ Under compile per-module hooks would make every block recompile, so the only rep
 operator compiled code can call), is one redirect around the denoiser's call (``CompiledRedirectHook``) that dynamo
 traces into each compiled block.
 
-Forwards that may be differentiated (with gradients, a rollout's, a replay's: ``attention_kernels.may_train``) run
+Forwards that may be differentiated (with gradients, a rollout's, a replay's: ``kernels.sdpa.may_train``) run
 what a backward may follow: ``GradientSafeHook`` on each denoiser keeps cuDNN attention out of the dispatcher's
 choice, ``auto`` chooses among the backends whose trial forward and backward pass, and a named replacement kernel is
 tried forward and backward at each call shape before it runs there. A rollout and its replays share every choice.
@@ -21,7 +21,6 @@ tried forward and backward at each call shape before it runs there. A rollout an
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -34,10 +33,12 @@ from diffusers.hooks import HookRegistry, ModelHook
 from torch.overrides import TorchFunctionMode
 
 from ..bridge import remove_hook
+from ..kernels.sdpa import may_train, remember_failure, safe_sdpa
 from ..spec import PipelineSpec, SpecError
 from ..spec.attention_plan import SAFE_SDPA, auto_as_sdpa, training_backend
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
+from ..targets import AttentionTarget
 from .attention_kernels import (
     APPROXIMATE,
     AUTO_EXCLUDED,
@@ -46,10 +47,7 @@ from .attention_kernels import (
     NOT_FOR_GRADIENTS,
     backend_context,
     gradient_safe_context,
-    may_train,
     redirect_mode,
-    remember_failure,
-    safe_sdpa,
     usable,
 )
 
@@ -65,7 +63,7 @@ AUTO_MARGIN = 0.03
 # ---- hooks ----------------------------------------------------------------------------------------
 
 class GradientSafeHook(ModelHook):
-    """Around a denoiser's call: where the forward may be differentiated (``attention_kernels.may_train``), its SDPA
+    """Around a denoiser's call: where the forward may be differentiated (``kernels.sdpa.may_train``), its SDPA
     calls run with cuDNN attention off unless a role named it (``GradientSafeSDPA``)."""
 
     def new_forward(self, module, *args, **kwargs):
@@ -170,7 +168,7 @@ def choose(role: str, candidates: list[str], batch: int, heads: int, tokens: int
     """The fastest candidate for this attention shape (sdpa unless another beats it by ``AUTO_MARGIN``), timed once
     per process by the first call of that shape, at that call's batch.
 
-    ``train``: the forward may be differentiated (``attention_kernels.may_train``: gradients on, or a rollout or a
+    ``train``: the forward may be differentiated (``kernels.sdpa.may_train``: gradients on, or a rollout or a
     replay). Then the trial is a forward and a backward, sdpa_cudnn is no candidate, and sdpa is SDPA with cuDNN
     attention off; the choice is kept apart from the one without (generation), and shared by a rollout and all its
     replays, with or without gradients and in micro-batches of any size: a replay must run the forward kernel its
@@ -335,41 +333,20 @@ class AttentionPlan:
     training_notes: dict[str, str] = field(default_factory=dict)
 
 
-def role_key(family: Any, role: str, per_role: Mapping[str, str]) -> str | None:
-    """The ``per_role`` entry that decides a role: the role itself, else its category (LTX-2's ``video_self``
-    falls back to ``self``), else None (the default decides)."""
-    if role in per_role:
-        return role
-    category = getattr(family, "attention_categories", {}).get(role)
-    return category if category in per_role else None
-
-
-def role_modules(family: Any, denoiser: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
-    out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
-    for name, module in denoiser.named_modules():
-        if not hasattr(module, "processor"):
-            continue
-        for role, patterns in family.attention_roles.items():
-            if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-                out.setdefault(role, []).append((name, module))
-                break
-    return out
-
-
 def _head_dim(module: torch.nn.Module) -> tuple[int, int]:
     heads = int(getattr(module, "heads", 1))
     inner = getattr(module, "inner_dim", None) or module.to_q.out_features
     return heads, int(inner) // heads
 
 
-def _fuse_qk_norm_rope(family: Any, role: str, modules: list[tuple[str, torch.nn.Module]],
+def _fuse_qk_norm_rope(target: AttentionTarget, role: str, modules: list[tuple[str, torch.nn.Module]],
                        plan: AttentionPlan) -> None:
     """Give each of a role's attentions the family's fused q/k norm + RoPE processor, calling ``qk_norm_rope``."""
-    from .qk_norm_rope import qk_norm_rope  # registers the operator: only when a spec asks for it
+    from ..kernels.qk_norm_rope import qk_norm_rope  # registers the operator: only when a spec asks for it
 
     fused = 0
     for _, module in modules:
-        if (processor := family.qk_norm_rope_processor(module.processor, qk_norm_rope)) is not None:
+        if (processor := target.qk_norm_rope_processor(module.processor, qk_norm_rope)) is not None:
             module.__dict__[REPLACED_PROCESSOR] = module.processor
             module.set_processor(processor)
             fused += 1
@@ -387,7 +364,7 @@ def unfused_attention(module: torch.nn.Module) -> None:
         module.set_processor(replaced)
 
 
-def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, torch.nn.Module],
+def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapping[str, torch.nn.Module],
                     device: torch.device) -> AttentionPlan:
     plan = AttentionPlan()
     problems: list[Problem] = []
@@ -396,12 +373,12 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
         for name in (HOOK_NAME, GRADIENTS_HOOK):
             remove_hook(denoiser, name)
         traced: set[int] = set()  # head sizes flash4 takes under compile, through one hook on the denoiser
-        for role, modules in role_modules(family, denoiser).items():
+        for role, modules in target.modules(denoiser.named_modules()).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
                 unfused_attention(module)
             if spec.policies.attention.fused_qk_norm_rope:
-                _fuse_qk_norm_rope(family, role, modules, plan)
-            hook_for = _plan_role(spec, family, role, dname, modules[0][1], denoiser.dtype, device, plan, problems)
+                _fuse_qk_norm_rope(target, role, modules, plan)
+            hook_for = _plan_role(spec, target, role, dname, modules[0][1], denoiser.dtype, device, plan, problems)
             if hook_for is None:
                 continue
             if compiled:  # the spec rules let only flash4, named for every role, reach here
@@ -419,14 +396,14 @@ def apply_attention(spec: PipelineSpec, family: Any, denoisers: Mapping[str, tor
     return plan
 
 
-def _plan_role(spec: PipelineSpec, family: Any, role: str, denoiser: str, module: torch.nn.Module,
+def _plan_role(spec: PipelineSpec, target: AttentionTarget, role: str, denoiser: str, module: torch.nn.Module,
                dtype: torch.dtype, device: torch.device, plan: AttentionPlan,
                problems: list[Problem]) -> Callable[[], ModelHook] | None:
     """Decide one role's backend with and without gradients into ``plan`` (a problem into ``problems``); the hook
     each of its attention modules gets, or None where plain SDPA needs none (``GradientSafeHook`` on the denoiser
     then keeps cuDNN attention out of its forwards that may be differentiated)."""
     policy = spec.policies.attention
-    key = role_key(family, role, policy.per_role)
+    key = target.role_key(role, policy.per_role)
     wanted = policy.per_role[key] if key else policy.default
     heads, head_dim = _head_dim(module)
     compiled = spec.policies.compile.mode != "none"

@@ -4,7 +4,7 @@ FlashAttention-4), each probed once per device, dtype and head size by a real ca
 them on the model's attentions (hooks, ``auto``'s timing, the fallbacks).
 
 **Forwards that may be differentiated.** A forward with gradients, and every forward of a rollout or a replay (whose
-log-probs a replay with gradients must reproduce bit for bit), runs ``training_forwards``' rule: an SDPA call that
+log-probs a replay with gradients must reproduce bit for bit), runs the rule of ``kernels.sdpa``: an SDPA call that
 torch's dispatcher would be free to send to cuDNN attention runs with cuDNN attention off (``GradientSafeSDPA``):
 flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
 are the ones torch trains with everywhere; cuDNN attention's backward failed on an H100 (a sticky CUDA error that no
@@ -15,14 +15,14 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from ..log import logger
+from ..kernels.sdpa import may_train, safe_sdpa
 from ..spec.errors import first_line
 
 SDPA_KERNELS = {
@@ -43,10 +43,6 @@ AUTO_EXCLUDED = ("sdpa_math",)
 GRADIENT_SAFE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 # Never an auto candidate where a forward may be differentiated: cuDNN attention's backward runs only where named.
 NOT_FOR_GRADIENTS = ("sdpa_cudnn",)
-# SDPA's kernels in the order the dispatcher tries them while cuDNN attention is off.
-_SAFE_ORDER = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
-               (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
-               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled))
 
 
 class SDPAMode(TorchFunctionMode):
@@ -68,47 +64,6 @@ class SDPAMode(TorchFunctionMode):
 
 # ---- forwards that may be differentiated --------------------------------------------------------------
 
-# How many ``training_forwards`` blocks are open: a plain module global, which dynamo guards on where a whole
-# denoiser is compiled with the hook that reads it.
-_training_depth = 0
-
-
-@contextmanager
-def training_forwards() -> Iterator[None]:
-    """Forwards inside run with the kernels a backward may follow, gradients or not: rollouts and their replays,
-    so a replay with gradients computes the forward its rollout computed."""
-    global _training_depth
-    _training_depth += 1
-    try:
-        yield
-    finally:
-        _training_depth -= 1
-
-
-def may_train() -> bool:
-    """Whether a forward starting now may be differentiated: gradients are on, or it is a rollout's or a replay's."""
-    return torch.is_grad_enabled() or _training_depth > 0
-
-
-def _safe_kernels() -> list[SDPBackend] | None:
-    """The kernels an SDPA call may run on while the dispatcher is free to pick cuDNN attention (it is on beside
-    another kernel): the others that are on, in the dispatcher's order; None where the choice is already made.
-    Compiled code cannot read the switches (dynamo does not trace them), and there no kernel was named (only
-    ``flash4``, which bypasses SDPA): all three."""
-    if torch.compiler.is_compiling():
-        return [kernel for kernel, _ in _SAFE_ORDER]
-    if not torch.backends.cuda.cudnn_sdp_enabled():
-        return None
-    safe = [kernel for kernel, enabled in _SAFE_ORDER if enabled()]
-    return safe or None  # cuDNN alone: a spec named it
-
-
-def safe_sdpa() -> AbstractContextManager:
-    """cuDNN attention off for the SDPA calls inside, where the dispatcher would otherwise be free to pick it."""
-    safe = _safe_kernels()
-    return sdpa_kernel(safe, set_priority=True) if safe is not None else nullcontext()
-
-
 class GradientSafeSDPA(SDPAMode):
     """SDPA calls in a forward that may be differentiated run under ``safe_sdpa``; a call whose kernel was named runs
     as named. Dynamo traces the mode into compiled blocks and guards on it, so a block compiled for generation is
@@ -122,16 +77,6 @@ class GradientSafeSDPA(SDPAMode):
 def gradient_safe_context() -> GradientSafeSDPA | nullcontext:
     """``GradientSafeSDPA`` where a forward starting now may be differentiated, else nothing."""
     return GradientSafeSDPA() if may_train() else nullcontext()
-
-
-def remember_failure(failures: dict[tuple, str], key: tuple, exc: BaseException, what: str) -> None:
-    """Keep why the calls of ``key`` failed, warning once (``what`` says which calls); those calls then run on
-    torch's SDPA. Running out of memory is no failure of a kernel: it is raised again."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        raise exc
-    if key not in failures:
-        failures[key] = f"{type(exc).__name__}: {first_line(exc)}"
-        logger.warning(f"{what} ({failures[key]}); those calls run on torch's SDPA from now on")
 
 
 # ---- the replacement kernels ----------------------------------------------------------------------
@@ -155,7 +100,7 @@ def _flash4_attention(q, k, v, scale):
     (``flash4.py``), which compiled code can call too and which run a call shape the package refuses on SDPA (one
     warning). On an H200 under its power cap it ran FLUX's attention 5% and Wan 14B's 12% faster than cuDNN's
     (BENCHMARKS.md)."""
-    from .flash4 import flash4_sdpa
+    from ..kernels.flash4 import flash4_sdpa
 
     return flash4_sdpa(q, k, v, scale)
 
@@ -228,7 +173,7 @@ def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int)
             with backend_context(backend):
                 out = F.scaled_dot_product_attention(q, q, q)
             if backend == "flash4":  # its operators fall back to SDPA on a refusal: ask them
-                from .flash4 import refused
+                from ..kernels.flash4 import refused
 
                 if (why := refused(*(q.transpose(1, 2),) * 3)) is not None:
                     return f"flash-attn-4 refused a test call ({why})"

@@ -29,14 +29,16 @@ from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from torch.utils import _pytree
 
 from .. import bridge
+from ..kernels import torch_internals
+from ..kernels.torch_internals import tree_flatten, tree_map_only, tree_unflatten
 from ..spec import PipelineSpec, SpecError
 from ..spec.policies import INDUCTOR_PERSISTENT_ROWS
+from ..targets import BlocksTarget
 
 
-def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -> str:
+def apply_compile(spec: PipelineSpec, blocks: BlocksTarget, components: dict[str, Any]) -> str:
     policy = spec.policies.compile
     for name, c in spec.model.components.items():  # a rebuild over the same modules starts from them uncompiled
         if c.role in ("denoiser", "vae") and hasattr(components.get(name), "modules"):
@@ -44,7 +46,7 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
     if policy.mode == "none":
         return "none"
     if policy.rows_read_once:
-        from .compile_rows import foreign_choices
+        from ..kernels.inductor_rows import foreign_choices
 
         if in_the_way := foreign_choices():
             if policy.persistent_rows is not None:
@@ -66,12 +68,12 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
         elif policy.mode == "full":
             module.compile(**kwargs)
         else:
-            _compile_blocks(name, module, family, kwargs)
+            _compile_blocks(name, module, blocks, kwargs)
             if spec.policies.parallel.sequence > 1 and policy.fullgraph:
                 split += _split_blocks_with_breaks(module, kwargs)
             if policy.cudagraphs:
                 _new_generation_per_call(module)
-                kept += _keep_shared_block_inputs(module, family)
+                kept += _keep_shared_block_inputs(module, blocks)
         _mark_compiled(module)
     options = "".join(f", {name}" for name in ("cudagraphs", "autotune") if getattr(policy, name))
     if split:
@@ -88,11 +90,11 @@ def apply_compile(spec: PipelineSpec, family: Any, components: dict[str, Any]) -
             + decoders)
 
 
-def _compile_blocks(name: str, module: Any, family: Any, kwargs: dict[str, Any]) -> None:
+def _compile_blocks(name: str, module: Any, target: BlocksTarget, kwargs: dict[str, Any]) -> None:
     if bridge.has_repeated_blocks(module):
         module.compile_repeated_blocks(**kwargs)
         return
-    blocks = [b for lst in family.block_lists if hasattr(module, lst) for b in getattr(module, lst)]
+    blocks = target.blocks(module)
     if not blocks:
         raise SpecError.single(f"{name} has no repeated blocks to compile regionally", "policies.compile.mode")
     for block in blocks:
@@ -122,7 +124,7 @@ def _compile_whole_as_graph(module: Any, kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled():
             return compiled(*args, **kw)
         start_graph_generation(module)
-        return _pytree.tree_map_only(torch.Tensor, torch.clone, compiled(*args, **kw))
+        return tree_map_only(torch.Tensor, torch.clone, compiled(*args, **kw))
 
     module._compiled_call_impl = call
 
@@ -160,21 +162,22 @@ def _torch_compile_options(policy: Any) -> dict[str, Any]:
     so the mode goes in as the options inductor lists for it), eager's roundings kept where asked, the graph pass
     that stores a dynamic fp8 quantization's input narrow (``compile_passes``), and the pass that carries
     ``persistent_rows`` (``compile_rows``)."""
-    import torch._inductor
+    from ..kernels.inductor_passes import (
+        NarrowQuantizedInputs,  # imports inductor's graph-pass machinery: only when compiling
+    )
+    from ..kernels.torch_internals import inductor_config, list_mode_options
 
-    from .compile_passes import NarrowQuantizedInputs  # imports inductor's graph-pass machinery: only when compiling
-
-    options = dict(torch._inductor.list_mode_options(policy.inductor_mode)) if policy.inductor_mode else {}
+    options = dict(list_mode_options(policy.inductor_mode)) if policy.inductor_mode else {}
     if policy.eager_rounding:
         options["emulate_precision_casts"] = True
     if policy.reductions_fixed:
         options["deterministic"] = True
-    options["post_grad_custom_pre_pass"] = NarrowQuantizedInputs(then=torch._inductor.config.post_grad_custom_pre_pass)
+    options["post_grad_custom_pre_pass"] = NarrowQuantizedInputs(then=inductor_config.post_grad_custom_pre_pass)
     if rows := policy.rows_read_once:
-        from .compile_rows import PersistentRows
+        from ..kernels.inductor_rows import PersistentRows
 
         options["post_grad_custom_post_pass"] = PersistentRows(
-            rows, then=torch._inductor.config.post_grad_custom_post_pass)
+            rows, then=inductor_config.post_grad_custom_post_pass)
     return options
 
 
@@ -187,9 +190,8 @@ BLOCK_VARIANTS = 64
 
 def _allow_block_variants() -> None:
     """Raise dynamo's per-code recompile limit (process-wide) to ``BLOCK_VARIANTS``, never lower it."""
-    import torch._dynamo
+    from ..kernels.torch_internals import dynamo_config as config
 
-    config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, BLOCK_VARIANTS)
 
 
@@ -202,10 +204,10 @@ def start_graph_generation(module: torch.nn.Module) -> None:
     cleared by a backward); torch has no public reading of it."""
     weight = next(module.parameters(), None)
     if weight is not None and weight.device.type == "cuda":
-        from torch._inductor import cudagraph_trees
+        from ..kernels.torch_internals import get_manager
 
         index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-        manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
+        manager = get_manager(index, create_if_none_exists=False)
         if manager is not None and manager.running_forwards_with_pending_backwards:
             return
     torch.compiler.cudagraph_mark_step_begin()
@@ -245,9 +247,9 @@ class KeptBlockInputs(ModelHook):
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         if torch.is_grad_enabled():
             return output
-        leaves, layout = _pytree.tree_flatten(output)
+        leaves, layout = tree_flatten(output)
         kept = [self._kept(i, t) if isinstance(t, torch.Tensor) else t for i, t in enumerate(leaves)]
-        return _pytree.tree_unflatten(kept, layout)
+        return tree_unflatten(kept, layout)
 
     def _kept(self, place: int, tensor: torch.Tensor) -> torch.Tensor:
         key = (place, tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
@@ -258,18 +260,18 @@ class KeptBlockInputs(ModelHook):
         if held is None:
             with torch.inference_mode(False):  # writable in later calls, inside inference mode or not
                 held = torch.empty_like(tensor)  # its strides, or contiguous where it overlaps itself (expanded)
-            torch._dynamo.mark_static_address(held)
+            torch_internals.mark_static_address(held)
         self.storage[key] = held
         while len(self.storage) > self.KEEP:
             self.storage.popitem(last=False)
         return held.copy_(tensor)
 
 
-def _keep_shared_block_inputs(module: Any, family: Any) -> list[str]:
+def _keep_shared_block_inputs(module: Any, target: BlocksTarget) -> list[str]:
     """Hook the family's ``shared_block_inputs`` modules of ``module`` (``KeptBlockInputs``), each call of ``module``
     clearing what they saw; returns the names hooked."""
     named = dict(module.named_modules())
-    names = [name for name in family.shared_block_inputs if name in named]
+    names = [name for name in target.shared_inputs if name in named]
     hooks = [KeptBlockInputs() for _ in names]
     for name, hook in zip(names, hooks, strict=True):
         HookRegistry.check_if_exists_or_initialize(named[name]).register_hook(hook, SHARED_INPUTS_HOOK)

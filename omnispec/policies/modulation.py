@@ -31,8 +31,8 @@ values and its backward reaches those weights (a kept one would be freed by the 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +41,10 @@ import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 
 from ..bridge import remove_hook
+from ..kernels.gemm_epilogue import plain_weights
 from ..spec import PipelineSpec, SpecError
-from .mlp import plain_weights
+from ..targets import ModulationTarget
+from .steps import StepPolicy
 
 FIELD = "policies.mlp.precomputed_modulation"
 EMBEDDER_HOOK = "omnispec_modulation_rows"
@@ -158,16 +160,17 @@ class ModulationTables:
             outputs.append(F.linear(F.silu(embeddings).to(weight.dtype), weight, linear.bias))
         return _Table(embeddings, outputs)
 
-    def for_phase(self, family: Any, walk: Any, run: Any, kept: dict[int, _Table]) -> _Table:
+    def for_phase(self, embeddings: Callable[..., torch.Tensor], walk: Any, run: Any,
+                  kept: dict[int, _Table]) -> _Table:
         """Phase ``run``'s table: the one in ``kept`` (by id of ``run``) while the storage still holds it, else
         built (``phase_table``) into the storage and kept; in a forward taking gradients into these weights, built
         afresh with them."""
         if self.takes_gradients():
-            return phase_table(family, self, walk, run)
+            return phase_table(embeddings, self, walk, run)
         table = kept.get(id(run))
         if table is None or self.storage.get(table.embeddings.shape[0]) is not table:
             with torch.no_grad():
-                table = kept[id(run)] = self._stored(phase_table(family, self, walk, run))
+                table = kept[id(run)] = self._stored(phase_table(embeddings, self, walk, run))
         return table
 
     def _stored(self, table: _Table) -> _Table:
@@ -213,7 +216,7 @@ def _same_layout(a: _Table, b: _Table) -> bool:
         y.shape, y.dtype, y.device)) for x, y in pairs)
 
 
-def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _Table:
+def phase_table(embeddings_of: Callable[..., torch.Tensor], tables: ModulationTables, walk: Any, run: Any) -> _Table:
     """The table of phase ``run`` of ``walk`` (a ``plan.PhaseRun``): the embedding of every step the phase computes
     and every row of each conditioning its passes read (each conditioning once, each distinct row once), padded to a
     power of two rows (at least 8) with copies of the first, so that a compiled block sees a handful of table sizes,
@@ -222,7 +225,7 @@ def phase_table(family: Any, tables: ModulationTables, walk: Any, run: Any) -> _
     timesteps = [walk.steps.timesteps[i] for i in steps]
     embedded = [run.plans[i].embedded for i in steps]
     conditions = list({id(c): c for c in run.passes.conditions.values()}.values())
-    embeddings = distinct_rows(torch.cat([family.modulation_embeddings(run.denoiser, timesteps, embedded, c)
+    embeddings = distinct_rows(torch.cat([embeddings_of(run.denoiser, timesteps, embedded, c)
                                           for c in conditions]))
     n = embeddings.shape[0]
     return tables.build(torch.cat([embeddings, embeddings[:1].expand(padded_rows(n) - n, -1)]))
@@ -232,7 +235,20 @@ def tables_of(denoiser: torch.nn.Module) -> ModulationTables | None:
     return getattr(denoiser, "_omnispec_modulation", None)
 
 
-def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch.nn.Module]) -> str | None:
+class ModulationStep(StepPolicy):
+    """The table installed around each step's forwards: the phase's table (``ModulationTables.for_phase``, kept for
+    the request in the run's ``scratch``), built with the embeddings of the run's modulation target."""
+
+    def step_context(self, run: Any, walk: Any, phase_run: Any) -> AbstractContextManager:
+        tables = tables_of(phase_run.denoiser)
+        if tables is None or phase_run.passes is None:
+            return contextlib.nullcontext()
+        kept = run.scratch.setdefault(self, {})
+        return tables.installed(tables.for_phase(run.targets.modulation.embeddings, walk, phase_run, kept))
+
+
+def apply_modulation(spec: PipelineSpec, target: ModulationTarget | None,
+                     denoisers: dict[str, torch.nn.Module]) -> str | None:
     """Hook each denoiser's embedder and modulation linears (``precomputed_modulation``); a rebuild over the same
     modules first removes what an earlier build hooked. Returns explain's note (None: off)."""
     on = spec.policies.mlp.precomputed_modulation
@@ -243,16 +259,17 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
             del denoiser._omnispec_modulation
         if not on:
             continue
-        embedder = dict(denoiser.named_modules()).get(family.modulation_embedder or "")
-        named = modulation_linears(family, denoiser, plain_only=False)
+        assert target is not None, "check_policies refuses precomputed_modulation on a family without the target"
+        embedder = dict(denoiser.named_modules()).get(target.embedder)
+        named = modulation_linears(target, denoiser, plain_only=False)
         linears = [m for m in named if _table_takes(m)]
         if embedder is None or not named:
-            raise SpecError.single(f"{name} has no {family.modulation_embedder!r} embedder or no modulation linears "
-                                   f"({', '.join(family.modulation_linears)}) to precompute", FIELD)
+            raise SpecError.single(f"{name} has no {target.embedder!r} embedder or no modulation linears "
+                                   f"({', '.join(target.linears)}) to precompute", FIELD)
         if not linears:
             raise SpecError.single(
                 f"{name}'s modulation linears are all {type(named[0]).__name__} (quantized), which a table cannot "
-                f"take: leave them out of policies.quantization (exclude: [{', '.join(_leaves(family))}]) or set "
+                f"take: leave them out of policies.quantization (exclude: [{', '.join(target.leaves())}]) or set "
                 "this false", FIELD)
         denoiser._omnispec_modulation = ModulationTables(embedder, linears)
         per_row = row_bytes(linears)
@@ -262,21 +279,16 @@ def apply_modulation(spec: PipelineSpec, family: Any, denoisers: dict[str, torch
     return "; ".join(notes) if on else None
 
 
-def modulation_linears(family: Any, denoiser: torch.nn.Module, plain_only: bool = True) -> list[torch.nn.Linear]:
-    """``denoiser``'s modules that ``family.modulation_linears`` names: those a table takes (``torch.nn.Linear``s,
-    not a quantization's linear classes), or with ``plain_only`` false all of them."""
-    return [m for n, m in denoiser.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in family.modulation_linears)
-            and (not plain_only or _table_takes(m))]
+def modulation_linears(target: ModulationTarget, denoiser: torch.nn.Module,
+                       plain_only: bool = True) -> list[torch.nn.Linear]:
+    """``denoiser``'s modules that the target's ``linears`` names: those a table takes (``torch.nn.Linear``s, not a
+    quantization's linear classes), or with ``plain_only`` false all of them."""
+    return [m for _, m in target.named_linears(denoiser.named_modules()) if not plain_only or _table_takes(m)]
 
 
 def _table_takes(module: torch.nn.Module) -> bool:
     """Whether a table can stand in for ``module``: a plain (or already tabled) linear, not a quantization's class."""
     return type(module) in (torch.nn.Linear, TabledLinear)
-
-
-def _leaves(family: Any) -> list[str]:
-    """The modulation linears' names without their block paths (``norm1.linear``): quantization's ``exclude`` form."""
-    return list(dict.fromkeys(p.rsplit("*.", 1)[-1] for p in family.modulation_linears))
 
 
 def padded_rows(n: int) -> int:

@@ -17,9 +17,8 @@ import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from torch.utils.checkpoint import checkpoint
 
-from ..policies.attention_kernels import training_forwards
 from ..runtime.families import Conditioning, Streams
-from ..runtime.families.base import to_host
+from ..runtime.families.latents import to_host
 from ..runtime.phases import set_adapter
 from ..runtime.plan import Walk
 from ..runtime.run import Run
@@ -197,12 +196,12 @@ def rollout(
                                    "noise_seeds": [seed + sample_offset + b for b in range(len(expanded))]})
     assert plan.stochastic is not None
     walk, local = plan.stochastic.walk, plan.stochastic.local_mask()
-    if pipe.policies.cache is not None:
-        reused = [i for i in torch.nonzero(local.any(0)).flatten().tolist() if not pipe.policies.cache.computes(i)]
+    if pipe.policies.steps:
+        reused = [i for i in torch.nonzero(local.any(0)).flatten().tolist() if not pipe.policies.steps.computes(i)]
         if reused:
             raise SpecError.single(f"policies.cache.mask reuses stochastic step(s) {reused}; replay computes every "
                                    "step it scores, so the window's steps must compute", "policies.cache.mask")
-    run = Run(pipe, plan)
+    run = Run(pipe, plan, trains=True)  # the kernels its replays with gradients will run
     states: list[tuple[int, Streams, Streams, StepResult]] = []
     clean: dict[str, Streams] = {}
 
@@ -213,7 +212,7 @@ def rollout(
         if w is walk and result.x0 is not None:
             clean["x0"] = result.x0
 
-    with torch.no_grad(), training_forwards():  # the kernels its replays with gradients will run
+    with torch.no_grad():
         results = run.execute(observe)
         out = results[pipe.spec.recipe.output_index() or 0]
         latents = out.latents
@@ -308,7 +307,7 @@ def log_prob(
     if not isinstance(ro.request, Request):
         raise SpecTypeError.single(f"expected the Request the rollout ran, got {type(ro.request).__name__}",
                                    "rollout.request")
-    run = Run(pipe, pipe.plan(ro.request), encodings=(ro.positive, ro.negative))
+    run = Run(pipe, pipe.plan(ro.request), encodings=(ro.positive, ro.negative), trains=True)
     check_rollout_fits(pipe, ro, run)
     b = len(ro.prompts)
     streams = list(ro.states)
@@ -321,7 +320,7 @@ def log_prob(
     context = torch.enable_grad() if grad else torch.no_grad()
     two_forwards = grad and exact and pipe.spec.policies.compile.mode != "none"
     batcher = ReplayBatcher(dev, grad, micro_batch, b * len(ks))
-    with context, training_forwards():
+    with context:
         for col, k in enumerate(ks):
             by_step: dict[int, list[int]] = {}
             for row in range(b):

@@ -85,8 +85,8 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     if device is None:
         check_device(spec.runtime.device, "runtime.device")
     target = resolve_device(device or spec.runtime.device)
-    check_policies(spec, family_cls, target)
-    check_axes(spec, family_cls)
+    check_policies(spec, family_cls.targets, target)
+    check_axes(spec, family_cls.targets)
     parallel = setup_parallel(spec, target, process_group)
     if parallel is not None and target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -104,11 +104,11 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
         spec, name, spec.model.components[name], given[name], target))]
     quantization.keep_input_gradients(modules)
     load_adapter_slots(spec, modules, family_cls.pipeline_class, loras)
-    distribute_axes(parallel, spec, family_cls, modules, target)
-    applied = apply_policies(spec, family_cls, modules, target)
+    distribute_axes(parallel, spec, family_cls.targets, modules, target)
+    applied = apply_policies(spec, family_cls.targets, modules, target)
     if quantized:
         applied.notes["quantization"] = "; ".join(quantized)
-    enable_axes(parallel, spec, family_cls, modules)
+    enable_axes(parallel, spec, family_cls.targets, modules)
     family = family_cls(spec, modules, target)
     pipe = pipeline_class(spec, family, modules, target, applied, parallel)
     pipe.checkpoint = checkpoint_record(spec, root, given, loras)  # what outputs record as their checkpoint

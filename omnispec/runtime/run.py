@@ -8,16 +8,15 @@ guidance combine) that replay calls for single stored steps.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..policies.caches import cache_context
-from ..policies.modulation import tables_of
+from ..kernels.sdpa import training_forwards
 from ..spec import Phase
 from ..spec.guidance import term_of
 from ..spec.recipe import ImageInput, PreviousInput
@@ -48,15 +47,19 @@ class Run:
     body. ``plan`` may be given as a resolved ``Request``, which is then planned here."""
 
     def __init__(self, pipe: Pipeline, plan: RequestPlan | Request, *,
-                 encodings: tuple[Conditioning, Conditioning | None] | None = None):
+                 encodings: tuple[Conditioning, Conditioning | None] | None = None, trains: bool = False):
         self.pipe = pipe
         self.family, self.components, self.device = pipe.family, pipe.components, pipe.device
-        self.cache, self.parallel = pipe.policies.cache, pipe.parallel
+        self.targets = pipe.family.targets  # what the step policies read from the family (bound to its instance)
+        self.policies, self.parallel = pipe.policies.steps, pipe.parallel
         self.plan = plan if isinstance(plan, RequestPlan) else pipe.plan(plan)
         self.spec, self.request = self.plan.spec, self.plan.request
         self.generators, self.walks = self.plan.generators, self.plan.walks
         self.positive, self.negative = encodings if encodings is not None else pipe.encode(self.request)
-        self._tables: dict[int, Any] = {}  # modulation tables by id of their PhaseRun, which the plan keeps alive
+        # A rollout's or a replay's: its forwards run the kernels a backward may follow, with gradients or not
+        # (``kernels.sdpa.training_forwards``), so a replay computes its rollout's forward.
+        self.trains = trains
+        self.scratch: dict[Any, Any] = {}  # what each step policy remembers for this request, keyed by the policy
 
     def condition(self, walk: Walk) -> None:
         """Encode the request's images for this walk's size and give every phase its pass inputs."""
@@ -70,8 +73,7 @@ class Run:
 
     def execute(self, observer: StepObserver | None = None) -> list[PhaseResult]:
         """Every phase's final latents, in phase order."""
-        if self.cache is not None:
-            self.cache.begin(self.plan.steps_per_denoiser())
+        self.policies.begin(self.plan.steps_per_denoiser())
         results: list[PhaseResult] = []
         prev: PhaseResult | None = None
         for walk in self.walks:
@@ -116,7 +118,7 @@ class Run:
                 set_adapter(self.spec, starts[i].phase, self.components, self.pipe.adapters)
             # step_mask, or a stochastic stepper's cheaper steps outside its window: reuse the last prediction
             reuse = isinstance(stepper, StochasticStepper) and stepper.reuses(i)
-            if (reuse or self.cache is not None and not self.cache.computes(i)) and last is not None:
+            if (reuse or not self.policies.computes(i)) and last is not None:
                 pred = last
             else:
                 pred = self.prediction(walk, i, x)
@@ -136,7 +138,7 @@ class Run:
         plan = run.plans[i]
         if plan.zero:
             return {s: torch.zeros_like(v) for s, v in x.items()}
-        with self._modulation(walk, run):
+        with self.policies.step_context(self, walk, run), training_forwards() if self.trains else nullcontext():
             preds = self._passes(walk, run, i, x, rows)
         images = walk.images if rows is None or walk.images is None else _rows(walk.images, rows)
         if self.family.prediction_space == "velocity":
@@ -147,21 +149,13 @@ class Run:
         guided = self.family.constrain(combine(plan, x0, run.phase.guidance, run.state), x, images, walk.geometry)
         return {s: (x[s].float() - guided[s]) / sigma for s in guided}
 
-    def _modulation(self, walk: Walk, run: PhaseRun) -> contextlib.AbstractContextManager:
-        """The phase's modulation table installed (``policies.mlp.precomputed_modulation``, kept from its first
-        prediction); nothing without the policy."""
-        tables = tables_of(run.denoiser)
-        if tables is None or run.passes is None:
-            return contextlib.nullcontext()
-        return tables.installed(tables.for_phase(self.family, walk, run, self._tables))
-
     def _passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
                 ) -> dict[str, Streams]:
-        """Predictions for every pass of a step. Under a scoped cache one forward per (pass, sample); under
-        CFG-parallel each rank computes its round-robin share and the shares are gathered."""
+        """Predictions for every pass of a step. Where a step policy asks for it (a hooked cache), one forward per
+        (pass, sample); under CFG-parallel each rank computes its round-robin share and the shares are gathered."""
         names = list(run.plans[i].passes)
-        if self.cache is not None and self.cache.scoped:
-            return self._scoped_passes(walk, run, i, x, rows)
+        if self.policies.separate_passes:
+            return self._separate_passes(walk, run, i, x, rows)
         ctx = self.parallel
         if ctx is not None and ctx.cfg > 1:
             if len(names) == 1:
@@ -207,10 +201,10 @@ class Run:
                 preds[name] = {s: v[k * b:(k + 1) * b] for s, v in out.items()}
         return preds
 
-    def _scoped_passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
-                       ) -> dict[str, Streams]:
-        """One forward per (pass, sample), each under its own cache context named by the pass and the sample's
-        index in the request: what a step cache sees for "uncond:1" never depends on which other passes or
+    def _separate_passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
+                         ) -> dict[str, Streams]:
+        """One forward per (pass, sample), each under the step policies' ``pass_context`` named by the pass and the
+        sample's index in the request: what a step cache sees for "uncond:1" never depends on which other passes or
         samples ran beside it."""
         assert run.passes is not None
         plan, t = run.plans[i], walk.steps.timesteps[i]
@@ -223,7 +217,7 @@ class Run:
             for row, sample in enumerate(samples):
                 where = {"step_index": plan.step, "num_inference_steps": len(run.plans), "timestep": t,
                          "sigma": plan.sigma}
-                with cache_context(run.denoiser, f"{name}:{sample}", **where):
+                with self.policies.pass_context(run.denoiser, f"{name}:{sample}", **where):
                     outs.append(self.family.predict(
                         run.denoiser, {s: v[row:row + 1] for s, v in x.items()}, t, cond.rows(slice(row, row + 1)),
                         walk.geometry, embedded=plan.embedded, perturbation=perturbation))

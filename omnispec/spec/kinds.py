@@ -78,7 +78,12 @@ class Kinds:
     # pydantic: the union of the registered classes, tagged by ``tag``
     def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
         choices = {kind: handler.generate_schema(cls) for kind, cls in self.classes.items()}
+        if not choices:  # a concept nothing has registered a kind of yet (the kernel policies of plugins)
+            return core_schema.no_info_after_validator_function(self._no_kind, core_schema.dict_schema())
         return core_schema.tagged_union_schema(choices, discriminator=self.tag)
+
+    def _no_kind(self, value: Any) -> Any:
+        raise ValueError(f"no {self.concept} kind is registered (a plugin registers one before its specs load)")
 
 
 class Axes:

@@ -10,7 +10,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 from .base import DEVICE_PATTERN, Seed, SpecModel
 from .guidance import GUIDANCE
 from .model import ROLES, WEIGHTLESS_ROLES, ModelSpec
-from .policies import CACHES, OFFLOADS, PERTURBABLE_BACKENDS, Policies
+from .policies import CACHES, KERNEL_POLICIES, OFFLOADS, PERTURBABLE_BACKENDS, Policies
 from .recipe import IMAGE_TASKS, SAMPLERS, ImageInput, LatentUpsample, PreviousInput, Recipe
 from .schedule import FROM_CHECKPOINT, SCHEDULES, SHARED_SCHEDULES, SegmentSchedule
 
@@ -55,7 +55,7 @@ class PipelineSpec(SpecModel):
         return self
 
 
-for _kinds in (GUIDANCE, CACHES, OFFLOADS, SAMPLERS, SCHEDULES, SHARED_SCHEDULES):
+for _kinds in (GUIDANCE, CACHES, OFFLOADS, SAMPLERS, SCHEDULES, SHARED_SCHEDULES, KERNEL_POLICIES):
     _kinds.held_by(PipelineSpec)
 
 

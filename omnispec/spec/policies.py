@@ -350,6 +350,16 @@ class VaePolicy(SpecModel):
         "Decode the samples of a batch one at a time (diffusers' enable_slicing)."))
 
 
+class KernelPolicySpec(SpecModel):
+    """Base of a kernel policy a plugin registers (``KERNEL_POLICIES``, tag ``kind``): a technique put on the loaded
+    denoisers, with the target it reads from a family (``omnispec.targets``)."""
+
+
+# Kernel policies beyond the built-in sections, registered with the object implementing them (a plugin's, a test's):
+# it refuses what a family's targets cannot take before loading, and applies itself to the loaded denoisers.
+KERNEL_POLICIES = Kinds("kernel policy")
+
+
 class Policies(SpecModel):
     attention: AttentionPolicy = Field(default_factory=AttentionPolicy)
     mlp: MlpPolicy = Field(default_factory=MlpPolicy)
@@ -361,6 +371,8 @@ class Policies(SpecModel):
     compile: CompilePolicy = Field(default_factory=CompilePolicy)
     parallel: ParallelPolicy = Field(default_factory=ParallelPolicy)
     vae: VaePolicy = Field(default_factory=VaePolicy)
+    kernels: list[Annotated[KernelPolicySpec, KERNEL_POLICIES]] = Field(default_factory=list, description=(
+        "Kernel policies registered beyond the built-in sections (each by its kind), applied after them in order."))
 
     def quantization_key(self, name: str, role: str) -> str | None:
         """The ``quantization`` entry that applies to component ``name`` of ``role``: its name's, else its role's."""
@@ -368,4 +380,5 @@ class Policies(SpecModel):
 
 
 CACHES.held_by(Policies)
+KERNEL_POLICIES.held_by(Policies)
 OFFLOADS.held_by(Policies)

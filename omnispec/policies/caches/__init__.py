@@ -9,7 +9,7 @@ all cache state at the start of each request, so neither batch-mates nor earlier
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +19,14 @@ from diffusers import CacheMixin
 from ... import bridge
 from ...spec import PipelineSpec
 from ...spec.policies import CACHES
+from ..steps import StepPolicy
 from .base import Cache, remove_cache_hooks, reset_state
 
 
 @dataclass
-class CacheRuntime:
-    """The cache of a built pipeline: its policy, the kind's behaviour and the denoisers it is on."""
+class CacheRuntime(StepPolicy):
+    """The cache of a built pipeline: its policy, the kind's behaviour and the denoisers it is on; the loop consults
+    it as a ``StepPolicy``."""
 
     policy: Any
     denoisers: dict[str, torch.nn.Module]
@@ -39,7 +41,7 @@ class CacheRuntime:
         return CACHES.implementation(self.policy)
 
     @property
-    def scoped(self) -> bool:
+    def separate_passes(self) -> bool:  # type: ignore[override]
         """Whether forwards must be split per pass and sample, each under its own cache context."""
         return self.behaviour.scoped
 
@@ -51,6 +53,9 @@ class CacheRuntime:
 
     def computes(self, step: int) -> bool:
         return self.behaviour.computes(self.policy, step)
+
+    def pass_context(self, denoiser: torch.nn.Module, name: str, **where: Any) -> AbstractContextManager:
+        return cache_context(denoiser, name, **where)
 
 
 @contextmanager

@@ -6,7 +6,8 @@ import importlib
 
 from ...log import harmless_messages_demoted
 from ...spec import BUILTIN_FAMILIES, SpecError
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, batch_of, cat_streams
+from .base import Family
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams, batch_of, cat_streams
 
 _BUILTIN = {
     "flux": "omnispec.runtime.families.flux:FluxFamily",

@@ -3,153 +3,64 @@
 A family encodes prompts, prepares latents (shape, packing), calls its denoiser on a batch of
 passes, and decodes. It reuses the diffusers pipeline's own helpers by holding an instance of that
 pipeline built from the already-loaded components (construction loads nothing), so prompt
-encoding, packing and VAE normalisation equal diffusers' by construction.
+encoding, packing and VAE normalisation equal diffusers' by construction. What a technique needs from
+the denoiser is data in ``targets`` (``omnispec.targets``), not methods here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ... import bridge
-from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
+from ...spec import PipelineSpec, SpecError
 from ...spec.base import MAX_SIZE
 from ...spec.guidance import term_of
 from ...spec.images import pixel_size
 from ...spec.request import Request
-
-# The state a phase denoises: named latent streams (``latents`` for image and video models; ``video`` and
-# ``audio`` for LTX-2), each with its own shape and packing, batch first.
-Streams = dict[str, torch.Tensor]
+from ...targets import Targets, TensorPlan
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 
-def cat_streams(parts: Sequence[Mapping[str, torch.Tensor]]) -> Streams:
-    return {name: torch.cat([p[name] for p in parts]) if len(parts) > 1 else parts[0][name] for name in parts[0]}
+def model_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan | None:
+    """The model class's own diffusers tensor-parallel plan, for models whose processors take the head count from
+    the split tensors (FLUX, Qwen-Image)."""
+    own = bridge.model_tensor_plan(denoiser)
+    return TensorPlan(own) if own else None
 
-
-def batch_of(streams: Mapping[str, torch.Tensor]) -> int:
-    return next(iter(streams.values())).shape[0]
-
-
-@dataclass
-class Conditioning:
-    """What a pass conditions on besides the latents: encoded prompts and, for image-conditioned families,
-    the encoded images. ``batched`` tensors have one row per sample; ``shared`` ones serve every sample.
-    ``ragged`` names batched entries whose length (dim 1) may differ between conditionings (prompt encodings
-    padded to their own call's longest prompt): ``cat`` zero-pads them to the longest, so their masks, listed
-    too, mark the padding 0."""
-
-    batched: dict[str, torch.Tensor]
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
-    ragged: frozenset[str] = frozenset()
-
-    @property
-    def batch_size(self) -> int:
-        return next(iter(self.batched.values())).shape[0]
-
-    def rows(self, index: torch.Tensor | slice | Sequence[int]) -> Conditioning:
-        """These rows of every batched entry (an entry may live on the host, e.g. lengths a family reads every
-        step without a device sync: a tensor index goes to each entry's own device)."""
-        if isinstance(index, torch.Tensor):
-            return Conditioning({k: v[index.to(v.device)] for k, v in self.batched.items()}, self.shared, self.ragged)
-        return Conditioning({k: v[index] for k, v in self.batched.items()}, self.shared, self.ragged)
-
-    def with_(self, other: Conditioning | None) -> Conditioning:
-        """This conditioning plus ``other``'s entries (image conditioning joined to prompt encodings)."""
-        if other is None:
-            return self
-        return Conditioning({**self.batched, **other.batched}, {**self.shared, **other.shared},
-                            self.ragged | other.ragged)
-
-    @staticmethod
-    def cat(parts: Sequence[Conditioning]) -> Conditioning:
-        if len(parts) == 1:
-            return parts[0]
-        ragged = parts[0].ragged
-        return Conditioning({k: torch.cat(_padded([p.batched[k] for p in parts]) if k in ragged else
-                                          [p.batched[k] for p in parts]) for k in parts[0].batched},
-                            parts[0].shared, ragged)
-
-
-def _padded(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Zero-pad each tensor's dim 1 to the longest's."""
-    n = max(t.shape[1] for t in tensors)
-    return [torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, n - t.shape[1])) for t in tensors]
-
-
-@dataclass
-class Geometry:
-    """Pixel size of a phase's output and anything a family needs to (un)pack its latents; ``extra`` holds
-    what a family derives once per phase (position ids, masks) so steps don't rebuild it."""
-
-    height: int
-    width: int
-    frames: int | None = None
-    fps: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Decoded:
-    """A decoded output: ``array`` float32 in [0, 1], channels last, batch first; ``audio`` (B, channels,
-    samples) float32 at ``sample_rate`` for families with a sound track."""
-
-    array: np.ndarray
-    audio: np.ndarray | None = None
-    sample_rate: int | None = None
-
-
-Perturbation = Union[SkipLayer, Modality]
-
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """A denoiser's tensor-parallel plan: ``linears`` in diffusers' ``_tp_plan`` format (``{glob: "colwise" |
-    "rowwise" | packed marker}``, one ``*`` over a block list); ``heads``: fnmatch patterns of attention modules
-    whose processor reads ``attn.heads`` (divided by the degree, each rank keeping its heads); ``norms``: patterns
-    of RMSNorms over all heads at once (each rank normalises its slice with the sum of squares summed over ranks);
-    ``rope``: attention modules handed rotary tables that span all heads (``query_rotary_emb``/``key_rotary_emb``:
-    4-D split tables cut on the head axis, interleaved ones on the feature axis), cut to this rank's heads."""
-
-    linears: Mapping[str, Any]
-    heads: tuple[str, ...] = ()
-    norms: tuple[str, ...] = ()
-    rope: tuple[str, ...] = ()
 
 class Family:
     """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks.
 
-    Every hook works on ``Streams``; a single-stream family reads and returns its one stream, ``latents``.
+    In groups: identity (``name``, ``pipeline_class``, ``required``, ``options``); layout (``streams``,
+    ``spatial_streams``, ``prediction_space``, ``row_perturbations``, ``ragged_passes_apart``); inputs
+    (``max_images``, ``max_references``, ``inpaints``, ``takes_video``, ``model_index_values``); what each technique
+    needs from the denoiser (``targets``: ``omnispec.targets``); the checks before any weight loads; and the run
+    hooks (encode, latents, predict, conditioning, decode). Every hook works on ``Streams``; a single-stream family
+    reads and returns its one stream, ``latents``.
     """
 
+    # ---- identity -------------------------------------------------------------------------------------
     name: ClassVar[str]
     pipeline_class: ClassVar[type | None] = None
+    # Which component names the helper pipeline expects, with the role each must have.
+    required: ClassVar[Mapping[str, str]] = {}
+    # ``model.options`` this family reads, with their defaults.
+    options: ClassVar[Mapping[str, Any]] = {}
+
+    # ---- layout -----------------------------------------------------------------------------------------
     # The latent streams this family denoises, in the order noise is drawn and decoded; the first is primary.
     streams: ClassVar[tuple[str, ...]] = ("latents",)
     # Streams a phase transform (latent upsample, resize) rescales; the others pass through unchanged.
     spatial_streams: ClassVar[tuple[str, ...]] = ("latents",)
-    # Block lists that policies (offload, compile, cache, layer skip) may address, in forward order.
-    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
-    # Attention roles of this family's denoiser: role -> fnmatch patterns of attention module names.
-    attention_roles: ClassVar[Mapping[str, tuple[str, ...]]] = {"self": ("*attn*",)}
-    # Role -> category (``self``, ``cross``): a role not named in ``policies.attention.per_role`` takes its
-    # category's entry there, then the default.
-    attention_categories: ClassVar[Mapping[str, str]] = {}
-    # Which component names the helper pipeline expects, with the role each must have.
-    required: ClassVar[Mapping[str, str]] = {}
-    # Modalities a ``modality`` guidance term may isolate (switch off the cross-attention into).
-    modalities: ClassVar[tuple[str, ...]] = ()
-    # How many request images the family conditions on (0: text only), and how many reference images.
-    max_images: ClassVar[int] = 0
-    max_references: ClassVar[int] = 0
+    # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
+    # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
+    prediction_space: ClassVar[str] = "velocity"
     # Perturbation kinds the denoiser applies to chosen rows of a batch, so their passes share a forward with the
     # unperturbed ones; ``predict`` then gets a list with one perturbation (or None) per row.
     row_perturbations: ClassVar[tuple[str, ...]] = ()
@@ -158,52 +69,28 @@ class Family:
     # with a mask. A mask moves attention off its fastest kernels (flash, cuDNN), which costs more than the batch
     # saves on a GPU; the family's diffusers pipeline runs them apart too.
     ragged_passes_apart: ClassVar[bool] = False
-    # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
-    # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
-    model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
-    # What guidance combines: the passes' velocities, or their clean-sample estimates ``x0 = x - sigma * v``
-    # (LTX-2 combines and rescales x0 estimates, then steps the velocity they imply).
-    prediction_space: ClassVar[str] = "velocity"
-    # Whether the denoiser has a diffusers context-parallel plan for ulysses / ring, and if not,
-    # why sequence parallelism is refused.
-    context_parallel: ClassVar[bool] = False
-    context_parallel_refusal: ClassVar[str] = "no context-parallel plan for ulysses/ring"
-    # Why ``policies.parallel.tensor`` is refused on this family, or None when ``tensor_plan`` gives a plan.
-    tensor_parallel_refusal: ClassVar[str | None] = "no tensor-parallel plan is written for its denoiser"
-    # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
-    cache_limits: ClassVar[Mapping[str, str]] = {}
-    # The attention processor ``policies.attention.fused_qk_norm_rope`` gives each of the denoiser's attentions,
-    # built from the processor it replaces and the fused operator the policy hands over (None from it: that
-    # attention keeps its processor; None here: the family has none, and the field is refused).
-    qk_norm_rope_processor: ClassVar[Callable[[Any, Callable[..., Any]], Any] | None] = None
-    # The (block, hook) pairs ``policies.mlp.fused_gelu`` registers for the denoiser's parallel blocks (attention and
-    # MLP side by side, projected back together), given the denoiser and the fused operators the policy hands over
-    # (``policies.mlp.MlpOperators``); None: the family has no such blocks.
-    parallel_mlp_hooks: ClassVar[Callable[[Any, Any], list[tuple[Any, Any]]] | None] = None
-    # Modules of the denoiser called once per forward whose outputs every block reads (the rotary embedding, the
-    # timestep embedding, the text states the cross-attentions read): under regional CUDA graphs they are kept in
-    # static storage (``compile.KeptBlockInputs``) instead of being copied into every block's graph before each replay.
-    shared_block_inputs: ClassVar[tuple[str, ...]] = ()
-    # ``policies.mlp.precomputed_modulation``: the denoiser's module whose output is the embedding every modulation
-    # linear reads (each through a SiLU), and fnmatch patterns of those linears' names; ``modulation_embeddings``
-    # computes that embedding for every step ahead. None: the family has none, and the field is refused.
-    modulation_embedder: ClassVar[str | None] = None
-    modulation_linears: ClassVar[tuple[str, ...]] = ()
-    # Why ``skip_layer`` guidance terms cannot run on this family's denoiser, or None when they can.
-    skip_layer_refusal: ClassVar[str | None] = None
-    # ``model.options`` this family reads, with their defaults.
-    options: ClassVar[Mapping[str, Any]] = {}
+
+    # ---- inputs -----------------------------------------------------------------------------------------
+    # How many request images the family conditions on (0: text only), and how many reference images.
+    max_images: ClassVar[int] = 0
+    max_references: ClassVar[int] = 0
     # Whether the family inpaints (reads the request's mask): it runs the task ``inpainting`` and only that one.
     inpaints: ClassVar[bool] = False
     # Whether the family follows a request's video (and its mask): the task ``video-to-video``.
     takes_video: ClassVar[bool] = False
+    # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
+    # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
+    model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
 
-    @classmethod
-    def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan | None:
-        """How ``denoiser``'s linears split over tensor-parallel ranks (None: they don't). By default the model
-        class's own diffusers plan, for models whose processors take the head count from the split tensors."""
-        own = bridge.model_tensor_plan(denoiser)
-        return TensorPlan(own) if own else None
+    # ---- what techniques need from the denoiser -----------------------------------------------------------
+    # Declared on the class (known before weights load); an instance's ``targets`` adds what needs the instance
+    # (``bind_targets``). ``Targets.family`` is the class's name.
+    targets: ClassVar[Targets] = Targets()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls) and cls.targets.family != cls.name:  # a refusal names the family it is about
+            cls.targets = replace(cls.targets, family=cls.name)
 
     def __init__(self, spec: PipelineSpec, components: dict[str, Any], device: torch.device):
         self.spec = spec
@@ -211,6 +98,14 @@ class Family:
         self.device = device
         self.settings = {**self.options, **spec.model.options}
         self.helper = self.make_helper(components) if self.pipeline_class is not None else None
+        self.targets = self.bind_targets()  # type: ignore[misc]
+
+    def bind_targets(self) -> Targets:
+        """The class's targets with what needs this instance: the modulation target's embeddings."""
+        targets = type(self).targets
+        if targets.modulation is not None:
+            targets = replace(targets, modulation=replace(targets.modulation, embeddings=self.modulation_embeddings))
+        return targets
 
     # ---- checks before any weight loads -------------------------------------------------------------
 
@@ -225,7 +120,7 @@ class Family:
                 problems.append(f"family {cls.name!r} needs {name!r} to have role {role!r}")
         for phase in spec.recipe.phases:
             for term in phase.guidance.terms:
-                refusal = term_of(term).refusal(term, cls)
+                refusal = term_of(term).refusal(term, cls.targets)
                 if refusal:
                     problems.append(f"{refusal} (phase {phase.name!r})")
             unknown = sorted(phase.guidance.streams - set(cls.streams))
@@ -383,68 +278,3 @@ class Family:
 
     def latent_dtype(self, denoiser: torch.nn.Module) -> torch.dtype:
         return denoiser.dtype
-
-    # ---- shared helpers -------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def layer_skip(self, denoiser: torch.nn.Module, skip: Perturbation | None) -> Iterator[None]:
-        """Apply a skip-layer perturbation with diffusers' layer-skip hooks for one forward, then remove it."""
-        if skip is None:
-            yield
-            return
-        if not isinstance(skip, SkipLayer):
-            raise SpecError.single(f"family {self.name!r} cannot run a {skip.kind} perturbation", "guidance")
-        from diffusers.hooks import LayerSkipConfig
-
-        config = LayerSkipConfig(
-            indices=list(skip.layers),
-            fqn=skip.blocks or self.block_lists[0],
-            skip_attention=skip.skip in ("block", "attention"),
-            skip_attention_scores=skip.skip == "attention_scores",
-            skip_ff=skip.skip in ("block", "ff"),
-        )
-        hook_name = "omnispec_layer_skip"
-        bridge.apply_layer_skip_hook(denoiser, config, hook_name)
-        try:
-            yield
-        finally:
-            blocks = denoiser.get_submodule(config.fqn)
-            for i in config.indices:
-                for module in blocks[i].modules():
-                    bridge.remove_hook(module, hook_name)
-
-
-class PackedLatents:
-    """Mixin for families that pack 2x2 latent patches into tokens (FLUX, Qwen-Image, Z-Image): the latent grid
-    (even on both sides, as their pipelines round it) and the token count the schedule's shift reads."""
-
-    helper: Any
-
-    def _latent_hw(self, geometry: Geometry) -> tuple[int, int]:
-        f = self.helper.vae_scale_factor
-        return 2 * (geometry.height // (f * 2)), 2 * (geometry.width // (f * 2))
-
-    def tokens(self, geometry: Geometry) -> int:
-        h, w = self._latent_hw(geometry)
-        return (h // 2) * (w // 2)
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU: a CUDA tensor copied into page-locked memory, anything else as ``t.cpu()`` does. A copy
-    into ordinary host memory goes through the driver's staging buffer and faults in every new page: on an H200 a
-    rollout's 540 MB of images and states took 360 ms that way. Page-locked blocks come from torch's caching host
-    allocator, which keeps each for the next result of its size once the last array over it is gone (until then
-    it stays reserved, rounded up to a power of two)."""
-    if t.device.type != "cuda":
-        return t.cpu()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t)  # synchronous: the values are there on return, as with .cpu()
-    return out
-
-
-def decode_images(helper: Any, decoded: torch.Tensor) -> np.ndarray:
-    """VAE output in [-1, 1] (B, C, H, W) -> float32 (B, H, W, C) in [0, 1]: diffusers' postprocess denormalizes
-    (``output_type="pt"``, on the tensor's device), then the layout and float32 conversion its ``"np"`` output would
-    make on the host run where the tensor is (the same values: a widening cast is exact), so the host only copies."""
-    images = helper.image_processor.postprocess(decoded, output_type="pt")
-    return to_host(images.permute(0, 2, 3, 1).float()).numpy()

@@ -7,13 +7,15 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ...log import logger
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
+from ...targets import AttentionTarget, BlocksTarget, Targets
+from .base import Family
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 
 class DigitsFamily(Family):
     name = "digits"
-    block_lists = ("blocks",)
-    attention_roles = {"self": ("blocks.*.attn",)}
+    targets = Targets(attention=AttentionTarget({"self": ("blocks.*.attn",)}), blocks=BlocksTarget(("blocks",)))
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer"}
 
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
@@ -41,7 +43,7 @@ class DigitsFamily(Family):
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
         x = latents["latents"]
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             return {"latents": denoiser(hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
                                         text_embeds=cond.batched["text_embeds"])[0].to(torch.float32)}
 

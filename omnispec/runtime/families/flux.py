@@ -16,7 +16,11 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ... import bridge
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
+from ...targets import AttentionTarget, BlocksTarget, MlpTarget, ModulationTarget, ParallelTarget, Targets
+from .base import Family, model_tensor_plan
+from .latents import PackedLatents, decode_images
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 # The fused operator ``policies.attention.fused_qk_norm_rope`` hands over (``omnispec::qk_norm_rope``): queries and
 # keys in, both prepared out.
@@ -111,22 +115,24 @@ def _guidance(rows: int, embedded: float | None, device: torch.device) -> torch.
 
 class FluxFamily(PackedLatents, Family):
     name = "flux"
-    context_parallel = True
     pipeline_class = FluxPipeline
-    block_lists = ("transformer_blocks", "single_transformer_blocks")
-    shared_block_inputs = ("pos_embed", "time_text_embed")
-    attention_roles = {"joint": ("transformer_blocks.*.attn",), "single": ("single_transformer_blocks.*.attn",)}
+    targets = Targets(
+        attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",),
+                                   "single": ("single_transformer_blocks.*.attn",)},
+                                  qk_norm_rope_processor=FusedQKNormRopeProcessor.replacing),
+        blocks=BlocksTarget(("transformer_blocks", "single_transformer_blocks"),
+                            shared_inputs=("pos_embed", "time_text_embed")),
+        mlp=MlpTarget(FusedSingleBlockMlp.hooks),
+        modulation=ModulationTarget("time_text_embed", (
+            "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+            "single_transformer_blocks.*.norm.linear", "norm_out.linear")),
+        parallel=ParallelTarget(sequence_refusal=None, tensor_plan=model_tensor_plan, tensor_refusal=None),
+    )
     required = {
         "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
         "tokenizer_2": "tokenizer", "vae": "vae",
     }
     max_images = 1  # image-to-image
-    tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
-    qk_norm_rope_processor = FusedQKNormRopeProcessor.replacing
-    parallel_mlp_hooks = FusedSingleBlockMlp.hooks
-    modulation_embedder = "time_text_embed"
-    modulation_linears = ("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
-                          "single_transformer_blocks.*.norm.linear", "norm_out.linear")
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")
@@ -208,7 +214,7 @@ class FluxFamily(PackedLatents, Family):
         img_ids = geometry.extra[key]
         guidance = _guidance(b, embedded, latents.device) if denoiser.config.guidance_embeds else None
         t = timestep.expand(b).to(latents.dtype)
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             return denoiser(
                 hidden_states=latents, timestep=t / 1000, guidance=guidance,
                 pooled_projections=cond.batched["pooled_projections"],

@@ -18,7 +18,10 @@ from ... import bridge
 from ...spec import SpecError
 from ...spec.guidance import term_of
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
+from ...targets import AttentionTarget, BlocksTarget, ParallelTarget, Targets
+from .base import Family
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 MAX_REFERENCE_AREA = 1024 * 1024  # the pipeline resizes a larger reference image to this many pixels
 MIN_REFERENCE_SIDE = 64  # Flux2ImageProcessor.check_image_input refuses smaller sides
@@ -27,15 +30,19 @@ MIN_REFERENCE_SIDE = 64  # Flux2ImageProcessor.check_image_input refuses smaller
 class Flux2KleinFamily(Family):
     name = "flux2_klein"
     pipeline_class = Flux2KleinPipeline
-    block_lists = ("transformer_blocks", "single_transformer_blocks")
-    attention_roles = {"joint": ("transformer_blocks.*.attn",), "single": ("single_transformer_blocks.*.attn",)}
+    targets = Targets(
+        attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",),
+                                   "single": ("single_transformer_blocks.*.attn",)}),
+        blocks=BlocksTarget(("transformer_blocks", "single_transformer_blocks")),
+        parallel=ParallelTarget(
+            sequence_refusal="FLUX.2 [klein]'s context-parallel plan has not been checked against one process here"),
+        # diffusers 0.42's first-block cache hook subtracts the single-stream block's output, a list here
+        cache_limits={"first_block": "diffusers' first-block cache hook cannot read FLUX.2's single-stream block "
+                                     "outputs (a TypeError inside the hook in 0.42); use taylorseer, magcache or "
+                                     "step_mask"},
+    )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
     max_images = 10
-    context_parallel_refusal = "FLUX.2 [klein]'s context-parallel plan has not been checked against one process here"
-    # diffusers 0.42's first-block cache hook subtracts the single-stream block's output, a list here
-    cache_limits = {"first_block": "diffusers' first-block cache hook cannot read FLUX.2's single-stream block "
-                                   "outputs (a TypeError inside the hook in 0.42); use taylorseer, magcache or "
-                                   "step_mask"}
 
     @classmethod
     def index_problems(cls, spec, index) -> list[tuple[str, str]]:
@@ -129,7 +136,7 @@ class Flux2KleinFamily(Family):
         if reference is not None:
             hidden = torch.cat([x, reference.to(x.dtype)], dim=1)
             ids = torch.cat([ids, geometry.extra["reference_ids"]], dim=1)
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             out = denoiser(hidden_states=hidden.to(denoiser.dtype), timestep=timestep.expand(b).to(x.dtype) / 1000,
                            guidance=None, encoder_hidden_states=cond.batched["encoder_hidden_states"],
                            txt_ids=cond.batched["txt_ids"], img_ids=ids.expand(b, -1, -1), return_dict=False)[0]

@@ -15,9 +15,9 @@ from diffusers import FluxFillPipeline
 
 from ... import bridge
 from ...spec.request import Request
-from .base import Conditioning, Geometry, Perturbation, Streams
 from .flux import FluxFamily
 from .inpainting import START_IMAGE, InpaintMask
+from .types import Conditioning, Geometry, Perturbation, Streams
 
 
 class FluxFillFamily(InpaintMask, FluxFamily):

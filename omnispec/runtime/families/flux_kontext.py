@@ -10,8 +10,8 @@ from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RES
 from ... import bridge
 from ...log import logger
 from ...spec.request import Request
-from .base import Conditioning, Geometry, Perturbation, Streams
 from .flux import FluxFamily
+from .types import Conditioning, Geometry, Perturbation, Streams
 
 
 class FluxKontextFamily(FluxFamily):

@@ -16,7 +16,9 @@ from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams
+from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
+from .base import Family
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers' block hooks do not know HunyuanVideo15's transformer blocks (they are not in its "
                 "TransformerBlockRegistry)")
@@ -25,13 +27,15 @@ UNREGISTERED = ("diffusers' block hooks do not know HunyuanVideo15's transformer
 class HunyuanVideo15Family(Family):
     name = "hunyuan_video15"
     pipeline_class = HunyuanVideo15Pipeline
-    block_lists = ("transformer_blocks",)
-    shared_block_inputs = ("rope",)
-    attention_roles = {"joint": ("transformer_blocks.*.attn",),
-                       "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}
-    cache_limits = {"first_block": UNREGISTERED, "magcache": UNREGISTERED}
-    skip_layer_refusal = UNREGISTERED
-    context_parallel_refusal = "HunyuanVideo15Transformer3DModel has no diffusers context-parallel plan"
+    targets = Targets(
+        attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",),
+                                   "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}),
+        blocks=BlocksTarget(("transformer_blocks",), shared_inputs=("rope",)),
+        parallel=ParallelTarget(sequence_refusal="HunyuanVideo15Transformer3DModel has no diffusers context-parallel "
+                                                 "plan"),
+        guidance=GuidanceTarget(skip_layer_refusal=UNREGISTERED),
+        cache_limits={"first_block": UNREGISTERED, "magcache": UNREGISTERED},
+    )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
                 "tokenizer_2": "tokenizer", "vae": "vae"}
 

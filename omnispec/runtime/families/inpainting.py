@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...spec.request import Request
-from .base import Geometry, Streams
+from .types import Geometry, Streams
 
 # geometry.extra keys of a walk that started in this process: the image latents and the noise of its start.
 START_IMAGE, START_NOISE = "inpaint_start_image", "inpaint_start_noise"

@@ -20,9 +20,34 @@ from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
 from ...spec.videos import import_pyav
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, TensorPlan
+from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets, TensorPlan
+from .base import Family
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 MODALITY = "audio_video"  # the pass that switches off the audio-to-video and video-to-audio cross-attention
+
+
+def ltx2_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
+    """Every attention of a block (video, audio, and the two cross-modal ones, each with its own head count)
+    splits q/k/v and its per-head gate logits by column and its output by row; its processor reads
+    ``attn.heads``, normalises q and k over all heads and rotates with tables spanning all heads, so the heads
+    divide, the norms split and the tables are cut to each rank's heads. The two feed-forwards split as usual."""
+    block = denoiser.transformer_blocks[0]
+    linears: dict[str, str] = {}
+    attentions = []
+    for name, child in block.named_children():
+        if hasattr(child, "to_q") and hasattr(child, "heads"):
+            attentions.append(f"transformer_blocks.*.{name}")
+            for proj in ("to_q", "to_k", "to_v", "to_gate_logits"):
+                if getattr(child, proj, None) is not None:
+                    linears[f"transformer_blocks.*.{name}.{proj}"] = "colwise"
+            linears[f"transformer_blocks.*.{name}.to_out.0"] = "rowwise"
+    for ff in ("ff", "audio_ff"):
+        if hasattr(block, ff):
+            linears[f"transformer_blocks.*.{ff}.net.0.proj"] = "colwise"
+            linears[f"transformer_blocks.*.{ff}.net.2"] = "rowwise"
+    return TensorPlan(linears, heads=tuple(attentions), norms=tuple(f"{a}.norm_[qk]" for a in attentions),
+                      rope=tuple(attentions))
 
 
 class LTX2Family(Family):
@@ -32,49 +57,29 @@ class LTX2Family(Family):
     spatial_streams = ("video",)
     prediction_space = "x0"
     row_perturbations = ("skip_layer",)  # STG takes a per-row mask: it shares the cond/uncond forward
-    modalities = (MODALITY,)
     max_images = 1
-    block_lists = ("transformer_blocks",)
-    shared_block_inputs = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
-    attention_roles = {
-        "video_self": ("transformer_blocks.*.attn1",), "audio_self": ("transformer_blocks.*.audio_attn1",),
-        "video_cross": ("transformer_blocks.*.attn2",), "audio_cross": ("transformer_blocks.*.audio_attn2",),
-        "audio_to_video": ("transformer_blocks.*.audio_to_video_attn",),
-        "video_to_audio": ("transformer_blocks.*.video_to_audio_attn",),
-    }
-    attention_categories = {"video_self": "self", "audio_self": "self", "video_cross": "cross",
-                            "audio_cross": "cross", "audio_to_video": "cross", "video_to_audio": "cross"}
-    context_parallel_refusal = (
-        "diffusers' LTX-2 context-parallel plan splits the video tokens but not the 4-D split-RoPE tables every "
-        "LTX-2 checkpoint uses, so each rank would rotate its tokens with the wrong positions")
+    targets = Targets(
+        attention=AttentionTarget(
+            {"video_self": ("transformer_blocks.*.attn1",), "audio_self": ("transformer_blocks.*.audio_attn1",),
+             "video_cross": ("transformer_blocks.*.attn2",), "audio_cross": ("transformer_blocks.*.audio_attn2",),
+             "audio_to_video": ("transformer_blocks.*.audio_to_video_attn",),
+             "video_to_audio": ("transformer_blocks.*.video_to_audio_attn",)},
+            categories={"video_self": "self", "audio_self": "self", "video_cross": "cross", "audio_cross": "cross",
+                        "audio_to_video": "cross", "video_to_audio": "cross"}),
+        blocks=BlocksTarget(("transformer_blocks",),
+                            shared_inputs=("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")),
+        parallel=ParallelTarget(
+            sequence_refusal="diffusers' LTX-2 context-parallel plan splits the video tokens but not the 4-D "
+                             "split-RoPE tables every LTX-2 checkpoint uses, so each rank would rotate its tokens with "
+                             "the wrong positions",
+            tensor_plan=ltx2_tensor_plan, tensor_refusal=None),
+        guidance=GuidanceTarget(modalities=(MODALITY,)),
+    )
     required = {
         "text_encoder": "encoder", "tokenizer": "tokenizer", "connectors": "encoder", "vae": "vae",
         "audio_vae": "vae", "vocoder": "vae",
     }
-    tensor_parallel_refusal = None
 
-    @classmethod
-    def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan:
-        """Every attention of a block (video, audio, and the two cross-modal ones, each with its own head count)
-        splits q/k/v and its per-head gate logits by column and its output by row; its processor reads
-        ``attn.heads``, normalises q and k over all heads and rotates with tables spanning all heads, so the heads
-        divide, the norms split and the tables are cut to each rank's heads. The two feed-forwards split as usual."""
-        block = denoiser.transformer_blocks[0]
-        linears: dict[str, str] = {}
-        attentions = []
-        for name, child in block.named_children():
-            if hasattr(child, "to_q") and hasattr(child, "heads"):
-                attentions.append(f"transformer_blocks.*.{name}")
-                for proj in ("to_q", "to_k", "to_v", "to_gate_logits"):
-                    if getattr(child, proj, None) is not None:
-                        linears[f"transformer_blocks.*.{name}.{proj}"] = "colwise"
-                linears[f"transformer_blocks.*.{name}.to_out.0"] = "rowwise"
-        for ff in ("ff", "audio_ff"):
-            if hasattr(block, ff):
-                linears[f"transformer_blocks.*.{ff}.net.0.proj"] = "colwise"
-                linears[f"transformer_blocks.*.{ff}.net.2"] = "rowwise"
-        return TensorPlan(linears, heads=tuple(attentions), norms=tuple(f"{a}.norm_[qk]" for a in attentions),
-                          rope=tuple(attentions))
     # image_crf: the H.264 CRF the conditioning image is re-compressed with before encoding, as the model was
     # trained (None: the text encoder generation's default, 33 for Gemma 3; 0 skips it); use_cross_timestep:
     # the audio/video cross-attention modulation takes the other stream's timestep (LTX2Pipeline's default).

@@ -20,8 +20,12 @@ from diffusers.utils.torch_utils import randn_tensor
 from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
+from ...targets import AttentionTarget, BlocksTarget, ModulationTarget, ParallelTarget, Targets
+from .base import Family, model_tensor_plan
 from .inpainting import START_IMAGE, InpaintMask
+from .latents import PackedLatents, decode_images
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_hidden_states_mask"})
 IMAGE_AREA = 1024 * 1024  # the editing pipelines size the reference image (and the default output) to this area
@@ -30,14 +34,14 @@ IMAGE_AREA = 1024 * 1024  # the editing pipelines size the reference image (and 
 class QwenImageFamily(PackedLatents, Family):
     name = "qwen_image"
     pipeline_class = QwenImagePipeline
-    context_parallel = True
-    tensor_parallel_refusal = None  # the model's own diffusers plan (Family.tensor_plan)
-    block_lists = ("transformer_blocks",)
-    shared_block_inputs = ("pos_embed", "time_text_embed")
     ragged_passes_apart = True  # QwenImagePipeline's true CFG: two forwards, each prompt at its own length
-    attention_roles = {"joint": ("transformer_blocks.*.attn",)}
-    modulation_embedder = "time_text_embed"
-    modulation_linears = ("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear")
+    targets = Targets(
+        attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",)}),
+        blocks=BlocksTarget(("transformer_blocks",), shared_inputs=("pos_embed", "time_text_embed")),
+        modulation=ModulationTarget("time_text_embed", ("transformer_blocks.*.img_mod.1",
+                                                        "transformer_blocks.*.txt_mod.1", "norm_out.linear")),
+        parallel=ParallelTarget(sequence_refusal=None, tensor_plan=model_tensor_plan, tensor_refusal=None),
+    )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
 
     @classmethod
@@ -90,7 +94,7 @@ class QwenImageFamily(PackedLatents, Family):
         embeds, mask = self._sequence_padded(cond.batched["encoder_hidden_states"],
                                              cond.batched["encoder_hidden_states_mask"])
         b = x.shape[0]
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             out = denoiser(
                 hidden_states=hidden, timestep=timestep.expand(b).to(x.dtype) / 1000, guidance=None,
                 encoder_hidden_states=embeds,

@@ -8,16 +8,22 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec import SkipLayer
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, decode_images
+from ...targets import AttentionTarget, BlocksTarget, Targets
+from .base import Family
+from .latents import decode_images
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 
 class SD3Family(Family):
     name = "sd3"
     pipeline_class = StableDiffusion3Pipeline
-    block_lists = ("transformer_blocks",)
-    attention_roles = {"joint": ("transformer_blocks.*.attn",), "self": ("transformer_blocks.*.attn2",)}
-    cache_limits = {"first_block": "SD3's last joint block returns no text stream, which diffusers' "
-                                   "first-block cache subtracts (use taylorseer, magcache or step_mask)"}
+    targets = Targets(
+        attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",), "self": ("transformer_blocks.*.attn2",)}),
+        blocks=BlocksTarget(("transformer_blocks",)),
+        cache_limits={"first_block": "SD3's last joint block returns no text stream, which diffusers' "
+                                     "first-block cache subtracts (use taylorseer, magcache or step_mask)"},
+    )
     required = {
         "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder", "tokenizer_2": "tokenizer",
         "text_encoder_3": "encoder", "tokenizer_3": "tokenizer", "vae": "vae",
@@ -55,7 +61,7 @@ class SD3Family(Family):
         if isinstance(skip, SkipLayer) and skip.skip == "block" and skip.blocks in (None, "transformer_blocks"):
             kwargs["skip_layers"] = list(skip.layers)  # the model's own block skipping, as diffusers' SLG uses
             skip = None
-        with self.layer_skip(denoiser, skip):
+        with layer_skip(denoiser, skip, self.targets):
             return {"latents": denoiser(
                 hidden_states=x, timestep=timestep.expand(x.shape[0]),
                 encoder_hidden_states=cond.batched["encoder_hidden_states"],

@@ -8,36 +8,40 @@ from diffusers import WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, Perturbation, Streams, TensorPlan
+from ...targets import AttentionTarget, BlocksTarget, ParallelTarget, Targets, TensorPlan
+from .base import Family
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
+
+
+def wan_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
+    """Wan's processor reads ``attn.heads`` and normalises q and k over all heads before splitting them, so
+    besides the split linears the heads divide and the q/k norms become split norms; I2V's image keys and
+    values (``add_k_proj``/``add_v_proj``, ``norm_added_k``) split like the text ones."""
+    linears: dict[str, str] = {}
+    for attn in ("attn1", "attn2"):
+        for proj in ("to_q", "to_k", "to_v"):
+            linears[f"blocks.*.{attn}.{proj}"] = "colwise"
+        linears[f"blocks.*.{attn}.to_out.0"] = "rowwise"
+    if getattr(denoiser.blocks[0].attn2, "add_k_proj", None) is not None:
+        linears["blocks.*.attn2.add_k_proj"] = linears["blocks.*.attn2.add_v_proj"] = "colwise"
+    linears["blocks.*.ffn.net.0.proj"] = "colwise"
+    linears["blocks.*.ffn.net.2"] = "rowwise"
+    return TensorPlan(linears, heads=("blocks.*.attn1", "blocks.*.attn2"),
+                      norms=("blocks.*.attn1.norm_[qk]", "blocks.*.attn2.norm_[qk]", "blocks.*.attn2.norm_added_k"))
 
 
 class WanFamily(Family):
     name = "wan"
-    context_parallel = True
     pipeline_class = WanPipeline
-    block_lists = ("blocks",)
-    shared_block_inputs = ("rope", "condition_embedder")
-    attention_roles = {"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}
+    targets = Targets(
+        attention=AttentionTarget({"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}),
+        blocks=BlocksTarget(("blocks",), shared_inputs=("rope", "condition_embedder")),
+        parallel=ParallelTarget(sequence_refusal=None, tensor_plan=wan_tensor_plan, tensor_refusal=None),
+    )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
-    tensor_parallel_refusal = None
     model_index_values = {"expand_timesteps": (None, False)}  # one timestep per sample (TI2V: family wan_ti2v)
 
-    @classmethod
-    def tensor_plan(cls, denoiser: torch.nn.Module) -> TensorPlan:
-        """Wan's processor reads ``attn.heads`` and normalises q and k over all heads before splitting them, so
-        besides the split linears the heads divide and the q/k norms become split norms; I2V's image keys and
-        values (``add_k_proj``/``add_v_proj``, ``norm_added_k``) split like the text ones."""
-        linears: dict[str, str] = {}
-        for attn in ("attn1", "attn2"):
-            for proj in ("to_q", "to_k", "to_v"):
-                linears[f"blocks.*.{attn}.{proj}"] = "colwise"
-            linears[f"blocks.*.{attn}.to_out.0"] = "rowwise"
-        if getattr(denoiser.blocks[0].attn2, "add_k_proj", None) is not None:
-            linears["blocks.*.attn2.add_k_proj"] = linears["blocks.*.attn2.add_v_proj"] = "colwise"
-        linears["blocks.*.ffn.net.0.proj"] = "colwise"
-        linears["blocks.*.ffn.net.2"] = "rowwise"
-        return TensorPlan(linears, heads=("blocks.*.attn1", "blocks.*.attn2"),
-                          norms=("blocks.*.attn1.norm_[qk]", "blocks.*.attn2.norm_[qk]", "blocks.*.attn2.norm_added_k"))
 
     def make_helper(self, components):
         denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]
@@ -75,7 +79,7 @@ class WanFamily(Family):
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
         x = latents["latents"]
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             return {"latents": denoiser(
                 hidden_states=x.to(denoiser.dtype), timestep=timestep.expand(x.shape[0]),
                 encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype), return_dict=False,

@@ -8,7 +8,8 @@ import torch
 from diffusers import WanImageToVideoPipeline
 
 from ...spec.request import Request
-from .base import Conditioning, Geometry, Perturbation, Streams
+from .perturbations import layer_skip
+from .types import Conditioning, Geometry, Perturbation, Streams
 from .wan import WanFamily
 
 
@@ -49,7 +50,7 @@ class WanImageToVideoFamily(WanFamily):
                 perturbation: Perturbation | None = None) -> Streams:
         x = latents["latents"]
         image_tokens = cond.batched.get("encoder_hidden_states_image")
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             return {"latents": denoiser(
                 hidden_states=torch.cat([x, cond.batched["condition"]], dim=1).to(denoiser.dtype),
                 timestep=timestep.expand(x.shape[0]),

@@ -10,7 +10,8 @@ import torch
 from diffusers import WanImageToVideoPipeline
 
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Geometry, Perturbation, Streams
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 from .wan import WanFamily
 
 
@@ -70,7 +71,7 @@ class WanTI2VFamily(WanFamily):
             mask = torch.ones(1, 1, *x.shape[2:], device=x.device, dtype=x.dtype)
         _, ph, pw = denoiser.config.patch_size
         per_token = (mask[:1, 0, :, ::ph, ::pw] * timestep).flatten(1).expand(b, -1)  # 0 on the image's tokens
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             return {"latents": denoiser(
                 hidden_states=x.to(denoiser.dtype), timestep=per_token,
                 encoder_hidden_states=cond.batched["encoder_hidden_states"].to(denoiser.dtype), return_dict=False,

@@ -17,6 +17,8 @@ diffusers also takes one per layer, which a spec option, a scalar, cannot hold).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from diffusers import WanVACEPipeline
 from PIL import Image
@@ -24,7 +26,8 @@ from PIL import Image
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...spec.videos import VideoCondition
-from .base import Conditioning, Decoded, Geometry, Streams
+from ...targets import ParallelTarget
+from .types import Conditioning, Decoded, Geometry, Streams
 from .wan import WanFamily
 
 GREY = (128, 128, 128)  # diffusers' example: 127.5 in the original code, which PIL cannot hold
@@ -36,12 +39,15 @@ class WanVACEFamily(WanFamily):
     max_images = 16  # keyframes
     max_references = 4
     takes_video = True
-    context_parallel = False
-    context_parallel_refusal = "WanVACETransformer3DModel has no context-parallel plan in diffusers 0.42"
-    tensor_parallel_refusal = "no tensor-parallel plan is written for the VACE blocks yet"
-    # the VACE hints are added between the main blocks, outside what the block hooks skip or reuse
-    cache_limits = {kind: "not checked against the VACE hints added between the blocks; use step_mask"
-                    for kind in ("first_block", "magcache", "taylorseer")}
+    targets = replace(
+        WanFamily.targets,
+        parallel=ParallelTarget(
+            sequence_refusal="WanVACETransformer3DModel has no context-parallel plan in diffusers 0.42",
+            tensor_refusal="no tensor-parallel plan is written for the VACE blocks yet"),
+        # the VACE hints are added between the main blocks, outside what the block hooks skip or reuse
+        cache_limits={kind: "not checked against the VACE hints added between the blocks; use step_mask"
+                      for kind in ("first_block", "magcache", "taylorseer")},
+    )
     options = {"conditioning_scale": 1.0}
 
     @classmethod

@@ -14,7 +14,11 @@ import torch
 from diffusers import ZImagePipeline
 
 from ...spec.request import Request
-from .base import Conditioning, Decoded, Family, Geometry, PackedLatents, Perturbation, Streams, decode_images
+from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
+from .base import Family
+from .latents import PackedLatents, decode_images
+from .perturbations import layer_skip
+from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"cap_feats", "cap_mask"})
 BLOCK_HOOKS = "diffusers' block hooks cannot find ZImageTransformerBlock's hidden states (its argument is named x)"
@@ -23,14 +27,16 @@ BLOCK_HOOKS = "diffusers' block hooks cannot find ZImageTransformerBlock's hidde
 class ZImageFamily(PackedLatents, Family):
     name = "z_image"
     pipeline_class = ZImagePipeline
-    block_lists = ("layers", "noise_refiner", "context_refiner")
-    attention_roles = {"joint": ("layers.*.attention",), "image": ("noise_refiner.*.attention",),
-                       "text": ("context_refiner.*.attention",)}
-    context_parallel_refusal = "ZImageTransformer2DModel has no diffusers context-parallel plan"
     # diffusers 0.42 registers ZImageTransformerBlock for its block hooks without the name of its hidden-states
-    # argument (``x``), so every hook that reads it fails.
-    cache_limits = {kind: BLOCK_HOOKS for kind in ("first_block", "magcache")}
-    skip_layer_refusal = BLOCK_HOOKS
+    # argument (``x``), so every hook that reads it fails: first-block cache, MagCache and layer skip.
+    targets = Targets(
+        attention=AttentionTarget({"joint": ("layers.*.attention",), "image": ("noise_refiner.*.attention",),
+                                   "text": ("context_refiner.*.attention",)}),
+        blocks=BlocksTarget(("layers", "noise_refiner", "context_refiner")),
+        parallel=ParallelTarget(sequence_refusal="ZImageTransformer2DModel has no diffusers context-parallel plan"),
+        guidance=GuidanceTarget(skip_layer_refusal=BLOCK_HOOKS),
+        cache_limits={kind: BLOCK_HOOKS for kind in ("first_block", "magcache")},
+    )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
 
     def helper_components(self):
@@ -61,7 +67,7 @@ class ZImageFamily(PackedLatents, Family):
         b = x.shape[0]
         lengths = cond.batched["cap_mask"].sum(dim=1).tolist()
         captions = [e[:n] for e, n in zip(cond.batched["cap_feats"], lengths)]
-        with self.layer_skip(denoiser, perturbation):
+        with layer_skip(denoiser, perturbation, self.targets):
             out = denoiser(list(x.to(denoiser.dtype).unsqueeze(2).unbind(0)), (1000 - timestep.expand(b)) / 1000,
                            captions, return_dict=False)[0]
         return {"latents": -torch.stack([o.float() for o in out]).squeeze(2)}

@@ -11,6 +11,7 @@ import torch
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.policies import PARALLEL_AXES
+from ...targets import Targets
 from .cfg import broadcast_pass, gather_passes
 from .context import ParallelContext, setup
 from .data import data_slice, gather_outputs, gather_samples, is_padding
@@ -26,31 +27,31 @@ def _used(spec: PipelineSpec) -> dict[Any, list[str]]:
     return used
 
 
-def check_axes(spec: PipelineSpec, family: Any) -> None:
-    """Refuse, before any weight loads, an axis the family or the other policies cannot run."""
+def check_axes(spec: PipelineSpec, targets: Targets) -> None:
+    """Refuse, before any weight loads, an axis the family (its ``targets``) or the other policies cannot run."""
     for axis, names in _used(spec).items():
-        if problem := axis.refusal(spec, family):
+        if problem := axis.refusal(spec, targets):
             raise SpecError.single(problem, f"policies.parallel.{names[0]}")
 
 
-def distribute_axes(ctx: ParallelContext | None, spec: PipelineSpec, family: Any,
+def distribute_axes(ctx: ParallelContext | None, spec: PipelineSpec, targets: Targets,
                     modules: dict[str, torch.nn.Module], device: torch.device) -> None:
     """Split the loaded weights over the ranks (tensor, shard) and wrap the decode (vae_patch), before the policies
     place and compile the components."""
     if ctx is None:
         return
     for axis in _used(spec):
-        axis.distribute(ctx, spec, family, modules, device)
+        axis.distribute(ctx, spec, targets, modules, device)
 
 
-def enable_axes(ctx: ParallelContext | None, spec: PipelineSpec, family: Any,
+def enable_axes(ctx: ParallelContext | None, spec: PipelineSpec, targets: Targets,
                 modules: dict[str, torch.nn.Module]) -> None:
     """Put each used axis on the loaded denoisers."""
     if ctx is None:
         return
     denoisers = {n: modules[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
     for axis in _used(spec):
-        axis.enable(ctx, family, denoisers)
+        axis.enable(ctx, targets, denoisers)
 
 
 __all__ = ["ParallelContext", "broadcast_pass", "check_axes", "check_sequence", "data_slice", "distribute_axes", "enable_axes",

@@ -6,20 +6,22 @@ from typing import Any
 
 import torch
 
+from ...targets import Targets
+
 
 class Axis:
     """A degree of ``policies.parallel``: what it refuses before any weight loads, and what it puts on the loaded
     denoisers. The rest of an axis's work (splitting passes, samples or tokens) is in its own file, called by the
     step body and the pipeline where that work happens."""
 
-    def refusal(self, spec: Any, family: Any) -> str | None:
-        """Why ``family`` (a family class) cannot run ``spec`` with this axis's degree above 1, or None."""
+    def refusal(self, spec: Any, targets: Targets) -> str | None:
+        """Why a family with these targets cannot run ``spec`` with this axis's degree above 1, or None."""
         return None
 
-    def distribute(self, ctx: Any, spec: Any, family: Any, modules: dict[str, torch.nn.Module],
+    def distribute(self, ctx: Any, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
                    device: torch.device) -> None:
         """Split or wrap the loaded components before the policies place and compile them (the weight axes:
         tensor, shard; vae_patch's decode). Nothing for most."""
 
-    def enable(self, ctx: Any, family: Any, denoisers: dict[str, torch.nn.Module]) -> None:
+    def enable(self, ctx: Any, targets: Targets, denoisers: dict[str, torch.nn.Module]) -> None:
         """Prepare the loaded denoisers for this axis once the policies are applied (nothing for most)."""

@@ -9,31 +9,33 @@ from typing import Any
 import torch
 
 from ... import bridge
+from ...kernels.torch_internals import _scaled_dot_product_flash_attention_for_cpu
 from ...spec import SpecError
 from ...spec.policies import PERTURBABLE_BACKENDS
+from ...targets import Targets
 from .base import Axis
 from .context import ParallelContext
 
 
 class SequenceAxis(Axis):
-    def refusal(self, spec: Any, family: Any) -> str | None:
-        if not family.context_parallel:
-            return f"family {family.name!r} cannot run ulysses/ring: {family.context_parallel_refusal}"
+    def refusal(self, spec: Any, targets: Targets) -> str | None:
+        if (why := targets.parallel.sequence_refusal) is not None:
+            return f"family {targets.family!r} cannot run ulysses/ring: {why}"
         attention = spec.policies.attention
         for backend in (attention.default, *attention.per_role.values()):
             if backend not in PERTURBABLE_BACKENDS:
                 return f"attention backend {backend!r} cannot run under sequence parallelism"
         return None
 
-    def enable(self, ctx: ParallelContext, family: Any, denoisers: dict[str, torch.nn.Module]) -> None:
+    def enable(self, ctx: ParallelContext, targets: Targets, denoisers: dict[str, torch.nn.Module]) -> None:
         if ctx.sp_mesh is not None:
-            enable_sequence_parallel(ctx, family, denoisers)
+            enable_sequence_parallel(ctx, denoisers)
 
 
 SEQUENCE = SequenceAxis()
 
 
-def enable_sequence_parallel(ctx: ParallelContext, family: Any, denoisers: dict[str, torch.nn.Module]) -> None:
+def enable_sequence_parallel(ctx: ParallelContext, denoisers: dict[str, torch.nn.Module]) -> None:
     """Ulysses / ring through diffusers' context parallelism (the models' context-parallel plans)."""
     from diffusers import ContextParallelConfig
 
@@ -74,8 +76,7 @@ def _install_cpu_flash_kernel() -> None:
 
     def flash_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
                   is_causal: bool = False, return_debug_mask: bool = False, *, scale: float | None = None):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, scale=scale)
+        out, lse = _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, scale=scale)
         unused = query.new_empty(0, dtype=torch.int64)  # cumulative lengths / philox state: varlen and dropout only
         # the CPU kernel's log-sum-exp is a (batch, heads, tokens) view of a token-major tensor; the CUDA op's (which
         # the compiler's meta kernel describes) is contiguous

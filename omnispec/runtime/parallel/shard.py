@@ -13,19 +13,20 @@ from typing import Any
 
 import torch
 
+from ...targets import Targets
 from .base import Axis
 from .context import ParallelContext
 
 
 class ShardAxis(Axis):
-    def distribute(self, ctx: ParallelContext, spec: Any, family: Any, modules: dict[str, torch.nn.Module],
+    def distribute(self, ctx: ParallelContext, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
                    device: torch.device) -> None:
         offload = spec.policies.offload
         host = getattr(offload, "distributed", False)
         per_group = getattr(offload, "blocks_per_group", 1) if host else 1
         for name, component in spec.model.components.items():
             if component.role == "denoiser":
-                shard_denoiser(modules[name], family.block_lists, ctx, per_group=per_group, host=host,
+                shard_denoiser(modules[name], targets.blocks.lists, ctx, per_group=per_group, host=host,
                                pin_memory=getattr(offload, "pin_memory", True))
 
 

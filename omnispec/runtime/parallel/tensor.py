@@ -13,21 +13,24 @@ import torch.distributed as dist
 
 from ... import bridge
 from ...spec import SpecError
+from ...targets import Targets
 from .base import Axis
 from .context import ParallelContext
 
 
 class TensorAxis(Axis):
-    def refusal(self, spec: Any, family: Any) -> str | None:
-        if family.tensor_parallel_refusal is not None:
-            return f"family {family.name!r} cannot run tensor parallel: {family.tensor_parallel_refusal}"
+    def refusal(self, spec: Any, targets: Targets) -> str | None:
+        if (why := targets.parallel.tensor_refusal) is not None:
+            return f"family {targets.family!r} cannot run tensor parallel: {why}"
         return None
 
-    def distribute(self, ctx: ParallelContext, spec: Any, family: Any, modules: dict[str, torch.nn.Module],
+    def distribute(self, ctx: ParallelContext, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
                    device: torch.device) -> None:
+        plan_of = targets.parallel.tensor_plan
+        assert plan_of is not None, "refusal() refuses a family without a tensor plan before any weight loads"
         for name, component in spec.model.components.items():
             if component.role == "denoiser":
-                split_denoiser(name, modules[name], family.tensor_plan(modules[name]), ctx, device)
+                split_denoiser(name, modules[name], plan_of(modules[name]), ctx, device)
 
 
 TENSOR = TensorAxis()

@@ -17,18 +17,19 @@ import torch
 import torch.distributed as dist
 
 from ...spec import SpecError
+from ...targets import Targets
 from .base import Axis
 from .context import ParallelContext
 
 
 class VaePatchAxis(Axis):
-    def distribute(self, ctx: ParallelContext, spec: Any, family: Any, modules: dict[str, torch.nn.Module],
+    def distribute(self, ctx: ParallelContext, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
                    device: torch.device) -> None:
         vaes = {n: modules[n] for n, c in spec.model.components.items() if c.role == "vae"}
         tiled = {n: v for n, v in vaes.items() if hasattr(v, "use_tiling") and hasattr(v, "decoder")}
         if not tiled:
             raise SpecError.single(f"vae_patch spreads diffusers' VAE tiles over ranks, and no VAE of family "
-                                   f"{family.name!r} ({', '.join(type(v).__name__ for v in vaes.values())}) tiles",
+                                   f"{targets.family!r} ({', '.join(type(v).__name__ for v in vaes.values())}) tiles",
                                    "policies.parallel.vae_patch")
         for name, vae in tiled.items():
             noisy = [k for k, v in vae.config.items() if "inject_noise" in k and (any(v) if isinstance(

@@ -128,8 +128,9 @@ class Term:
     def perturbs_attention(self, term: Any) -> bool:
         return False
 
-    def refusal(self, term: Any, family: Any) -> str | None:
-        """Why ``family`` (a family class) cannot run this term, or None."""
+    def refusal(self, term: Any, targets: Any) -> str | None:
+        """Why a family with these targets (its ``omnispec.targets.Targets``, which the spec layer reads without
+        importing) cannot run this term, or None."""
         return None
 
     def replay_refusal(self, term: Any) -> str | None:

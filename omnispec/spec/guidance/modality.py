@@ -26,11 +26,11 @@ class ModalityTerm(Term):
     def perturbation(self, term: Any) -> Any:
         return term
 
-    def refusal(self, term: Any, family: Any) -> str | None:
-        modalities = getattr(family, "modalities", ())
+    def refusal(self, term: Any, targets: Any) -> str | None:
+        modalities = targets.guidance.modalities
         if term.modality in modalities:
             return None
-        return (f"family {family.name!r} has no modality {term.modality!r} to isolate (modalities: "
+        return (f"family {targets.family!r} has no modality {term.modality!r} to isolate (modalities: "
                 f"{', '.join(modalities) or 'none'})")
 
 

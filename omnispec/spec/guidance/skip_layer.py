@@ -37,9 +37,9 @@ class SkipLayerTerm(Term):
     def perturbs_attention(self, term: Any) -> bool:
         return term.perturbs_attention
 
-    def refusal(self, term: Any, family: Any) -> str | None:
-        why = getattr(family, "skip_layer_refusal", None)
-        return f"skip_layer guidance cannot run on family {family.name!r}: {why}" if why else None
+    def refusal(self, term: Any, targets: Any) -> str | None:
+        why = targets.guidance.skip_layer_refusal
+        return f"skip_layer guidance cannot run on family {targets.family!r}: {why}" if why else None
 
 
 GUIDANCE.register(SkipLayer, SkipLayerTerm())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_kernels import remember_failure, safe_sdpa
+from .sdpa import remember_failure, safe_sdpa
 
 # FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
 # 128 x 128 at head size 128, chosen at the peak clock; a running step holds the GPU at its power cap, and there

@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .torch_internals import CustomGraphPass, force_stride_order, get_hash_for_files  # noqa: F401 (registers the prim)
 
 NARROW = (torch.bfloat16, torch.float16)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)

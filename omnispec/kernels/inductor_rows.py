@@ -24,14 +24,10 @@ import logging
 from typing import Any
 
 import sympy
-from torch._inductor import config
-from torch._inductor.choices import InductorChoices
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.dependencies import MemoryDep
-from torch._inductor.runtime.hints import ReductionHint
-from torch._inductor.virtualized import V
 
-from .compile_passes import cache_key, installed
+from .inductor_passes import cache_key, installed
+from .torch_internals import CustomGraphPass, InductorChoices, MemoryDep, ReductionHint, V
+from .torch_internals import inductor_config as config
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +64,7 @@ def foreign_choices() -> str | None:
     """What stands in the way of ``RowChoices`` in this process: heuristics of someone else's, installed for every
     thread (``inductor_choices_class``) or on this one; None when there is nothing."""
     if config.inductor_choices_class is not None:
-        return f"torch._inductor.config.inductor_choices_class is set ({config.inductor_choices_class!r})"
+        return f"inductor's config.inductor_choices_class is set ({config.inductor_choices_class!r})"
     current = V.choices
     if type(current) not in (InductorChoices, RowChoices):
         return f"this thread's inductor heuristics are {type(current).__qualname__}"

@@ -1,0 +1,63 @@
+"""What each technique needs from a model, as typed data: a family fills these in, policies read them.
+
+One frozen dataclass per technique (``attention``, ``blocks``, ``mlp``, ``modulation``, ``parallel``, ``guidance``,
+``caches``), gathered in ``Targets``. A family declares on its class what is known before any weight loads (module
+names, patterns, refusals); an instance binds what needs the instance (``Family.bind_targets``: its modulation
+embeddings). A policy or axis takes the one target it reads, never the family; a technique whose target the family
+lacks is refused in one way, naming the family and the technique (``Targets.missing``).
+
+Nothing here imports torch: the spec's checks (before any weight loads) read the guidance and parallel targets too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .attention import AttentionTarget
+from .blocks import BlocksTarget
+from .guidance import GuidanceTarget
+from .mlp import MlpTarget
+from .modulation import ModulationTarget
+from .parallel import ParallelTarget, TensorPlan
+
+# How a refusal names each technique a family may lack: "family 'sd3' has no <what>".
+TECHNIQUES = {
+    "attention": "attention roles",
+    "blocks": "block lists",
+    "mlp": "parallel blocks for fused_gelu to hook",
+    "modulation": "modulation table",
+    "qk_norm_rope": "fused q/k norm + RoPE processor",
+}
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Every technique's target of one family (``family``: its name, for refusals); None where it has none."""
+
+    family: str = ""
+    attention: AttentionTarget = field(default_factory=lambda: AttentionTarget({"self": ("*attn*",)}))
+    blocks: BlocksTarget = field(default_factory=BlocksTarget)
+    mlp: MlpTarget | None = None
+    modulation: ModulationTarget | None = None
+    parallel: ParallelTarget = field(default_factory=ParallelTarget)
+    guidance: GuidanceTarget = field(default_factory=GuidanceTarget)
+    # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
+    cache_limits: dict[str, str] = field(default_factory=dict)
+    # Targets of techniques a plugin adds (a kernel policy it registers), by technique name.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def find(self, technique: str) -> Any:
+        """The target of ``technique`` (a built-in field, or a plugin's in ``extra``); None where the family has
+        none."""
+        if technique in self.__dataclass_fields__ and technique != "extra":
+            return getattr(self, technique)
+        return self.extra.get(technique)
+
+    def missing(self, technique: str) -> str:
+        """The one refusal of a technique whose target this family lacks."""
+        return f"family {self.family!r} has no {TECHNIQUES.get(technique, technique)}"
+
+
+__all__ = ["AttentionTarget", "BlocksTarget", "GuidanceTarget", "MlpTarget", "ModulationTarget", "ParallelTarget",
+           "TECHNIQUES", "Targets", "TensorPlan"]

@@ -15,7 +15,7 @@ from . import quantization
 from .attention import AttentionPlan, apply_attention
 from .attention_kernels import usable
 from .caches import CacheRuntime, apply_cache
-from .compile import apply_compile
+from .compile import apply_compile, backend_problem
 from .mlp import apply_mlp
 from .modulation import apply_modulation
 from .offload import apply_offload
@@ -74,6 +74,8 @@ def check_policies(spec: PipelineSpec, family: Any, device: torch.device) -> Non
     limit = getattr(family, "cache_limits", {}).get(p.cache.kind)
     if limit:
         problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {family.name!r}: {limit}"))
+    if compile_problem := backend_problem(spec):
+        problems.append(Problem("policies.compile.backend", compile_problem))
     explicit = {("default",): p.attention.default} | {("per_role", r): b for r, b in p.attention.per_role.items()}
     for where, backend in explicit.items():
         if backend == "auto" or p.attention.allow_fallback:

@@ -42,8 +42,9 @@ def _add_spec_options(p: argparse.ArgumentParser) -> None:
                    help="override a field by dotted path, e.g. recipe.phases.0.schedule.steps=8 (repeatable)")
     p.add_argument("--trust-code", action="store_true",
                    help="trust the spec's and the checkpoint's code: allow 'package.module:Class' references outside "
-                        "diffusers/transformers/omnispec, a checkpoint's own Python files (trust_remote_code) and "
-                        "pickled weights (.bin/.pt/.ckpt); never implied by a spec or an output's record")
+                        "diffusers/transformers/omnispec, a checkpoint's own Python files (trust_remote_code), the "
+                        "attention kernels and quantizers its configs name that load code from the Hub, and pickled "
+                        "weights (.bin/.pt/.ckpt); never implied by a spec or an output's record")
 
 
 def _add_verbosity(p: argparse.ArgumentParser, default: object) -> None:
@@ -228,7 +229,7 @@ def _explain(args: argparse.Namespace) -> int:
         from .spec.hub import check_reachable
 
         check_reachable(args.source, "--source")
-        configs = read_configs(spec, args.source)
+        configs = read_configs(spec, args.source, trusted=args.trust_code)
         problems = checkpoint_problems(spec, configs)
         if problems:
             raise SpecError(problems)
@@ -246,7 +247,7 @@ def _explain(args: argparse.Namespace) -> int:
     if args.estimate:
         from .estimate import estimate, render_estimate
 
-        found = estimate(spec, source=args.source, kind=args.device_kind)
+        found = estimate(spec, source=args.source, kind=args.device_kind, trust_code=args.trust_code)
         info["estimate"] = found.as_dict()
         text = None if args.json else f"{text}\n{render_estimate(found)}"
     say(json.dumps(info, indent=2) if args.json else text)

@@ -73,11 +73,12 @@ def draft_from_file(file: str, family: str | None = None, name: str | None = Non
     denoiser's config."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
 
-    from .runtime.single_file import detect
+    from .runtime.single_file import detect, refuse_scaled
     from .spec.weights_file import read_weights_file
 
     path = user_path(file).resolve()
     weights = read_weights_file(path, "FILE")
+    refuse_scaled(weights, "FILE")
     detected = detect(weights)
     template_name = _BUNDLED_FOR_TYPE.get(detected.model_type or "")
     if family is not None:
@@ -113,14 +114,14 @@ def read_model_index(source: str) -> dict[str, Any] | None:
     bounds and type-checked like every checkpoint config file."""
     from .spec.checkpoint import model_index_data
     from .spec.files import read_json_file
-    from .spec.hub import check_reachable, hub_file
+    from .spec.hub import check_reachable, hub_file, is_hub_id
 
     local = user_path(source)
     if path_kind(local) == "dir":
         path: Path | None = local / "model_index.json"
         if path_kind(path) is None:
             return None
-    elif path_kind(local) is not None or source.count("/") != 1 or source.startswith((".", "/", "~")):
+    elif not is_hub_id(source):
         raise SpecError.single(f"{source!r} is neither a checkpoint folder nor a Hub id (owner/name)", "SOURCE")
     else:
         check_reachable(source, "SOURCE")

@@ -12,6 +12,7 @@ from .log import progress_bars_disabled
 from .spec import Problem, SpecError, load_spec
 from .spec.errors import printable
 from .spec.files import path_kind, user_path
+from .spec.hub import is_hub_id
 from .spec.request import request_fields, resolve_request
 
 
@@ -133,7 +134,7 @@ def lora_problems(loras: list[dict[str, Any]]) -> list[Problem]:
     problems = []
     for slot in loras:
         path = str(slot["path"])
-        if path_kind(user_path(path)) is None and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        if path_kind(user_path(path)) is None and not is_hub_id(path):
             problems.append(Problem("--lora", f"{path}: no such file or folder, and not a Hub id (owner/name)"))
     return problems
 

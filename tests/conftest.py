@@ -1,4 +1,5 @@
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -154,3 +155,40 @@ def _omnispec_logger_restored():
     logger.handlers[:] = [h for h in logger.handlers if isinstance(h, logging.NullHandler)]
     logger.setLevel(logging.NOTSET)
     logger.propagate = True
+
+
+# ---- hostile inputs: nothing runs from them, each is one error line ------------------------------------------------
+
+PROGRESS_BAR = re.compile(r"\|\s*\d+/\d+ \[")  # a tqdm bar's line, drawn while components load
+MARKER_CODE = "import pathlib, os\npathlib.Path(os.environ['OMNISPEC_TEST_MARKER']).write_text('ran')\n"
+
+
+def refused(argv, *fragments, capsys):
+    """``omnispec -q ARGV`` exits 2 with only ``error:`` lines, no traceback, each fragment in them."""
+    import logging
+
+    from omnispec.cli import main
+
+    capsys.readouterr()
+    environment, level = dict(os.environ), logging.getLogger("omnispec").level
+    try:
+        assert main(["-q", *argv]) == 2
+    finally:  # -q configures logging for the process: undo it for the tests that follow
+        os.environ.clear()
+        os.environ.update(environment)
+        logging.getLogger("omnispec").setLevel(level)
+    err = capsys.readouterr().err
+    lines = [line for line in re.split(r"[\r\n]", err) if line.strip() and not PROGRESS_BAR.search(line)]
+    assert lines and all(line.startswith("error: ") for line in lines), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+@pytest.fixture
+def marker(tmp_path, monkeypatch):
+    """A file that hostile code would create (``MARKER_CODE`` writes it): its absence shows that nothing ran."""
+    path = tmp_path / "code-ran"
+    monkeypatch.setenv("OMNISPEC_TEST_MARKER", str(path))
+    return path

@@ -3,7 +3,6 @@ weight loads. Every hostile file is built here, in the test."""
 
 import builtins
 import json
-import logging
 import os
 import re
 import shutil
@@ -28,40 +27,11 @@ from omnispec.spec.base import MAX_IMAGE_PIXELS
 from omnispec.spec.images import image_condition
 from omnispec.testing import TINY_OVERRIDES
 
-from conftest import ROOT, SPECS
+from conftest import MARKER_CODE, ROOT, SPECS, refused
 
 DIGITS = SPECS / "digits.yaml"
 WEIGHTS = ROOT / "src_models" / "digits" / "weights"
 FAST = ["--set", "recipe.defaults.steps=2"]
-PROGRESS_BAR = re.compile(r"\|\s*\d+/\d+ \[")  # a tqdm bar's line, drawn while components load
-MARKER_CODE = "import pathlib, os\npathlib.Path(os.environ['OMNISPEC_TEST_MARKER']).write_text('ran')\n"
-
-
-def refused(argv, *fragments, capsys):
-    """``omnispec -q ARGV`` exits 2 with only ``error:`` lines, no traceback, each fragment in them."""
-    capsys.readouterr()
-    environment, level = dict(os.environ), logging.getLogger("omnispec").level
-    try:
-        assert main(["-q", *argv]) == 2
-    finally:  # -q configures logging for the process: undo it for the tests that follow
-        os.environ.clear()
-        os.environ.update(environment)
-        logging.getLogger("omnispec").setLevel(level)
-    err = capsys.readouterr().err
-    lines = [line for line in re.split(r"[\r\n]", err) if line.strip() and not PROGRESS_BAR.search(line)]
-    assert lines and all(line.startswith("error: ") for line in lines), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
-
-
-@pytest.fixture
-def marker(tmp_path, monkeypatch):
-    """A file that hostile code would create: its absence shows that nothing ran."""
-    path = tmp_path / "code-ran"
-    monkeypatch.setenv("OMNISPEC_TEST_MARKER", str(path))
-    return path
 
 
 @pytest.fixture

@@ -40,21 +40,23 @@ from .weights import STAGE_ROLES, component_bytes, config_module
 
 # ---- the estimate -------------------------------------------------------------------------------------------
 
-def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = None, **request: Any) -> Estimate:
+def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = None, *, trust_code: bool = False,
+             **request: Any) -> Estimate:
     """Estimate a request of ``spec`` (its recipe's defaults, or ``request`` fields) on a device of ``kind``
     (``devices.NAMES``: h200, h100, a100, l40s, 4090, cpu; default: this machine's) from the checkpoint at
-    ``source`` (else ``model.source``; a local folder or the Hub cache), loading no weights and timing nothing."""
+    ``source`` (else ``model.source``; a local folder or the Hub cache), loading no weights and timing nothing.
+    ``trust_code`` lets the components' configs name code for their loaders (``--trust-code``), as ``build``'s."""
     target = device_kind(kind)
     root = _checkpoint_root(spec, source)
     from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
 
-    configs = read_configs(spec, str(root))
+    configs = read_configs(spec, str(root), trusted=trust_code)
     problems = checkpoint_problems(spec, configs)
     if problems:
         raise SpecError(problems)
     from ..runtime.components import check_source
 
-    check_source(spec, str(root))  # the folders, JSON files and weights headers, as build checks them
+    check_source(spec, str(root), trusted=trust_code)  # the folders, JSON files and weights headers, as build does
     spec = follow_checkpoint(spec, configs)
     modules, counts = _modules(spec, root)
     result = Estimate(target.name, {}, counts)

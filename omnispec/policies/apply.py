@@ -17,7 +17,7 @@ from . import quantization
 from .attention import AttentionPlan, apply_attention
 from .attention_kernels import usable
 from .caches import CacheRuntime, apply_cache
-from .compile import apply_compile
+from .compile import apply_compile, backend_problem
 from .mlp import apply_mlp
 from .modulation import ModulationStep, apply_modulation
 from .offload import apply_offload
@@ -82,6 +82,8 @@ def check_policies(spec: PipelineSpec, targets: Targets, device: torch.device) -
     if limit:
         problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {targets.family!r}: "
                                                        f"{limit}"))
+    if compile_problem := backend_problem(spec):
+        problems.append(Problem("policies.compile.backend", compile_problem))
     explicit = {("default",): p.attention.default} | {("per_role", r): b for r, b in p.attention.per_role.items()}
     for where, backend in explicit.items():
         if backend == "auto" or p.attention.allow_fallback:

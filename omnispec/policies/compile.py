@@ -38,6 +38,19 @@ from ..spec.policies import INDUCTOR_PERSISTENT_ROWS
 from ..targets import BlocksTarget
 
 
+def backend_problem(spec: PipelineSpec) -> str | None:
+    """Why the compile policy's backend cannot compile here (torch knows no backend of that name: its own and those
+    installed packages register), or None; checked before any weight loads, since torch says so only at the first
+    compiled call."""
+    policy = spec.policies.compile
+    if policy.mode == "none":
+        return None
+    if policy.backend in torch.compiler.list_backends(exclude_tags=()):  # debugging backends (eager ...) too
+        return None
+    return (f"torch knows no compile backend {policy.backend!r}: it has {', '.join(torch.compiler.list_backends())} "
+            "and debugging ones (eager, aot_eager ...)")
+
+
 def apply_compile(spec: PipelineSpec, blocks: BlocksTarget, components: dict[str, Any]) -> str:
     policy = spec.policies.compile
     for name, c in spec.model.components.items():  # a rebuild over the same modules starts from them uncompiled

@@ -96,7 +96,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
         raise SpecError.single(f"components {unknown} are not in the spec's profile", "components")
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
     root = check_source(spec, source, missing, trusted=trust_code) if missing else None
-    spec, configs = _against_checkpoint(spec, root)
+    spec, configs = _against_checkpoint(spec, root, trust_code)
     loras = adapter_files(spec, trusted=trust_code)  # found and header-checked before any weight loads
     loaded = load_components(spec, root, only=missing, trusted=trust_code) if root is not None else {}
     modules = {name: given.get(name, loaded.get(name)) for name in spec.model.components}
@@ -161,15 +161,17 @@ def check_device(device: Any, where: str = "device") -> None:
         raise SpecError.single("device 'mps' requested but MPS is not available here", where)
 
 
-def _against_checkpoint(spec: PipelineSpec, root: str | None) -> tuple[PipelineSpec, CheckpointConfigs | None]:
-    """Refuse a spec that disagrees with the checkpoint's config files; resolve its ``from_checkpoint`` values."""
+def _against_checkpoint(spec: PipelineSpec, root: str | None,
+                        trusted: bool) -> tuple[PipelineSpec, CheckpointConfigs | None]:
+    """Refuse a spec that disagrees with the checkpoint's config files, or whose components' configs name code for
+    their loaders (unless ``trusted``); resolve its ``from_checkpoint`` values."""
     if root is None:
         if unresolved(spec):
             raise SpecError.single("the spec follows the checkpoint for some values (from_checkpoint), but every "
                                    "component was given in memory: there is no checkpoint to read them from",
                                    "model.source")
         return spec, None
-    configs = read_configs(spec, root)
+    configs = read_configs(spec, root, trusted)
     problems = checkpoint_problems(spec, configs) + _model_index_problems(spec, configs)
     if problems:
         raise SpecError(problems)

@@ -8,6 +8,7 @@ weight is read.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from ..spec import Component, PipelineSpec, SpecError
 from ..spec.base import MAX_MODULES
 from ..spec.errors import first_line
 from ..spec.files import PICKLE_SUFFIXES, check_json_files, path_kind, safetensors_header, user_path
-from ..spec.hub import check_reachable, hub_offline
+from ..spec.hub import check_reachable, hub_offline, is_hub_id
 from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
 from ..spec.weights_file import locate, read_weights_file
 from . import single_file
@@ -76,7 +77,7 @@ def _check_root(root: str, components: Mapping[str, Component], revision: str | 
         for name, component in components.items():
             _check_files(local, name, component, trusted)
         return str(local)
-    if root.startswith((".", "/", "~")) or root.count("/") != 1:
+    if not is_hub_id(root):
         raise SpecError.single(f"checkpoint {root!r} is neither a local directory nor a Hub id (owner/name)", where)
     if not hub_offline():
         check_reachable(root, where)
@@ -179,14 +180,28 @@ def _takes_trust_flag(cls: type) -> bool:
 # Libraries a component's class may need that omnispec's base install lacks, with the extra that installs each.
 EXTRA_FOR = {"torchvision": "qwen-edit", "av": "video", "torchao": "quant", "bitsandbytes": "quant",
              "sentencepiece": "dev", "gguf": "gguf"}
+# Libraries a saved component's quantizer may need that no extra installs, with the package that does.
+PACKAGE_FOR = {"hqq": "hqq", "modelopt": "nvidia-modelopt", "optimum": "optimum-quanto",
+               "optimum-quanto": "optimum-quanto", "auto_round": "auto-round"}
 
 
 def missing_library(exc: ImportError) -> str:
-    """What an ImportError from a loader lacks, and how to install it."""
+    """What an ImportError from a loader lacks, and how to install it: the module it names (``exc.name``), else a
+    library named as a word of its message ('av' in 'not available' names nothing)."""
     text = first_line(exc) or type(exc).__name__
+    named = (exc.name or "").split(".")[0]
+
+    def names(library: str) -> bool:
+        if named:
+            return library == named
+        return re.search(rf"(?<![\w-]){re.escape(library)}(?![\w-])", str(exc), re.IGNORECASE) is not None
+
     for library, extra in EXTRA_FOR.items():
-        if library.lower() in str(exc).lower():
+        if names(library):
             return f"it needs {library} ({text}): pip install 'omnispec-diffusion[{extra}]'"
+    for library, package in PACKAGE_FOR.items():
+        if names(library):
+            return f"it needs {library} ({text}): pip install {package}"
     return text
 
 
@@ -255,7 +270,7 @@ def _load_file(spec: PipelineSpec, home: str, name: str, component: Component, c
 def _config_home(component: Component, home: str, revision: str | None) -> tuple[str | None, str | None]:
     """The checkpoint root and subfolder whose ``config.json`` describes the component, when it has one (a local
     folder, or a Hub checkpoint's file in the cache or on the Hub)."""
-    from ..spec.hub import hub_file, is_hub_id
+    from ..spec.hub import hub_file
 
     relative = f"{component.subfolder}/config.json" if component.subfolder else "config.json"
     if path_kind(user_path(home)) == "dir":

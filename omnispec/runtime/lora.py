@@ -24,7 +24,7 @@ from ..log import logger
 from ..spec import PipelineSpec, SpecError
 from ..spec.errors import first_line
 from ..spec.files import PICKLE_SUFFIXES, path_kind, refuse_pickle, safetensors_header, user_path
-from ..spec.hub import check_reachable, hub_offline
+from ..spec.hub import check_reachable, hub_offline, hub_path_problem, is_hub_id
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 # A key of a LoRA state dict in peft's names (what load_lora_adapter loads): an up or down matrix (or its bias) of a
@@ -61,7 +61,7 @@ def lora_file(path: str, weight_name: str | None, where: str, trusted: bool = Fa
     local = user_path(path)
     if path_kind(local) == "dir":
         file = local / weight_name if weight_name else _only_weights(local, where)
-    elif path_kind(local) is not None or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    elif not is_hub_id(path):
         file = local
     else:
         file = _hub_file(path, weight_name or DEFAULT_WEIGHT_NAME, where)
@@ -92,6 +92,8 @@ def _hub_file(repo: str, name: str, where: str) -> Path:
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
+    if problem := hub_path_problem(name):
+        raise SpecError.single(f"LoRA {repo!r}: {problem}", where)
     cached = try_to_load_from_cache(repo, name)
     if isinstance(cached, str):
         return Path(cached)

@@ -40,6 +40,11 @@ FAMILIES_OF_TYPE = {
 _OWN_DETECTION = (("qwen-image", ("txt_norm.weight", "img_in.weight", "transformer_blocks.0.img_mod.1.weight")),
                   ("ltx2-dev", ("av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight",)))
 _PREFIXES = ("", "model.diffusion_model.")
+# The last name part of the tensors ComfyUI's quantized files add beside each weight: "scaled fp8" (scale_weight,
+# scale_input, a scaled_fp8 marker) and its later per-layer layout (weight_scale, weight_scale_2 for nvfp4,
+# input_scale, comfy_quant); diffusers 0.42's converters drop them all.
+COMFY_QUANTIZATION_NAMES = frozenset({"scale_weight", "scale_input", "scaled_fp8", "weight_scale", "weight_scale_2",
+                                      "input_scale", "comfy_quant"})
 
 
 @dataclass(frozen=True)
@@ -113,16 +118,22 @@ def loadable_entry(cls: type, where: str) -> dict[str, Any]:
                            "diffusers folder", where)
 
 
+def refuse_scaled(weights: WeightsFile, where: str) -> None:
+    """Refuse a ComfyUI quantized file: each weight is stored divided by a scale tensor beside it, which diffusers'
+    converters drop, so the model would load wrong (and silently: the scales are only 'left out')."""
+    scaled = sorted(k for k in weights.tensors if k.rsplit(".", 1)[-1] in COMFY_QUANTIZATION_NAMES)
+    if scaled:
+        raise SpecError.single(f"{weights.path.name} is a ComfyUI 'scaled fp8' file or another quantized "
+                               f"layout ({scaled[0]} and {len(scaled) - 1} more): its weights are stored divided by "
+                               "per-layer scales that diffusers' converter does not apply, so the model would load "
+                               "wrong; use the authors' file, a plain bf16/fp8 one, or a GGUF", where)
+
+
 def check_file(cls: type, weights: WeightsFile, config: dict[str, Any], family: str | None, role: str,
                where: str) -> Detected:
     """Refuse, before any weight loads, a file that is not the model ``config`` describes: another family (for a
     denoiser), keys the converter cannot map, weights the model needs and the file lacks, shapes that differ."""
-    scaled = sorted(k for k in weights.tensors if k.endswith(".scale_weight") or k.rsplit(".", 1)[-1] == "scaled_fp8")
-    if scaled:  # ComfyUI's "scaled fp8": each weight is stored divided by its scale, which the converters drop
-        raise SpecError.single(f"{weights.path.name} is a ComfyUI 'scaled fp8' file ({scaled[0]} and "
-                               f"{len(scaled) - 1} more): its weights are stored divided by per-layer scales that "
-                               "diffusers' converter does not apply, so the model would load wrong; use the "
-                               "authors' file, a plain bf16/fp8 one, or a GGUF", where)
+    refuse_scaled(weights, where)
     detected = detect(weights) if role == "denoiser" else Detected(None)
     if family is not None and detected.families and family not in detected.families:
         raise SpecError.single(f"{weights.path.name} is a {detected.describe()} file (by its keys and shapes), not "
@@ -196,4 +207,5 @@ def load(cls: type, path: Path, weights: WeightsFile, config_root: str | None, s
     return cls.from_single_file(str(path), **kwargs)
 
 
-__all__ = ["Detected", "check_file", "detect", "load", "loadable_entry", "meta_checkpoint"]
+__all__ = ["COMFY_QUANTIZATION_NAMES", "Detected", "check_file", "detect", "load", "loadable_entry", "meta_checkpoint",
+           "refuse_scaled"]

@@ -20,6 +20,7 @@ from .bounded import CONFIG
 from .errors import Problem, SpecError
 from .files import path_kind, read_json_file, user_path
 from .hub import hub_file, is_hub_id
+from .loader_fields import code_problems, quantization_problem
 from .model import WEIGHTLESS_ROLES
 from .pipeline import PipelineSpec
 from .recipe import PreviousInput
@@ -65,7 +66,8 @@ def _scheme(method: str, q: dict[str, Any]) -> str:
         if isinstance(kind, dict):  # {"default": {"_type": "Int8WeightOnlyConfig", "_data": {"granularity": ...}}}
             inner = kind.get("default", next(iter(kind.values()), {}))
             if isinstance(inner, dict):
-                granularity = ((inner.get("_data") or {}).get("granularity") or {})
+                data = inner.get("_data")
+                granularity = data.get("granularity") if isinstance(data, dict) else None
                 named = granularity.get("_type") if isinstance(granularity, dict) else None
                 return f"{inner.get('_type', '?')}" + (f" ({named})" if named else "")
         return str(kind)
@@ -97,9 +99,11 @@ class CheckpointConfigs:
         return float(value) if value is not None else None
 
 
-def read_configs(spec: PipelineSpec, root: str) -> CheckpointConfigs:
+def read_configs(spec: PipelineSpec, root: str, trusted: bool = False) -> CheckpointConfigs:
     """The small config files of ``root`` (a local directory, or a Hub id from the cache or the Hub), each read within
-    bounds and its keys that omnispec reads type-checked (an error names the file and the key)."""
+    bounds and its keys that omnispec reads type-checked (an error names the file and the key). A component's
+    ``config.json`` is refused where its ``quantization_config`` is malformed, and, unless ``trusted``, where it
+    names code for its loader to fetch or import (``loader_fields``)."""
     configs = CheckpointConfigs(root)
     index = _read_json(root, "model_index.json", spec.model.revision)
     configs.model_index = None if index is None else model_index_data(index, str(Path(root) / "model_index.json"))
@@ -110,18 +114,32 @@ def read_configs(spec: PipelineSpec, root: str) -> CheckpointConfigs:
             if found is not None:
                 configs.schedulers[component.subfolder] = _typed(found, _SchedulerConfig, root, file)
         if component.role not in WEIGHTLESS_ROLES and component.file is None and (component.subfolder
-                                                                                   or component.config):
+                                                                                   or component.config
+                                                                                   or component.source):
             home = component.source or root
             file = f"{component.subfolder}/config.json" if component.subfolder else "config.json"
             found = _read_json(home, file, spec.model.revision)
             if found is None:
                 continue
+            _check_loader_fields(found, f"model.components.{name}", str(Path(home) / file), trusted)
             if component.config:
                 configs.components[name] = found
             quantized = prequantized(found)
             if quantized is not None:
                 configs.prequantized[name] = quantized
     return configs
+
+
+def _check_loader_fields(config: dict[str, Any], where: str, file: str, trusted: bool) -> None:
+    """A component's ``config.json`` as its loader would act on it: its ``quantization_config`` of the shape the
+    libraries assume, and no code for the loader to fetch unless ``trusted``."""
+    problems = []
+    if "quantization_config" in config and (problem := quantization_problem(config["quantization_config"])):
+        problems.append(Problem(where, problem, file))
+    if not trusted:
+        problems += code_problems(config, where, file)
+    if problems:
+        raise SpecError(problems)
 
 
 def _read_json(root: str, name: str, revision: str | None) -> dict[str, Any] | None:

@@ -223,6 +223,13 @@ def _layout_problem(tensors: dict[str, TensorEntry], data_bytes: int) -> str | N
     return None
 
 
+def overflowing(shape: list[int] | tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` would have a stride (or an element count) past a signed 64-bit integer: a
+    dimension of size 0 makes the tensor empty, so its byte count is 0 whatever the other dimensions claim, and torch
+    refuses to make it ("Stride calculation overflowed")."""
+    return math.prod(max(d, 1) for d in shape) >= 1 << 63
+
+
 def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
     """The header's entry for one tensor, or what is wrong with it."""
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
@@ -233,6 +240,8 @@ def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         return f"tensor {name!r}: shape {shape!r:.80} is not a list of sizes"
+    if overflowing(shape):
+        return f"tensor {name!r}: shape {shape} has strides past 64 bits (no tensor can have it)"
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool)
                                                                     for o in offsets)):
         return f"tensor {name!r}: data_offsets {offsets!r:.80} is not [begin, end]"
@@ -248,5 +257,5 @@ def _tensor_entry(name: str, info: Any, data_bytes: int) -> TensorEntry | str:
 
 
 __all__ = ["PICKLE_SUFFIXES", "SAFETENSORS_DTYPE_BITS", "WEIGHT_SUFFIXES", "SafetensorsHeader", "TensorEntry",
-           "check_json_files", "index_shards", "path_kind", "read_bytes", "read_json_file", "refuse_pickle", "regular_file", "safetensors_header",
-           "user_path"]
+           "check_json_files", "index_shards", "overflowing", "path_kind", "read_bytes", "read_json_file",
+           "refuse_pickle", "regular_file", "safetensors_header", "user_path"]

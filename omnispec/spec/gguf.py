@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from .errors import SpecError
-from .files import TensorEntry, regular_file
+from .files import TensorEntry, overflowing, regular_file
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -27,7 +27,10 @@ DEFAULT_ALIGNMENT = 32
 MAX_TENSORS = 100_000
 MAX_KEYS = 10_000
 MAX_DIMS = 8
-MAX_ARRAY = 4_000_000
+# Entries of all the metadata arrays together. A denoiser's or a VAE's GGUF carries none (a language model's
+# vocabulary does, but omnispec loads text encoders from their folders); gguf-py's reader, which the loader runs after
+# this one, keeps each array entry as numpy views of its own (a million of them took 740 MB and 8 s to read).
+MAX_ARRAY_ENTRIES = 100_000
 MAX_STRING = 1 << 20
 MAX_HEADER_BYTES = 256 << 20
 # ggml tensor type id -> (name, values per block, bytes per block).
@@ -59,6 +62,14 @@ class GGUFTensor(TensorEntry):
 
 
 @dataclass(frozen=True)
+class GGUFArray:
+    """A metadata array, by its entries' type and count: omnispec reads no array's values, so none is kept."""
+
+    item_type: int
+    length: int
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     version: int
     metadata: dict[str, Any]
@@ -82,15 +93,23 @@ class _Reader:
 
     def __init__(self, f: BinaryIO, size: int, refuse: Any) -> None:
         self.f, self.size, self.refuse, self.position = f, size, refuse, 0
+        self.array_entries = 0
 
     def take(self, n: int, what: str) -> bytes:
+        self._advance(n, what)
+        return self.f.read(n)
+
+    def skip(self, n: int, what: str) -> None:
+        self._advance(n, what)
+        self.f.seek(n, os.SEEK_CUR)
+
+    def _advance(self, n: int, what: str) -> None:
         if n > self.size - self.position:
             raise self.refuse(f"{what} needs {n:,} bytes at offset {self.position:,}, past the file's end "
                               f"({self.size:,} bytes; truncated?)")
         if self.position + n > MAX_HEADER_BYTES:
             raise self.refuse(f"its header runs past {MAX_HEADER_BYTES >> 20} MiB, far beyond any real model's")
         self.position += n
-        return self.f.read(n)
 
     def scalar(self, fmt: str, what: str) -> Any:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
@@ -109,20 +128,32 @@ class _Reader:
         except UnicodeDecodeError:
             raise self.refuse(f"{what} is not UTF-8 text") from None
 
-    def value(self, kind: int, key: str, depth: int = 0) -> Any:
+    def value(self, kind: int, key: str) -> Any:
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind], f"the value of {key!r}")
         if kind == _STRING:
             return self.string(f"the value of {key!r}")
-        if kind == _ARRAY and depth == 0:
-            item = self.scalar("<I", f"the array type of {key!r}")
-            length = self.count(MAX_ARRAY, f"entries in the array {key!r}")
-            if item in _SCALARS:  # read as one block: no per-entry loop for a vocabulary's scores
-                fmt = _SCALARS[item]
-                raw = self.take(length * struct.calcsize(fmt), f"the array {key!r}")
-                return list(struct.unpack(f"<{length}{fmt[1]}", raw))
-            return [self.value(item, key, depth + 1) for _ in range(length)]
-        raise self.refuse(f"the value of {key!r} has unknown type {kind}" + (" (an array of arrays)" if depth else ""))
+        if kind == _ARRAY:
+            return self.array(key)
+        raise self.refuse(f"the value of {key!r} has unknown type {kind}")
+
+    def array(self, key: str) -> GGUFArray:
+        """An array's entries passed over, within the bound on all arrays' entries together."""
+        item = self.scalar("<I", f"the array type of {key!r}")
+        length = self.scalar("<Q", f"the length of the array {key!r}")
+        self.array_entries += length
+        if self.array_entries > MAX_ARRAY_ENTRIES:
+            raise self.refuse(f"it declares {length:,} entries in the array {key!r}, which bring its metadata arrays "
+                              f"past the {MAX_ARRAY_ENTRIES:,} entries allowed (a denoiser's GGUF has none)")
+        if item in _SCALARS:
+            self.skip(length * struct.calcsize(_SCALARS[item]), f"the array {key!r}")
+        elif item == _STRING:
+            for _ in range(length):
+                self.skip(self.count(MAX_STRING, f"bytes in an entry of {key!r}"), f"an entry of {key!r}")
+        else:
+            raise self.refuse(f"the array {key!r} holds entries of unknown type {item}"
+                              + (" (an array of arrays)" if item == _ARRAY else ""))
+        return GGUFArray(item, length)
 
 
 def gguf_header(path: str | os.PathLike[str], where: str = "") -> GGUFHeader:
@@ -178,6 +209,9 @@ def _tensors(infos: list[tuple[str, list[int], int, int]], data_start: int, size
         if kind not in GGML_TYPES:
             raise refuse(f"tensor {name!r} has unknown ggml type {kind}")
         type_name, block, block_bytes = GGML_TYPES[kind]
+        if overflowing(shape):
+            raise refuse(f"tensor {name!r}: shape {list(reversed(shape))} has strides past 64 bits (no tensor can "
+                         "have it)")
         if shape[0] % block:
             raise refuse(f"tensor {name!r}: {type_name} stores blocks of {block} values, and its innermost "
                          f"dimension is {shape[0]}")
@@ -198,4 +232,4 @@ def _tensors(infos: list[tuple[str, list[int], int, int]], data_start: int, size
     return tensors
 
 
-__all__ = ["GGML_TYPES", "GGUFHeader", "GGUFTensor", "PLAIN_TYPES", "gguf_header"]
+__all__ = ["GGML_TYPES", "PLAIN_TYPES", "GGUFArray", "GGUFHeader", "GGUFTensor", "gguf_header"]

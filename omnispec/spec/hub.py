@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 from .errors import SpecError
@@ -19,9 +20,25 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
 
 
+# One part of a Hub repository id (its owner, its name): letters, digits, '-', '_' and '.', neither first nor last a
+# '-' or '.', no '--' or '..', at most 96 characters. huggingface_hub refuses any other with a traceback's ValueError.
+_HUB_NAME = re.compile(r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+
+
 def is_hub_id(ref: str) -> bool:
-    """``owner/name`` that names nothing on disk."""
-    return path_kind(user_path(ref)) is None and not ref.startswith((".", "/", "~")) and ref.count("/") == 1
+    """``owner/name`` that names nothing on disk, each part a name the Hub allows."""
+    return path_kind(user_path(ref)) is None and ref.count("/") == 1 and all(
+        _HUB_NAME.fullmatch(part) for part in ref.split("/"))
+
+
+def hub_path_problem(path: str) -> str | None:
+    """What makes ``path`` no file path inside a repository (an empty, ``.`` or ``..`` part, a backslash), or None:
+    a reference to a Hub file, or to a file inside a component's folder, stays inside it."""
+    parts = path.split("/")
+    if "\\" in path or any(part in ("", ".", "..") for part in parts):
+        return (f"{path!r}: not a path inside a repository or folder (a part is empty, '.' or "
+                "'..', or holds a backslash); a path of your own starts with /, ./ or ../")
+    return None
 
 
 @functools.cache
@@ -69,4 +86,4 @@ def hub_file(repo: str, name: str, revision: str | None = None) -> Path | None:
         return None
 
 
-__all__ = ["check_reachable", "hub_file", "hub_offline", "hub_unreachable", "is_hub_id"]
+__all__ = ["check_reachable", "hub_file", "hub_offline", "hub_path_problem", "hub_unreachable", "is_hub_id"]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .base import MAX_LORA_SCALE, DType, SpecModel
 from .files import PICKLE_SUFFIXES
+from .hub import hub_path_problem
 
 Role = Literal["denoiser", "encoder", "tokenizer", "processor", "vae", "scheduler", "resident", "upsampler", "other"]
 ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
@@ -30,12 +32,12 @@ TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec")
 LOADER_KEYWORDS = frozenset({
     "adapter_kwargs", "adapter_name", "allow_all_kernels", "attn_implementation", "cache_dir", "code_revision",
     "config", "custom_pipeline", "device_map", "device_mesh", "disable_mmap", "distributed_config", "dtype",
-    "flashpack_kwargs", "force_download", "from_flax", "from_tf", "generation_config", "gguf_file",
-    "ignore_mismatched_sizes", "kernel_config", "key_mapping", "local_files_only", "low_cpu_mem_usage", "max_memory",
-    "mirror", "offload_buffers", "offload_folder", "offload_state_dict", "output_loading_info", "parallel_config",
-    "proxies", "quantization_config", "resume_download", "return_unused_kwargs", "revision", "state_dict",
-    "subfolder", "token", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_auth_token", "use_flashpack",
-    "use_kernels", "use_safetensors", "variant", "weights_only",
+    "experts_implementation", "flashpack_kwargs", "force_download", "from_flax", "from_tf", "generation_config",
+    "gguf_file", "ignore_mismatched_sizes", "kernel_config", "key_mapping", "local_files_only", "low_cpu_mem_usage",
+    "max_memory", "mirror", "offload_buffers", "offload_folder", "offload_state_dict", "output_loading_info",
+    "parallel_config", "proxies", "quantization_config", "resume_download", "return_unused_kwargs", "revision",
+    "state_dict", "subfolder", "token", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_auth_token",
+    "use_flashpack", "use_kernels", "use_safetensors", "variant", "weights_only",
 })
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
@@ -102,6 +104,9 @@ class Component(SpecModel):
                              ".safetensors (or .gguf) file, or pass --trust-code (trust_code=True) for a file you trust")
         if file is not None and not file.lower().endswith((".safetensors", ".gguf", *PICKLE_SUFFIXES)):
             raise ValueError(f"{file!r}: a weights file is a .safetensors or .gguf file")
+        own = file is None or Path(file).is_absolute() or file.startswith(("./", "../", "~"))
+        if not own and (problem := hub_path_problem(file)):  # a file inside the component's folder, or a Hub file
+            raise ValueError(problem)
         return file
 
     @model_validator(mode="after")

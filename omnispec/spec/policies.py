@@ -201,7 +201,9 @@ DEFAULT_PERSISTENT_ROWS = 4096
 
 class CompilePolicy(SpecModel):
     mode: Literal["none", "regional", "full"] = "none"
-    backend: str = "inductor"
+    backend: str = Field(default="inductor", pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$", description=(
+        "torch.compile's backend by its registered name (torch.compiler.list_backends); checked against torch's "
+        "registry before any weight loads."))
     dynamic: bool = False
     fullgraph: bool = True
     cudagraphs: bool = Field(default=False, description=(

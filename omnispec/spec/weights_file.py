@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import SpecError, first_line
 from .files import path_kind, refuse_pickle, safetensors_header, user_path
 from .gguf import gguf_header
-from .hub import hub_offline
+from .hub import hub_offline, hub_path_problem, is_hub_id
 from .model import Component
 
 FORMATS = {".safetensors": "safetensors", ".gguf": "gguf"}
@@ -60,13 +60,20 @@ def file_format(file: str) -> str | None:
     return FORMATS.get(Path(file).suffix.lower())
 
 
+def own_path(file: str) -> bool:
+    """Whether ``file`` is a path of the user's own (absolute, or starting with ``./``, ``../`` or ``~``), not a file
+    inside the component's folder or a Hub file."""
+    return Path(file).is_absolute() or file.startswith(("./", "../", "~"))
+
+
 def hub_file_ref(file: str) -> tuple[str, str] | None:
-    """``(owner/name, path in the repository)`` when ``file`` reads as a Hub file reference (three or more parts,
-    not a path: no leading ``.``, ``/`` or ``~``), else None."""
-    if file.startswith((".", "/", "~")) or file.count("/") < 2:
+    """``(owner/name, path in the repository)`` when ``file`` reads as a Hub file reference (a Hub id, then a path of
+    one or more names), else None."""
+    if own_path(file) or file.count("/") < 2:
         return None
     owner, name, rest = file.split("/", 2)
-    return (f"{owner}/{name}", rest) if owner and name and rest else None
+    repo = f"{owner}/{name}"
+    return (repo, rest) if is_hub_id(repo) and hub_path_problem(rest) is None else None
 
 
 def locate(component: Component, root: str | None, where: str, revision: str | None = None,
@@ -76,9 +83,10 @@ def locate(component: Component, root: str | None, where: str, revision: str | N
     neither cached nor fetched. A path that names nothing is an error naming what was looked for."""
     file = component.file
     assert file is not None
-    own = user_path(file)
-    if own.is_absolute() or file.startswith(("./", "../", "~")):
-        return _existing(own, where)
+    if own_path(file):
+        return _existing(user_path(file), where)
+    if problem := hub_path_problem(file):
+        raise SpecError.single(problem, where)
     home = component.source or root
     if home and path_kind(user_path(home)) == "dir":
         inside = user_path(home) / (component.subfolder or "") / file
@@ -140,4 +148,5 @@ def read_weights_file(path: Path, where: str, trusted: bool = False) -> WeightsF
     raise SpecError.single(f"{path}: weights are read from .safetensors or .gguf files", where)
 
 
-__all__ = ["FORMATS", "StoredTensor", "WeightsFile", "file_format", "hub_file_ref", "locate", "read_weights_file"]
+__all__ = ["FORMATS", "StoredTensor", "WeightsFile", "file_format", "hub_file_ref", "locate", "own_path",
+           "read_weights_file"]

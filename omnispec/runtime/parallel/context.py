@@ -4,7 +4,6 @@ in mesh order) and each rank's place in it."""
 from __future__ import annotations
 
 import atexit
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.policies import PARALLEL_AXES
+from .launch import environment_integer, launch_environment, rendezvous
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ParallelContext:
 def _ensure_process_group(world: int, device: torch.device) -> None:
     if dist.is_initialized():
         return
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    env_world = environment_integer("WORLD_SIZE", 1)
     if env_world == 1:
         raise SpecError.single(
             f"the degrees multiply to {world} processes but this is a single process; launch with "
@@ -70,7 +70,9 @@ def _ensure_process_group(world: int, device: torch.device) -> None:
                                "policies.parallel")
     if device.type == "cuda":
         torch.cuda.set_device(_local_cuda_device())
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    launch = launch_environment(world)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=rendezvous(launch), rank=launch.rank,
+                            world_size=world)
     atexit.register(_leave_group)  # the group omnispec made is left before exit
 
 
@@ -78,8 +80,8 @@ def _local_cuda_device() -> int:
     """This rank's CUDA device: its LOCAL_RANK, one device per process as NCCL needs. More processes on this host
     than devices is refused on every rank alike (torchrun sets LOCAL_WORLD_SIZE), before any rendezvous: a rank
     that failed alone would leave the others waiting for it."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
+    local_rank = environment_integer("LOCAL_RANK", 0)
+    processes = max(environment_integer("LOCAL_WORLD_SIZE", 1), local_rank + 1)
     devices = torch.cuda.device_count()
     if processes > devices:
         raise SpecError.single(

@@ -13,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 import omnispec
 from omnispec.cli import main
-from omnispec.policies.attention_kernels import GradientSafeSDPA, safe_sdpa, training_forwards
+from omnispec.kernels.sdpa import safe_sdpa, training_forwards
+from omnispec.policies.attention_kernels import GradientSafeSDPA
 
 from conftest import SPECS
 

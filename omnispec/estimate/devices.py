@@ -4,8 +4,8 @@ host-to-device link, and what share of the peak an eager or compiled denoiser fo
 An estimate times nothing live: a per-step time measured on a busy machine swung 150x with its load, and one
 measured at 1024x1024 on a CPU took minutes. Time is FLOPs over the device's peak for the model's dtype times the
 share a denoiser reaches, plus the other ops' bytes over its bandwidth, or the ops' launch cost where that is
-larger. The shares come from runs recorded in BENCHMARKS.md: FLUX.1-dev at 1024x1024 on an H200 ran at 43% of its
-published bf16 peak eager (174 ms for 74.4 TFLOP) and 56% compiled (133 ms).
+larger. The shares come from FLUX.1-dev's eager and compiled steps recorded in BENCHMARKS.md ("Interpreter overhead
+and per-family parity", "Compile: regional, full, CUDA graphs, autotune").
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class DeviceKind:
 
 
 def _cpu() -> DeviceKind:
-    """This machine's CPU, at the rate its cores reached on the FLOP-counted matmuls of a tiny FLUX forward here
-    (0.087 TFLOP/s on 2 cores, float32): about 43 GFLOP/s per core."""
+    """This machine's CPU, at the rate a core of the development machine reached on the FLOP-counted float32 matmuls
+    of a tiny FLUX forward."""
     rate = 0.043 * (os.cpu_count() or 1)
     return DeviceKind("cpu", {"float32": rate, "bfloat16": rate / 2, "float16": rate / 2, "float8": rate / 2},
                       20e9, None, 2e-6, share=1.0)

@@ -27,9 +27,8 @@ import torch
 from .sdpa import remember_failure, safe_sdpa
 
 # FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
-# 128 x 128 at head size 128, chosen at the peak clock; a running step holds the GPU at its power cap, and there
-# 128 x 192 was faster: 1.6% at FLUX.1 1024²'s attention, 2.5% at Wan2.1 14B's (H200, BENCHMARKS.md, 2026-12-04,
-# thirteenth session). Other head sizes and GPUs: FA4's own choice.
+# 128 x 128 at head size 128, chosen at the peak clock; a running step holds the GPU at its power cap, where
+# 128 x 192 was faster (BENCHMARKS.md, "FlashAttention-4's tile"). Other head sizes and GPUs: FA4's own choice.
 HOPPER_TILES = {128: (128, 192)}
 
 # Call shapes FA4 refused in this process -> why: (q, k, v shapes without the batch, dtype, device, "forward" or

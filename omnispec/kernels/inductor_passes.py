@@ -6,14 +6,13 @@ second divides and casts. Between the loops inductor stores or recomputes by its
 than ``realize_opcount_threshold`` operations is stored): after FLUX's or SD3.5's feed-forward GELU it stores
 nothing and computes the tanh GELU in both loops; after FLUX's single blocks' concatenation it stores the float32
 widening (4 bytes an element). Routing ``x`` through inductor's ``force_stride_order`` makes ``x`` itself the
-stored value (2 bytes) and its widening a conversion recomputed where read. On an H200 the feed-forward's kernel
-went from 0.187 to 0.135 ms (FLUX.1-dev: 19 calls a step), the concatenation's stayed at 0.18 (BENCHMARKS.md,
-issue 27). Converting is exact, so every result keeps its bits: compiled and eager outputs, rollouts and replays
-stay what they were. The threshold itself is left alone: raising or lowering it moves every other fused kernel's
-choice too (measured slower at 200).
+stored value (2 bytes) and its widening a conversion recomputed where read (what it gives: BENCHMARKS.md, "The
+fp8 activation quantization's kernels"). Converting is exact, so every result keeps its bits: compiled and eager
+outputs, rollouts and replays stay what they were. The threshold itself is left alone: raising or lowering it moves
+every other fused kernel's choice too.
 
 Inductor takes one post-grad custom pre-pass a compile; one installed process-wide
-(``torch._inductor.config.post_grad_custom_pre_pass``) runs after this one, and both key inductor's caches.
+(inductor's ``config.post_grad_custom_pre_pass``) runs after this one, and both key inductor's caches.
 """
 
 from __future__ import annotations

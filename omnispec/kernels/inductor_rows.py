@@ -3,11 +3,10 @@
 Inductor writes a reduction along a row either as a persistent kernel, which holds the whole row in registers and
 reads it once, or as a looped one, which reads the row once for its sums and again for the output. Its rule makes a
 row persistent only up to 1,024 elements (``InductorChoices.should_use_persistent_reduction``, torch 2.11 to 2.13),
-and the norms of FLUX, SD3.5, Wan and Qwen-Image run over rows of 1,536 to 5,120: compiled, each of FLUX.1-dev's
-single blocks spends 57 µs a call in its looped norm on an H200, where its bytes move once in about 20
-(BENCHMARKS.md, issue 27). ``persistent_rows: N`` raises that bound to N for inner reductions; omnispec's inductor
-compiles raise it to 4,096 unless told otherwise: timed alone, that norm took 29.7 µs instead of 45.5, and the
-step's share of it 0.78 ms instead of 2.20.
+and the norms of FLUX, SD3.5, Wan and Qwen-Image run over rows of 1,536 to 5,120, so compiled they read their bytes
+twice. ``persistent_rows: N`` raises that bound to N for inner reductions; omnispec's inductor compiles raise it to
+4,096 unless told otherwise (what it gives: BENCHMARKS.md, "Inductor options: eager rounding, fixed reductions, rows
+read once").
 
 Inductor's config has no key for that bound, and its heuristics live in one object per thread (``V.choices``). So
 the bound rides with the compile as a post-grad pass (``PersistentRows``), the one per-compile object inductor both

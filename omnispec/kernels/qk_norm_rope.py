@@ -2,10 +2,9 @@
 (``policies.attention.fused_qk_norm_rope``).
 
 Why a kernel of omnispec's own: compiled, inductor turns FLUX's norms and RoPE into kernels that read each token's
-float32 angles once per head (24 times, four times the bytes of q itself) and move their bytes at 1.0-1.5 TB/s. The
-Triton kernel here takes a block of tokens and loops over a group of heads, reading the angles once for the group:
-41.7 µs against inductor's 81.4 for a single block's q and k at 1024² on an H200, 42.4 against 112.5 for a double
-block's (BENCHMARKS.md, 2026-12-03, one launch per tensor). torch, diffusers and torchao have no kernel fusing a
+float32 angles once per head (24 times, four times the bytes of q itself). The Triton kernel here takes a block of
+tokens and loops over a group of heads, reading the angles once for the group (what it gives: BENCHMARKS.md, "Fused
+q/k RMS norm + RoPE"). torch, diffusers and torchao have no kernel fusing a
 per-head RMS norm with an interleaved RoPE. q and k share their angles, so one launch prepares both: a program reads
 its tokens' angles once for its heads of q and the same heads of k (``launch(paired=False)``, one launch per tensor,
 is kept for the benchmark's comparison).
@@ -28,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Launch shape: 16 tokens of 4 heads a program, 4 warps (the fastest of seven tried with one launch per tensor,
-# BENCHMARKS.md 2026-12-03).
+# Launch shape: 16 tokens of 4 heads a program, 4 warps (the fastest of the shapes tried: BENCHMARKS.md, "Fused q/k
+# RMS norm + RoPE").
 TOKENS_PER_PROGRAM, HEADS_PER_PROGRAM, WARPS = 16, 4, 4
 
 

@@ -220,7 +220,7 @@ class AutoBackendHook(ModelHook):
 # ---- a failing backend falls back ----------------------------------------------------------------------
 
 # Backends that failed at run time, with why; the calls they would have served run on torch's default SDPA. A
-# kernel can fail for one shape and not another (cuDNN's backward on an H200 did), so a failure is per backend
+# kernel can fail for one shape and not another (cuDNN's backward has), so a failure is per backend
 # and call shape, warned once.
 FAILED: dict[tuple, str] = {}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -7,8 +7,8 @@ them on the model's attentions (hooks, ``auto``'s timing, the fallbacks).
 log-probs a replay with gradients must reproduce bit for bit), runs the rule of ``kernels.sdpa``: an SDPA call that
 torch's dispatcher would be free to send to cuDNN attention runs with cuDNN attention off (``GradientSafeSDPA``):
 flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
-are the ones torch trains with everywhere; cuDNN attention's backward failed on an H100 (a sticky CUDA error that no
-fallback can catch: BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``."""
+are the ones torch trains with everywhere; cuDNN attention's backward can fail with a sticky CUDA error that no
+fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``."""
 
 from __future__ import annotations
 
@@ -98,8 +98,7 @@ def _sage_attention(q, k, v, scale):
 def _flash4_attention(q, k, v, scale):
     """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell) through omnispec's operators
     (``flash4.py``), which compiled code can call too and which run a call shape the package refuses on SDPA (one
-    warning). On an H200 under its power cap it ran FLUX's attention 5% and Wan 14B's 12% faster than cuDNN's
-    (BENCHMARKS.md)."""
+    warning). How it compares with cuDNN's: BENCHMARKS.md, "Attention backends and FlashAttention-4"."""
     from ..kernels.flash4 import flash4_sdpa
 
     return flash4_sdpa(q, k, v, scale)

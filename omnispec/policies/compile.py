@@ -19,8 +19,9 @@ rollout (no gradients) and its replay with gradients would compute different log
 kernel's candidate launch configurations at its first launch unless told to pick by rule (``deterministic``), and the
 configuration sets the order a row adds up in; the inference and training kernels of one norm are timed apart.
 ``persistent_rows`` (4,096 by default) lets a norm over a longer row than inductor's 1,024 elements read it once
-(``compile_rows``). Inductor's coordinate-descent tuning of its kernels' launches, which cache-dit turns on, is not
-offered: under fixed reductions it made none of FLUX.1-dev's norms faster on an H200 (BENCHMARKS.md, 2026-12-05)."""
+(``kernels.inductor_rows``). Inductor's coordinate-descent tuning of its kernels' launches, which cache-dit turns
+on, is not offered: under fixed reductions it made none of FLUX.1-dev's norms faster (BENCHMARKS.md, "Inductor
+options: eager rounding, fixed reductions, rows read once")."""
 
 from __future__ import annotations
 

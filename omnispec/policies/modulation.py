@@ -1,9 +1,9 @@
 """Modulation linears computed once per request (``policies.mlp.precomputed_modulation``).
 
 An AdaLN denoiser's blocks each project the timestep-and-prompt embedding into their shifts, scales and gates
-(``linear(silu(temb))``). At a step's batch of a few rows that is a matrix-vector product reading the whole weight:
-FLUX.1-dev reads 6.5 GB of modulation weights a step, 2.2 ms of a compiled 1024² step on an H200 in its two
-``nvjet ... 192x8`` kernels (BENCHMARKS.md, 2026-12-04). The embedding depends only on the step's timestep, the
+(``linear(silu(temb))``). At a step's batch of a few rows that is a matrix-vector product reading the whole weight,
+every step (BENCHMARKS.md, "Modulation table", has what it costs FLUX.1-dev). The embedding depends only on the
+step's timestep, the
 embedded guidance and the pooled prompt, all known before the first step, so every step's rows can be projected in
 one matmul per linear, each weight read once.
 
@@ -70,8 +70,7 @@ class TabledLinear(torch.nn.Linear):
     """A modulation linear under the policy: its table's rows for this forward, or ``nn.Linear``'s product without
     a table. Swapped in by class, not hooked: the module keeps its place, names, parameters and whatever wraps it
     (a LoRA layer's base), and a hook's per-module ``forward`` would make dynamo guard on each block's own function
-    and compile every block of a regional compile anew (55 recompiles over FLUX.1-dev's 57 blocks, a first call of
-    35.6 s against 13.8, H200)."""
+    and compile every block of a regional compile anew."""
 
     modulation: ModulationTables
     modulation_outputs: torch.Tensor | None
@@ -176,7 +175,7 @@ class ModulationTables:
     def _stored(self, table: _Table) -> _Table:
         """``table``'s values in the storage of its size, which a table of that size built earlier leaves behind:
         compiled blocks under CUDA graphs take a module's tensors as static inputs, so a table in new memory at
-        each request would have every block's graph recorded again (about 1 s a FLUX.1-dev request, H200)."""
+        each request would have every block's graph recorded again."""
         size = table.embeddings.shape[0]
         held = self.storage.pop(size, None)
         if held is not None and _same_layout(held, table):

@@ -61,8 +61,8 @@ def torchao_config(method: str, granularity: str | None = None) -> Any:
     """torchao's config for ``method``, leaving the process's compiler settings alone: by default each torchao
     config, once applied, turns on inductor's coordinate-descent tuning in every direction for the whole process
     (and torchao 0.17 also sets float32 matmuls to TF32). That tuning benchmarks Triton configs at every new
-    kernel's first launch: a quantized digits rollout took 88 s to compile on an H200 and an SD3.5-size one did
-    not finish in 575 s, and every compiled pipeline of the process, bf16 or not, inherited both. Compile settings
+    kernel's first launch, which made a quantized rollout's first compile last minutes (BENCHMARKS.md, "fp8 and
+    int8 quantization"), and every compiled pipeline of the process, bf16 or not, inherited both. Compile settings
     are the compile policy's (``autotune`` turns that tuning on where asked)."""
     import torchao.quantization as tq
 

@@ -282,7 +282,7 @@ def log_prob(
     forward without gradients, the inference graphs the rollout ran, and its gradients from the forward with them:
     the training graphs fuse other kernels (AOTAutograd partitions them out of a joint graph that also saves for the
     backward), and a reduction fused with other neighbours adds a row up in another order, so their values can
-    differ in the last bits (SD3.5-medium with an fp8 base on an H200: up to 8.6e-5 in the ratio). That costs one
+    differ in the last bits (BENCHMARKS.md, "Replay exactness"). That costs one
     more forward per micro-batch; ``exact=False`` skips it and reads the training graphs' values. Eager runs the
     same kernels either way and replays in one forward.
 

@@ -29,7 +29,7 @@ MAX_KEYS = 10_000
 MAX_DIMS = 8
 # Entries of all the metadata arrays together. A denoiser's or a VAE's GGUF carries none (a language model's
 # vocabulary does, but omnispec loads text encoders from their folders); gguf-py's reader, which the loader runs after
-# this one, keeps each array entry as numpy views of its own (a million of them took 740 MB and 8 s to read).
+# this one, keeps each array entry as numpy views of its own (a million of them take hundreds of MB to read).
 MAX_ARRAY_ENTRIES = 100_000
 MAX_STRING = 1 << 20
 MAX_HEADER_BYTES = 256 << 20

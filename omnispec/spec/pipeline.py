@@ -23,8 +23,8 @@ class RuntimeSpec(SpecModel):
     max_batch: int | None = Field(default=None, ge=1, description="Most samples x passes in one denoiser forward.")
     max_tokens_per_forward: int | None = Field(
         default=32768, ge=1,
-        description="Batch guidance passes into one forward only while rows x image tokens stay within this; "
-        "on an H200, two Wan-14B 480p passes (2 x 32760 tokens) ran 1.9% slower batched than one by one.",
+        description="Batch guidance passes into one forward only while rows x image tokens stay within this: past "
+        "it a batched forward of long video sequences is no faster than its rows one by one, and needs more memory.",
     )
     progress: bool = True
     encoding_cache_bytes: int | None = Field(default=None, ge=0, description=(

@@ -193,8 +193,8 @@ CACHES.register(MagCache, "omnispec.policies.caches.magcache:MAGCACHE")
 CACHES.register(StepMaskCache, "omnispec.policies.caches.step_mask:STEP_MASK")
 
 
-# Inductor's own bound on persistent reductions (torch 2.11 to 2.13), and omnispec's default past it: FLUX.1-dev's
-# norms read once at 4,096 took 29.7 µs a call on an H200 where inductor's looped kernel took 45.5 (BENCHMARKS.md).
+# Inductor's own bound on persistent reductions (torch 2.11 to 2.13), and omnispec's default past it (what it gives:
+# BENCHMARKS.md, "Inductor options: eager rounding, fixed reductions, rows read once").
 INDUCTOR_PERSISTENT_ROWS = 1024
 DEFAULT_PERSISTENT_ROWS = 4096
 
@@ -221,8 +221,8 @@ class CompilePolicy(SpecModel):
         "Inductor keeps every bfloat16/float16 rounding eager would make inside its fused kernels (its "
         "emulate_precision_casts), so the inference graphs of a rollout and the training graphs of its replay with "
         "gradients compute the same numbers: the replay ratio stays exactly 1 under compile. Off, fused kernels keep "
-        "intermediates in float32 where the training graph saves them rounded (a bf16 replay with gradients then "
-        "moved log-probs by about 1e-3 on the CPU). Inductor only; other backends compute as they do."))
+        "intermediates in float32 where the training graph saves them rounded, and a replay with gradients moves its "
+        "log-probs off its rollout's. Inductor only; other backends compute as they do."))
     fixed_reductions: bool | None = Field(default=None, description=(
         "Inductor picks each reduction kernel's launch configuration (block size, warps) by rule instead of timing "
         "the candidates at its first launch (its deterministic mode). The configuration sets the order a row's sum "
@@ -233,9 +233,9 @@ class CompilePolicy(SpecModel):
         "Reductions along a row of at most this many elements (a LayerNorm's or RMSNorm's row) keep the row in "
         "registers and read it once: inductor's persistent reductions, which its own rule stops at 1,024 elements. "
         "Past that a norm's kernel reads its row twice (sums, then output); FLUX's, SD3.5's, Wan's and "
-        "Qwen-Image's rows have 1,536 to 5,120. Default: 4,096 when inductor compiles (FLUX.1-dev's norms took "
-        "30 µs instead of 45 on an H200, BENCHMARKS.md); 1,024 keeps inductor's own rule. A rule, not a timing: a "
-        "rollout and its replay get the same kernels. Inductor's Triton kernels (CUDA) only."))
+        "Qwen-Image's rows have 1,536 to 5,120. Default: 4,096 when inductor compiles; 1,024 keeps inductor's own "
+        "rule. A rule, not a timing: a rollout and its replay get the same kernels. Inductor's Triton kernels (CUDA) "
+        "only."))
 
     @model_validator(mode="after")
     def _inductor_options(self) -> CompilePolicy:

@@ -27,8 +27,9 @@ class PackedLatents:
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU: a CUDA tensor copied into page-locked memory, anything else as ``t.cpu()`` does. A copy
-    into ordinary host memory goes through the driver's staging buffer and faults in every new page: on an H200 a
-    rollout's 540 MB of images and states took 360 ms that way. Page-locked blocks come from torch's caching host
+    into ordinary host memory goes through the driver's staging buffer and faults in every new page, which costs a
+    rollout's images and states more than its copy (BENCHMARKS.md, "RL rollouts on the H200"). Page-locked blocks
+    come from torch's caching host
     allocator, which keeps each for the next result of its size once the last array over it is gone (until then
     it stays reserved, rounded up to a power of two)."""
     if t.device.type != "cuda":

@@ -3,7 +3,7 @@ time.
 
 ``torch.distributed``'s own ``env://`` rendezvous reads the variables as it goes (a missing ``MASTER_ADDR`` is its
 traceback) and then waits for the other ranks as long as its process group's timeout (30 minutes), so a shell that
-kept ``RANK`` and ``WORLD_SIZE`` from an earlier session would hang a run that has no other ranks. Here the
+kept ``RANK`` and ``WORLD_SIZE`` from an earlier launch would hang a run that has no other ranks. Here the
 variables are read first, and the store the ranks meet at is made with a timeout of its own (``RENDEZVOUS_SECONDS``):
 ranks that a launcher starts together meet within seconds. The process group then runs on that store with torch's
 usual timeout for its collectives.

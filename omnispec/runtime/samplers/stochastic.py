@@ -54,7 +54,8 @@ def squared_error_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Te
 def row_means(values: torch.Tensor) -> torch.Tensor:
     """Each row's mean over its non-batch elements, every row reduced on its own: a CUDA reduction over a batch
     splits its work by the batch's size, so a row's last bit depended on how many rows were scored with it, and a
-    replay in another micro-batch (1 against the rollout's 4 on an H200) read log-probs one float32 ulp off. A row
+    replay in another micro-batch than its rollout's read log-probs one float32 ulp off (BENCHMARKS.md, "Replay
+    exactness"). A row
     alone, copied to a fresh buffer (its layout and alignment, so its vectorized loads, no longer depend on its place
     in the batch, nor on whether the sample is a slice of a stored rollout or a fresh draw), is reduced the same way
     in a rollout and in any replay; the batch is one micro-batch, so the launches per row cost little beside the

@@ -1,4 +1,5 @@
-"""Interpreter overhead on the CPU: omnispec vs the diffusers pipeline, same tiny checkpoint and settings.
+"""Interpreter overhead on the CPU: whole requests on tiny checkpoints, where the models are nearly free.
+Peer: the diffusers pipeline (eager) on the same tiny checkpoint and settings, calls alternating in the same process.
 
 ``python -m benchmarks.cpu_overhead [--repeats 9] [--steps 10]``
 
@@ -8,7 +9,6 @@ batching, hooks) shows up in the ratio. Calls alternate between the two so that 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from . import harness
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -34,7 +34,9 @@ def cases(tmp: Path, steps: int):
 
     from omnispec.testing import TINY_OVERRIDES, tiny_flux, tiny_sd3, tiny_wan
 
-    gen = lambda s: torch.Generator("cpu").manual_seed(s)  # noqa: E731
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator("cpu").manual_seed(seed)
+
     flux = tiny_flux(tmp / "flux")
     yield ("flux (embedded guidance)", "flux1-dev.yaml", flux, TINY_OVERRIDES["flux"], {"steps": steps},
            lambda p: p("a cat", height=32, width=32, num_inference_steps=steps, guidance_scale=3.5,
@@ -49,31 +51,42 @@ def cases(tmp: Path, steps: int):
                        max_sequence_length=16, generator=gen(0), output_type="np"), WanPipeline)
 
 
-def main() -> None:
-    import omnispec
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+
+
+def benchmark(args, results: harness.Results) -> None:
+    import omnispec
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats}, steps {args.steps}")
-    print("| workload | diffusers median s | omnispec median s | ratio omnispec/diffusers |")
-    print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec, ckpt, overrides, request, call_ref, cls in cases(Path(tmp), args.steps):
-            ours = omnispec.build(ROOT / "specs" / spec, source=str(ckpt), overrides=overrides)
+            ours = omnispec.build(harness.ROOT / "specs" / spec, source=str(ckpt), overrides=overrides)
             ref = cls.from_pretrained(str(ckpt), dtype=torch.float32)
             ref.set_progress_bar_config(disable=True)
-            call_ours = lambda: ours("a cat", seed=0, **request)  # noqa: E731
+
+            def call_ours(ours=ours, request=request):
+                return ours("a cat", seed=0, **request)
+
             call_ours(), call_ref(ref)  # warm-up
             t_ours, t_ref = [], []
             for _ in range(args.repeats):
-                t_ref += _time(lambda: call_ref(ref), 1)
+                t_ref += _time(lambda call_ref=call_ref, ref=ref: call_ref(ref), 1)
                 t_ours += _time(call_ours, 1)
             m_ref, m_ours = statistics.median(t_ref), statistics.median(t_ours)
-            print(f"| {name} | {m_ref:.4f} | {m_ours:.4f} | {m_ours / m_ref:.3f} |", flush=True)
+            results.save({"workload": name, "diffusers_s": m_ref, "omnispec_s": m_ours, "ratio": m_ours / m_ref,
+                          "diffusers_samples_s": t_ref, "omnispec_samples_s": t_ours})
+    print("| workload | diffusers median s | omnispec median s | ratio omnispec/diffusers |")
+    print("|---|---|---|---|")
+    for r in results.rows:
+        print(f"| {r['workload']} | {r['diffusers_s']:.4f} | {r['omnispec_s']:.4f} | {r['ratio']:.3f} |")
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, smoke=None)
 
 
 if __name__ == "__main__":

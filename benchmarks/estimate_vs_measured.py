@@ -1,4 +1,5 @@
 """``omnispec explain --estimate`` against measured runs: peak device memory and time per step.
+No peer: the measured run on the same configs (random bf16 weights) is the reference for the estimate.
 
 ``python -m benchmarks.estimate_vs_measured [--workloads flux,wan] [--offload none,layerwise] [--json FILE]``
 (needs CUDA; ``--smoke`` runs the tiny checkpoints on the CPU to check the script)
@@ -14,9 +15,6 @@ difference, so encoding and decoding cancel. The issue's targets: peak within 15
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import statistics
 import tempfile
 import time
@@ -24,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-SMOKE = False
-DEVICE = "cuda"
+from . import harness
 
 # The bundled spec, the request sizes, and the steps of the short and long requests for each workload.
 WORKLOADS = {
@@ -57,14 +54,14 @@ def flux_checkpoint(root: Path) -> None:
     from omnispec.testing import clip_tokenizer, t5_tokenizer
 
     size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8)) if SMOKE else {}
+                joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8)) if harness.SMOKE else {}
     transformer = dict(guidance_embeds=True, **size)
     _write(root / "transformer", FluxTransformer2DModel, transformer)
     clip = transformers.CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
                                        num_hidden_layers=12, vocab_size=49408, projection_dim=768,
                                        max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)
     t5 = _t5_config(umt5=False)
-    if SMOKE:
+    if harness.SMOKE:
         clip = transformers.CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4,
                                            num_hidden_layers=2, vocab_size=400, projection_dim=32,
                                            max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)
@@ -81,7 +78,7 @@ def flux_checkpoint(root: Path) -> None:
                down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
                layers_per_block=2, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
                use_post_quant_conv=False)
-    if SMOKE:
+    if harness.SMOKE:
         vae.update(block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2,
                    up_block_types=["UpDecoderBlock2D"] * 2, layers_per_block=1, norm_num_groups=4)
     _write(root / "vae", AutoencoderKL, vae)
@@ -101,7 +98,7 @@ def wan_checkpoint(root: Path) -> None:
                        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
     umt5 = _t5_config(umt5=True)
     vae: dict = {}
-    if SMOKE:
+    if harness.SMOKE:
         transformer.update(num_attention_heads=2, attention_head_dim=12, text_dim=32, ffn_dim=32, num_layers=2,
                            rope_max_seq_len=32)
         umt5 = transformers.UMT5Config(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, vocab_size=256,
@@ -138,7 +135,7 @@ def random_components(spec, root: Path, on_device: bool) -> dict:
 
     light = {n: c for n, c in spec.model.components.items() if c.role in WEIGHTLESS_ROLES}
     mods = load_components(spec, str(root), only=light)
-    device = DEVICE if on_device else "cpu"
+    device = harness.DEVICE if on_device else "cpu"
     for name, component in spec.model.components.items():
         if name not in light:
             mods[name] = config_module(component_class(component), root / component.subfolder,
@@ -146,33 +143,22 @@ def random_components(spec, root: Path, on_device: bool) -> dict:
     return mods
 
 
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure(pipe, request: dict, steps: tuple[int, int], repeats: int) -> dict:
     pipe("a photo of a cat", seed=0, steps=steps[0], **request)  # warm-up
-    _sync()
-    if DEVICE == "cuda":
+    harness.sync()
+    if harness.DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     pipe("a photo of a cat", seed=0, steps=steps[0], **request)
-    _sync()
-    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else None
+    harness.sync()
+    peak = torch.cuda.max_memory_allocated() if harness.DEVICE == "cuda" else None
     samples = []
     for _ in range(repeats):
         times = {}
         for n in steps:
-            _sync()
+            harness.sync()
             start = time.perf_counter()
             pipe("a photo of a cat", seed=0, steps=n, **request)
-            _sync()
+            harness.sync()
             times[n] = time.perf_counter() - start
         samples.append((times[steps[1]] - times[steps[0]]) / (steps[1] - steps[0]))
     return {"peak_bytes": peak, "step_s": statistics.median(samples), "step_samples": samples}
@@ -184,7 +170,7 @@ def run(workload: str, offload: str, repeats: int) -> dict:
 
     w = WORKLOADS[workload]
     overrides = [f"policies.offload={{strategy: {offload}}}", "runtime.progress=false",
-                 *(SMOKE_OVERRIDES[workload] if SMOKE else [])]
+                 *(SMOKE_OVERRIDES[workload] if harness.SMOKE else [])]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         CHECKPOINTS[workload](root)
@@ -193,11 +179,11 @@ def run(workload: str, offload: str, repeats: int) -> dict:
         est = estimate(spec, source=str(root), **w["request"])  # the kind of this machine's GPU
         estimate_s = time.perf_counter() - start
         mods = random_components(spec, root, on_device=offload == "none")
-        pipe = omnispec.build(spec, components=mods, device=DEVICE)
+        pipe = omnispec.build(spec, components=mods, device=harness.DEVICE)
         measured = measure(pipe, w["request"], w["steps"], repeats)
         pipe = mods = None
-        _free()
-    row = {"workload": workload, "offload": offload, "device": DEVICE,
+        harness.free_device_memory()
+    row = {"workload": workload, "offload": offload, "device": harness.DEVICE,
            "estimate": {"peak_bytes": est.peak_bytes, "peak_stage": est.peak_stage, "step_s": est.step_seconds,
                         "forward_flops": est.forward_flops, "timed_for": est.timed_for,
                         "transfer_s": est.transfer_seconds, "seconds_to_estimate": estimate_s},
@@ -209,33 +195,28 @@ def run(workload: str, offload: str, repeats: int) -> dict:
     return row
 
 
-def main() -> None:
-    global SMOKE, DEVICE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--workloads", default="flux,wan")
     parser.add_argument("--offload", default="none,layerwise")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (checks the script, not numbers)")
-    parser.add_argument("--json", help="write the rows here")
-    args = parser.parse_args()
-    if args.smoke:
-        SMOKE, DEVICE = True, "cpu"
-    elif not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --smoke)")
-    rows = []
+
+
+def benchmark(args, results: harness.Results) -> None:
     for workload in args.workloads.split(","):
         for offload in args.offload.split(","):
-            rows.append(run(workload, offload, args.repeats))
-            print(json.dumps(rows[-1]), flush=True)
-    for r in rows:
+            results.save(run(workload, offload, args.repeats))
+    for r in results.rows:
         e, m = r["estimate"], r["measured"]
         peak = (f"peak {e['peak_bytes'] / 2**30:.2f} GiB est vs {m['peak_bytes'] / 2**30:.2f} GiB "
                 f"({100 * r['peak_error']:+.0f}%)") if m["peak_bytes"] else "peak: not measured on a CPU"
         step = (f"step {1e3 * e['step_s']:.1f} ms est vs {1e3 * m['step_s']:.1f} ms ({100 * r['step_error']:+.0f}%)"
                 if e["step_s"] else "step: not estimated")
         print(f"{r['workload']:<5} offload {r['offload']:<10} {peak}; {step}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, layout="list", needs_cuda=True,
+                          smoke="tiny configs on the CPU (checks the script, not numbers)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """What bounds a compiled fp8 activation quantization? One FLUX single block's output projection, alone.
+Peer: variants of the same kernel, each taking one piece away or changing one option (no GELU, no scale, bf16, other
+compile options and graph passes), with the profiler's device time of each.
 
 ``python -m benchmarks.gpu_activation_quant [--tokens 4608] [--iters 50] [--json FILE]``  (needs CUDA;
 ``--smoke``: tiny shapes on the CPU, int8 weights, aot_eager)
@@ -28,18 +30,14 @@ take one piece away or change one option, and reads each kernel's device time fr
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from omnispec.kernels.inductor_passes import NarrowQuantizedInputs
 
-from . import gpu_interpreter as gi
-from . import gpu_policies as gp
+from . import harness
 from .inductor_passes import Passes
 
 ATTN, MLP, OUT = 3072, 12288, 3072  # FLUX.1's single block: attention width, MLP width, proj_out's output
@@ -53,7 +51,7 @@ def _projection(quantized: bool, smoke: bool, width: int = ATTN + MLP) -> torch.
 
     width, out = (width, OUT) if not smoke else (width * 80 // (ATTN + MLP), 16)
     torch.manual_seed(0)
-    proj = torch.nn.Linear(width, out, device=gi.DEVICE, dtype=torch.bfloat16)
+    proj = torch.nn.Linear(width, out, device=harness.DEVICE, dtype=torch.bfloat16)
     if quantized:  # the CPU has no fp8 matmul: the smoke quantizes int8 weights (no activation quantization)
         quantize_(proj, torchao_config("int8_weight_only") if smoke else torchao_config("fp8_dynamic", "row"))
     return proj
@@ -115,8 +113,8 @@ def measure(name: str, fn: Callable, policy: dict, inputs: tuple, iters: int, sm
     policy = dict(policy)
     passes = Passes(policy.pop("passes", []))
     backend, options = _options(smoke, passes, **policy)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gi.DEVICE == "cuda"
-                                                          else [])
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [])
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend=backend, **({"options": options} if options else {}))
     with torch.no_grad():
@@ -124,65 +122,57 @@ def measure(name: str, fn: Callable, policy: dict, inputs: tuple, iters: int, sm
         reference = fn(*inputs)
         for _ in range(3):
             compiled(*inputs)
-        _synchronize()
+        harness.sync()
         if unprofiled:  # for an outside profiler (Nsight Compute), which torch's own would contend with
             start = time.perf_counter()
             for _ in range(iters):
                 compiled(*inputs)
-            _synchronize()
+            harness.sync()
             summary = {"wall_ms_per_call": (time.perf_counter() - start) * 1e3 / iters}
         else:
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(iters):
                     compiled(*inputs)
-                _synchronize()
-            summary = gp.kernel_summary(prof, iters, "_per_call", largest=6)
+                harness.sync()
+            summary = harness.kernel_summary(prof, iters, "_per_call", largest=6)
     omnispec_pass = options.get("post_grad_custom_pre_pass")
     routed = {"omnispec": omnispec_pass.routed} if isinstance(omnispec_pass, NarrowQuantizedInputs) else {}
     row = {"config": name, **summary, "pass_changes": {**routed, **passes.applied}}
     if out.is_floating_point():
         a, b = out.float().flatten(), reference.float().flatten()
         row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    print(json.dumps(row), flush=True)
     return row
 
 
-def _synchronize() -> None:
-    if gi.DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=4608, help="rows: FLUX.1 at 1024² has 4,096 image + 512 text")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--variants", default="", help="comma-separated names (default: all)")
     parser.add_argument("--unprofiled", action="store_true",
                         help="time the calls by the clock, without torch's profiler (to run under Nsight Compute)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    if args.smoke:
-        gi.enable_smoke()
+
+
+def benchmark(args, results: harness.Results) -> None:
     tokens, (attn_width, mlp_width) = (8, (16, 64)) if args.smoke else (args.tokens, (ATTN, MLP))
+    results.header["tokens"] = tokens
     torch.manual_seed(1)
-    attn = torch.randn(tokens, attn_width, device=gi.DEVICE, dtype=torch.bfloat16)
-    h = torch.randn(tokens, mlp_width, device=gi.DEVICE, dtype=torch.bfloat16) * 2
+    attn = torch.randn(tokens, attn_width, device=harness.DEVICE, dtype=torch.bfloat16)
+    h = torch.randn(tokens, mlp_width, device=harness.DEVICE, dtype=torch.bfloat16) * 2
     variants = _variants(args.smoke)
     wanted = [v for v in args.variants.split(",") if v] or list(variants)
     if unknown := set(wanted) - set(variants):
-        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(variants)}")
-    rows = []
+        raise harness.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {sorted(variants)}")
     for name in wanted:
         fn, policy = variants[name]
         try:
-            rows.append(measure(name, fn, policy, (attn, h), args.iters, args.smoke, args.unprofiled))
+            results.save(measure(name, fn, policy, (attn, h), args.iters, args.smoke, args.unprofiled))
         except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            rows.append({"config": name, "error": f"{type(exc).__name__}: {first_line}"})
-            print(json.dumps(rows[-1]), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=1))
+            results.save({"config": name, "error": f"{type(exc).__name__}: {first_line}"})
+    table(results.rows)
+
+
+def table(rows: list[dict]) -> None:
     print("| config | device ms per call | by kind | graph pass changes |")
     for r in rows:
         if "error" in r:
@@ -193,6 +183,11 @@ def main() -> None:
             continue
         kinds = ", ".join(f"{kind} {ms:.3f}" for kind, ms in r["kinds_ms_per_call"].items())
         print(f"| {r['config']} | {r['device_busy_ms_per_call']:.3f} | {kinds} | {r['pass_changes'] or ''} |")
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU, int8 weights, aot_eager (checks the script only)")
 
 
 if __name__ == "__main__":

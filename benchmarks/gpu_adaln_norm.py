@@ -1,4 +1,6 @@
 """Can FLUX's adaptive LayerNorms run at the memory's speed? Each block's norm and modulation, alone.
+Peer: kernel alternatives for the same norm (diffusers' eager code, inductor under each compile option) and a plain
+copy of one activation, the floor.
 
 ``python -m benchmarks.gpu_adaln_norm [--variants ...] [--iters 100] [--json FILE]``  (needs CUDA; ``--smoke``: tiny
 shapes on the CPU, aot_eager)
@@ -24,19 +26,14 @@ output's distance from eager's.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from . import gpu_interpreter as gi
-from . import gpu_policies as gp
-from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, report
+from . import harness
+from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, table
 
-ROOT = Path(__file__).resolve().parents[1]
 DIM, TEXT, IMAGE, STEPS = 3072, 512, 4096, 28  # FLUX.1-dev at 1024², 28 steps in the modulation table
 EPS = 1e-6
 DEFAULT_VARIANTS = ("eager,inductor+persistent_rows=1024,inductor,inductor+persistent_rows=1024+no_fixed_reductions,"
@@ -91,10 +88,10 @@ MODULES = {"single": SingleNorm, "double norm1": DoubleNorm1, "double norm2": Do
 
 def _inputs(shape: str, text: int, image: int, dim: int) -> tuple:
     def tensor(tokens):
-        return torch.randn(1, tokens, dim, device=gi.DEVICE, dtype=torch.bfloat16) * 3
+        return torch.randn(1, tokens, dim, device=harness.DEVICE, dtype=torch.bfloat16) * 3
 
-    table = (torch.randn(STEPS, 6 * dim, device=gi.DEVICE) * 0.3).to(torch.bfloat16)
-    rows = torch.tensor([5], device=gi.DEVICE)
+    table = (torch.randn(STEPS, 6 * dim, device=harness.DEVICE) * 0.3).to(torch.bfloat16)
+    rows = torch.tensor([5], device=harness.DEVICE)
     if shape == "single":
         return tensor(text), tensor(image), table[:, :3 * dim].contiguous(), rows
     if shape == "double norm1":
@@ -109,13 +106,13 @@ def _activations(inputs: tuple) -> list[torch.Tensor]:
 
 def compiled(variant: str, smoke: bool) -> Callable:
     """A function compiling a module by ``variant``: ``inductor`` and compile policy options after ``+``, as
-    gpu_policies' compile variants write them (``inductor+persistent_rows=1024+no_fixed_reductions``), through
+    the benchmarks' compile variants write them (``inductor+persistent_rows=1024+no_fixed_reductions``), through
     omnispec's inductor options (aot_eager for the CPU smoke, which checks the options and the script)."""
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec import load_spec
 
-    overrides = gp.compile_overrides("regional" + variant.removeprefix("inductor"))
-    policy = load_spec(ROOT / "specs" / "flux1-dev.yaml", overrides).policies.compile
+    overrides = harness.compile_overrides("regional" + variant.removeprefix("inductor"))
+    policy = load_spec(harness.ROOT / "specs" / "flux1-dev.yaml", overrides).policies.compile
     return lambda module: torch.compile(module, fullgraph=True, dynamic=False, **(
         {"backend": "aot_eager"} if smoke else {"options": _torch_compile_options(policy)}))
 
@@ -129,7 +126,7 @@ def measure(shape: str, variant: str, module: Callable, inputs: tuple, reference
     with torch.no_grad():
         for _ in range(3):  # compilation, tuning at the first launch, the allocator
             out = module(*inputs)
-        rounds = microseconds(module, inputs, iters, gi.DEVICE)
+        rounds = microseconds(module, inputs, iters, harness.DEVICE)
     out = out if isinstance(out, tuple) else (out,)
     read = _activations(inputs)[:1] if variant == "copy" else _activations(inputs)
     moved = sum(x.numel() * x.element_size() for x in (*read, *out))
@@ -141,28 +138,23 @@ def measure(shape: str, variant: str, module: Callable, inputs: tuple, reference
         want = torch.cat([o.flatten() for o in reference]).float()
         row["max_abs_vs_eager"] = float((got - want).abs().max())
         row["share_differing_vs_eager"] = float((got != want).float().mean())
-    print(json.dumps(row), flush=True)
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help="comma-separated: eager, copy, inductor[+OPTION...], each OPTION a compile policy field "
                              "(persistent_rows=1024, no_fixed_reductions)")
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    if args.smoke:
-        gi.enable_smoke()
+
+
+def benchmark(args, results: harness.Results) -> None:
     text, image, dim = (2, 6, 16) if args.smoke else (TEXT, IMAGE, DIM)
     iters = 2 if args.smoke else args.iters
     torch.manual_seed(0)
-    rows = []
     for shape, module_type in MODULES.items():
         inputs = _inputs(shape, text, image, dim)
-        eager = module_type(dim).to(gi.DEVICE)
+        eager = module_type(dim).to(harness.DEVICE)
         with torch.no_grad():
             reference = eager(*inputs)
 
@@ -173,13 +165,18 @@ def main() -> None:
                 return _copy
             if variant.split("+")[0] != "inductor":
                 raise ValueError(f"unknown variant {variant!r}: eager, copy or inductor[+OPTION...]")
-            return compiled(variant, args.smoke)(module_type(dim).to(gi.DEVICE))
+            return compiled(variant, args.smoke)(module_type(dim).to(harness.DEVICE))
 
         variants = {name: make(name) for name in args.variants.split(",")}
-        rows += measure_each(shape, variants,
-                             lambda name, fn, shape=shape, inputs=inputs, reference=reference:
-                             measure(shape, name, fn, inputs, reference, iters))
-    report(rows, args.json, BANDWIDTH_COLUMNS)
+        measure_each(shape, variants,
+                     lambda name, fn, shape=shape, inputs=inputs, reference=reference:
+                     measure(shape, name, fn, inputs, reference, iters), results.save)
+    table(results.rows, BANDWIDTH_COLUMNS)
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU, aot_eager (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Which attention kernel is fastest at FLUX.1-dev 1024²'s shape on this GPU? The attention alone, kernel by kernel.
+Peer: kernel alternatives at the same shape and layout (PyTorch's SDPA kernels, FlashAttention-4), each the others'.
 
 ``python -m benchmarks.gpu_attention_kernels [--tokens 4608] [--iters 50] [--json FILE]``  (needs CUDA; ``--smoke``:
 tiny shapes on the CPU, the math kernel only)
@@ -23,15 +24,14 @@ L2 distance of the output from float32 math attention on the same inputs.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernel_timing import KERNEL_COLUMNS, kernel_row, labelled_variants, measure_each, report
+from . import harness
+from .kernel_timing import KERNEL_COLUMNS, kernel_row, labelled_variants, measure_each, table
 
 SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
@@ -80,8 +80,7 @@ def measure(name: str, fn: Callable, inputs: tuple, reference: torch.Tensor, ite
                       clocks=clocks)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--tokens", default="4608", help="sequence lengths, comma-separated (4,608: FLUX at 1024²)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=24)
@@ -91,17 +90,16 @@ def main() -> None:
                         help="comma-separated; a name given again is timed again in that place (its row says which "
                              "time): under a power cap the clock falls as a run goes on, so alternate kernels")
     parser.add_argument("--clocks", action="store_true", help="sample the SM clock and power with nvidia-smi")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    device = "cpu" if args.smoke else "cuda"
+
+
+def benchmark(args, results: harness.Results) -> None:
+    device = harness.DEVICE
     # the fast SDPA kernels and FA4 run on CUDA only
     kernels = ["sdpa_math", "sdpa_math_bhsd", "sdpa_math"] if args.smoke else args.kernels.split(",")
     heads, head_dim = (2, 16) if args.smoke else (args.heads, args.head_dim)
     token_counts = [24] if args.smoke else [int(t) for t in args.tokens.split(",")]
     iters = 2 if args.smoke else args.iters
     torch.manual_seed(0)
-    rows = []
     for tokens in token_counts:
         shape = f"{args.batch}x{tokens}x{heads}x{head_dim}"
         inputs = tuple(torch.randn(args.batch, tokens, heads, head_dim, device=device, dtype=torch.bfloat16)
@@ -112,10 +110,16 @@ def main() -> None:
         with torch.no_grad():
             reference = _sdpa(exact)(*(x.float() for x in inputs))
         variants, errors = labelled_variants(shape, kernels, _kernel)
-        rows += errors
-        rows += measure_each(shape, variants, lambda name, fn: measure(name, fn, inputs, reference, iters, shape,
-                                                                       args.clocks))
-    report(rows, args.json, KERNEL_COLUMNS)
+        for row in errors:
+            results.save(row)
+        measure_each(shape, variants, lambda name, fn, shape=shape, inputs=inputs, reference=reference: measure(
+            name, fn, inputs, reference, iters, shape, args.clocks), results.save)
+    table(results.rows, KERNEL_COLUMNS)
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU, the math kernel only (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """Can FLUX's feed-forward GELUs ride on the matmuls? The MLP pieces of a FLUX.1-dev 1024² step, alone.
+Peer: kernel alternatives for the same arithmetic (diffusers' eager code, inductor's, cuBLASLt's GELU epilogue) and
+the bare matmuls, the floor.
 
 ``python -m benchmarks.gpu_gemm_epilogue [--iters 50] [--json FILE]``  (needs CUDA; ``--smoke``: tiny shapes on the
 CPU, aot_eager, without the cuBLASLt variants)
@@ -24,18 +26,15 @@ median of five rounds) and the output's distance from eager's.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import gpu_interpreter as gi
-from .gpu_norm_rope import compiled
-from .kernel_timing import measure_each, microseconds, report
+from . import harness
+from .harness import compiled
+from .kernel_timing import measure_each, microseconds, table
 
 WIDTH, HIDDEN, TEXT, IMAGE = 3072, 12288, 512, 4096  # FLUX.1 at 1024²
 
@@ -86,38 +85,34 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch
     with torch.no_grad():
         for _ in range(3):  # compilation, the allocator
             out = fn(*inputs)
-        rounds = microseconds(fn, inputs, iters, gi.DEVICE)
+        rounds = microseconds(fn, inputs, iters, harness.DEVICE)
     row = {"shape": shape, "config": name, "us_per_call": statistics.median(rounds), "rounds_us": rounds}
     if name != "matmuls":
         got, want = out.float().flatten(), reference.float().flatten()
         row["max_abs_vs_eager"] = float((got - want).abs().max())
         row["share_differing_vs_eager"] = float((got != want).float().mean())
         row["cosine_vs_eager"] = float(F.cosine_similarity(got, want, dim=0))
-    print(json.dumps(row), flush=True)
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    if args.smoke:
-        gi.enable_smoke()
+
+
+def benchmark(args, results: harness.Results) -> None:
     width, hidden, text, image = (16, 64, 2, 6) if args.smoke else (WIDTH, HIDDEN, TEXT, IMAGE)
     iters = 2 if args.smoke else args.iters
     torch.manual_seed(0)
     dtype = torch.bfloat16
 
     def weight(rows, cols):
-        return torch.randn(rows, cols, device=gi.DEVICE, dtype=dtype) / cols ** 0.5
+        return torch.randn(rows, cols, device=harness.DEVICE, dtype=dtype) / cols ** 0.5
 
     def bias(rows):
-        return torch.randn(rows, device=gi.DEVICE, dtype=dtype) * 0.1
+        return torch.randn(rows, device=harness.DEVICE, dtype=dtype) * 0.1
 
     def tokens(n):
-        return torch.randn(n, width, device=gi.DEVICE, dtype=dtype)
+        return torch.randn(n, width, device=harness.DEVICE, dtype=dtype)
 
     shapes = {
         "single block": ((tokens(text + image), tokens(text + image), weight(hidden, width), bias(hidden),
@@ -126,20 +121,26 @@ def main() -> None:
         "double block": ((tokens(image), weight(hidden, width), bias(hidden), weight(width, hidden), bias(width)),
                          _double_eager, _double_epilogue, _double_omnispec, _double_matmuls),
     }
-    rows = []
     for shape, (inputs, eager, epilogue, omnispec_op, matmuls) in shapes.items():
         with torch.no_grad():
             reference = eager(*inputs)
-        variants: dict[str, Callable] = {"eager": eager, "inductor": compiled(eager, args.smoke)}
-        if gi.DEVICE == "cuda":
+        variants: dict[str, Callable] = {"eager": eager, "inductor": compiled(eager)}
+        if harness.DEVICE == "cuda":
             variants["epilogue"] = epilogue
-        variants["omnispec op"] = compiled(omnispec_op, args.smoke)
+        variants["omnispec op"] = compiled(omnispec_op)
         variants["matmuls"] = matmuls
-        rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference, iters))
-    report(rows, args.json, {"us per call": lambda r: f"{r['us_per_call']:.1f}",
-                             "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
-                             "share differing": lambda r: r.get("share_differing_vs_eager", ""),
-                             "cosine": lambda r: r.get("cosine_vs_eager", "")})
+        measure_each(shape, variants, lambda name, fn, shape=shape, inputs=inputs, reference=reference: measure(
+            shape, name, fn, inputs, reference, iters), results.save)
+    table(results.rows, {"us per call": lambda r: f"{r['us_per_call']:.1f}",
+                         "max abs vs eager": lambda r: r.get("max_abs_vs_eager", ""),
+                         "share differing": lambda r: r.get("share_differing_vs_eager", ""),
+                         "cosine": lambda r: r.get("cosine_vs_eager", "")})
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU, aot_eager, without the cuBLASLt variants (checks the script "
+                                "only)")
 
 
 if __name__ == "__main__":

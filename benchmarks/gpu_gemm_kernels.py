@@ -1,4 +1,5 @@
 """Which matmul kernel does FLUX.1-dev's step best at the power cap? Its largest matmuls alone, kernel by kernel.
+Peer: kernel alternatives for the same call (cuBLAS as torch runs it, quack's CuTe GEMMs, cuBLASLt's other algorithms).
 
 ``python -m benchmarks.gpu_gemm_kernels [--seconds 1.0] [--kernels ...] [--json FILE]``  (needs CUDA; ``--smoke``:
 tiny shapes on the CPU, torch's matmul only; the ``quack`` rows need ``quack-kernels``, which ``omnispec[flash4]``
@@ -38,7 +39,6 @@ before each of its 248 matmuls, and a gap after it), their bytes and device time
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from collections.abc import Callable
@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernel_timing import KERNEL_COLUMNS, kernel_row, labelled_variants, measure_each, report
+from . import harness
+from .kernel_timing import KERNEL_COLUMNS, kernel_row, labelled_variants, measure_each, table
 
 TOKENS, WIDTH, HIDDEN = 4608, 3072, 12288  # FLUX.1 at 1024²: 4,096 image + 512 text tokens
 # (rows, inner, outputs, GELU in the epilogue)
@@ -178,12 +179,10 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: torch
             row = {**row, **memsets(fn, inputs)}
         except Exception as exc:  # noqa: BLE001 - the row's timing stands without its trace
             row = {**row, "memsets_error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(row), flush=True)
     return {**row, **getattr(fn, "details", {})}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     parser.add_argument("--kernels", default="cublas,quack,cublas,quack_128x256,cublas,quack_256x128",
                         help="comma-separated; a name given again is timed again in that place")
@@ -191,13 +190,12 @@ def main() -> None:
     parser.add_argument("--clocks", action="store_true", help="sample the SM clock and power with nvidia-smi")
     parser.add_argument("--memsets", action="store_true",
                         help="profile each recorded call: its memsets and kernels (CUDA only)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    device = "cpu" if args.smoke else "cuda"
+
+
+def benchmark(args, results: harness.Results) -> None:
+    device = harness.DEVICE
     kernels = ["cublas", "cublas_full_reduction"] if args.smoke else args.kernels.split(",")  # quack: CUDA only
     torch.manual_seed(0)
-    rows = []
     for shape in args.shapes.split(","):
         tokens, inner, outputs, gelu = SHAPES[shape]
         if args.smoke:
@@ -209,18 +207,24 @@ def main() -> None:
             reference = F.linear(*(t.float() for t in inputs))
             if gelu:
                 reference = F.gelu(reference, approximate="tanh")
-        variants, errors = labelled_variants(shape, kernels, lambda name: kernel(name, gelu))
-        rows += errors
-        rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference,
-                                                                       0.01 if args.smoke else args.seconds,
-                                                                       args.clocks, args.memsets and not args.smoke))
+        variants, errors = labelled_variants(shape, kernels, lambda name, gelu=gelu: kernel(name, gelu))
+        for row in errors:
+            results.save(row)
+        measure_each(shape, variants, lambda name, fn, shape=shape, inputs=inputs, reference=reference: measure(
+            shape, name, fn, inputs, reference, 0.01 if args.smoke else args.seconds, args.clocks,
+            args.memsets and not args.smoke), results.save)
     columns = dict(KERNEL_COLUMNS)
     if args.memsets:
         columns |= {"memsets": lambda r: r.get("memsets_per_call", ""),
                     "memset bytes": lambda r: r.get("memset_bytes", ""),
                     "memset us": lambda r: r.get("memset_us_per_call", ""),
                     "kernels": lambda r: r.get("kernels_per_call", "")}
-    report(rows, args.json, columns)
+    table(results.rows, columns)
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU, torch's matmul only (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Could one grouped matmul do a FLUX double block's text and image projections? Those matmuls, alone.
+Peer: kernel alternatives for the same rows (the two cuBLAS matmuls a step runs now, one dense matmul as the bound).
 
 ``python -m benchmarks.gpu_joint_gemm [--seconds 1.0] [--clocks] [--json FILE]``  (needs CUDA; ``--smoke``: tiny
 shapes on the CPU)
@@ -23,14 +24,13 @@ from a float32 computation of the same thing.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .kernel_timing import KERNEL_COLUMNS, kernel_row, measure_each, report
+from . import harness
+from .kernel_timing import KERNEL_COLUMNS, kernel_row, measure_each, table
 
 TEXT, IMAGE = 512, 4096  # FLUX.1 at 1024²
 SHAPES = {"attention projection": (3072, 3072), "feed-forward output": (12288, 3072)}  # (inner, outputs)
@@ -72,17 +72,15 @@ def reference(name: str, text: int, x: torch.Tensor, weights: torch.Tensor, bias
                       F.linear(x[text:], weights[1], biases[1] if keep else None)])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each of the five timed rounds")
     parser.add_argument("--clocks", action="store_true", help="sample the SM clock and power with nvidia-smi")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    device = "cpu" if args.smoke else "cuda"
+
+
+def benchmark(args, results: harness.Results) -> None:
+    device = harness.DEVICE
     text = 16 if args.smoke else TEXT
     torch.manual_seed(0)
-    rows = []
     for shape, (inner, outputs) in SHAPES.items():
         tokens = 48 if args.smoke else TEXT + IMAGE
         if args.smoke:
@@ -92,10 +90,15 @@ def main() -> None:
                   torch.randn(2, outputs, device=device, dtype=torch.bfloat16) * 0.1)
         flops = 2 * tokens * inner * outputs
         ends = torch.tensor([text, tokens], device=device, dtype=torch.int32)
-        rows += measure_each(shape, variants(text, ends), lambda name, fn: kernel_row(
+        measure_each(shape, variants(text, ends), lambda name, fn, shape=shape, inputs=inputs, flops=flops: kernel_row(
             shape, name, fn, inputs, reference(name, text, *inputs), flops,
-            seconds=0.01 if args.smoke else args.seconds, clocks=args.clocks))
-    report(rows, args.json, KERNEL_COLUMNS)
+            seconds=0.01 if args.smoke else args.seconds, clocks=args.clocks), results.save)
+    table(results.rows, KERNEL_COLUMNS)
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """RL weight sync of a LoRA under regional compile: recompiles and time per ``omnispec.rl.set_lora`` sync.
+No peer: ``--replace`` (delete and reload the adapter each sync, the behaviour before the hotswap) is the comparison.
 
 ``python -m benchmarks.gpu_lora_hotswap [--syncs 5] [--rank 64] [--json FILE]``  (needs CUDA; ``--smoke``: tiny
 FLUX on the CPU with dynamo's eager backend)
@@ -12,14 +13,12 @@ one step. Recorded per sync: dynamo's recompiles and new graphs (``CompileWatch`
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks import gpu_interpreter as gi
+from . import harness
+from .workloads import WORKLOADS
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
@@ -41,21 +40,15 @@ def lora_state(targets: list[tuple[str, torch.nn.Linear]], rank: int, alpha: flo
     return state, {"r": rank, "lora_alpha": alpha, "target_modules": TARGETS}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--replace", action="store_true", help="delete and reload the adapter on each sync")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    if args.smoke:
-        gi.enable_smoke()
-    elif not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --smoke)")
+
+
+def benchmark(args, results: harness.Results) -> None:
     import omnispec
-    import omnispec.rl.weights as weights
-    from omnispec.rl import set_lora
+    from omnispec.rl import set_lora, weights
 
     if args.replace:  # the behaviour before hotswap: a new adapter every sync
         def replace(module, name, state, kwargs):
@@ -64,37 +57,39 @@ def main() -> None:
             return False
 
         weights._replace_lora = replace
-    w = gi.WORKLOADS["flux"]
+    results.header |= {"device": harness.device_name(), "rank": args.rank,
+                       "mode": "replace" if args.replace else "hotswap"}
+    w = WORKLOADS["flux"]
     backend = "eager" if args.smoke else "inductor"
-    pipe = omnispec.build(gi.ROOT / "specs" / w["spec"], components=w["components"](), device=gi.DEVICE, overrides=[
-        "runtime.progress=false", f"policies.compile={{mode: regional, backend: {backend}}}",
-        "policies.attention.default=sdpa"])
+    pipe = omnispec.build(harness.ROOT / "specs" / w["spec"], components=w["components"](), device=harness.DEVICE,
+                          overrides=["runtime.progress=false", "policies.attention.default=sdpa",
+                                     f"policies.compile={{mode: regional, backend: {backend}}}"])
     targets = lora_targets(pipe.components["transformer"])
     request = dict(w["request"], steps=1)
     state, meta = lora_state(targets, args.rank, args.rank, seed=0)
     set_lora(pipe, "policy", state, metadata=meta, max_rank=args.rank)
     start = time.perf_counter()
     pipe("a photo of a cat", seed=0, **request)
-    gi._sync()
-    rows = [{"event": "first step (compiles)", "step_s": time.perf_counter() - start}]
+    harness.sync()
+    results.save({"event": "first step (compiles)", "step_s": time.perf_counter() - start})
     for i in range(1, args.syncs + 1):
         rank = args.rank if i % 2 == 0 else max(1, args.rank // 2)
         state, meta = lora_state(targets, rank, rank * (1 + i % 3), seed=i)
-        with gi.CompileWatch() as watch:
-            gi._sync()
+        with harness.CompileWatch() as watch:
+            harness.sync()
             start = time.perf_counter()
             set_lora(pipe, "policy", state, metadata=meta)
-            gi._sync()
+            harness.sync()
             synced = time.perf_counter()
             pipe("a photo of a cat", seed=0, **request)
-            gi._sync()
-        rows.append({"event": f"sync {i} (rank {rank}, alpha {meta['lora_alpha']})", "sync_s": synced - start,
-                     "step_s": time.perf_counter() - synced, **watch.summary()})
-        print(json.dumps(rows[-1]), flush=True)
-    result = {"device": torch.cuda.get_device_name() if gi.DEVICE == "cuda" else "cpu", "rank": args.rank,
-              "mode": "replace" if args.replace else "hotswap", "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            harness.sync()
+        results.save({"event": f"sync {i} (rank {rank}, alpha {meta['lora_alpha']})", "sync_s": synced - start,
+                      "step_s": time.perf_counter() - synced, **watch.summary()})
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, needs_cuda=True,
+                          smoke="tiny FLUX on the CPU with dynamo's eager backend (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """Can FLUX's q/k RMS norms and RoPE run at the memory's speed? The attention's input preparation, alone.
+Peer: kernel alternatives for the same preparation (diffusers' eager code, inductor's, omnispec's Triton kernel) and
+a plain copy of the same bytes, the floor.
 
 ``python -m benchmarks.gpu_norm_rope [--iters 100] [--json FILE]``  (needs CUDA; ``--smoke``: tiny shapes on the
 CPU, aot_eager, without the Triton kernel)
@@ -24,17 +26,15 @@ median of five rounds), the bytes a call must move, their rate, and the output's
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
-from . import gpu_interpreter as gi
-from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, report
+from . import harness
+from .harness import compiled
+from .kernel_timing import BANDWIDTH_COLUMNS, measure_each, microseconds, table
 
 HEADS, HEAD_DIM, TEXT, IMAGE = 24, 128, 512, 4096  # FLUX.1 at 1024²
 EPS = 1e-6
@@ -86,17 +86,6 @@ def _triton_norm_rope(module: NormRope, tokens_per_program: int, heads_per_progr
     return run
 
 
-def compiled(module: Callable, smoke: bool) -> Callable:
-    """``module`` compiled with omnispec's compile options (aot_eager for the CPU smoke)."""
-    from omnispec.policies.compile import _torch_compile_options
-    from omnispec.spec.policies import CompilePolicy
-
-    torch._dynamo.reset()
-    if smoke:  # inductor's CPU code generation is slow for the suite; the smoke checks the script
-        return torch.compile(module, fullgraph=True, backend="aot_eager")
-    return torch.compile(module, fullgraph=True, options=_torch_compile_options(CompilePolicy(mode="regional")))
-
-
 def _copy(q, k, cos, sin, text_q=None, text_k=None):
     return tuple(x.clone() for x in (q, k, text_q, text_k) if x is not None)
 
@@ -105,7 +94,7 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
     with torch.no_grad():
         for _ in range(3):  # compilation, autotuning, the allocator
             out = fn(*inputs)
-        rounds = microseconds(fn, inputs, iters, gi.DEVICE)
+        rounds = microseconds(fn, inputs, iters, harness.DEVICE)
     q, k = inputs[0], inputs[1]
     moved = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * inputs[2].numel() * inputs[2].element_size()
     if len(inputs) > 4:
@@ -118,39 +107,35 @@ def measure(shape: str, name: str, fn: Callable, inputs: tuple, reference: tuple
         row["max_abs_vs_eager"] = float((got - want).abs().max())
         row["share_differing_vs_eager"] = float((got != want).float().mean())
         row["cosine_vs_eager"] = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
-    print(json.dumps(row), flush=True)
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--triton-configs", default="16x4x4,16x2x4,32x2x8",
                         help="the Triton kernel's launch shapes, comma-separated: tokens x heads per program (of q and "
                              "of k each) x warps; the first is also timed with one launch per tensor")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script only)")
-    args = parser.parse_args()
-    if args.smoke:
-        gi.enable_smoke()
+
+
+def benchmark(args, results: harness.Results) -> None:
     heads, head_dim, text, image = (2, 16, 2, 6) if args.smoke else (HEADS, HEAD_DIM, TEXT, IMAGE)
     iters = 2 if args.smoke else args.iters
     torch.manual_seed(0)
     dtype = torch.bfloat16
 
     def tensor(tokens):
-        return torch.randn(1, tokens, heads, head_dim, device=gi.DEVICE, dtype=dtype) * 3
+        return torch.randn(1, tokens, heads, head_dim, device=harness.DEVICE, dtype=dtype) * 3
 
-    angles = torch.rand(text + image, head_dim // 2, device=gi.DEVICE) * 6.3
+    angles = torch.rand(text + image, head_dim // 2, device=harness.DEVICE) * 6.3
     cos, sin = (f(angles).repeat_interleave(2, dim=1).contiguous() for f in (torch.cos, torch.sin))
     shapes = {"single block": (tensor(text + image), tensor(text + image), cos, sin),
               "double block": (tensor(image), tensor(image), cos, sin, tensor(text), tensor(text))}
-    module = NormRope(head_dim).to(gi.DEVICE, dtype)
-    pairs = NormRope(head_dim, pairs=True).to(gi.DEVICE, dtype)
+    module = NormRope(head_dim).to(harness.DEVICE, dtype)
+    pairs = NormRope(head_dim, pairs=True).to(harness.DEVICE, dtype)
     pairs.load_state_dict(module.state_dict())
-    variants: dict[str, Callable] = {"eager": module, "inductor": compiled(module, args.smoke)}
-    variants["inductor pairs"] = compiled(pairs, args.smoke)
-    if gi.DEVICE == "cuda":
+    variants: dict[str, Callable] = {"eager": module, "inductor": compiled(module)}
+    variants["inductor pairs"] = compiled(pairs)
+    if harness.DEVICE == "cuda":
         for i, config in enumerate(args.triton_configs.split(",")):
             tokens, heads_per_program, warps = (int(n) for n in config.split("x"))
             variants[f"triton {config}"] = _triton_norm_rope(module, tokens, heads_per_program, warps, True)
@@ -158,12 +143,17 @@ def main() -> None:
                 variants[f"triton {config} per tensor"] = _triton_norm_rope(module, tokens, heads_per_program,
                                                                             warps, False)
     variants["copy"] = _copy
-    rows = []
     for shape, inputs in shapes.items():
         with torch.no_grad():
             reference = module(*inputs)
-        rows += measure_each(shape, variants, lambda name, fn: measure(shape, name, fn, inputs, reference, iters))
-    report(rows, args.json, BANDWIDTH_COLUMNS)
+        measure_each(shape, variants, lambda name, fn, shape=shape, inputs=inputs, reference=reference: measure(
+            shape, name, fn, inputs, reference, iters), results.save)
+    table(results.rows, BANDWIDTH_COLUMNS)
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark,
+                          smoke="tiny shapes on the CPU (checks the script only)")
 
 
 if __name__ == "__main__":

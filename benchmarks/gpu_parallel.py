@@ -1,4 +1,5 @@
-"""Parallel policies on two GPUs: per-step time of cfg=2, ulysses=2 and ring=2 against one GPU, same call.
+"""Parallel policies on two GPUs: per-step time of cfg=2, ulysses=2 and ring=2 against one GPU, and the outputs' match.
+Peer: omnispec on one GPU in the same call, and diffusers' own context parallelism (ulysses 2, ring 2).
 
 ``torchrun --nproc-per-node 2 -m benchmarks.gpu_parallel [--workloads flux,wan] [--json FILE]``
 (``--smoke``: tiny models on CPU with gloo, to check the script.)
@@ -15,31 +16,27 @@ Keep NVLink multicast off (the device README): NCCL_NVLS_ENABLE=0.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import gpu_interpreter as gi
+from . import harness
+from .workloads import PARALLEL_DEGREES, WORKLOADS, parallel_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"single": {}, "single-unbatched": {}, "cfg2": {"cfg": 2}, "ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}}
 # Per-step time = (time of hi steps - time of lo steps) / (hi - lo); Wan's 6.4 s steps keep its count low.
 STEPS = {"flux": (2, 6), "wan": (1, 2)}
 
 
 def _components(name: str) -> dict:
     torch.manual_seed(0)  # identical random weights on every rank
-    if gi.DEVICE == "cuda":
+    if harness.DEVICE == "cuda":
         torch.cuda.manual_seed_all(0)
-    return gi.WORKLOADS[name]["components"]()
+    return WORKLOADS[name]["components"]()
 
 
 def _steps(name: str) -> tuple[int, int]:
-    return gi.WORKLOADS[name]["steps"] if gi.SMOKE else STEPS[name]
+    return WORKLOADS[name]["steps"] if harness.SMOKE else STEPS[name]
 
 
 def _timed_row(run, name: str, label: str, repeats: int) -> dict:
@@ -47,36 +44,23 @@ def _timed_row(run, name: str, label: str, repeats: int) -> dict:
     lo, hi = _steps(name)
     with torch.no_grad():
         run(lo)
-        med, samples = gi.per_step(run, lo, hi, repeats)
+        med, samples = harness.per_step(run, lo, hi, repeats)
     return {"workload": name, "config": label, "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples]}
-
-
-def _spec_overrides(name: str, label: str) -> list[str]:
-    degrees = CONFIGS[label]
-    out = ["runtime.progress=false", "policies.attention.default=sdpa"]  # one kernel for every run compared
-    if label == "single-unbatched":
-        # one sample row per forward, as each cfg rank runs: how far bf16 moves with the batch shape alone
-        out.append("runtime.max_batch=1")
-    if name == "flux":
-        out.append("recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 4.0}]")
-    if degrees:
-        out.append("policies.parallel={" + ", ".join(f"{k}: {v}" for k, v in degrees.items()) + "}")
-    return out
 
 
 def measure(name: str, label: str, repeats: int) -> dict | None:
     import omnispec
     from omnispec.spec.request import resolve_request
 
-    degrees = CONFIGS[label]
+    degrees = PARALLEL_DEGREES[label]
     rank = dist.get_rank()
     if not degrees and rank != 0:
         dist.barrier()
         return None
-    w = gi.WORKLOADS[name]
+    w = WORKLOADS[name]
     mods = _components(name)
-    pipe = omnispec.build(ROOT / "specs" / w["spec"], components=mods, device=gi.DEVICE,
-                          overrides=_spec_overrides(name, label))
+    pipe = omnispec.build(harness.ROOT / "specs" / w["spec"], components=mods, device=harness.DEVICE,
+                          overrides=parallel_overrides(name, label))
     request = w["request"] | ({"negative_prompt": "blurry"} if name == "flux" else {})
 
     def run(n):
@@ -95,7 +79,7 @@ def measure(name: str, label: str, repeats: int) -> dict | None:
         row |= {"max_abs_diff": (latents - ref).abs().max().item(),
                 "cosine": torch.nn.functional.cosine_similarity(latents.flatten(), ref.flatten(), dim=0).item()}
     pipe = mods = None  # free memory before the next configuration
-    gi.free_device_memory()
+    harness.free_device_memory()
     return row
 
 
@@ -104,7 +88,7 @@ def diffusers_peer(name: str, degrees: dict, repeats: int) -> dict:
     import diffusers
     from diffusers import ContextParallelConfig
 
-    w = gi.WORKLOADS[name]
+    w = WORKLOADS[name]
     mods = _components(name)
     if degrees.get("ring_degree", 1) > 1:
         mods["transformer"].set_attention_backend("_native_flash")  # diffusers' ring needs the log-sum-exp
@@ -122,26 +106,22 @@ def diffusers_peer(name: str, degrees: dict, repeats: int) -> dict:
     label = "diffusers " + ",".join(f"{k.split('_')[0]}{v}" for k, v in degrees.items())
     row = _timed_row(run, name, label, repeats)
     ref = mods = None
-    gi.free_device_memory()
+    harness.free_device_memory()
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--workloads", default="flux,wan")
     parser.add_argument("--configs", default="single,single-unbatched,cfg2,ulysses2,ring2")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
+
+
+def benchmark(args, results: harness.Results) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     configs = args.configs.split(",")
-    if args.smoke:
-        gi.enable_smoke()
     dist.init_process_group("gloo" if args.smoke else "nccl")
     if not args.smoke:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    rows = []
     for name in args.workloads.split(","):
         for label in configs:
             try:
@@ -149,30 +129,36 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                 row = {"workload": name, "config": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
             if row and dist.get_rank() == 0:
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                results.save(row)
         for degrees in ({"ulysses_degree": 2}, {"ring_degree": 2}) if not args.smoke else ():
             try:
                 row = diffusers_peer(name, degrees, args.repeats)
             except Exception as exc:  # noqa: BLE001
-                row = {"workload": name, "config": f"diffusers {degrees}", "error": f"{type(exc).__name__}: {exc}"[:300]}
+                row = {"workload": name, "config": f"diffusers {degrees}",
+                       "error": f"{type(exc).__name__}: {exc}"[:300]}
             if dist.get_rank() == 0:
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        if args.json and dist.get_rank() == 0:
-            args.json.write_text(json.dumps(rows, indent=1))
+                results.save(row)
     if dist.get_rank() == 0:
-        single = {r["workload"]: r["ms_per_step"] for r in rows if r.get("config") == "single" and "ms_per_step" in r}
-        print("| workload | config | ms/step | speed-up vs 1 GPU | max abs diff | cosine |")
-        for r in rows:
-            if "error" in r:
-                print(f"| {r['workload']} | {r['config']} | error: {r['error'][:70]} | | | |")
-                continue
-            base = single.get(r["workload"])
-            speed = f"{base / r['ms_per_step']:.2f}x" if base else ""
-            print(f"| {r['workload']} | {r['config']} | {r['ms_per_step']:.1f} | {speed} | "
-                  f"{r.get('max_abs_diff', '')} | {r.get('cosine', '')} |")
+        table(results.rows)
     dist.destroy_process_group()
+
+
+def table(rows: list[dict]) -> None:
+    single = {r["workload"]: r["ms_per_step"] for r in rows if r.get("config") == "single" and "ms_per_step" in r}
+    print("| workload | config | ms/step | speed-up vs 1 GPU | max abs diff | cosine |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['workload']} | {r['config']} | error: {r['error'][:70]} | | | |")
+            continue
+        base = single.get(r["workload"])
+        speed = f"{base / r['ms_per_step']:.2f}x" if base else ""
+        print(f"| {r['workload']} | {r['config']} | {r['ms_per_step']:.1f} | {speed} | "
+              f"{r.get('max_abs_diff', '')} | {r.get('cosine', '')} |")
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, layout="list",
+                          smoke="tiny models on CPU ranks over gloo (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Side by side with cache-dit and xDiT (issue 19): the same in-memory modules (real configs, random bf16 weights)
-handed to each engine, every time a ratio to the same plain eager diffusers run measured in the same call,
-medians of repeats, every row recording its engine's version and settings.
+"""Compile, step caching, fp8, offload and two-GPU parallel at real sizes (random bf16 weights), side by side.
+Peer: cache-dit and xDiT (and diffusers' own call where it has one), on the same in-memory modules handed to each
+engine, every time a ratio to the same plain eager diffusers run measured in the same call, medians of repeats,
+every row recording its engine's version and settings (issue 19).
 
 One H200, one part per call (each call measures its own eager baseline; sized for the 10-minute command limit
 from the step times in BENCHMARKS.md, not yet timed on a GPU):
@@ -23,7 +24,7 @@ smoke-only shim (``_xfuser_on_cpu``) when triton is importable, since xfuser imp
 
 Workloads: FLUX.1-dev 1024² (embedded guidance 3.5; ``--parallel`` adds true CFG 4 with a negative prompt, as
 ``gpu_parallel`` does, so CFG-parallel has two passes to split) and Wan2.1 14B 480x832x81 (CFG 5, two forwards
-a step in diffusers). Text encoders are one-layer stand-ins of the real widths (``gpu_interpreter``).
+a step in diffusers). Text encoders are one-layer stand-ins of the real widths (``workloads``).
 
 Single-GPU parts. ``eager`` is diffusers' own pipeline on the untouched modules; peers run on deep copies of the
 denoiser (what they patch stays off the originals); omnispec builds over the modules with ``attention: sdpa``.
@@ -90,7 +91,6 @@ first (the working directory leads sys.path), but remove them after installing t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import importlib.metadata
@@ -109,8 +109,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on 
 
 import torch
 
-from . import gpu_interpreter as gi
-from . import gpu_policies as gp
+from . import harness
+from .workloads import flux_components, parallel_overrides, plain_copy, tiny_components, wan_components
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a photo of a cat"
@@ -128,13 +128,13 @@ WORK = {
             "xdit_model": "Wan-AI/Wan2.1-T2V-14B-Diffusers"},
 }
 SMOKE_OVERRIDES: list[str] = []  # --smoke: the tiny modules are float32
-ROWS: list[dict] = []
+RESULTS = harness.Results()  # the run's rows (``benchmark`` hands it the one with ``--json``'s file)
 _TAKES = itertools.count()
 
 
-def enable_smoke() -> None:
+@harness.on_smoke
+def _tiny_work() -> None:
     """Tiny float32 modules on the CPU at 32 px (frames 5 for Wan), few steps: checks every code path fast."""
-    gi.enable_smoke()
     SMOKE_OVERRIDES[:] = ["model.dtype=float32"]
     for w in WORK.values():
         video = "frames" in w["request"]
@@ -171,8 +171,7 @@ def _is_main() -> bool:
 def emit(row: dict) -> dict:
     row = {"version": VERSIONS.get(ENGINE_DIST.get(row.get("engine"), ""), None), **row}
     if _is_main():
-        ROWS.append(row)
-        print(json.dumps(row, default=str), flush=True)
+        RESULTS.save(row)
     return row
 
 
@@ -196,30 +195,6 @@ def _peer(module: str):
 
 
 # ---- modules and runs -----------------------------------------------------------------------------------------------
-
-def _tiny_components(name: str) -> dict:
-    """Tiny modules of the same classes (the offline fixtures' builders), with more blocks than the fixtures
-    so block caches have something to skip."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-
-    from omnispec.testing import clip_tokenizer, t5_tokenizer
-    from omnispec.testing import fixtures as fx
-
-    if name == "flux":
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=fx.TEXT_DIM, pooled_projection_dim=fx.TEXT_DIM,
-            axes_dims_rope=(4, 4, 8), guidance_embeds=True).eval()
-        return {"transformer": transformer, "text_encoder": fx._clip(), "tokenizer": clip_tokenizer(),
-                "text_encoder_2": fx._t5(), "tokenizer_2": t5_tokenizer(),
-                "vae": fx._image_vae(4, shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False,
-                                     use_post_quant_conv=False),
-                "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                             max_shift=1.15, base_image_seq_len=256,
-                                                             max_image_seq_len=4096)}
-    return {"transformer": fx._wan_transformer(), "text_encoder": fx._t5("UMT5EncoderModel"),
-            "tokenizer": t5_tokenizer(), "vae": fx._wan_vae(), "scheduler": fx._unipc()}
-
 
 _TOKENIZERS: dict[str, dict] = {}
 
@@ -249,9 +224,9 @@ def components(name: str) -> dict:
     """Random modules made from one seed, so every rank and every configuration gets the same weights (and
     the same tokenizers)."""
     torch.manual_seed(0)
-    if gi.DEVICE == "cuda":
+    if harness.DEVICE == "cuda":
         torch.cuda.manual_seed_all(0)
-    mods = _tiny_components(name) if gi.SMOKE else {"flux": gi.flux_components, "wan": gi.wan_components}[name]()
+    mods = tiny_components(name) if harness.SMOKE else {"flux": flux_components, "wan": wan_components}[name]()
     return _shared_tokenizers(name, mods)
 
 
@@ -300,7 +275,7 @@ def diffusers_runner(pipe, name: str, extra: dict | None = None, fresh: bool = F
 def omnispec_pipeline(name: str, mods: dict, overrides: list[str]):
     import omnispec
 
-    return omnispec.build(ROOT / "specs" / WORK[name]["spec"], components=mods, device=gi.DEVICE,
+    return omnispec.build(ROOT / "specs" / WORK[name]["spec"], components=mods, device=harness.DEVICE,
                           overrides=["runtime.progress=false", "policies.attention.default=sdpa", *SMOKE_OVERRIDES,
                                      *overrides])
 
@@ -322,19 +297,19 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _peak_gib(run, n: int) -> float:
-    if gi.DEVICE != "cuda":
+    if harness.DEVICE != "cuda":
         return 0.0
-    gi._sync()
+    harness.sync()
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         run(n)
-    gi._sync()
+    harness.sync()
     return torch.cuda.max_memory_allocated() / 2**30
 
 
 def _per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
     with torch.no_grad():
-        return gi.per_step(run, lo, hi, repeats)
+        return harness.per_step(run, lo, hi, repeats)
 
 
 def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
@@ -349,7 +324,7 @@ def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
 
     handle = module.register_forward_hook(keep)
     try:
-        seconds = gp._first_call_s(run)
+        seconds = harness.first_call_s(run)
     finally:
         handle.remove()
     return seen[0], seconds
@@ -482,7 +457,7 @@ class Workload:
         self.mods = components(name)
         for m in self.mods.values():
             if isinstance(m, torch.nn.Module):
-                m.to(gi.DEVICE)
+                m.to(harness.DEVICE)
         self.eager = diffusers_runner(diffusers_pipeline(name, self.mods), name)
         self._eager_step: dict | None = None
         self._requests: dict[int, dict] = {}
@@ -494,7 +469,7 @@ class Workload:
             with torch.no_grad():
                 self.eager(lo)  # warm-up
             reference, _ = _first_output(self.eager, self.mods["transformer"])
-            flops = gi.flops_per_step(self.eager)
+            flops = harness.flops_per_step(self.eager)
             med, samples = _per_step(self.eager, lo, hi, self.repeats)
             self._eager_step = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
                                 "tflop_per_step": flops / 1e12, "mfu": flops / med / self.ceiling,
@@ -510,7 +485,7 @@ class Workload:
         if steps not in self._requests:
             with counting(self.mods["transformer"]) as count, torch.no_grad():
                 latents = self.eager(steps)  # warm-up, reference output, forward count
-            med, samples = gi.per_request(self.eager, steps, self.repeats)
+            med, samples = harness.per_request(self.eager, steps, self.repeats)
             self._requests[steps] = {"request_s": med, "samples_s": samples, "latents": latents.float().cpu(),
                                      "forwards": count.summary()}
             emit({"part": "eager", "workload": self.name, "engine": "diffusers", "config": f"eager ({steps}-step request)",
@@ -521,7 +496,7 @@ class Workload:
     def reset_modules(self) -> None:
         """A plain omnispec build removes every hook an earlier build put on the modules (cache, offload)."""
         omnispec_pipeline(self.name, self.mods, [])
-        gi.free_device_memory()
+        harness.free_device_memory()
 
 
 def _step_row(wl: Workload, part: str, engine: str, config: str, settings: dict, run, module=None) -> dict:
@@ -529,13 +504,13 @@ def _step_row(wl: Workload, part: str, engine: str, config: str, settings: dict,
     eager, per-step time as a ratio to eager, peak memory."""
     eager = wl.eager_step()
     lo, hi = wl.w["steps"]
-    with gi.CompileWatch() as watch:
+    with harness.CompileWatch() as watch:
         extra = {}
         if module is not None:
             out, first = _first_output(run, module)
             extra["denoiser_cosine_vs_eager"] = _cos(out, eager["reference"])
         else:
-            first = gp._first_call_s(run)
+            first = harness.first_call_s(run)
         with torch.no_grad():
             run(lo)
         med, samples = _per_step(run, lo, hi, wl.repeats)
@@ -548,7 +523,7 @@ def _step_row(wl: Workload, part: str, engine: str, config: str, settings: dict,
 
 def _twin(wl: Workload) -> torch.nn.Module:
     """A deep copy of the untouched denoiser, on the device."""
-    return gp._plain_copy(wl.mods["transformer"]).to(gi.DEVICE)
+    return plain_copy(wl.mods["transformer"]).to(harness.DEVICE)
 
 
 # ---- part: compile ----------------------------------------------------------------------------------------------
@@ -563,7 +538,7 @@ def compile_part(wl: Workload, args) -> None:
         label = "compile: " + variant.replace("+", " + ")
         try:
             twin = _twin(wl)
-            overrides = gp.compile_overrides(variant)
+            overrides = harness.compile_overrides(variant)
             pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, overrides)
             applied = pipe.explain(as_dict=True).get("applied", {})
             run = omnispec_runner(pipe, name)
@@ -577,7 +552,7 @@ def compile_part(wl: Workload, args) -> None:
             error_row("compile", name, "omnispec", label, exc)
         pipe = twin = run = None
         if not sides:  # a kept side's compiled code stays
-            gi.free_device_memory()
+            harness.free_device_memory()
             torch._dynamo.reset()
 
     with process_wide_compile_settings():
@@ -598,7 +573,7 @@ def compile_part(wl: Workload, args) -> None:
         except Exception as exc:  # noqa: BLE001
             error_row("compile", name, "both", "interleaved rounds", exc)
     sides.clear()
-    gi.free_device_memory()
+    harness.free_device_memory()
     torch._dynamo.reset()
     with process_wide_compile_settings():
         if args.compile_extra:
@@ -612,7 +587,7 @@ def compile_part(wl: Workload, args) -> None:
             except Exception as exc:  # noqa: BLE001
                 error_row("compile", name, "omnispec", "compile: regional, under cache-dit's inductor settings", exc)
             pipe = twin = None
-            gi.free_device_memory()
+            harness.free_device_memory()
             torch._dynamo.reset()
 
 
@@ -625,7 +600,7 @@ def _request_row(wl: Workload, part: str, engine: str, config: str, settings: di
     eager = wl.eager_request(steps)
     with counting(transformer) as count, torch.no_grad():
         latents = run(steps)
-    med, samples = gi.per_request(run, steps, wl.repeats)
+    med, samples = harness.per_request(run, steps, wl.repeats)
     return emit({"part": part, "workload": wl.name, "engine": engine, "config": config, "settings": settings,
                  "steps": steps, "request_s": med, "samples_s": samples, **_ratios(med, eager["request_s"]),
                  "forwards": count.summary(), "eager_forwards": eager["forwards"],
@@ -681,7 +656,7 @@ def step_mask_part(wl: Workload, args) -> None:
     except Exception as exc:  # noqa: BLE001
         error_row("step_mask", name, "cache-dit", "steps_computation_mask (static)", exc, settings=common)
     pipe = twin = None
-    gi.free_device_memory()
+    harness.free_device_memory()
     bools = ", ".join("true" if m else "false" for m in mask)
     try:
         pipe = omnispec_pipeline(name, wl.mods, [f"policies.cache={{kind: step_mask, mask: [{bools}]}}"])
@@ -745,7 +720,7 @@ def dbcache_part(wl: Workload, args) -> None:
                 error_row("dbcache", name, "cache-dit", label, exc)
                 target = None
             pipe = twin = None
-            gi.free_device_memory()
+            harness.free_device_memory()
             if target is None:
                 continue
 
@@ -782,18 +757,18 @@ def _quantized_linears(module: torch.nn.Module) -> dict:
 def fp8_part(wl: Workload, args) -> None:
     name = wl.name
     wl.eager_step()  # the bf16 eager row, and the first denoiser output every fp8 row is compared with
-    cuda = gi.DEVICE == "cuda"
+    cuda = harness.DEVICE == "cuda"
     method = "fp8_dynamic" if cuda else "int8_weight_only"  # --smoke: a method the CPU runs
-    policy, _ = gp.quantized_transformer(method, "row" if cuda else None)
+    policy, _ = harness.quantized_transformer(method, "row" if cuda else None)
     original = wl.mods["transformer"]
     original.to("cpu")  # the bf16 original waits on the host: the peaks below are the quantized copies' own
-    gi.free_device_memory()
+    harness.free_device_memory()
     modes = (["none"] if args.fp8_eager else []) + ["regional"]
     engines = args.fp8_engines.split(",")
     for mode in modes if "omnispec" in engines else ():  # omnispec first: cache-dit's patches torchao process-wide
         label = f"{method}{' + compile: regional' if mode == 'regional' else ' eager'}"
         try:
-            twin = gp._plain_copy(original)
+            twin = plain_copy(original)
             pipe = omnispec_pipeline(name, {**wl.mods, "transformer": twin}, [policy, f"policies.compile.mode={mode}"])
             _step_row(wl, "fp8", "omnispec", label,
                       {"spec": [policy, f"policies.compile.mode={mode}"], **_quantized_linears(twin)},
@@ -801,7 +776,7 @@ def fp8_part(wl: Workload, args) -> None:
         except Exception as exc:  # noqa: BLE001
             error_row("fp8", name, "omnispec", label, exc)
         pipe = twin = None
-        gi.free_device_memory()
+        harness.free_device_memory()
         torch._dynamo.reset()
     for mode in modes if "cache-dit" in engines else ():
         label = "float8_per_row" + (" + compile path" if mode == "regional" else " eager")
@@ -810,7 +785,7 @@ def fp8_part(wl: Workload, args) -> None:
                 cache_dit = _peer("cache_dit")
                 from cache_dit import QuantizeConfig
 
-                twin = gp._plain_copy(original).to(gi.DEVICE)
+                twin = plain_copy(original).to(harness.DEVICE)
                 config = QuantizeConfig(quant_type="float8_per_row")
                 twin = cache_dit.quantize(twin, quantize_config=config)
                 how = cachedit_compile(twin) if mode == "regional" else {}
@@ -822,9 +797,9 @@ def fp8_part(wl: Workload, args) -> None:
             except Exception as exc:  # noqa: BLE001
                 error_row("fp8", name, "cache-dit", label, exc)
             twin = None
-            gi.free_device_memory()
+            harness.free_device_memory()
             torch._dynamo.reset()
-    original.to(gi.DEVICE)
+    original.to(harness.DEVICE)
 
 
 # ---- part: model offload, a new prompt per request ----------------------------------------------------------
@@ -834,13 +809,13 @@ def transfer_profile(run) -> dict:
     sources), their bytes, GPU time and bandwidth, and bursts of them in time from the request's start."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if gi.DEVICE == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
-        gi._sync()
+        harness.sync()
         start = time.perf_counter()
         with torch.no_grad():
             run()
-        gi._sync()
+        harness.sync()
         wall = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -882,7 +857,7 @@ def _host_memory() -> dict:
         out["rss_gib"] = psutil.Process().memory_info().rss / 2**30
     except ImportError:
         pass
-    if gi.DEVICE == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
+    if harness.DEVICE == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
         for key in ("allocated_bytes.current", "reserved_bytes.current"):
             if key in stats:
@@ -900,7 +875,7 @@ def offload_part(wl: Workload, args) -> None:
     run_resident = omnispec_runner(resident, name, fresh=True)
     with torch.no_grad():
         run_resident(steps)
-    med, samples = gi.per_request(run_resident, steps, repeats)
+    med, samples = harness.per_request(run_resident, steps, repeats)
     eager_resident = med
     emit({"part": "offload", "workload": name, "engine": "omnispec", "config": "resident (no offload)",
           "settings": {"spec": "policies.offload={strategy: none}", "prompt": "new each request", "steps": steps},
@@ -909,7 +884,7 @@ def offload_part(wl: Workload, args) -> None:
     for m in wl.mods.values():
         if isinstance(m, torch.nn.Module):
             m.to("cpu")
-    gi.free_device_memory()
+    harness.free_device_memory()
     peer_mods = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) or hasattr(v, "set_timesteps") else v
                  for k, v in wl.mods.items()}  # modules and the (stateful) scheduler; tokenizers are shared
     sides = {}
@@ -921,9 +896,9 @@ def offload_part(wl: Workload, args) -> None:
         error_row("offload", name, "omnispec", "offload: model", exc)
     try:
         peer = diffusers_pipeline(name, peer_mods)
-        peer.enable_model_cpu_offload(device=gi.DEVICE)
+        peer.enable_model_cpu_offload(device=harness.DEVICE)
         sides["diffusers"] = ("enable_model_cpu_offload", diffusers_runner(peer, name, fresh=True),
-                              {"call": f"pipe.enable_model_cpu_offload(device={gi.DEVICE!r})",
+                              {"call": f"pipe.enable_model_cpu_offload(device={harness.DEVICE!r})",
                                "offload_seq": peer.model_cpu_offload_seq})
     except Exception as exc:  # noqa: BLE001
         error_row("offload", name, "diffusers", "enable_model_cpu_offload", exc)
@@ -933,7 +908,7 @@ def offload_part(wl: Workload, args) -> None:
             run(steps)
     for _ in range(repeats):  # alternate, so drift and host-memory state reach both sides
         for engine, (_, run, _) in sides.items():
-            samples[engine] += gi.per_request(run, steps, 1)[1]
+            samples[engine] += harness.per_request(run, steps, 1)[1]
     diffusers_s = statistics.median(samples["diffusers"]) if samples.get("diffusers") else None
     for engine, (config, run, settings) in sides.items():
         med = statistics.median(samples[engine])
@@ -952,7 +927,7 @@ def offload_part(wl: Workload, args) -> None:
         run_same = omnispec_runner(pipe, name)
         with torch.no_grad():
             run_same(steps)
-        med, samples_same = gi.per_request(run_same, steps, repeats)
+        med, samples_same = harness.per_request(run_same, steps, repeats)
         emit({"part": "offload", "workload": name, "engine": "omnispec", "config": "offload: model, same prompt",
               "settings": {"spec": "policies.offload={strategy: model}", "prompt": "the same each request",
                            "steps": steps}, "request_s": med, "samples_s": samples_same,
@@ -998,13 +973,11 @@ def _parallel_row(name: str, config: str, settings: dict, run, baseline: dict, r
 def _omnispec_parallel(name: str, config: str, repeats: int, baseline: dict) -> dict | None:
     import torch.distributed as dist
 
-    from . import gpu_parallel as gpar
-
     label = {"omnispec single": "single", "omnispec cfg2": "cfg2", "omnispec ulysses2": "ulysses2"}[config]
     if label == "single" and dist.get_rank() != 0:
         return None
     mods = components(name)
-    overrides = [o for o in gpar._spec_overrides(name, label) if o != "runtime.progress=false"]
+    overrides = [o for o in parallel_overrides(name, label) if o != "runtime.progress=false"]
     pipe = omnispec_pipeline(name, mods, overrides)
     extra = {"negative_prompt": "blurry"} if name == "flux" else {}
     return _parallel_row(name, config, {"spec": overrides}, omnispec_runner(pipe, name, extra), baseline, repeats)
@@ -1062,14 +1035,14 @@ def _xfuser_on_cpu() -> None:
 
 def _xdit_ulysses(name: str, repeats: int, baseline: dict, attention: str = "") -> dict:
     """xDiT's Ulysses 2 as its runner sets it up, around the same tensors."""
-    if gi.SMOKE:
+    if harness.SMOKE:
         _xfuser_on_cpu()
     _peer("xfuser")
     from xfuser.config import xFuserArgs
     from xfuser.core.distributed import get_runtime_state, init_distributed_environment, initialize_runtime_state
     from xfuser.core.distributed.parallel_state import destroy_model_parallel, model_parallel_is_initialized
 
-    if gi.SMOKE:  # yunchang's groups are what xDiT's Ulysses all-to-all uses; on CUDA xfuser takes them itself
+    if harness.SMOKE:  # yunchang's groups are what xDiT's Ulysses all-to-all uses; on CUDA xfuser takes them itself
         import yunchang.globals
         from xfuser.model_executor.layers import usp
 
@@ -1100,7 +1073,7 @@ def _xdit_ulysses(name: str, repeats: int, baseline: dict, attention: str = "") 
         init = {"attention_kwargs": _build_attention_kwargs(xargs)}
     params = inspect.signature(cls.__init__).parameters
     config = {k: v for k, v in dict(original.config).items() if k in params}
-    with torch.device(gi.DEVICE):
+    with torch.device(harness.DEVICE):
         twin = cls(**config, **init).to(original.dtype)
     twin.load_state_dict(original.state_dict(), assign=True)  # the same tensors
     mods["transformer"], original = twin.eval(), None
@@ -1179,7 +1152,7 @@ def parallel_main(args) -> bool:
             except Exception as exc:  # noqa: BLE001
                 error_row("parallel", name, "diffusers", "diffusers single (eager)", exc)
         mods = run = None
-        gi.free_device_memory()
+        harness.free_device_memory()
         dist.barrier()
     phases = ([c for c in configs if c.split()[0] in ("omnispec", "diffusers")],
               [c for c in configs if c.startswith("cache-dit")], [c for c in configs if c.startswith("xDiT")])
@@ -1197,10 +1170,8 @@ def parallel_main(args) -> bool:
                     raise
                 except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                     error_row("parallel", name, config.split()[0], config, exc)
-                gi.free_device_memory()
+                harness.free_device_memory()
                 dist.barrier()
-                if args.json and rank == 0:
-                    args.json.write_text(json.dumps({"versions": VERSIONS, "rows": ROWS}, indent=1, default=str))
     dist.destroy_process_group()
     return rank == 0
 
@@ -1210,7 +1181,7 @@ def parallel_main(args) -> bool:
 def table() -> None:
     print("| part | workload | engine | config | time | vs eager | forwards (full / block units) | note |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in ROWS:
+    for r in RESULTS.rows:
         if "error" in r:
             print(f"| {r['part']} | {r['workload']} | {r['engine']} | {r['config']} | | | | "
                   f"{'not run' if r.get('not_run') else 'error'}: {r['error'][:90]} |")
@@ -1238,8 +1209,7 @@ def table() -> None:
               f"{ratio} | {fw} | {note} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--workloads", default="flux,wan")
     parser.add_argument("--parts", default="compile,step_mask,dbcache,fp8,offload")
     parser.add_argument("--parallel", action="store_true", help="the two-GPU rows (under torchrun, 2 processes)")
@@ -1265,22 +1235,22 @@ def main() -> None:
                         help="also omnispec regional compile under cache-dit's inductor settings")
     parser.add_argument("--offload-steps", type=int, default=4)
     parser.add_argument("--offload-workloads", default="flux", help="workloads the offload part runs on")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny modules on the CPU (checks the script only)")
-    args = parser.parse_args()
-    if args.smoke:
-        enable_smoke()
+
+
+def benchmark(args, results: harness.Results) -> None:
+    global RESULTS
+    RESULTS = results
     for item in filter(None, args.cache_steps.split(",")):
         key, value = item.split("=")
         WORK[key]["cache_steps"] = int(value)
     VERSIONS.update(versions())
-    print(json.dumps({"versions": VERSIONS, "device": torch.cuda.get_device_name() if gi.DEVICE == "cuda" else "cpu (smoke)"}),
-          flush=True)
+    results.header["versions"] = VERSIONS
+    harness.show({"versions": VERSIONS, "device": harness.device_name()})
     main_rank = True
     if args.parallel:
         main_rank = parallel_main(args)
     else:
-        ceiling = gi.matmul_ceiling() if gi.DEVICE == "cuda" else 1e12
+        ceiling = harness.matmul_ceiling()
         for name in args.workloads.split(","):
             try:
                 wl = Workload(name, args.repeats, ceiling)
@@ -1294,13 +1264,15 @@ def main() -> None:
                     PARTS[part](wl, args)
                 except Exception as exc:  # noqa: BLE001 - keep the other parts' rows
                     error_row(part, name, "-", "part", exc)
-                gi.free_device_memory()
-                if args.json:
-                    args.json.write_text(json.dumps({"versions": VERSIONS, "rows": ROWS}, indent=1, default=str))
+                harness.free_device_memory()
             wl = None
-            gi.free_device_memory()
+            harness.free_device_memory()
     if main_rank:
         table()
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, smoke="tiny modules on the CPU (checks the script only)")
 
 
 if __name__ == "__main__":

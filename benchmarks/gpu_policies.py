@@ -1,5 +1,7 @@
-"""Policies at real sizes (random bf16 weights): per-step time, peak memory and MFU as ratios to the plain
-eager run measured in the same call, with diffusers' own calls as peers where they exist.
+"""Policies at real sizes (random bf16 weights): per-step time, peak memory and MFU against the plain eager run.
+Peer: omnispec's own eager run measured in the same call, and diffusers' own call for the policy where it has one
+(``set_attention_backend``, ``compile_repeated_blocks``, torchao ``quantize_``, ``enable_model_cpu_offload``,
+``enable_group_offload``).
 
 ``python -m benchmarks.gpu_policies [--parts attention,compile,quant,model_offload,wan_attention,layerwise]
 [--json FILE]``
@@ -25,29 +27,25 @@ Per-step time = (time of N_hi steps - N_lo steps) / (N_hi - N_lo), latents not d
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import functools
 import itertools
-import json
-import re
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from . import gpu_interpreter as gi
-from . import inductor_passes
-
-ROOT = Path(__file__).resolve().parents[1]
+from . import harness, inductor_passes
+from .harness import compile_overrides
+from .workloads import WORKLOADS, flux_components, plain_copy, wan_components
 
 
 def _build(spec: str, mods: dict, overrides: list[str]):
     import omnispec
 
-    return omnispec.build(ROOT / "specs" / spec, components=mods, device=gi.DEVICE,
+    return omnispec.build(harness.ROOT / "specs" / spec, components=mods, device=harness.DEVICE,
                           overrides=["runtime.progress=false", *overrides])
 
 
@@ -69,12 +67,12 @@ def _runner(pipe, request: dict, fresh: bool = False):
 
 
 def _peak(run, n: int) -> float:
-    if gi.DEVICE != "cuda":
+    if harness.DEVICE != "cuda":
         return 0.0
-    gi._sync()
+    harness.sync()
     torch.cuda.reset_peak_memory_stats()
     run(n)
-    gi._sync()
+    harness.sync()
     return torch.cuda.max_memory_allocated() / 2**30
 
 
@@ -83,7 +81,7 @@ def _release(mods: dict, names: tuple[str, ...] | None = None) -> None:
     for name, m in mods.items():
         if isinstance(m, torch.nn.Module) and (names is None or name in names):
             m.to("cpu")
-    gi.free_device_memory()
+    harness.free_device_memory()
 
 
 def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
@@ -96,31 +94,9 @@ def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
             seen.append((out[0] if isinstance(out, tuple) else out.sample).float().flatten().cpu())
 
     handle = module.register_forward_hook(keep)
-    seconds = _first_call_s(run)
+    seconds = harness.first_call_s(run)
     handle.remove()
     return seen[0], seconds
-
-
-def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a denoiser as diffusers made it, whatever an omnispec build did to it: without the attention hooks
-    (a per-module hooked forward makes dynamo recompile each repeated block), the fused q/k and feed-forward
-    processors and hooks (they hold omnispec's custom operators, which cannot be copied: shared by the copy, then
-    removed from it), the CUDA-graph hooks (graph generations, kept block inputs) and the compiled calls (a copy
-    would share the original's compiled code; the peer compiles its own)."""
-    import copy
-
-    from omnispec.policies import mlp
-    from omnispec.policies.attention import unfused_attention
-    from omnispec.policies.compile import uncompiled
-    from omnispec.kernels.qk_norm_rope import qk_norm_rope
-
-    twin = copy.deepcopy(module, memo={id(op): op for op in (mlp.OPERATORS, qk_norm_rope)})
-    mlp.unfuse_gelus(twin)
-    uncompiled(twin)
-    for m in twin.modules():
-        unfused_attention(m)
-        m._compiled_call_impl = None
-    return twin
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,46 +115,35 @@ def _diffusers_runner(pipeline, w: dict, fresh: bool = False):
 
 def _flux_plain(part: str, label: str, repeats: int, ceiling: float):
     """Random FLUX.1-dev-size components, the plain omnispec run over them, its FLOPs per step and its row."""
-    mods = gi.flux_components()
-    w = gi.WORKLOADS["flux"]
+    mods = flux_components()
+    w = WORKLOADS["flux"]
     run_plain = _runner(_build(w["spec"], mods, []), w["request"])
-    flops = gi.flops_per_step(run_plain)
+    flops = harness.flops_per_step(run_plain)
     row = {"part": part, "config": label, **_measure(run_plain, 2, 4, repeats, flops, ceiling)}
-    print(json.dumps(row), flush=True)
     return mods, w, run_plain, flops, row
 
 
-def _first_call_s(run) -> float:
-    """Seconds of a one-step run: on a compiled module, the compilation."""
-    start = time.perf_counter()
-    with torch.no_grad():
-        run(1)
-    gi._sync()
-    return time.perf_counter() - start
-
-
 def _measure(run, lo, hi, repeats, flops, ceiling) -> dict:
-    if gi.SMOKE:  # --smoke: the fewest steps that still give a per-step difference
+    if harness.SMOKE:  # --smoke: the fewest steps that still give a per-step difference
         lo, hi = 1, 2
     with torch.no_grad():
         run(lo)  # warm-up (and lazy compilation)
         queued: list[float] = []
-        med, samples = gi.per_step(run, lo, hi, repeats, queued)
+        med, samples = harness.per_step(run, lo, hi, repeats, queued)
     return {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling,
             "queued_ms_at_return": statistics.median(queued) * 1e3, "peak_gib": _peak(run, lo)}
 
 
-def attention_part(repeats: int, ceiling: float) -> list[dict]:
-    mods = gi.flux_components()
-    w = gi.WORKLOADS["flux"]
-    rows = []
+def attention_part(repeats: int, ceiling: float, save) -> None:
+    mods = flux_components()
+    w = WORKLOADS["flux"]
     plain = _build(w["spec"], mods, ["policies.attention.default=sdpa"])
-    flops = gi.flops_per_step(_runner(plain, w["request"]))
+    flops = harness.flops_per_step(_runner(plain, w["request"]))
     for backend in ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sage", "auto"):
         try:
             pipe = _build(w["spec"], mods, [f"policies.attention.default={backend}"])
         except Exception as exc:  # noqa: BLE001 - an unusable backend is a result, not a crash
-            rows.append({"part": "attention", "config": backend, "error": str(exc).splitlines()[0]})
+            save({"part": "attention", "config": backend, "error": str(exc).splitlines()[0]})
             continue
         row = {"part": "attention", "config": backend,
                **_measure(_runner(pipe, w["request"]), 2, 4, repeats, flops, ceiling)}
@@ -187,8 +152,7 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
             from omnispec.policies.attention import AUTO_CHOICES
 
             row["auto_choices"] = {str(k): v for k, v in AUTO_CHOICES.items()}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        save(row)
     # peer: diffusers' dispatcher on the same modules
     import diffusers
 
@@ -198,7 +162,7 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
         try:
             ref.transformer.set_attention_backend(name)
         except Exception as exc:  # noqa: BLE001
-            rows.append({"part": "attention", "config": f"diffusers {name}", "error": str(exc).splitlines()[0]})
+            save({"part": "attention", "config": f"diffusers {name}", "error": str(exc).splitlines()[0]})
             continue
 
         def run(n):
@@ -206,31 +170,30 @@ def attention_part(repeats: int, ceiling: float) -> list[dict]:
                 output_type="latent", **w["diffusers_kwargs"])
 
         try:
-            rows.append({"part": "attention", "config": f"diffusers {name}",
-                         **_measure(run, 2, 4, repeats, flops, ceiling)})
+            row = {"part": "attention", "config": f"diffusers {name}", **_measure(run, 2, 4, repeats, flops, ceiling)}
         except Exception as exc:  # noqa: BLE001
-            rows.append({"part": "attention", "config": f"diffusers {name}", "error": str(exc).splitlines()[0]})
+            row = {"part": "attention", "config": f"diffusers {name}", "error": str(exc).splitlines()[0]}
         finally:
             ref.transformer.reset_attention_backend()  # diffusers also sets a process-wide active backend
             from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
             _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        save(row)
 
 
-def compile_part(repeats: int, ceiling: float) -> list[dict]:
+def compile_part(repeats: int, ceiling: float, save) -> None:
     """Eager, diffusers' compiled blocks and each ``--compile-variants`` configuration on FLUX.1-dev 1024². With
     ``--compile-rounds`` above 1 the compiled configurations are built and timed again in each round, in reverse
     order every other round, so a clock that drifts during the call reaches each alike; their rows pool every
-    round's samples (``rounds_ms``: each round's median)."""
+    round's samples (``rounds_ms``: each round's median; each round's row is printed as it comes)."""
     import diffusers
 
     mods, w, _, flops, eager = _flux_plain("compile", "eager", repeats, ceiling)
+    save(eager)
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
 
     def peer() -> dict:  # on a copy: compilation changes the module it is applied to
-        twin = _plain_copy(mods["transformer"])
+        twin = plain_copy(mods["transformer"])
         twin.compile_repeated_blocks(fullgraph=True, **SMOKE_COMPILE)
         run = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
         return _compiled_row("compile", "diffusers compile_repeated_blocks", run, flops, repeats, ceiling)
@@ -244,16 +207,23 @@ def compile_part(repeats: int, ceiling: float) -> list[dict]:
 
     configs = {"diffusers compile_repeated_blocks": peer}
     for name in COMPILE_VARIANTS:
-        if not (SMOKE_COMPILE and _inductor_only(name)):  # inductor's modes: the smoke's aot_eager backend has none
+        # inductor's options: the smoke's aot_eager backend has none
+        if not (SMOKE_COMPILE and harness.inductor_only(name)):
             configs[name.replace("+", " + ")] = functools.partial(variant, name)
     rounds: dict[str, list[dict]] = {label: [] for label in configs}
     for r in range(COMPILE_ROUNDS[0]):
         for label in list(configs) if r % 2 == 0 else list(configs)[::-1]:
-            rounds[label].append(configs[label]())
+            row = configs[label]()
+            rounds[label].append(row)
+            if COMPILE_ROUNDS[0] == 1:
+                save(row)
+            else:
+                harness.show(row)  # the configuration's row pools the rounds, after the last
             _release({})
             # each configuration compiles afresh in its own mode, and none is guarded against another's entries
             torch._dynamo.reset()
-    return [eager, *(_pooled(rows, flops, ceiling) for rows in rounds.values())]
+    for rows in rounds.values() if COMPILE_ROUNDS[0] > 1 else ():
+        save(_pooled(rows, flops, ceiling))
 
 
 def _pooled(rows: list[dict], flops: float, ceiling: float) -> dict:
@@ -266,35 +236,24 @@ def _pooled(rows: list[dict], flops: float, ceiling: float) -> dict:
             "mfu": flops / (median / 1e3) / ceiling, "peak_gib": max(row["peak_gib"] for row in rows)}
 
 
-# Kernel families of a profiled step, by kernel name (first match wins): where a compiled step's device time goes.
-# fp8 GEMMs: cuBLAS names them by input types (nvjet "qq": e4m3 x e4m3, "ovscale": per-row scales); inductor names
-# the kernels that compute an fp8 linear's activation scales and casts after the _scaled_mm they feed
-KERNEL_KINDS = (("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
-                ("fp8 matmul", re.compile(r"e4m3|f8f8|nvjet_sm\d+_qq|ovscale", re.I)),
-                ("fp8 activation quantization", re.compile(r"^triton_.*_scaled_mm", re.I)),
-                ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm_|addmm", re.I)),
-                ("fused by inductor", re.compile(r"^triton_", re.I)),
-                ("copy and cast", re.compile(r"copy|cast|memcpy|memset|to_copy", re.I)))
-
-
-def profile_part(repeats: int, ceiling: float) -> list[dict]:
+def profile_part(repeats: int, ceiling: float, save) -> None:
     """Where a FLUX step's device time goes under each ``--compile-variants`` configuration (eager first): the
     kernels of one profiled request of ``1 + repeats`` steps after a warm-up (its prompt encoding, one-layer stand-ins
     here, counts in), grouped by kind (attention, matmul, inductor's fused kernels, copies, the rest) in ms per step,
     the largest kernels, and the wall time per step beside the device's busy time (their gap: the host)."""
-    mods, w, run_plain, _, _ = _flux_plain("profile", "eager (timed)", 1, ceiling)
+    mods, w, run_plain, _, timed = _flux_plain("profile", "eager (timed)", 1, ceiling)
+    harness.show(timed)
     smoke_backend = [f"policies.compile.backend={SMOKE_COMPILE['backend']}"] if SMOKE_COMPILE else []
-    rows = [_profiled("eager", run_plain, repeats)]
+    save(_profiled("eager", run_plain, repeats))
     for variant in COMPILE_VARIANTS:
-        if SMOKE_COMPILE and _inductor_only(variant):
+        if SMOKE_COMPILE and harness.inductor_only(variant):
             continue
         prepare_model(variant, mods["transformer"])
         pipe = _build(w["spec"], mods, [*compile_overrides(variant), *smoke_backend])
-        rows.append(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
+        save(_profiled(variant.replace("+", " + "), _runner(pipe, w["request"]), repeats))
         pipe = None
         unprepare_model(mods["transformer"])
         torch._dynamo.reset()
-    return rows
 
 
 def _profiled(label: str, run, steps: int) -> dict:
@@ -303,20 +262,19 @@ def _profiled(label: str, run, steps: int) -> dict:
     with torch.no_grad():
         run(2)  # warm-up: compilation, autotuning, the allocator
         run(1)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gi.DEVICE == "cuda" else [])
-        gi._sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [])
+        harness.sync()
         start = time.perf_counter()
         with profile(activities=activities) as prof, graph_input_copies() as (copied, _):
             run(1 + steps)
-            gi._sync()
+            harness.sync()
         wall = time.perf_counter() - start
     row = {"part": "profile", "config": label, "steps_profiled": 1 + steps,
-           "wall_ms_per_step": wall * 1e3 / (1 + steps), **kernel_summary(prof, 1 + steps, "_per_step"),
+           "wall_ms_per_step": wall * 1e3 / (1 + steps), **harness.kernel_summary(prof, 1 + steps, "_per_step"),
            "idle": idle_summary(prof, 1 + steps),
            "graph_input_copies": [{"shape": list(shape), "dtype": dtype, "copies_per_step": n / (1 + steps),
                                    "mib_per_step": n * nbytes / 2**20 / (1 + steps)}
                                   for (shape, dtype, nbytes), n in copied.most_common()]}
-    print(json.dumps(row), flush=True)
     return row
 
 
@@ -381,63 +339,9 @@ def idle_summary(prof, per: int, largest: int = 15) -> dict:
             "largest_us": [{"us": us, "after": prev, "before": nxt} for us, prev, nxt in sorted(gaps)[::-1][:largest]]}
 
 
-def kernel_summary(prof, per: int, unit: str, largest: int = 12, per_kind: int = 5) -> dict:
-    """A finished profile's device kernels, grouped by ``KERNEL_KINDS``, in ms per ``per`` (steps, rollouts), with
-    the ``largest`` kernels by time and each kind's ``per_kind`` largest (what makes up "other", say); on the CPU
-    (smoke runs), the operators' CPU time instead."""
-    device = gi.DEVICE == "cuda"
-    kernels = {}
-    for event in prof.key_averages():
-        spent = event.self_device_time_total if device else event.self_cpu_time_total  # microseconds
-        if spent > 0 and (not device or event.device_type.name == "CUDA"):
-            kernels[event.key] = (kernels.get(event.key, (0.0, 0))[0] + spent, event.count)
-    per_unit = {name: (us / 1e3 / per, count / per) for name, (us, count) in kernels.items()}
-    kinds: dict[str, float] = {}
-    members: dict[str, list[str]] = {}
-    for name, (ms, _) in per_unit.items():
-        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + ms
-        members.setdefault(kind, []).append(name)
-
-    def rows(names: list[str], n: int) -> list[dict]:
-        top = sorted(names, key=lambda name: -per_unit[name][0])[:n]
-        return [{"kernel": name[:120], f"ms{unit}": per_unit[name][0], f"calls{unit}": per_unit[name][1]}
-                for name in top]
-
-    return {f"device_busy_ms{unit}": sum(kinds.values()),
-            f"kinds_ms{unit}": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "largest": rows(list(per_unit), largest),
-            "largest_per_kind": {kind: rows(names, per_kind) for kind, names in members.items()}}
-
-
-# Variant options that change the model rather than the compile policy (an experiment of this benchmark):
-# ``fused_qkv`` runs diffusers' ``fuse_qkv_projections`` on the transformer first (one matmul for each attention's
-# query, key and value, and one for the text stream's), before any quantization, so fp8 quantizes the fused linear.
-MODEL_OPTIONS = ("fused_qkv",)
-# Variant options that set another policy's field.
-POLICY_OPTIONS = {"qk_norm_rope": "policies.attention.fused_qk_norm_rope=true",
-                  "fused_gelu": "policies.mlp.fused_gelu=true",
-                  "flash4": "policies.attention.default=flash4",
-                  "modulation": "policies.mlp.precomputed_modulation=true"}
-
-
-def compile_overrides(variant: str) -> list[str]:
-    """``regional+cudagraphs`` -> the overrides of compile mode regional with its cudagraphs option on;
-    ``+no_OPTION`` turns an option off (``regional+no_eager_rounding``), ``+OPTION=VALUE`` sets one
-    (``regional+backend=aot_eager``); ``MODEL_OPTIONS`` are left to ``prepare_model``."""
-    mode, *options = variant.split("+")
-    return [f"policies.compile.mode={mode}", *(POLICY_OPTIONS.get(option) or _compile_option(option)
-                                               for option in options if option not in MODEL_OPTIONS)]
-
-
-def _inductor_only(variant: str) -> bool:
-    """Whether ``variant`` sets a compile option only inductor has (cudagraphs, autotune, ...): the smoke's
-    aot_eager backend has none, so the smoke leaves such variants out."""
-    return any(option not in (*MODEL_OPTIONS, *POLICY_OPTIONS) for option in variant.split("+")[1:])
-
-
 def prepare_model(variant: str, transformer: torch.nn.Module) -> None:
-    """Apply ``variant``'s model options to ``transformer`` (undone by ``unprepare_model``)."""
+    """Apply ``variant``'s model options (``harness.MODEL_OPTIONS``) to ``transformer`` (undone by
+    ``unprepare_model``)."""
     if "fused_qkv" in variant.split("+"):
         transformer.fuse_qkv_projections()
 
@@ -446,77 +350,58 @@ def unprepare_model(transformer: torch.nn.Module) -> None:
     transformer.unfuse_qkv_projections()
 
 
-def _compile_option(option: str) -> str:
-    """``cudagraphs`` -> on, ``no_eager_rounding`` -> off, ``backend=aot_eager`` -> that value."""
-    if "=" in option:
-        return f"policies.compile.{option}"
-    return f"policies.compile.{option.removeprefix('no_')}={'false' if option.startswith('no_') else 'true'}"
-
-
 def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceiling: float,
                   module: torch.nn.Module | None = None, reference: torch.Tensor | None = None) -> dict:
     """A compiled configuration's row: compilation time, what dynamo did (recompiles, graph breaks) over
     compilation and the timed runs, steady per-step time, and the denoiser's cosine to ``reference``."""
-    with gi.CompileWatch() as watch:
+    with harness.CompileWatch() as watch:
         # the first call's time that dynamo's metrics do not count, in a file as it comes (a cut call keeps it)
-        with gi.StackSampler(dump_to=gi.stacks_file(RESULTS[0], f"first call {label}")) as stacks:
+        with harness.StackSampler(dump_to=harness.stacks_file(RESULTS[0], f"first call {label}")) as stacks:
             if module is not None:
                 out, first = _first_output(run, module)
                 extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
             else:
-                first, extra = _first_call_s(run), {}
+                first, extra = harness.first_call_s(run), {}
         measured = _measure(run, 2, 4, repeats, flops, ceiling)
-    row = {"part": part, "config": label, "first_call_s": first, **extra, **measured, "dynamo": watch.summary(),
-           "first_call_stacks": stacks.top(15)}
-    print(json.dumps(row), flush=True)
-    return row
+    return {"part": part, "config": label, "first_call_s": first, **extra, **measured, "dynamo": watch.summary(),
+            "first_call_stacks": stacks.top(15)}
 
 
-def quantized_transformer(method: str, granularity: str | None = None, exclude: list[str] = ()) -> tuple[str, str]:
-    """The override quantizing the transformer (``method``, fp8 ``granularity``, modules ``exclude``d) and a label
-    for its rows, e.g. ``fp8_dynamic row (not norm1, norm)``."""
-    fields = [f"method: {method}", *([f"granularity: {granularity}"] if granularity else []),
-              *([f"exclude: [{', '.join(exclude)}]"] if exclude else [])]
-    policy = f"policies.quantization={{transformer: {{{', '.join(fields)}}}}}"
-    label = f"{method}{' ' + granularity if granularity else ''}" + (f" (not {', '.join(exclude)})" if exclude else "")
-    return policy, label
-
-
-def quant_part(repeats: int, ceiling: float) -> list[dict]:
+def quant_part(repeats: int, ceiling: float, save) -> None:
     """fp8 dynamic quantization (+ regional compile) against bf16 eager, on copies of one set of weights."""
 
     import diffusers
 
     mods, w, run_plain, flops, eager = _flux_plain("quant", "bf16 eager", repeats, ceiling)
     reference, _ = _first_output(run_plain, mods["transformer"])
-    rows = [eager]
+    save(eager)
     run_plain = None
     _release(mods, ("transformer",))  # the bf16 original waits on the host: peaks below are the twin's own
-    method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
+    method = "fp8_dynamic" if harness.DEVICE == "cuda" else "int8_weight_only"  # --smoke: a method the CPU runs
     granularities = QUANT_GRANULARITY if method == "fp8_dynamic" else [None]
     modes = QUANT_COMPILE
     for granularity, mode in itertools.product(granularities, modes):  # each on a fresh copy of one set of weights
-        policy, base = quantized_transformer(method, granularity, QUANT_EXCLUDE)
+        policy, base = harness.quantized_transformer(method, granularity, QUANT_EXCLUDE)
         label = base + (f" + {mode.replace('+', ' + ')} compile" if mode != "none" else " eager")
-        twin = _plain_copy(mods["transformer"])
+        twin = plain_copy(mods["transformer"])
         prepare_model(mode, twin)  # before the build quantizes it
         pipe = _build(w["spec"], {**mods, "transformer": twin}, [policy, *compile_overrides(mode)])
         run = _runner(pipe, w["request"])
-        rows.append(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
+        save(_compiled_row("quant", label, run, flops, repeats, ceiling, twin, reference))
         if QUANT_PROFILE[0]:
-            rows.append(_profiled(label, run, repeats))
+            save(_profiled(label, run, repeats))
         pipe = run = twin = None
         _release({})
         torch._dynamo.reset()  # the next configuration compiles afresh
     if not QUANT_PEER[0]:
-        return rows
+        return
     granularity = granularities[0]
     # peer: the same torchao config through torchao's quantize_ and diffusers' compile_repeated_blocks
     from torchao.quantization import quantize_
 
     from omnispec.policies.quantization import torchao_config
 
-    twin = _plain_copy(mods["transformer"]).to(gi.DEVICE)
+    twin = plain_copy(mods["transformer"]).to(harness.DEVICE)
     quantize_(twin, torchao_config(method, granularity))
     peer_mode = modes[-1].split("+")[0]
     if peer_mode == "regional":
@@ -525,12 +410,11 @@ def quant_part(repeats: int, ceiling: float) -> list[dict]:
         twin.compile(fullgraph=True)
     run_peer = _diffusers_runner(diffusers.FluxPipeline(**{**mods, "transformer": twin}), w)
     peer_how = {"regional": " + compile_repeated_blocks", "full": " + torch.compile", "none": ""}[peer_mode]
-    rows.append(_compiled_row("quant", f"diffusers + torchao {method}{peer_how}", run_peer, flops, repeats, ceiling,
-                              twin, reference))
-    return rows
+    save(_compiled_row("quant", f"diffusers + torchao {method}{peer_how}", run_peer, flops, repeats, ceiling, twin,
+                       reference))
 
 
-def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
+def fp8_block_part(repeats: int, ceiling: float, save) -> None:
     """One FLUX.1-dev single-stream block at 1024² (4096 image + 512 text tokens): bf16 and fp8 (per tensor,
     per row) weights, eager and ``torch.compile``'d, ms per call; plus the top CUDA kernels of the fp8 eager
     call. Separates what fp8 gains per block from what the whole-model runs add (recompiles, glue)."""
@@ -542,8 +426,8 @@ def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
 
     from omnispec.policies.quantization import torchao_config
 
-    dim, heads, tokens, text = (64, 2, 40, 8) if gi.SMOKE else (3072, 24, 4608, 512)
-    with torch.device(gi.DEVICE):
+    dim, heads, tokens, text = (64, 2, 40, 8) if harness.SMOKE else (3072, 24, 4608, 512)
+    with torch.device(harness.DEVICE):
         block = FluxSingleTransformerBlock(dim, heads, dim // heads).to(torch.bfloat16).eval()
         x = torch.randn(1, tokens, dim, dtype=torch.bfloat16)
         temb = torch.randn(1, dim, dtype=torch.bfloat16)
@@ -561,27 +445,26 @@ def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
     def timed(b) -> list[float]:
         samples = []
         for _ in range(max(repeats, 3) * 10):
-            gi._sync()
+            harness.sync()
             start = time.perf_counter()
             call(b)
-            gi._sync()
+            harness.sync()
             samples.append((time.perf_counter() - start) * 1e3)
         return samples
 
-    method = "fp8_dynamic" if gi.DEVICE == "cuda" else "int8_weight_only"
+    method = "fp8_dynamic" if harness.DEVICE == "cuda" else "int8_weight_only"
     variants = [("bf16", None)] + [(f"{method} {g}" if g else method, g)
-                                   for g in (("tensor", "row") if gi.DEVICE == "cuda" else (None,))]
-    rows = []
+                                   for g in (("tensor", "row") if harness.DEVICE == "cuda" else (None,))]
     for name, granularity in variants:
         for compiled in (False, True):
             b = copy.deepcopy(block)
             if name != "bf16":
                 quantize_(b, torchao_config(method, granularity))
-            with gi.CompileWatch() as watch, torch.no_grad():
+            with harness.CompileWatch() as watch, torch.no_grad():
                 runner = torch.compile(b, fullgraph=True) if compiled else b
                 start = time.perf_counter()
                 out = torch.cat(call(runner), dim=1).float().flatten()
-                gi._sync()
+                harness.sync()
                 first = time.perf_counter() - start
                 samples = timed(runner)
             med = statistics.median(samples)
@@ -590,73 +473,66 @@ def fp8_block_part(repeats: int, ceiling: float) -> list[dict]:
                    "first_call_s": first, "cosine_vs_bf16": _cosine(out, reference)}
             if compiled:
                 row["dynamo"] = watch.summary()
-            if gi.DEVICE == "cuda" and name != "bf16" and not compiled:
+            if harness.DEVICE == "cuda" and name != "bf16" and not compiled:
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
                     call(runner)
-                    gi._sync()
+                    harness.sync()
                 top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
                 row["top_kernels"] = [f"{e.key[:70]} x{e.count} {e.device_time_total / 1e3:.2f} ms" for e in top]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            save(row)
             b = runner = None
-            gi.free_device_memory()
-    return rows
+            harness.free_device_memory()
 
 
-def model_offload_part(repeats: int, ceiling: float, per_step: bool = True) -> list[dict]:
+def model_offload_part(repeats: int, ceiling: float, save, per_step: bool = True) -> None:
     """Per-step time cancels the moves (they happen once per request), so whole 4-step requests are timed
     too: with the same prompt each time (omnispec's prompt-embedding cache then skips the encoders, so
     nothing moves) and with a new prompt each time (the encoders run, so the denoiser moves out and back)."""
     import diffusers
 
-    w = gi.WORKLOADS["flux"]
+    w = WORKLOADS["flux"]
     if per_step:  # the resident row's per-step figures come from here
         mods, w, _, flops, resident = _flux_plain("model_offload", "resident", repeats, ceiling)
+        harness.show(resident)
     else:
-        mods, flops, resident = gi.flux_components(), 0.0, {"part": "model_offload", "config": "resident"}
+        mods, flops, resident = flux_components(), 0.0, {"part": "model_offload", "config": "resident"}
 
     def row(base: dict, runner, measure: bool = per_step) -> dict:
         measured = _measure(runner(False), 2, 4, repeats, flops, ceiling) if measure else {}
-        steps = 2 if gi.SMOKE else 4
-        out = base | measured | {"request_s": gi.per_request(runner(False), steps, repeats)[0],
-                                 "request_new_prompt_s": gi.per_request(runner(True), steps, repeats)[0]}
-        print(json.dumps(out), flush=True)
-        return out
+        steps = 2 if harness.SMOKE else 4
+        return base | measured | {"request_s": harness.per_request(runner(False), steps, repeats)[0],
+                                  "request_new_prompt_s": harness.per_request(runner(True), steps, repeats)[0]}
 
     plain = _build(w["spec"], mods, [])
-    rows = [row(resident, lambda fresh: _runner(plain, w["request"], fresh), measure=False)]
+    save(row(resident, lambda fresh: _runner(plain, w["request"], fresh), measure=False))
     plain = None
     _release(mods)
     offloaded = _build(w["spec"], mods, ["policies.offload.strategy=model"])
-    rows.append(row({"part": "model_offload", "config": "model"},
-                    lambda fresh: _runner(offloaded, w["request"], fresh)))
+    measured = row({"part": "model_offload", "config": "model"}, lambda fresh: _runner(offloaded, w["request"], fresh))
     from omnispec.bridge import hook_registry
     from omnispec.policies.offload.model import HOOK_NAME
 
     placement = hook_registry(offloaded.components["transformer"]).get_hook(HOOK_NAME).placement
     weights = sum(t.numel() * t.element_size() for t in placement.host.values())
-    rows[-1] |= {"host_weights_gib": weights / 2**30,
-                 "host_page_locked_gib": sum(b.numel() for b in placement.buffers) / 2**30,
-                 "copied_back_gib": placement.copied_back / 2**30}
-    print(json.dumps(rows[-1]), flush=True)
+    save(measured | {"host_weights_gib": weights / 2**30,
+                     "host_page_locked_gib": sum(b.numel() for b in placement.buffers) / 2**30,
+                     "copied_back_gib": placement.copied_back / 2**30})
     offloaded = None
     _release(mods)
     peer = diffusers.FluxPipeline(**mods)
-    peer.enable_model_cpu_offload(device=gi.DEVICE)
-    rows.append(row({"part": "model_offload", "config": "diffusers enable_model_cpu_offload"},
-                    lambda fresh: _diffusers_runner(peer, w, fresh)))
-    return rows
+    peer.enable_model_cpu_offload(device=harness.DEVICE)
+    save(row({"part": "model_offload", "config": "diffusers enable_model_cpu_offload"},
+             lambda fresh: _diffusers_runner(peer, w, fresh)))
 
 
-def wan_attention_part(repeats: int, ceiling: float) -> list[dict]:
+def wan_attention_part(repeats: int, ceiling: float, save) -> None:
     """``auto`` against each single backend at Wan 14B's attention shapes (8 blocks: the ratio is the point)."""
-    mods = gi.wan_components()
+    mods = wan_components()
     del mods["transformer"].blocks[8:]
-    w = gi.WORKLOADS["wan"]
-    rows = []
-    flops = gi.flops_per_step(_runner(_build(w["spec"], mods, ["policies.attention.default=sdpa"]), w["request"]))
+    w = WORKLOADS["wan"]
+    flops = harness.flops_per_step(_runner(_build(w["spec"], mods, ["policies.attention.default=sdpa"]), w["request"]))
     for backend in ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "auto"):
         try:
             pipe = _build(w["spec"], mods, [f"policies.attention.default={backend}"])
@@ -666,38 +542,32 @@ def wan_attention_part(repeats: int, ceiling: float) -> list[dict]:
             row = {"part": "wan_attention", "config": backend, "error": str(exc).splitlines()[0][:200]}
         if backend == "auto" and "error" not in row:
             row["explain"] = pipe.explain(as_dict=True)["attention"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+        save(row)
 
 
-def layerwise_part(repeats: int, ceiling: float) -> list[dict]:
+def layerwise_part(repeats: int, ceiling: float, save) -> None:
     import diffusers
 
-    mods = gi.wan_components()
-    w = gi.WORKLOADS["wan"]
+    mods = wan_components()
+    w = WORKLOADS["wan"]
     resident = _build(w["spec"], mods, [])
     run_res = _runner(resident, w["request"])
-    flops = gi.flops_per_step(run_res)
-    rows = [{"part": "layerwise", "config": "resident", **_measure(run_res, 1, 2, repeats, flops, ceiling)}]
-    print(json.dumps(rows[-1]), flush=True)
+    flops = harness.flops_per_step(run_res)
+    save({"part": "layerwise", "config": "resident", **_measure(run_res, 1, 2, repeats, flops, ceiling)})
     resident = run_res = None
     _release(mods, ("transformer",))
     pipe = _build(w["spec"], mods, ["policies.offload.strategy=layerwise"])
-    rows.append({"part": "layerwise", "config": "layerwise", **_measure(_runner(pipe, w["request"]), 1, 2, repeats,
-                                                                        flops, ceiling)})
-    print(json.dumps(rows[-1]), flush=True)
+    save({"part": "layerwise", "config": "layerwise", **_measure(_runner(pipe, w["request"]), 1, 2, repeats, flops,
+                                                                  ceiling)})
     pipe = mods = None  # group-offload hooks stay on a module: the peer gets freshly built ones
     _release({})
-    mods = gi.wan_components()
+    mods = wan_components()
     mods["transformer"].to("cpu").enable_group_offload(
-        torch.device(gi.DEVICE), offload_type="block_level", num_blocks_per_group=1, use_stream=gi.DEVICE == "cuda",
-        record_stream=gi.DEVICE == "cuda")
+        torch.device(harness.DEVICE), offload_type="block_level", num_blocks_per_group=1,
+        use_stream=harness.DEVICE == "cuda", record_stream=harness.DEVICE == "cuda")
     peer = getattr(diffusers, w["pipeline"])(**mods)
-    rows.append({"part": "layerwise", "config": "diffusers enable_group_offload (block level, 1 block, stream)",
-                 **_measure(_diffusers_runner(peer, w), 1, 2, repeats, flops, ceiling)})
-    print(json.dumps(rows[-1]), flush=True)
-    return rows
+    save({"part": "layerwise", "config": "diffusers enable_group_offload (block level, 1 block, stream)",
+          **_measure(_diffusers_runner(peer, w), 1, 2, repeats, flops, ceiling)})
 
 
 # --smoke: the compile part's torch.compile backend (dynamo traces the same graphs, fullgraph; inductor's CPU code
@@ -714,7 +584,7 @@ RESULTS: list[Path | None] = [None]  # --json: first calls' stack samples are wr
 
 PARTS = {"attention": attention_part, "compile": compile_part, "quant": quant_part, "fp8_block": fp8_block_part,
          "model_offload": model_offload_part,
-         "offload_requests": lambda repeats, ceiling: model_offload_part(repeats, ceiling, per_step=False),
+         "offload_requests": functools.partial(model_offload_part, per_step=False),
          "wan_attention": wan_attention_part, "layerwise": layerwise_part, "profile": profile_part}
 
 
@@ -740,8 +610,7 @@ def _persistent_reductions_up_to(width: int) -> None:
     config.inductor_choices_class = WidePersistentReductions
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--parts", default="attention,compile,quant,model_offload,wan_attention,layerwise")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant-compile", default="none,regional",
@@ -769,9 +638,9 @@ def main() -> None:
     parser.add_argument("--compile-rounds", type=int, default=1, metavar="N",
                         help="build and time the compile part's compiled configurations N times, in reverse order "
                              "every other round, and pool the samples (for differences smaller than a call's drift)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
-    args = parser.parse_args()
+
+
+def benchmark(args, results: harness.Results) -> None:
     if args.persistent_reductions_up_to:
         _persistent_reductions_up_to(args.persistent_reductions_up_to)
     inductor_passes.install(args.inductor_passes)
@@ -782,26 +651,24 @@ def main() -> None:
     QUANT_PROFILE[:] = [args.quant_profile]
     QUANT_GRANULARITY[:] = args.quant_granularity.split(",") if args.quant_granularity else [None]
     if unknown := set(QUANT_GRANULARITY) - {None, "tensor", "row"}:
-        parser.error(f"--quant-granularity: unknown {sorted(unknown)}; choose tensor or row")
+        raise harness.UsageError(f"--quant-granularity: unknown {sorted(unknown)}; choose tensor or row")
     RESULTS[:] = [args.json]
     QUANT_EXCLUDE[:] = [m for m in args.quant_exclude.split(",") if m]
     if args.smoke:
-        gi.enable_smoke()
         SMOKE_COMPILE["backend"] = "aot_eager"
-        ceiling = 1e12
-    else:
-        ceiling = gi.matmul_ceiling()
-    rows = []
+    ceiling = harness.matmul_ceiling()
+    results.header["ceiling_tflops"] = ceiling / 1e12
     for part in args.parts.split(","):
         try:
-            rows += PARTS[part](args.repeats, ceiling)
+            PARTS[part](args.repeats, ceiling, results.save)
         except Exception as exc:  # noqa: BLE001 - keep the other parts' results
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            rows.append({"part": part, "error": f"{type(exc).__name__}: {first_line}"})
-            print(json.dumps(rows[-1]), flush=True)
-        gi.free_device_memory()
-        if args.json:
-            args.json.write_text(json.dumps({"ceiling_tflops": ceiling / 1e12, "rows": rows}, indent=1))
+            results.save({"part": part, "error": f"{type(exc).__name__}: {first_line}"})
+        harness.free_device_memory()
+    table(results.rows)
+
+
+def table(rows: list[dict]) -> None:
     print("| part | config | ms/step | MFU | peak GiB |")
     for r in rows:
         if "error" in r:
@@ -817,6 +684,10 @@ def main() -> None:
             print(f"| {r['part']} | {r['config']} | {r['ms_per_call']:.2f} per call | {r['mfu']:.0%} | |")
         else:
             print(f"| {r['part']} | {r['config']} | {r['ms_per_step']:.1f} | {r['mfu']:.0%} | {r['peak_gib']:.1f} |")
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark)
 
 
 if __name__ == "__main__":

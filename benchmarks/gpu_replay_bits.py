@@ -1,4 +1,5 @@
 """Does a compiled denoiser block compute the same bits with gradients on as off?
+No peer: the same block's outputs without gradients are the reference for those with them, part by part.
 
 ``python -m benchmarks.gpu_replay_bits [--bases bf16,fp8_dynamic:row] [--batch 16] [--json FILE]``  (needs CUDA;
 ``--smoke``: tiny block on the CPU)
@@ -16,16 +17,12 @@ prints both graphs' code).
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from . import gpu_interpreter as gi
-
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+from . import harness
+from .workloads import SD3_LORA_TARGETS
 
 
 def sd35_block(base: str, smoke: bool, fused_gelu: bool = False) -> torch.nn.Module:
@@ -37,7 +34,7 @@ def sd35_block(base: str, smoke: bool, fused_gelu: bool = False) -> torch.nn.Mod
 
     heads, head_dim = (2, 16) if smoke else (24, 64)
     torch.manual_seed(0)
-    with torch.device(gi.DEVICE):
+    with torch.device(harness.DEVICE):
         block = JointTransformerBlock(heads * head_dim, heads, head_dim, qk_norm="rms_norm", use_dual_attention=True)
     block = block.to(torch.bfloat16).eval().requires_grad_(False)
     if base != "bf16":
@@ -48,7 +45,7 @@ def sd35_block(base: str, smoke: bool, fused_gelu: bool = False) -> torch.nn.Mod
         method, _, granularity = base.partition(":")
         quantize_(block, torchao_config(method, granularity or None))
         keep_input_gradients({"block": block})
-    block = inject_adapter_in_model(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS), block)
+    block = inject_adapter_in_model(LoraConfig(r=32, lora_alpha=64, target_modules=SD3_LORA_TARGETS), block)
     for name, p in block.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -63,8 +60,8 @@ def block_inputs(block: torch.nn.Module, batch: int, smoke: bool) -> dict[str, t
     """SD3.5 at 512²: 32 x 32 image tokens and 77 + 256 text tokens (the CLIPs' and T5's)."""
     dim = block.norm1.linear.in_features
     image, text = (16, 8) if smoke else (1024, 333)
-    g = torch.Generator(gi.DEVICE).manual_seed(1)
-    make = lambda *shape: torch.randn(*shape, generator=g, device=gi.DEVICE).to(torch.bfloat16)  # noqa: E731
+    g = torch.Generator(harness.DEVICE).manual_seed(1)
+    make = lambda *shape: torch.randn(*shape, generator=g, device=harness.DEVICE).to(torch.bfloat16)
     return {"hidden_states": make(batch, image, dim), "encoder_hidden_states": make(batch, text, dim),
             "temb": make(batch, dim)}
 
@@ -126,32 +123,27 @@ def probe(base: str, batch: int, smoke: bool, only: set[str] | None, save, fused
         save(row)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser) -> None:
     parser.add_argument("--bases", default="bf16,fp8_dynamic:row",
                         help="comma-separated: bf16, or a quantization method[:granularity] as the policy takes it")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--parts", default="", help="comma-separated prefixes of the parts to probe (default: all)")
     parser.add_argument("--fused-gelu", action="store_true",
                         help="the block's feed-forwards as policies.mlp.fused_gelu makes them (cuBLASLt's epilogue)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
+
+
+def benchmark(args, results: harness.Results) -> None:
     if args.smoke:
-        gi.enable_smoke()
         args.batch, args.bases = 2, "bf16"
-    result: dict = {"setup": {k: v for k, v in vars(args).items() if k != "json"}, "rows": []}
-
-    def save(row: dict) -> None:
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
-
+    results.header["setup"] = {k: v for k, v in vars(args).items() if k != "json"}
     only = {p for p in args.parts.split(",") if p} or None
     for base in args.bases.split(","):
-        probe(base, args.batch, args.smoke, only, save, args.fused_gelu)
-        gi.free_device_memory()
+        probe(base, args.batch, args.smoke, only, results.save, args.fused_gelu)
+        harness.free_device_memory()
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, smoke="a tiny block on the CPU (checks the script only)")
 
 
 if __name__ == "__main__":

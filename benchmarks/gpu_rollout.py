@@ -1,5 +1,5 @@
-"""RL rollout throughput at SD3.5-medium size: omnispec's batched ``rollout`` against a Flow-GRPO-style
-loop around the diffusers pipeline, in the same call; and replay (log-prob with gradients) time per step.
+"""RL rollout throughput (images/s) and replay time per step (log-prob with gradients) at SD3.5-medium size.
+Peer: a Flow-GRPO-style sampling loop around the diffusers pipeline (its trainer's pattern), in the same call.
 
 ``python -m benchmarks.gpu_rollout [--prompts 16 --group 8 --steps 10 --size 512 --window 3 --window-start 0
 --outside-every 2] [--json FILE]`` (``--smoke``: tiny models on the CPU, to check the script only.)
@@ -23,69 +23,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from . import gpu_interpreter as gi
-from . import gpu_policies as gp
-from . import inductor_passes
+from . import harness, inductor_passes
+from .workloads import SD3_LORA_TARGETS, sd3_components
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-
-
-def sd3_components(lora: bool = True) -> dict:
-    import transformers
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    from omnispec.testing import clip_tokenizer, t5_tokenizer
-
-    tiny = gi.SMOKE
-
-    def clip(hidden: int, layers: int, heads: int):
-        return transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
-            hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads, projection_dim=hidden,
-            num_hidden_layers=1 if tiny else layers, vocab_size=400, max_position_embeddings=77, bos_token_id=0,
-            eos_token_id=1, hidden_act="gelu"))
-
-    # --smoke: two heads of 16 dims everywhere (the CLIPs' 16 + 16 pooled and padded to T5's 32), the tiny VAE
-    width = dict(attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
-                 pooled_projection_dim=32) if tiny else dict(
-        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-        pooled_projection_dim=2048)
-    t5_width = dict(d_model=32, d_kv=16, d_ff=64, num_heads=2) if tiny else dict(d_model=4096, d_kv=64, d_ff=10240,
-                                                                                   num_heads=64)
-    vae_size = gi.SMOKE_IMAGE_VAE if tiny else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
-    with torch.device(gi.DEVICE):
-        transformer = SD3Transformer2DModel(
-            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2 if tiny else 24,
-            pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=(0,) if tiny else tuple(range(13)),
-            **width)
-        encoders = [clip(16, 12, 2) if tiny else clip(768, 12, 12), clip(16, 32, 2) if tiny else clip(1280, 32, 20),
-                    transformers.T5EncoderModel(transformers.T5Config(
-                        num_layers=1 if tiny else 24, vocab_size=256, feed_forward_proj="gated-gelu",
-                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **t5_width))]
-        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
-                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                            shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False, use_post_quant_conv=False,
-                            **vae_size)
-    mods = dict(transformer=transformer.to(torch.bfloat16), text_encoder=encoders[0], tokenizer=clip_tokenizer(),
-                text_encoder_2=encoders[1], tokenizer_2=clip_tokenizer(), text_encoder_3=encoders[2],
-                tokenizer_3=t5_tokenizer(), vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    for k in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
-        mods[k] = mods[k].to(gi.DEVICE, torch.bfloat16).eval().requires_grad_(False)
-    from peft import LoraConfig
-
-    mods["transformer"].eval().requires_grad_(False)
-    if lora:
-        mods["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
-    return mods
 
 
 def _sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.Tensor, sigma_max: torch.Tensor,
@@ -114,7 +61,7 @@ class FlowGRPOLoop:
         self.neg = self._encode([""])
 
     def _encode(self, prompts: list[str]):
-        pe, _, pooled, _ = self.pipe.encode_prompt(prompts, prompts, prompts, device=gi.DEVICE,
+        pe, _, pooled, _ = self.pipe.encode_prompt(prompts, prompts, prompts, device=harness.DEVICE,
                                                    do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS)
         return pe, pooled
 
@@ -130,16 +77,16 @@ class FlowGRPOLoop:
     def sample(self, prompts: list[str], seed: int) -> dict:
         pipe = self.pipe
         pe, pooled = self._encode(prompts)
-        gen = torch.Generator(gi.DEVICE).manual_seed(seed)
-        x = pipe.prepare_latents(len(prompts), 16, self.size, self.size, torch.float32, gi.DEVICE, gen)
-        pipe.scheduler.set_timesteps(self.steps, device=gi.DEVICE)
-        sigmas = pipe.scheduler.sigmas.to(gi.DEVICE, torch.float32)
+        gen = torch.Generator(harness.DEVICE).manual_seed(seed)
+        x = pipe.prepare_latents(len(prompts), 16, self.size, self.size, torch.float32, harness.DEVICE, gen)
+        pipe.scheduler.set_timesteps(self.steps, device=harness.DEVICE)
+        sigmas = pipe.scheduler.sigmas.to(harness.DEVICE, torch.float32)
         states, lps = [x], []
         for k, t in enumerate(pipe.scheduler.timesteps):
             v = self._forward(x, t, pe, pooled)
             if k in self.window:
                 x, lp = _sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
-                                  noise=torch.randn(x.shape, generator=gen, device=gi.DEVICE))
+                                  noise=torch.randn(x.shape, generator=gen, device=harness.DEVICE))
                 lps.append(lp)
             else:
                 x = x + (sigmas[k + 1] - sigmas[k]) * v
@@ -169,10 +116,10 @@ def check_sigmas(pipe, base: FlowGRPOLoop, steps: int, request: dict) -> None:
 
 
 def _timed(fn, *args) -> tuple[float, object]:
-    gi._sync()
+    harness.sync()
     start = time.perf_counter()
     out = fn(*args)
-    gi._sync()
+    harness.sync()
     return time.perf_counter() - start, out
 
 
@@ -187,10 +134,10 @@ def breakdown(pipeline, run) -> dict:
 
     def timed(key: str, call):
         def run_timed(*args, **kwargs):
-            gi._sync()
+            harness.sync()
             start = time.perf_counter()
             out = call(*args, **kwargs)
-            gi._sync()
+            harness.sync()
             spent[key] += time.perf_counter() - start
             return out
 
@@ -211,10 +158,10 @@ def profiled_rollout(run) -> dict:
     """One rollout under torch.profiler: its kernels grouped by kind, in ms per rollout, and the largest ones."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gi.DEVICE == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [])
     with torch.no_grad(), profile(activities=activities) as prof:
         total, _ = _timed(run)
-    return {"wall_s": total, **gp.kernel_summary(prof, 1, "_per_rollout", largest=20)}
+    return {"wall_s": total, **harness.kernel_summary(prof, 1, "_per_rollout", largest=20)}
 
 
 def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loop_s: float) -> dict:
@@ -225,11 +172,11 @@ def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loo
 
     sample = base.sample(_prompts("flops", 1), seed=0)
     counter = FlopCounterMode(display=False)
-    # eager: dynamo skips a compiled frame run under a dispatch mode for good (gpu_interpreter.flops_per_step)
+    # eager: dynamo skips a compiled frame run under a dispatch mode for good (harness.flops_per_step)
     with torch.compiler.set_stance("force_eager"), counter, torch.no_grad():
         base._forward(sample["latents"][:, 0], sample["timesteps"][0], sample["pe"], sample["pooled"])
     flops = float(counter.get_total_flops()) * images * steps
-    ceiling = gi.matmul_ceiling() if gi.DEVICE == "cuda" else 1e12
+    ceiling = harness.matmul_ceiling()
     return {"config": "denoiser bound", "denoiser_tflop": flops / 1e12,
             "loop_denoiser_tflops_per_s": flops / split["denoiser_s"] / 1e12, "matmul_ceiling_tflops": ceiling / 1e12,
             "loop_denoiser_mfu": flops / split["denoiser_s"] / ceiling,
@@ -242,8 +189,7 @@ def _prompts(tag: str, n: int) -> list[str]:
     return [f"{subjects[i % len(subjects)]}, study {tag}-{i}" for i in range(n)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
@@ -295,16 +241,20 @@ def main() -> None:
                              "time by kernel kind (fp8 and bf16 matmuls, attention, inductor's fused kernels) and the "
                              "largest kernels")
     inductor_passes.add_argument(parser)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
-    inductor_passes.install(args.inductor_passes)
-    if args.smoke:  # tiny models; 5 steps: a window of 3, then one computed and one reused Euler step; one repeat
-        gi.enable_smoke()
-        args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 1, 2
-        args.steps, args.window, args.compile_repeats = 5, min(args.window, 3), 1
+
+
+def _build(mods: dict, overrides: list[str]):
     import omnispec
 
+    return omnispec.build(harness.ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=harness.DEVICE,
+                          overrides=overrides)
+
+
+def benchmark(args, results: harness.Results) -> None:
+    inductor_passes.install(args.inductor_passes)
+    if args.smoke:  # tiny models; 5 steps: a window of 3, then one computed and one reused Euler step; one repeat
+        args.size, args.prompts, args.group, args.repeats, args.replay_batch = 64, 2, 2, 1, 2
+        args.steps, args.window, args.compile_repeats = 5, min(args.window, 3), 1
     mods = sd3_components()
     length = args.window or args.steps - 1
     window = range(args.window_start, args.window_start + length)
@@ -314,18 +264,13 @@ def main() -> None:
     # The bundled spec's schedule is the checkpoint scheduler's own (kind: scheduler), as Flow-GRPO steps it.
     overrides = ["runtime.progress=false", "recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]"]
     request = dict(height=args.size, width=args.size, steps=args.steps, max_sequence_length=MAX_TOKENS)
-    pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE, overrides=overrides)
+    pipe = _build(mods, overrides)
     base = FlowGRPOLoop(mods, args.size, args.steps, window)
     check_sigmas(pipe, base, args.steps, request)
     n = args.prompts * args.group
-    result: dict = {"setup": {k: v for k, v in vars(args).items() if k != "json"} | {"images": n, "window_steps":
-                                                                                     list(window)}, "rows": []}
-
-    def save(row: dict) -> None:
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+    results.header["setup"] = {k: v for k, v in vars(args).items() if k != "json"} | {"images": n,
+                                                                                     "window_steps": list(window)}
+    save = results.save
 
     def run_base(tag: str):
         rows = [p for p in _prompts(tag, args.prompts) for _ in range(args.group)]
@@ -344,8 +289,7 @@ def main() -> None:
     if args.outside_every > 1:
         sides[f"omnispec rollout, window-aware (every {args.outside_every})"] = lambda tag: run_ours(tag, s=fast_sampler)
     if args.sdpa_variant:
-        sdpa = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
-                              overrides=[*overrides, "policies.attention.default=sdpa"])
+        sdpa = _build(mods, [*overrides, "policies.attention.default=sdpa"])
         sides["omnispec rollout, attention sdpa"] = lambda tag: run_ours(tag, sdpa)
     with torch.no_grad():  # warm-up: kernels, allocator, autotuning, auto attention's trials at the timed shapes
         base.sample(_prompts("w", 2), seed=0)
@@ -366,8 +310,7 @@ def main() -> None:
         quantized = quantized_rows(args, mods, overrides, n, run_ours, save)
     if args.compile:
         smoke_backend = ["policies.compile.backend=aot_eager"] if args.smoke else []  # inductor's CPU codegen: minutes
-        compiled_rows(args, omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
-                                           overrides=[*overrides, "policies.compile.mode=regional", *smoke_backend]),
+        compiled_rows(args, _build(mods, [*overrides, "policies.compile.mode=regional", *smoke_backend]),
                       n, run_ours, run_base, save, fast_sampler)
     if args.rollout_compile:
         variant_rows(args, mods, overrides, n, run_ours, save)
@@ -375,10 +318,14 @@ def main() -> None:
         quantized = quantized_rows(args, mods, overrides, n, run_ours, save)
     if quantized is not None:
         quantized_gradient_rows(args, *quantized, save)
+    table(results.rows, n)
+
+
+def table(rows: list[dict], n: int) -> None:
     # --no-eager --no-compile (only the quantized rows) times no loop: the table then has no ratio column filled
-    loop = next((row for row in result["rows"] if row["config"].startswith("flow-grpo loop")), None)
+    loop = next((row for row in rows if row["config"].startswith("flow-grpo loop")), None)
     print(f"| config | s per {n} images | images/s | vs {loop['config'] if loop else 'no loop timed'} |")
-    for row in result["rows"]:
+    for row in rows:
         if "images_per_s" in row:
             ratio = f"{loop['seconds'] / row['seconds']:.2f}x" if loop else ""
             print(f"| {row['config']} | {row['seconds']:.2f} | {row['images_per_s']:.2f} | {ratio} |")
@@ -451,7 +398,7 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
         save({"config": "flow-grpo loop + compile_repeated_blocks", "seconds": med, "images_per_s": n / med,
               "samples_s": times, "first_call_s": first_loop})
         return
-    with torch.no_grad(), gi.CompileWatch() as watch:
+    with torch.no_grad(), harness.CompileWatch() as watch:
         first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
         first_loop, _ = _timed(run_base, "cwb")
         samples: dict[str, list[float]] = {"omnispec rollout + regional compile": [],
@@ -492,29 +439,25 @@ def _variant_overrides(args, variant: str) -> list[str]:
     if args.smoke:
         mode, *options = variant.split("+")
         kept = [o for o in options if o.removeprefix("no_").split("=")[0] not in INDUCTOR_OPTIONS]
-        return [*gp.compile_overrides("+".join([mode, *kept])), "policies.compile.backend=aot_eager"]
-    return gp.compile_overrides(variant)
+        return [*harness.compile_overrides("+".join([mode, *kept])), "policies.compile.backend=aot_eager"]
+    return harness.compile_overrides(variant)
 
 
 def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> None:
     """omnispec's exact rollout under further compile variants (``regional+cudagraphs``: CUDA graphs for the
     fixed-shape block calls), each in a build of its own over the same modules (which undoes the earlier builds'
     compilation), timed as the regional row and replayed through the same graphs."""
-    import omnispec
-
     for variant in args.rollout_compile.split(","):
-        sets = _variant_overrides(args, variant)
-        pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components=mods, device=gi.DEVICE,
-                              overrides=[*overrides, *sets])
+        pipe = _build(mods, [*overrides, *_variant_overrides(args, variant)])
         label = f"omnispec rollout + {variant.replace('+', ' + ')} compile"
-        with torch.no_grad(), gi.CompileWatch() as watch:
+        with torch.no_grad(), harness.CompileWatch() as watch:
             first, _ = _timed(run_ours, f"v{variant}", pipe)
             times = [_timed(run_ours, f"v{variant}{r}", pipe)[0] for r in range(args.compile_repeats)]
             ro = run_ours(f"v{variant}replay", pipe)
         med = statistics.median(times)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
               "dynamo": watch.summary()})
-        save(replay_ratio(pipe, lambda tag: ro, args.replay_batch, f"replay ratio check, {variant}"))
+        save(replay_ratio(pipe, lambda tag, ro=ro: ro, args.replay_batch, f"replay ratio check, {variant}"))
 
 
 def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save) -> tuple:
@@ -524,12 +467,12 @@ def quantized_rows(args, mods: dict, overrides: list[str], n: int, run_ours, sav
     fresh LoRA of the benchmark's shape (quantizing first keeps torchao off the LoRA's own linears; peft wraps the
     quantized linears). Returns the last variant's pipeline and replay part, for the gradient rows."""
     method, _, granularity = ("int8_weight_only" if args.smoke else args.quantized_base).partition(":")
-    policy, base = gp.quantized_transformer(method, granularity or None,
-                                            [m for m in args.quantized_exclude.split(",") if m])
+    policy, base = harness.quantized_transformer(method, granularity or None,
+                                                 [m for m in args.quantized_exclude.split(",") if m])
     last = None
     for variant in args.quantized_compile.split(","):
         last = None  # the earlier variant's quantized copy goes before the next one is made
-        gi.free_device_memory()
+        harness.free_device_memory()
         last = _quantized_variant_rows(args, mods, [*overrides, policy], variant, run_ours, save, base, n)
     return (*last, method)
 
@@ -538,19 +481,15 @@ def _quantized_variant_rows(args, mods: dict, overrides: list[str], variant: str
                             n: int) -> tuple:
     from peft import LoraConfig
 
-    import omnispec
-
     twin = copy.deepcopy(mods["transformer"])
     twin.delete_adapters(twin.active_adapters())
-    sets = _variant_overrides(args, variant)
-    pipe = omnispec.build(ROOT / "specs" / "sd3.5-medium.yaml", components={**mods, "transformer": twin},
-                          device=gi.DEVICE, overrides=[*overrides, *sets])
-    pipe.components["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=LORA_TARGETS))
+    pipe = _build({**mods, "transformer": twin}, [*overrides, *_variant_overrides(args, variant)])
+    pipe.components["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=SD3_LORA_TARGETS))
     label = f"omnispec rollout, {base} base + bf16 LoRA + {variant.replace('+', ' + ')} compile"
     print(f"[{label}] built; first rollout (compiles) starts", flush=True)  # a cut call still shows how far it got
-    with torch.no_grad(), gi.CompileWatch() as watch:
+    with torch.no_grad(), harness.CompileWatch() as watch:
         # the samples go to a file as they come, since a first rollout once outlasted its call's 575 s
-        with gi.StackSampler(dump_to=gi.stacks_file(args.json, f"first rollout {variant}")) as stacks:
+        with harness.StackSampler(dump_to=harness.stacks_file(args.json, f"first rollout {variant}")) as stacks:
             first, _ = _timed(run_ours, "qw", pipe)
         print(f"[{label}] first rollout {first:.1f} s: {watch.summary()}", flush=True)
         save({"config": f"{label}: where the first rollout's time went", "first_call_s": first, **stacks.top()})
@@ -592,6 +531,10 @@ def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
     except Exception as exc:  # noqa: BLE001 - the rollout rows above stand
         save({"config": f"omnispec log_prob with gradients, {method} base",
               "error": f"{type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:4])[:600]}"})
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark)
 
 
 if __name__ == "__main__":

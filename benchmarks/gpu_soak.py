@@ -1,12 +1,12 @@
-"""Soak: one long-lived pipeline through many mixed requests; does its memory stop growing, does a repeated
-request return the identical array?
+"""Soak: one long-lived pipeline through many mixed requests. Does its memory stop growing, does a repeat match?
+No peer: the pipeline's own memory after warm-up, and a repeated request's first output, are the reference.
 
 ``python -m benchmarks.gpu_soak [--model flux|wan_ti2v] [--requests 200 --steps 4,2 --sizes 512,768,1024]
 [--set OVERRIDE ...] [--json FILE]``  (needs CUDA; ``--set policies.compile.mode=regional`` soaks the compiled path)
 (``--smoke``: tiny models on the CPU, to check the script only; ``--digits``: the digits soak of
 ``tests/test_soak.py`` on the CPU, resident memory and live objects instead of device memory.)
 
-``flux``: FLUX.1-dev at its real transformer size with random bf16 weights (``benchmarks.gpu_interpreter
+``flux``: FLUX.1-dev at its real transformer size with random bf16 weights (``benchmarks.workloads
 .flux_components``: tiny text encoders with the real widths, so a T5 encoding of 512 tokens is 4 MiB as in the real
 model). ``wan_ti2v``: Wan2.2 TI2V-5B's transformer at its real size, videos of ``--frames`` frames at small sizes
 (its defaults: 256 and 384 square, 9 and 17 frames, with CFG). The requests mix sizes, prompts (repeated, and new ones that churn the prompt-encoding cache), batch sizes,
@@ -20,19 +20,17 @@ return the identical array each time. Device memory is sampled after every ``--e
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from . import harness, workloads
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "digit", "the", "a", "cat",
          "photo", "red", "blue", "car", "snow", "fruit", "bowl", "painting", "city", "night"]
@@ -193,7 +191,7 @@ def digits_soak(count: int = 1000, cache_bytes: int = 16 * 1024, every: int = 50
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        pipe = omnispec.build(ROOT / "specs" / "digits.yaml", overrides=[
+        pipe = omnispec.build(harness.ROOT / "specs" / "digits.yaml", overrides=[
             "runtime.progress=false", f"runtime.encoding_cache_bytes={cache_bytes}",
             "policies.cache={kind: step_mask, mask: [true, true, false, true]}"])
         loras = [random_lora(pipe.components["transformer"], ("to_q", "to_v"), 2, seed) for seed in range(3)]
@@ -223,18 +221,15 @@ def model_pipeline(model: str, cache_bytes: int | None, overrides: Sequence[str]
     """``model``'s bundled spec over its components at real sizes, on the benchmark device."""
     import omnispec
 
-    from . import gpu_interpreter as gi
-
     sets = ["runtime.progress=false", *overrides]
     if cache_bytes is not None:
         sets.append(f"runtime.encoding_cache_bytes={cache_bytes}")
-    components = getattr(gi, MODELS[model]["components"])()
-    return omnispec.build(ROOT / "specs" / MODELS[model]["spec"], components=components, device=gi.DEVICE,
-                          overrides=sets)
+    components = getattr(workloads, MODELS[model]["components"])()
+    return omnispec.build(harness.ROOT / "specs" / MODELS[model]["spec"], components=components,
+                          device=harness.DEVICE, overrides=sets)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="flux")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--steps", default="4,2", help="step counts to draw from (the first is the reference's)")
@@ -247,28 +242,26 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="OVERRIDE",
                         help="a spec override for the soaked pipeline (e.g. policies.compile.mode=regional)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script only)")
     parser.add_argument("--digits", action="store_true", help="the CPU soak of tests/test_soak.py")
-    args = parser.parse_args()
-    from . import gpu_interpreter as gi
 
+
+def benchmark(args, results: harness.Results) -> None:
+    """The soak's result is one document (its memory samples printed as they come), written to ``--json``."""
     if args.digits:
         result = digits_soak(args.requests, every=args.every, log=print)
-        print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+        harness.show({k: v for k, v in result.items() if k != "samples"})
+        results.header |= result
+        results.write()
         return
 
     model = MODELS[args.model]
     args.sizes = args.sizes or model["sizes"]
     args.frames = model["frames"] if args.frames is None else args.frames
     if args.smoke:
-        gi.enable_smoke()
         args.sizes, args.steps, args.requests, args.every = model["smoke_sizes"], "2,1", min(args.requests, 8), min(
             args.every, 4)
         args.frames = "5,9" if args.frames else ""
-    elif not torch.cuda.is_available():
+    elif not torch.cuda.is_available():  # --digits runs on the CPU by design, the other soaks on CUDA
         raise SystemExit("needs CUDA (or --smoke)")
 
     def ints(text: str) -> list[int]:
@@ -277,8 +270,8 @@ def main() -> None:
     pipe = model_pipeline(args.model, args.cache_bytes, args.overrides)
     transformer = pipe.components["transformer"].requires_grad_(False)  # a replay's gradients reach LoRA weights only
     loras = [random_lora(transformer, model["lora"], 4 if args.smoke else 16, s) for s in range(3)]
-    memory = process_memory if gi.DEVICE == "cpu" else cuda_memory
-    if gi.DEVICE != "cpu":
+    memory = process_memory if harness.DEVICE == "cpu" else cuda_memory
+    if harness.DEVICE != "cpu":
         torch.cuda.reset_peak_memory_stats()
     result = soak(pipe, args.requests, sizes=ints(args.sizes), steps=ints(args.steps), frames=ints(args.frames),
                   batch_sizes=ints(args.batch_sizes), guidance_scales=(2.0, 3.5, 5.0),
@@ -286,10 +279,9 @@ def main() -> None:
                   loras=loras, rollout_sampler={"kind": "sde", "noise_level": 0.7, **model["sampler"],
                                                 "window": {"kind": "fixed", "start": 0, "length": 1}},
                   memory=memory, every=args.every, seed=args.seed, log=print)
-    result |= {"device": torch.cuda.get_device_name() if gi.DEVICE != "cpu" else "cpu", "args": vars(args) | {
-        "json": str(args.json) if args.json else None},
-        "attention": pipe.explain(as_dict=True).get("attention_with_gradients")}
-    if gi.DEVICE != "cpu":
+    result |= {"device": harness.device_name(), "args": vars(args) | {"json": str(args.json) if args.json else None},
+               "attention": pipe.explain(as_dict=True).get("attention_with_gradients")}
+    if harness.DEVICE != "cpu":
         mem = [s["memory"] for s in result["samples"]]
         warm = mem[len(mem) // 4:]
         result["summary"] = {
@@ -298,9 +290,13 @@ def main() -> None:
                                                   max(m["allocated"] for m in warm) / 2**30],
             "reserved_gib_end": mem[-1]["reserved"] / 2**30,
         }
-        print(json.dumps(result["summary"]))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        harness.show(result["summary"])
+    results.header |= result
+    results.write()
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, layout="document")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Which Triton kernels inductor writes for FLUX's compiled blocks under omnispec's policies, and what each compiles
-to for a GPU, on a machine without one.
+"""The Triton kernels inductor writes for FLUX's compiled blocks under omnispec's policies, compiled for a GPU here.
+No peer: facts of the code (rows read once or looped, registers, spills, load and store widths), to read, not time;
+``--set`` gives another policy's kernels to set beside them.
 
 ``python -m benchmarks.inductor_kernels [--set policies.compile.persistent_rows=1024 ...] [--norms 1536,5120]
 [--arch 90] [--json FILE]`` (needs triton; ``--smoke``: FLUX's blocks at two heads of 16 dims; ``--norms``: a
@@ -20,17 +21,16 @@ speed. The row counts are 256²'s; the code is the same at 1024² but for its si
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from . import gpu_interpreter as gi
-from .triton_ptx import compiled_facts
+from . import harness
+from .kernel_timing import compiled_facts
+from .workloads import SMOKE_TEXT, flux_components
 
 POLICIES = ["runtime.progress=false", "policies.attention.default=sdpa", "policies.compile.mode=regional",
             "policies.attention.fused_qk_norm_rope=true", "policies.mlp.fused_gelu=true",
@@ -77,13 +77,13 @@ def flux_kernels(overrides: list[str], smoke: bool) -> list[tuple[str, str]]:
 
     import omnispec
 
-    gi.enable_smoke()  # the text encoders and the VAE tiny, on the CPU
-    components = gi.flux_components()
+    harness.enable_smoke()  # the text encoders and the VAE tiny, on the CPU
+    components = flux_components()
     width = dict(num_attention_heads=2, attention_head_dim=16, axes_dims_rope=(4, 4, 8)) if smoke else {}
     components["transformer"] = FluxTransformer2DModel(
-        guidance_embeds=True, num_layers=1, num_single_layers=1, joint_attention_dim=gi.SMOKE_TEXT[1],
-        pooled_projection_dim=gi.SMOKE_TEXT[0], **width).to(torch.bfloat16)
-    pipe = omnispec.build(gi.ROOT / "specs" / "flux1-dev.yaml", components=components, device="cpu",
+        guidance_embeds=True, num_layers=1, num_single_layers=1, joint_attention_dim=SMOKE_TEXT[1],
+        pooled_projection_dim=SMOKE_TEXT[0], **width).to(torch.bfloat16)
+    pipe = omnispec.build(harness.ROOT / "specs" / "flux1-dev.yaml", components=components, device="cpu",
                           overrides=[*POLICIES, *overrides])
     with kept_kernel_sources() as kept:
         pipe("a cat", height=64 if smoke else 256, width=64 if smoke else 256, steps=1, seed=0)
@@ -111,7 +111,7 @@ def norm_kernels(widths: list[int], overrides: list[str]) -> list[tuple[str, str
     from omnispec.policies.compile import _torch_compile_options
     from omnispec.spec import load_spec
 
-    policy = load_spec(gi.ROOT / "specs" / "flux1-dev.yaml", ["policies.compile.mode=regional", *overrides])
+    policy = load_spec(harness.ROOT / "specs" / "flux1-dev.yaml", ["policies.compile.mode=regional", *overrides])
     options = {**_torch_compile_options(policy.policies.compile), "fx_graph_cache": False}
     kept_all = []
     bf16 = {"dtype": torch.bfloat16}
@@ -166,8 +166,7 @@ def compiled_for_gpu(name: str, source: str, arch: int) -> dict:
             "launch": {**launch.kwargs, "num_warps": launch.num_warps}, "launches_tried": len(launches), **facts}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a spec override on top of the regional compile and fused policies (repeatable)")
     parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: H100/H200)")
@@ -175,19 +174,20 @@ def main() -> None:
                         help="in place of FLUX's blocks: a float32 RMSNorm and LayerNorm, each modulated, over rows "
                              "of these widths (the other families' norms: SD3.5 1,536, Qwen-Image 3,072, Wan 14B "
                              "5,120)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="two heads of 16 dims (checks the script only)")
-    args = parser.parse_args()
-    rows = []
+
+
+def benchmark(args, results: harness.Results) -> None:
+    results.header["set"] = args.set
     if args.norms:
         kernels = norm_kernels([int(w) for w in args.norms.split(",")], args.set)
     else:
         kernels = [(name, source, "flux block pair") for name, source in flux_kernels(args.set, args.smoke)]
     for name, source, shape in kernels:
-        rows.append({"shape": shape, **compiled_for_gpu(name, source, args.arch)})
-        print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"set": args.set, "rows": rows}, indent=1) + "\n")
+        results.save({"shape": shape, **compiled_for_gpu(name, source, args.arch)})
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, smoke="two heads of 16 dims (checks the script only)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ by ``install`` or handed to one compile as ``Passes(names)``; omnispec's own pas
 
 - ``fast_tanh``: each tanh computed as ``2*sigmoid(2x) - 1`` (one fast exponential) instead of libdevice's accurate
   tanh, within 2e-7; measured to change nothing on the H200 (the kernel is not bound by the GELU's tanh).
+
+A shared module of the benchmarks (``--inductor-passes``): it imports no benchmark module
+(``tests/test_benchmark_smoke.py`` checks).
 """
 
 from __future__ import annotations

@@ -1,17 +1,24 @@
-"""Timing and reporting shared by the single-kernel benchmarks (``gpu_norm_rope``, ``gpu_gemm_epilogue``,
-``gpu_attention_kernels``, ``gpu_gemm_kernels``). Imports torch only, so a kernel benchmark runs where diffusers and
-omnispec are not installed (a device call that carries a kernel's own packages has no room left for theirs)."""
+"""What the single-kernel benchmarks share: device time per call, one kernel's row, the tables they print
+(``gpu_norm_rope``, ``gpu_adaln_norm``, ``gpu_gemm_epilogue``, ``gpu_attention_kernels``, ``gpu_gemm_kernels``,
+``gpu_joint_gemm``), and what a Triton kernel compiles to (``triton_ptx``, ``inductor_kernels``).
+
+A shared module: it imports no benchmark module (``tests/test_benchmark_smoke.py`` checks), and only torch (triton
+inside ``compiled_facts``), so a kernel benchmark runs where diffusers and omnispec are not installed (a device call
+that carries a kernel's own packages has no room left for theirs)."""
 
 from __future__ import annotations
 
-import json
+import collections
 import math
+import re
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Self
 
 import torch
 
@@ -49,7 +56,7 @@ class ClockSampler:
         self.tool = shutil.which("nvidia-smi") if enabled else None
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> ClockSampler:
+    def __enter__(self) -> Self:
         if self.tool:
             self.process = subprocess.Popen(
                 [self.tool, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
@@ -91,7 +98,7 @@ def kernel_row(shape: str, name: str, fn: Callable, inputs: tuple, reference: to
     """One kernel's row: its first call's seconds (a JIT kernel compiles there), then five timed rounds of ``iters``
     calls, or of as many as take ``seconds`` (under a power cap, long enough for the clock to settle), with the SM
     clock and power meanwhile when ``clocks``; its rate for ``flops`` a call and its output's relative L2 distance
-    from ``reference``. Printed as a JSON line as it comes."""
+    from ``reference``."""
     device = inputs[0].device.type
     with torch.no_grad():
         begin = time.perf_counter()
@@ -111,7 +118,6 @@ def kernel_row(shape: str, name: str, fn: Callable, inputs: tuple, reference: to
     row = {"shape": shape, "config": name, "ms_per_call": ms, "rounds_us": rounds, "iters": iters,
            "tflops": flops / ms / 1e9, "first_call_s": first_s,
            "rel_l2_vs_fp32": float((got - want).norm() / want.norm()), **sampler.fields()}
-    print(json.dumps(row), flush=True)
     return row
 
 
@@ -130,25 +136,50 @@ BANDWIDTH_COLUMNS: dict[str, Callable[[dict], object]] = {
     "share differing": lambda r: r.get("share_differing_vs_eager", "")}
 
 
-def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict]) -> list[dict]:
-    """``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others still run."""
-    rows = []
+def measure_each(shape: str, variants: dict[str, Callable], measure_one: Callable[[str, Callable], dict],
+                 save: Callable[[dict], object]) -> None:
+    """``save`` ``measure_one(name, fn)``'s row for each variant; one that fails gives an error row and the others
+    still run."""
     for name, fn in variants.items():
         try:
-            rows.append(measure_one(name, fn))
+            row = measure_one(name, fn)
         except Exception as exc:  # noqa: BLE001 - keep the other variants' rows
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            rows.append({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"})
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+            row = {"shape": shape, "config": name, "error": f"{type(exc).__name__}: {first_line}"}
+        save(row)
 
 
-def report(rows: list[dict], path: Path | None, columns: dict[str, Callable[[dict], object]]) -> None:
-    """Write ``rows`` to ``path`` (JSON) when given, and print them as a table: shape, config, then ``columns``."""
-    if path:
-        path.write_text(json.dumps({"rows": rows}, indent=1))
+def table(rows: list[dict], columns: dict[str, Callable[[dict], object]]) -> None:
+    """Print ``rows`` as a table: shape, config, then ``columns``."""
     print("| shape | config | " + " | ".join(columns) + " |")
     for r in rows:
         cells = [f"error: {r['error'][:80]}", *[""] * (len(columns) - 1)] if "error" in r else [
             str(cell(r)) for cell in columns.values()]
         print(f"| {r['shape']} | {r['config']} | " + " | ".join(cells) + " |")
+
+
+def compiled_facts(fn: Any, signature: dict, constants: dict, attrs: dict, arch: int, options: dict) -> dict:
+    """A Triton function compiled for ``sm_<arch>``: its PTX's global memory instructions by width and, from the
+    triton wheel's ptxas, its registers and spilled bytes (or ptxas's last line where it gave none)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    widths = collections.Counter(f"{op} {width}" for op, width in
+                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
+    facts: dict = {"global_memory_instructions": dict(sorted(widths.items()))}
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "kernel.ptx").write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v",
+                               "kernel.ptx", "-o", "kernel.cubin"], cwd=folder, capture_output=True, text=True,
+                              check=False)
+    report = done.stdout + done.stderr
+    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
+        facts["registers"] = int(registers.group(1))
+        facts["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    else:
+        facts["ptxas"] = report.strip().splitlines()[-1:] or ["no output"]
+    return facts

@@ -1,4 +1,5 @@
 """What omnispec's Triton kernel (``kernels.qk_norm_rope``) compiles to for a GPU, on a machine without one.
+No peer: facts of one kernel's code (registers, spills, load and store widths) per launch shape, to read, not time.
 
 ``python -m benchmarks.triton_ptx [--arch 90] [--configs 16x4x4,16x2x4] [--json FILE]``  (needs triton, whose wheel
 carries the ptxas that gives registers and spills)
@@ -14,14 +15,8 @@ launch or one launch each: registers, spilled bytes, and the global loads and st
 
 from __future__ import annotations
 
-import argparse
-import collections
-import json
-import re
-import subprocess
-import tempfile
-from pathlib import Path
-from typing import Any
+from . import harness
+from .kernel_timing import compiled_facts
 
 CONSTEXPRS = ("TOKENS", "HEADS", "D", "PAIRED")
 HEAD_DIM = 128  # FLUX's
@@ -36,32 +31,6 @@ def _argument_type(name: str) -> str:
     if name in ("tokens", "first_tokens") or name.endswith(("_sb", "_st", "_sh")):
         return "i32"
     return "*fp32" if name in ("cos", "sin") else "*bf16"
-
-
-def compiled_facts(fn: Any, signature: dict, constants: dict, attrs: dict, arch: int, options: dict) -> dict:
-    """A Triton function compiled for ``sm_<arch>``: its PTX's global memory instructions by width and, from the
-    triton wheel's ptxas, its registers and spilled bytes (or ptxas's last line where it gave none)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
-    widths = collections.Counter(f"{op} {width}" for op, width in
-                                 re.findall(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.((?:v[248]\.)?b\d+)\b", ptx))
-    facts: dict = {"global_memory_instructions": dict(sorted(widths.items()))}
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "kernel.ptx").write_text(ptx)
-        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v",
-                               "kernel.ptx", "-o", "kernel.cubin"], cwd=folder, capture_output=True, text=True)
-    report = done.stdout + done.stderr
-    if (registers := re.search(r"Used (\d+) registers", report)) is not None:
-        facts["registers"] = int(registers.group(1))
-        facts["spilled_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    else:
-        facts["ptxas"] = report.strip().splitlines()[-1:] or ["no output"]
-    return facts
 
 
 def compile_kernel(arch: int, tokens: int, heads: int, warps: int, paired: bool) -> dict:
@@ -79,21 +48,21 @@ def compile_kernel(arch: int, tokens: int, heads: int, warps: int, paired: bool)
                              {"num_warps": warps, "enable_fp_fusion": False})}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: H100/H200)")
     parser.add_argument("--configs", default="16x4x4,16x2x4",
                         help="launch shapes, comma-separated: tokens x heads per program x warps")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    rows = []
+
+
+def benchmark(args, results: harness.Results) -> None:
     for config in args.configs.split(","):
         tokens, heads, warps = (int(n) for n in config.split("x"))
         for paired in (True, False):
-            rows.append(compile_kernel(args.arch, tokens, heads, warps, paired))
-            print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+            results.save(compile_kernel(args.arch, tokens, heads, warps, paired))
+
+
+def main() -> None:
+    harness.run_benchmark(__doc__, add_arguments, benchmark, smoke=None, layout="list")
 
 
 if __name__ == "__main__":

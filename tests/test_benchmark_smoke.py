@@ -1,13 +1,16 @@
 """Every GPU benchmark's ``--smoke`` run on the CPU: tiny models through the same code the H200 runs, so a
 benchmark that no longer starts, or whose rows now report an error, fails here and not in a GPU session (whose
-time is scarce). ``gpu_peers`` has its own, finer test (tests/test_gpu_peers_smoke.py)."""
+time is scarce). ``gpu_peers`` has its own, finer test (tests/test_gpu_peers_smoke.py). And the shape of the
+benchmarks' package: shared modules that import no benchmark, one ``main`` skeleton, a peer named by each."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_parallel import free_port
@@ -48,8 +51,9 @@ SMOKES = [
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code
     ("gpu_shard_graphs", [], 1),
 ]
-# Rows a CPU cannot run by nature: diffusers' CUDA-only attention backends, which the GPU run measures.
-CUDA_ONLY = ("_native_cudnn", "_native_flash", "sdpa_cudnn", "sdpa_efficient")
+# Rows a CPU cannot run by nature: diffusers' CUDA-only attention backends and SageAttention's kernels, which the GPU
+# run measures (an unusable backend is a row of its own, printed as every row is).
+CUDA_ONLY = ("_native_cudnn", "_native_flash", "sdpa_cudnn", "sdpa_efficient", "sage")
 
 
 def _rows(stdout: str) -> list[dict]:
@@ -85,7 +89,7 @@ def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp
 def test_the_interpreter_benchmark_has_a_workload_for_every_family_with_a_diffusers_pipeline():
     """A family added without a GPU workload would never be timed against its pipeline (issue 27's first
     deliverable); the digits model is omnispec's own and has no diffusers pipeline to time against."""
-    from benchmarks.gpu_interpreter import WORKLOADS
+    from benchmarks.workloads import WORKLOADS
     from omnispec.spec import BUILTIN_FAMILIES
 
     assert sorted(set(BUILTIN_FAMILIES) - {"digits"} - set(WORKLOADS)) == []
@@ -96,7 +100,7 @@ def test_the_stack_sampler_names_where_a_long_call_waits_and_leaves_a_file_while
     written while the call runs, and its innermost frames name the function that waited, not only its callers."""
     import time
 
-    from benchmarks.gpu_interpreter import StackSampler
+    from benchmarks.harness import StackSampler
 
     dump = tmp_path / "stacks.json"
 
@@ -165,3 +169,73 @@ def test_inductor_kernels_reads_norm_rows_once_up_to_the_default_bound(tmp_path)
         if row["rows_read"] == "once":
             assert set(row["global_memory_instructions"]) <= {"ld v4.b32", "st v4.b32"}, row
             assert row.get("spilled_bytes", 0) == 0, row
+
+
+# ---- the package's shape ------------------------------------------------------------------------------------------
+
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+# Modules every benchmark may import; each imports only the shared modules listed with it, never a benchmark.
+SHARED = {"harness": set(), "workloads": {"harness"}, "kernel_timing": set(), "inductor_passes": set()}
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(BENCHMARKS_DIR.glob("*.py"))
+            if path.stem != "__init__"}
+
+
+def _benchmarks_imported(tree: ast.Module) -> set[str]:
+    """The modules of the ``benchmarks`` package that ``tree`` imports, at any depth (function bodies too), written
+    relatively (``from . import x``, ``from .x import y``) or absolutely (``benchmarks.x``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+        elif isinstance(node, ast.ImportFrom):
+            package = (node.level == 1 and not node.module) or node.module == "benchmarks"
+            if package:  # from . import x / from benchmarks import x
+                names |= {a.name for a in node.names}
+            elif node.level == 1:  # from .x import y
+                names.add(node.module.split(".")[0])
+            elif node.module and node.module.startswith("benchmarks."):
+                names.add(node.module.split(".")[1])
+    return names
+
+
+def test_shared_benchmark_modules_import_no_benchmark():
+    modules = _modules()
+    assert set(SHARED) <= set(modules)
+    for name, allowed in SHARED.items():
+        imported = _benchmarks_imported(modules[name])
+        assert imported <= allowed, f"benchmarks/{name}.py imports {sorted(imported - allowed)}; it may import only " \
+                                    f"{sorted(allowed) or 'no benchmarks module'}"
+
+
+def test_no_benchmark_imports_another_benchmark():
+    for name, tree in _modules().items():
+        if name in SHARED:
+            continue
+        others = _benchmarks_imported(tree) - set(SHARED)
+        assert not others, f"benchmarks/{name}.py imports the benchmarks {sorted(others)}: what they share belongs " \
+                           f"in one of {sorted(SHARED)}"
+
+
+def test_every_benchmark_runs_through_the_one_main_skeleton():
+    """No benchmark builds its own parser: each ``main`` is ``harness.run_benchmark``'s, with the shared flags."""
+    for name, tree in _modules().items():
+        if name in SHARED:
+            continue
+        calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        assert "harness.run_benchmark" in calls, f"benchmarks/{name}.py has no harness.run_benchmark main"
+        assert "argparse.ArgumentParser" not in calls, f"benchmarks/{name}.py builds its own parser"
+
+
+def test_every_benchmark_says_what_it_measures_and_against_which_peer():
+    """The docstring's first line says what is measured (the parser's description); the next names the peer, or
+    says why there is none."""
+    for name, tree in _modules().items():
+        if name in SHARED:
+            continue
+        lines = (ast.get_docstring(tree) or "").splitlines()
+        assert len(lines) > 1 and len(lines[0]) > 20, f"benchmarks/{name}.py: no docstring saying what it measures"
+        assert lines[1].startswith(("Peer: ", "No peer: ")), \
+            f"benchmarks/{name}.py: its docstring's second line names no peer ('Peer: ...' or 'No peer: ...')"

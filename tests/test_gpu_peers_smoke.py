@@ -11,16 +11,17 @@ import pytest
 @pytest.fixture
 def peers(monkeypatch):
     """The benchmark in smoke mode, with every module-level setting it changes restored afterwards."""
-    from benchmarks import gpu_interpreter as gi
-    from benchmarks import gpu_peers
+    from benchmarks import gpu_peers, harness, workloads
 
-    for module, names in ((gi, ("SMOKE", "DEVICE")), (gpu_peers, ("SMOKE_OVERRIDES", "ROWS", "VERSIONS", "_TOKENIZERS"))):
+    for module, names in ((harness, ("SMOKE", "DEVICE")), (gpu_peers, ("SMOKE_OVERRIDES", "VERSIONS", "_TOKENIZERS"))):
         for name in names:
             monkeypatch.setattr(module, name, copy.copy(getattr(module, name)))
-    monkeypatch.setattr(gi, "WORKLOADS", copy.deepcopy(gi.WORKLOADS))
+    for key, value in workloads.LTX2_SIZE.items():  # one dict, shared by the modules that import it
+        monkeypatch.setitem(workloads.LTX2_SIZE, key, value)
+    monkeypatch.setattr(workloads, "WORKLOADS", copy.deepcopy(workloads.WORKLOADS))
     monkeypatch.setattr(gpu_peers, "WORK", copy.deepcopy(gpu_peers.WORK))
-    gpu_peers.ROWS.clear()
-    gpu_peers.enable_smoke()
+    monkeypatch.setattr(gpu_peers, "RESULTS", harness.Results())
+    harness.enable_smoke()
     for w in gpu_peers.WORK.values():
         w["cache_steps"] = 6
     return gpu_peers
@@ -48,7 +49,7 @@ def test_step_mask_rows_run_one_pattern_and_count_it(peers):
     pytest.importorskip("cache_dit")
     wl = peers.Workload("flux", 1, 1e12)
     peers.step_mask_part(wl, _args())
-    eager, cachedit, ours = peers.ROWS
+    eager, cachedit, ours = peers.RESULTS.rows
     assert eager["forwards"]["full_forwards"] == 6
     mask = cachedit["settings"]["mask"]
     assert mask == ours["settings"]["mask"] and mask[0] == "1"
@@ -66,7 +67,7 @@ def test_dbcache_row_and_first_block_row_make_the_same_full_forwards(peers):
     pytest.importorskip("cache_dit")
     wl = peers.Workload("wan", 1, 1e12)  # CFG: cond and uncond are separate forwards on both sides
     peers.dbcache_part(wl, _args())
-    eager, cachedit, ours = peers.ROWS
+    eager, cachedit, ours = peers.RESULTS.rows
     assert eager["forwards"]["full_forwards"] == 12
     assert "error" not in cachedit and "error" not in ours
     assert ours["forwards"]["full_forwards"] == cachedit["forwards"]["full_forwards"] < 12
@@ -81,7 +82,7 @@ def test_compile_part_runs_each_omnispec_variant_asked(peers, monkeypatch):
     peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager,"
                                                   "regional+backend=aot_eager+fused_gelu+modulation",
                                  compile_extra=False, compile_rounds=0))
-    ours = [r for r in peers.ROWS if r.get("engine") == "omnispec"]
+    ours = [r for r in peers.RESULTS.rows if r.get("engine") == "omnispec"]
     assert [r["config"] for r in ours] == ["compile: regional + backend=aot_eager",
                                            "compile: regional + backend=aot_eager + fused_gelu + modulation"]
     assert all("error" not in r for r in ours), ours
@@ -109,8 +110,8 @@ def test_compile_rounds_interleave_the_first_omnispec_row_with_the_peer(peers, m
     wl = peers.Workload("flux", 1, 1e12)
     peers.compile_part(wl, _args(omnispec_compile="regional+backend=aot_eager", compile_extra=False,
                                  compile_rounds=3))
-    assert not [r for r in peers.ROWS if "error" in r], peers.ROWS
-    row = peers.ROWS[-1]
+    assert not [r for r in peers.RESULTS.rows if "error" in r], peers.RESULTS.rows
+    row = peers.RESULTS.rows[-1]
     first, second = "omnispec compile: regional + backend=aot_eager", "cache-dit compile path"
     assert row["config"] == f"interleaved: {first} | {second}" and row["rounds"] == 3
     assert [len(row["samples_ms"][side]) for side in (first, second)] == [3, 3]

@@ -1,0 +1,747 @@
+"""The benchmarks' workloads: each family's modules at their real configs with random bf16 weights (tiny ones under
+``--smoke``), the inputs requests take, and the ``WORKLOADS`` table of spec, diffusers pipeline, request and step
+counts that ``gpu_interpreter`` times and other benchmarks build on; LTX-2's modules, size and guidance plan with the
+step comparison that ``gpu_interpreter`` and ``gpu_ltx2`` both run.
+
+A shared module: it imports ``harness`` and no benchmark module (``tests/test_benchmark_smoke.py`` checks). The
+text encoders are one-layer stand-ins of the real widths (they run once per request, so their cost cancels in
+per-step times). Under smoke (``harness.enable_smoke``) every builder makes tiny modules on the CPU and the tables
+shrink to tiny requests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import harness
+
+# ---- each family's modules -------------------------------------------------------------------------------------------
+
+# --smoke sizes: the text encoders' widths (CLIP, T5), the image VAE's and Wan VAE's (the offline fixtures' tiny ones,
+# keeping the real models' downsampling, so requests make the same latent shapes)
+SMOKE_TEXT = (32, 32)
+SMOKE_IMAGE_VAE = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
+SMOKE_WAN_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True])
+
+
+def _text_encoders(clip_hidden: int, t5_dim: int, umt5: bool = False):
+    import transformers
+
+    from omnispec.testing import clip_tokenizer, t5_tokenizer
+
+    # --smoke: two heads of 16 dims (the widths the callers pass are the tiny ones there)
+    clip_heads, t5_heads = ((2, dict(d_kv=16, d_ff=64, num_heads=2)) if harness.SMOKE
+                            else (12, dict(d_kv=64, d_ff=1024, num_heads=64)))
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        hidden_size=clip_hidden, intermediate_size=clip_hidden, num_attention_heads=clip_heads, num_hidden_layers=1,
+        vocab_size=400, projection_dim=clip_hidden, max_position_embeddings=77, bos_token_id=0, eos_token_id=1))
+    cfg_cls = transformers.UMT5Config if umt5 else transformers.T5Config
+    t5_cls = transformers.UMT5EncoderModel if umt5 else transformers.T5EncoderModel
+    t5 = t5_cls(cfg_cls(d_model=t5_dim, num_layers=1, vocab_size=256, decoder_start_token_id=0, pad_token_id=0,
+                        eos_token_id=1, **t5_heads))
+    return clip, clip_tokenizer(), t5, t5_tokenizer()
+
+
+def flux_components(fill: bool = False) -> dict:
+    """FLUX.1-dev's modules; ``fill``: FLUX.1-Fill-dev's transformer, which also takes the masked image's packed
+    latents and the mask folded into channels (64 + 64 + 256 = 384 inputs at the real size, 64 outputs)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    clip, tok, t5, tok2 = _text_encoders(*SMOKE_TEXT) if harness.SMOKE else _text_encoders(768, 4096)
+    # --smoke: one block of each kind, two heads of 16 dims (FLUX's own layout otherwise: 64 packed channels)
+    size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                joint_attention_dim=SMOKE_TEXT[1], pooled_projection_dim=SMOKE_TEXT[0],
+                axes_dims_rope=(4, 4, 8)) if harness.SMOKE else {}
+    vae_size = SMOKE_IMAGE_VAE if harness.SMOKE else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+    if fill:
+        scale = 2 ** (len(vae_size["block_out_channels"]) - 1)
+        size |= dict(in_channels=2 * 64 + 4 * scale * scale, out_channels=64)
+    with torch.device(harness.DEVICE):
+        transformer = FluxTransformer2DModel(guidance_embeds=True, **size).to(torch.bfloat16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, shift_factor=0.1159, scaling_factor=0.3611,
+                        use_quant_conv=False, use_post_quant_conv=False, **vae_size)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    mods = dict(transformer=transformer, text_encoder=clip, tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2,
+                vae=vae, scheduler=scheduler)
+    for k in ("text_encoder", "text_encoder_2", "vae"):
+        mods[k] = mods[k].to(harness.DEVICE, torch.bfloat16).eval()
+    return mods
+
+
+def wan_components(with_transformer: bool = True) -> dict:
+    """Wan2.1 T2V 14B's modules (``with_transformer=False``: all but the transformer, for the VACE workload)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    _, _, umt5, tok = _text_encoders(*SMOKE_TEXT, umt5=True) if harness.SMOKE else _text_encoders(768, 4096, umt5=True)
+    # --smoke: one block, two heads of 16 dims, and the offline fixtures' tiny VAE (same classes)
+    size = dict(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824, num_layers=40)
+    if harness.SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
+    transformer = None
+    if with_transformer:
+        with torch.device(harness.DEVICE):
+            transformer = WanTransformer3DModel(
+                patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
+            ).to(torch.bfloat16)
+    vae = AutoencoderKLWan(**SMOKE_WAN_VAE) if harness.SMOKE else AutoencoderKLWan()
+    return dict(transformer=transformer, text_encoder=umt5.to(harness.DEVICE, torch.bfloat16).eval(), tokenizer=tok,
+                vae=vae.to(harness.DEVICE, torch.float32).eval(),
+                scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=3.0, num_train_timesteps=1000))
+
+
+def wan_i2v_components() -> dict:
+    """Wan2.1 I2V 14B's transformer at its real config (36 input channels: noise, the first frame's latents and its
+    mask; image cross-attention of 1280-wide CLIP features), a one-layer CLIP vision tower of the real width (it runs
+    once per request), the Wan workload's text encoder and VAE."""
+    import transformers
+    from diffusers import WanTransformer3DModel
+
+    mods = wan_components(with_transformer=False)
+    size = dict(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824, num_layers=40,
+                image_dim=1280, added_kv_proj_dim=5120)
+    vision = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=16, image_size=224, patch_size=14)
+    if harness.SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1,
+                    image_dim=16, added_kv_proj_dim=32)
+        vision = dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, image_size=32, patch_size=8)
+    with torch.device(harness.DEVICE):
+        mods["transformer"] = WanTransformer3DModel(
+            patch_size=(1, 2, 2), in_channels=36, out_channels=16, freq_dim=256, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size).to(torch.bfloat16)
+    mods["image_encoder"] = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        num_hidden_layers=1, **vision)).to(harness.DEVICE, torch.float32).eval()  # float32, as the spec loads it
+    side = vision["image_size"]
+    mods["image_processor"] = transformers.CLIPImageProcessor(size={"shortest_edge": side},
+                                                              crop_size={"height": side, "width": side})
+    return mods
+
+
+def wan_vace_components() -> dict:
+    """Wan2.1 VACE 1.3B's transformer at its real config (30 blocks of 12 heads of 128, VACE layers every second
+    block, 96 control channels), Wan2.1's VAE; text encoders as the Wan workload's."""
+    from diffusers import WanVACETransformer3DModel
+
+    mods = wan_components(with_transformer=False)
+    size = dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30,
+                vace_layers=list(range(0, 30, 2)))
+    if harness.SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=2, vace_layers=[0])
+    with torch.device(harness.DEVICE):
+        mods["transformer"] = WanVACETransformer3DModel(
+            patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=SMOKE_TEXT[1] if harness.SMOKE else 4096,
+            freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+            vace_in_channels=96, **size).to(torch.bfloat16)
+    return mods
+
+
+def wan_ti2v_components() -> dict:
+    """Wan2.2 TI2V-5B's transformer at its real config (24 heads of 128, 30 blocks, 48 latent channels) and the
+    Wan2.2 VAE's config (residual, 2x2 pixel patches, 16x spatial), as the checkpoint's convert script builds them."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    _, _, umt5, tok = _text_encoders(*SMOKE_TEXT, umt5=True) if harness.SMOKE else _text_encoders(768, 4096, umt5=True)
+    size = dict(num_attention_heads=24, attention_head_dim=128, text_dim=4096, ffn_dim=14336, num_layers=30)
+    vae = dict(base_dim=160, decoder_base_dim=256, dim_mult=[1, 2, 4, 4])
+    if harness.SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
+        vae = dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    with torch.device(harness.DEVICE):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), in_channels=48, out_channels=48, freq_dim=256, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
+        ).to(torch.bfloat16)
+    vae = AutoencoderKLWan(z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                           scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True],
+                           latents_mean=[0.0] * 48, latents_std=[1.0] * 48, **vae)
+    return dict(transformer=transformer, text_encoder=umt5.to(harness.DEVICE, torch.bfloat16).eval(), tokenizer=tok,
+                vae=vae.to(harness.DEVICE, torch.float32).eval(),
+                scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=5.0, num_train_timesteps=1000))
+
+
+def flux2_klein_components() -> dict:
+    """FLUX.2 [klein] 4B's transformer at its published shape (5 double and 20 single blocks of 24 heads of 128,
+    prompts 3 x 2560 wide); a 27-layer Qwen3 2560 wide with a narrow MLP (the prompt is its hidden states at layers
+    9, 18 and 27), FLUX.2's VAE at its default config."""
+    import transformers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.tokenizers import QWEN3_CHAT_TEMPLATE
+
+    width, layers = (16, 27) if harness.SMOKE else (2560, 27)
+    size = dict(num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
+                axes_dims_rope=(32, 32, 32, 32), in_channels=128)
+    if harness.SMOKE:
+        size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                    axes_dims_rope=(4, 4, 4, 4), in_channels=16)
+    with torch.device(harness.DEVICE):
+        transformer = Flux2Transformer2DModel(joint_attention_dim=3 * width, timestep_guidance_channels=256,
+                                              guidance_embeds=False, **size).to(torch.bfloat16)
+    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=width, intermediate_size=16 if harness.SMOKE else 1024, num_hidden_layers=layers,
+        num_attention_heads=2 if harness.SMOKE else 32, num_key_value_heads=2 if harness.SMOKE else 8,
+        head_dim=8 if harness.SMOKE else 128, vocab_size=512))
+    vae = AutoencoderKLFlux2(**(dict(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                                     norm_num_groups=4) if harness.SMOKE else {}))
+    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                max_shift=1.15, shift=3.0, time_shift_type="exponential",
+                                                use_dynamic_shifting=True)
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(QWEN3_CHAT_TEMPLATE),
+                vae=vae, scheduler=scheduler)
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+def _on_device(mods: dict, names: tuple[str, ...]) -> dict:
+    for k in names:
+        mods[k] = mods[k].to(harness.DEVICE, torch.bfloat16).eval()
+    return mods
+
+
+def qwen_image_components() -> dict:
+    """Qwen-Image's transformer at its real config (20B); a one-layer Qwen2.5-VL text encoder of its width."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.fixtures import QWEN_SCHEDULER
+
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                                           "<|video_pad|>"])
+    with torch.device(harness.DEVICE):
+        transformer = QwenImageTransformer2DModel(num_layers=1 if harness.SMOKE else 60).to(torch.bfloat16)
+    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 3584, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 28,
+                     "num_key_value_heads": 4, "vocab_size": 512,
+                     "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 3584},
+        vocab_size=512, vision_start_token_id=ids[0], vision_end_token_id=ids[1], vision_token_id=ids[2],
+        image_token_id=ids[3], video_token_id=ids[4]))
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=AutoencoderKLQwenImage(),
+                scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+def z_image_components() -> dict:
+    """Z-Image-Turbo's transformer at its real config (6B); a one-layer Qwen3 text encoder of its width."""
+    import transformers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.tokenizers import QWEN3_CHAT_TEMPLATE
+
+    with torch.device(harness.DEVICE):
+        transformer = ZImageTransformer2DModel(
+            axes_lens=[1536, 512, 512], **(dict(n_layers=1, n_refiner_layers=1) if harness.SMOKE else {}),
+        ).to(torch.bfloat16)
+        with torch.no_grad():  # created with torch.empty
+            transformer.x_pad_token.normal_()
+            transformer.cap_pad_token.normal_()
+    text_encoder = transformers.Qwen3Model(transformers.Qwen3Config(
+        hidden_size=2560, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=512))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=2, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(QWEN3_CHAT_TEMPLATE),
+                vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+def hunyuan_video15_components() -> dict:
+    """HunyuanVideo-1.5's transformer at its real config (8.3B, 480p text-to-video); small Qwen2.5-VL (two layers:
+    the pipeline reads the third hidden state from the end) and ByT5 text encoders of their widths."""
+    import transformers
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+
+    from omnispec.testing import qwen_tokenizer
+
+    with torch.device(harness.DEVICE):
+        transformer = HunyuanVideo15Transformer3DModel(
+            task_type="t2v", **(dict(num_layers=1, num_refiner_layers=1) if harness.SMOKE else {})).to(torch.bfloat16)
+    text_encoder = transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(
+        hidden_size=3584, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=512, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}))
+    glyphs = transformers.T5EncoderModel(transformers.T5Config(
+        d_model=1472, d_kv=64, d_ff=1024, num_layers=1, num_heads=6, vocab_size=384, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1))
+    # --smoke: the VAE's 16x / 4x compression and 32 latent channels, narrow
+    vae = AutoencoderKLHunyuanVideo15(**(dict(block_out_channels=(64,) * 5, layers_per_block=1) if harness.SMOKE
+                                         else {}))
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=qwen_tokenizer(), text_encoder_2=glyphs,
+                tokenizer_2=transformers.ByT5Tokenizer(), vae=vae,
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    return _on_device(mods, ("text_encoder", "text_encoder_2", "vae"))
+
+
+def hunyuan_video15_i2v_components() -> dict:
+    """HunyuanVideo-1.5 480p image-to-video: the transformer at its real config with ``task_type="i2v"``, a
+    one-layer SigLIP vision tower of the real width (1152; it runs once per request), the text encoders and VAE of
+    the text-to-video workload."""
+    import transformers
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    mods = hunyuan_video15_components()
+    # --smoke: a 64-pixel bucket (the image's size), as the t2v workload's request
+    smoke = dict(num_layers=1, num_refiner_layers=1, target_size=64) if harness.SMOKE else {}
+    with torch.device(harness.DEVICE):
+        mods["transformer"] = HunyuanVideo15Transformer3DModel(task_type="i2v", **smoke).to(torch.bfloat16)
+    mods["image_encoder"] = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+        hidden_size=1152, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16, image_size=384,
+        patch_size=14)).to(harness.DEVICE, torch.bfloat16).eval()
+    mods["feature_extractor"] = transformers.SiglipImageProcessor(size={"height": 384, "width": 384})
+    return mods
+
+
+def qwen_image_edit_components() -> dict:
+    """Qwen-Image's modules with the ``Qwen2VLProcessor`` the editing pipelines feed the image through (built
+    without its video processor, which needs torchvision)."""
+    from omnispec.testing import qwen_vl_processor
+
+    mods = qwen_image_components()
+    mods["processor"] = qwen_vl_processor(mods["tokenizer"])
+    return mods
+
+
+def hunyuan_video15_guider() -> dict:
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    return {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}  # the 480p checkpoint's; the spec's cfg 6.0
+
+
+# The attention projections a rank-32 LoRA adapts in Flow-GRPO's SD3 runs.
+SD3_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def sd3_components(lora: bool = True) -> dict:
+    """SD3.5-medium's modules at their real sizes (MMDiT-X 24 blocks, CLIP-L, CLIP-G, T5-XXL, the 16-channel VAE),
+    frozen; ``lora``: a rank-32 LoRA on the attention projections, as in Flow-GRPO's SD3 runs."""
+    import transformers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from omnispec.testing import clip_tokenizer, t5_tokenizer
+
+    tiny = harness.SMOKE
+
+    def clip(hidden: int, layers: int, heads: int):
+        return transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+            hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads, projection_dim=hidden,
+            num_hidden_layers=1 if tiny else layers, vocab_size=400, max_position_embeddings=77, bos_token_id=0,
+            eos_token_id=1, hidden_act="gelu"))
+
+    # --smoke: two heads of 16 dims everywhere (the CLIPs' 16 + 16 pooled and padded to T5's 32), the tiny VAE
+    width = dict(attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                 pooled_projection_dim=32) if tiny else dict(
+        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+        pooled_projection_dim=2048)
+    t5_width = dict(d_model=32, d_kv=16, d_ff=64, num_heads=2) if tiny else dict(d_model=4096, d_kv=64, d_ff=10240,
+                                                                                   num_heads=64)
+    vae_size = SMOKE_IMAGE_VAE if tiny else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+    with torch.device(harness.DEVICE):
+        transformer = SD3Transformer2DModel(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2 if tiny else 24,
+            pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=(0,) if tiny else tuple(range(13)),
+            **width)
+        encoders = [clip(16, 12, 2) if tiny else clip(768, 12, 12), clip(16, 32, 2) if tiny else clip(1280, 32, 20),
+                    transformers.T5EncoderModel(transformers.T5Config(
+                        num_layers=1 if tiny else 24, vocab_size=256, feed_forward_proj="gated-gelu",
+                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **t5_width))]
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                            shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False, use_post_quant_conv=False,
+                            **vae_size)
+    mods = dict(transformer=transformer.to(torch.bfloat16), text_encoder=encoders[0], tokenizer=clip_tokenizer(),
+                text_encoder_2=encoders[1], tokenizer_2=clip_tokenizer(), text_encoder_3=encoders[2],
+                tokenizer_3=t5_tokenizer(), vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    for k in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+        mods[k] = mods[k].to(harness.DEVICE, torch.bfloat16).eval().requires_grad_(False)
+    from peft import LoraConfig
+
+    mods["transformer"].eval().requires_grad_(False)
+    if lora:
+        mods["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=SD3_LORA_TARGETS))
+    return mods
+
+
+# ---- inputs of requests ----------------------------------------------------------------------------------------------
+
+def conditioning_inputs(height: int, width: int):
+    """A random RGB picture and a mask repainting its right half."""
+    import numpy as np
+    from PIL import Image
+
+    picture = Image.fromarray((np.random.RandomState(0).rand(height, width, 3) * 255).astype(np.uint8))
+    held = np.zeros((height, width), np.uint8)
+    held[:, width // 2:] = 255
+    return picture, Image.fromarray(held, "L")
+
+
+def vace_keyframes(height: int, width: int, frames: int):
+    """A first and a last frame: omnispec's ``conditions``, and diffusers' VACE example's video and mask of them."""
+    from PIL import Image
+
+    first = conditioning_inputs(height, width)[0]
+    last = first.rotate(180)
+    video = [first, *[Image.new("RGB", (width, height), (128, 128, 128))] * (frames - 2), last]
+    black, white = Image.new("L", (width, height), 0), Image.new("L", (width, height), 255)
+    return ([{"image": first, "frame": 0}, {"image": last, "frame": -1}],
+            {"video": video, "mask": [black, *[white] * (frames - 2), black]})
+
+
+# ---- other builds ----------------------------------------------------------------------------------------------------
+
+def tiny_components(name: str) -> dict:
+    """FLUX's or Wan's modules at the offline fixtures' tiny sizes, of the same classes, with more blocks than the
+    fixtures so block caches have something to skip (``gpu_peers``' smoke)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    from omnispec.testing import clip_tokenizer, t5_tokenizer
+    from omnispec.testing import fixtures as fx
+
+    if name == "flux":
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=fx.TEXT_DIM, pooled_projection_dim=fx.TEXT_DIM,
+            axes_dims_rope=(4, 4, 8), guidance_embeds=True).eval()
+        return {"transformer": transformer, "text_encoder": fx._clip(), "tokenizer": clip_tokenizer(),
+                "text_encoder_2": fx._t5(), "tokenizer_2": t5_tokenizer(),
+                "vae": fx._image_vae(4, shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False,
+                                     use_post_quant_conv=False),
+                "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                             max_shift=1.15, base_image_seq_len=256,
+                                                             max_image_seq_len=4096)}
+    return {"transformer": fx._wan_transformer(), "text_encoder": fx._t5("UMT5EncoderModel"),
+            "tokenizer": t5_tokenizer(), "vae": fx._wan_vae(), "scheduler": fx._unipc()}
+
+
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a denoiser as diffusers made it, whatever an omnispec build did to it: without the attention hooks
+    (a per-module hooked forward makes dynamo recompile each repeated block), the fused q/k and feed-forward
+    processors and hooks (they hold omnispec's custom operators, which cannot be copied: shared by the copy, then
+    removed from it), the CUDA-graph hooks (graph generations, kept block inputs) and the compiled calls (a copy
+    would share the original's compiled code; the peer compiles its own)."""
+    import copy
+
+    from omnispec.kernels.qk_norm_rope import qk_norm_rope
+    from omnispec.policies import mlp
+    from omnispec.policies.attention import unfused_attention
+    from omnispec.policies.compile import uncompiled
+
+    twin = copy.deepcopy(module, memo={id(op): op for op in (mlp.OPERATORS, qk_norm_rope)})
+    mlp.unfuse_gelus(twin)
+    uncompiled(twin)
+    for m in twin.modules():
+        unfused_attention(m)
+        m._compiled_call_impl = None
+    return twin
+
+
+# ---- LTX-2 (audio and video): its modules, size and guidance plan, and the step comparison against diffusers ---------
+
+LTX2_SIZE = dict(height=512, width=768, frames=121, fps=24)
+LTX2_PROMPT = "a jazz band playing in a small club at night, warm light, close-up of the saxophone player"
+
+
+def ltx2_components() -> dict:
+    """LTX-2 19B's modules at their real configs with random weights (bf16), or the tiny test ones under smoke.
+    The text encoder is a one-layer Gemma 3 of the real width (the 12B encoder only runs once per request and its
+    cost cancels in per-step times); the connectors have the real width and depth with a projection sized to that
+    encoder. The VAEs, vocoder and latent upsampler have their default (real) configs."""
+    if harness.SMOKE:
+        from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
+
+        from omnispec.testing.ltx2_fixtures import ltx2_components as tiny_ltx2_components
+
+        mods = tiny_ltx2_components(version="2.0")
+        mods["latent_upsampler"] = LTX2LatentUpsamplerModel(in_channels=4, mid_channels=32, num_blocks_per_stage=1)
+        return mods
+    import transformers
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel, LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    from omnispec.testing import gemma_tokenizer
+
+    tokenizer = gemma_tokenizer()
+    v = len(tokenizer)
+    with torch.device(harness.DEVICE):
+        text_encoder = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+            text_config={"vocab_size": v, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 1,
+                         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256},
+            vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+            mm_tokens_per_image=4, boi_token_index=v - 3, eoi_token_index=v - 2, image_token_index=v - 1))
+        # LTX-2 19B (diffusers' conversion config "2.0"): the class defaults, with the real split RoPE.
+        transformer = LTX2VideoTransformer3DModel(rope_type="split")
+        connectors = LTX2TextConnectors(
+            caption_channels=3840, text_proj_in_factor=2, video_connector_num_attention_heads=30,
+            video_connector_attention_head_dim=128, video_connector_num_layers=2,
+            video_connector_num_learnable_registers=128, audio_connector_num_attention_heads=30,
+            audio_connector_attention_head_dim=128, audio_connector_num_layers=2,
+            audio_connector_num_learnable_registers=128, connector_rope_base_seq_len=4096, rope_type="split")
+        # The VAEs and vocoder of LTX-2 (diffusers' conversion config "2.0"; the classes' defaults differ).
+        vae = AutoencoderKLLTX2Video(
+            latent_channels=128, block_out_channels=(256, 512, 1024, 2048), decoder_block_out_channels=(256, 512, 1024),
+            layers_per_block=(4, 6, 6, 2, 2), decoder_layers_per_block=(5, 5, 5, 5),
+            spatio_temporal_scaling=(True, True, True, True), decoder_spatio_temporal_scaling=(True, True, True),
+            decoder_inject_noise=(False, False, False, False),
+            downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+            upsample_type=("spatiotemporal", "spatiotemporal", "spatiotemporal"), upsample_residual=(True, True, True),
+            upsample_factor=(2, 2, 2), timestep_conditioning=False, patch_size=4, patch_size_t=1, resnet_norm_eps=1e-6,
+            encoder_causal=True, decoder_causal=False, encoder_spatial_padding_mode="zeros",
+            decoder_spatial_padding_mode="reflect", spatial_compression_ratio=32, temporal_compression_ratio=8)
+        audio_vae = AutoencoderKLLTX2Audio(
+            base_channels=128, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=2, attn_resolutions=None,
+            in_channels=2, resolution=256, latent_channels=8, norm_type="pixel", causality_axis="height", dropout=0.0,
+            mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=64,
+            double_z=True)
+        vocoder = LTX2Vocoder(
+            in_channels=128, hidden_channels=1024, out_channels=2, upsample_kernel_sizes=[16, 15, 8, 4, 4],
+            upsample_factors=[6, 5, 2, 2, 2], resnet_kernel_sizes=[3, 7, 11], resnet_dilations=[[1, 3, 5]] * 3,
+            leaky_relu_negative_slope=0.1, output_sampling_rate=24000)
+        mods = dict(transformer=transformer, text_encoder=text_encoder, connectors=connectors, vae=vae,
+                    audio_vae=audio_vae, vocoder=vocoder)
+    mods["latent_upsampler"] = LTX2LatentUpsamplerModel()  # its blur kernel is built by a matmul CUDA lacks for int64
+    mods = {k: m.to(harness.DEVICE, torch.bfloat16).eval() for k, m in mods.items()}
+    mods["tokenizer"] = tokenizer
+    mods["scheduler"] = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096,
+        shift_terminal=0.1)
+    return mods
+
+
+def ltx2_spec_overrides() -> list[str]:
+    over = ["runtime.progress=false", "model.check_checkpoint=false"]
+    if harness.SMOKE:
+        over += ["model.dtype=float32", "recipe.constraints.frames_multiple_of=4",
+                 "recipe.constraints.size_multiple_of=16", "recipe.phases.0.guidance.terms.1.layers=[1]"]
+    return over
+
+
+def ltx2_guidance_kwargs() -> dict:
+    return dict(guidance_scale=3.0, audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0,
+                audio_modality_scale=3.0, guidance_rescale=0.7, audio_guidance_rescale=0.7,
+                spatio_temporal_guidance_blocks=[1] if harness.SMOKE else [28])
+
+
+def ltx2_diffusers_size() -> dict:
+    return dict(height=LTX2_SIZE["height"], width=LTX2_SIZE["width"], num_frames=LTX2_SIZE["frames"],
+                frame_rate=float(LTX2_SIZE["fps"]))
+
+
+def ltx2_build(spec: str, mods: dict, extra: list[str] = ()):
+    import omnispec
+
+    keep = {k: v for k, v in mods.items() if k != "latent_upsampler" or "two-stage" in spec}
+    return omnispec.build(harness.ROOT / "specs" / spec, components=keep, device=harness.DEVICE,
+                          overrides=[*ltx2_spec_overrides(), *extra])
+
+
+def ltx2_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    from diffusers.pipelines.ltx2 import LTX2Pipeline
+
+    return _ltx2_step_rows("step", ltx2_build("ltx2-t2v.yaml", mods, overrides), LTX2Pipeline, mods, {}, {}, repeats,
+                           ceiling)
+
+
+def ltx2_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx2_condition family: ltx2-keyframes with an image at the first and at the last frame, against
+    ``LTX2ConditionPipeline`` with the same two conditions. The first replaces latent frame 0's tokens, the last is
+    appended as one latent frame of keyframe tokens (6,144 video tokens become 6,912 at 512x768x121)."""
+    from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2VideoCondition
+    from PIL import Image
+
+    first, _ = conditioning_inputs(LTX2_SIZE["height"], LTX2_SIZE["width"])
+    last = first.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    ours = {"conditions": [{"image": first, "frame": 0}, {"image": last, "frame": -1}]}
+    theirs = {"conditions": [LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)]}
+    return _ltx2_step_rows("keyframes", ltx2_build("ltx2-keyframes.yaml", mods, overrides), LTX2ConditionPipeline,
+                           mods, ours, theirs, repeats, ceiling)
+
+
+def _ltx2_step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: dict, theirs_kwargs: dict,
+                    repeats: int, ceiling: float) -> dict:
+    """Per-step time of omnispec's pipeline against ``pipeline_class`` on the same modules (one round of each per
+    repeat, interleaved), MFU, and the cosine of the two 2-step runs' video latents (unpacked, keyframes dropped)."""
+    ref = pipeline_class(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
+    ref.set_progress_bar_config(disable=True)
+
+    def ours(n):
+        return pipe.generate(pipe.request(LTX2_PROMPT, 0, steps=n, **LTX2_SIZE, **ours_kwargs), decode=False)
+
+    def theirs(n):
+        return ref(prompt=LTX2_PROMPT, num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+                   output_type="latent", return_dict=False, **ltx2_diffusers_size(), **ltx2_guidance_kwargs(),
+                   **theirs_kwargs)
+
+    # --smoke: fewer steps (one would give diffusers NaN sigmas), no warm-up
+    lo, hi = (2, 3) if harness.SMOKE else (2, 4)
+    with torch.no_grad():
+        if not harness.SMOKE:
+            ours(2), theirs(2)  # warm-up
+        flops = harness.flops_per_step(ours, steps=2) / 2
+        timed = harness.per_step_sides({"diffusers": theirs, "omnispec": ours}, lo, hi, repeats)
+        rows = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
+                        "mfu": flops / med / ceiling} for label, (med, samples) in timed.items()}
+        a = ours(2).latents
+        video, _ = theirs(2)
+    geometry = pipe.family.geometry(pipe.request(LTX2_PROMPT, 0, **LTX2_SIZE, **ours_kwargs), 1.0)
+    unpacked = pipe.family.unpack("video", a["video"], geometry)
+    cos = torch.nn.functional.cosine_similarity(unpacked.float().flatten(), video.float().flatten(), dim=0).item()
+    return {"part": part, "tflop_per_step": flops / 1e12, **rows,
+            "ratio": rows["omnispec"]["ms_per_step"] / rows["diffusers"]["ms_per_step"], "video_latent_cosine": cos}
+
+
+def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: list[str]) -> dict:
+    """A ``gpu_interpreter`` row (its keys) from LTX-2's ``step`` or ``keyframes`` comparison, so that one command
+    times every family."""
+    parts = {"step": ltx2_step_part, "keyframes": ltx2_keyframes_part}
+    row = parts[part](ltx2_components(), repeats, ceiling, overrides)
+    harness.free_device_memory()
+    return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],
+            "diffusers": row["diffusers"], "omnispec": row["omnispec"], "ratio": row["ratio"],
+            "latent_cosine": row["video_latent_cosine"]}
+
+
+# ---- the workloads: spec, modules, diffusers pipeline, request and the steps of a short and a long run ---------------
+
+WORKLOADS = {
+    # LTX-2 (audio and video), 512x768x121, timed by ``ltx2_row`` (its own modules, size and guidance plan, above):
+    # ltx2 is the t2v plan against LTX2Pipeline, ltx2_condition first- and last-frame keyframes against
+    # LTX2ConditionPipeline.
+    "ltx2": dict(ltx2_part="step"),
+    "ltx2_condition": dict(ltx2_part="keyframes"),
+    "flux": dict(spec="flux1-dev.yaml", components=flux_components, pipeline="FluxPipeline",
+                 request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                 diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=3.5, max_sequence_length=512)),
+    "wan": dict(spec="wan2.1-t2v-1.3b.yaml", components=wan_components, pipeline="WanPipeline",
+                request=dict(height=480, width=832, frames=81, max_sequence_length=512), steps=(1, 3),
+                diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
+                                      max_sequence_length=512)),
+    # the base model's CFG on both sides (two forwards against the empty prompt), 1024²: 4,096 image tokens
+    "flux2_klein": dict(spec="flux2-klein-base-4b.yaml", components=flux2_klein_components,
+                        pipeline="Flux2KleinPipeline", compare="images",
+                        request=dict(height=1024, width=1024, max_sequence_length=512),
+                        steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.0,
+                                                            max_sequence_length=512)),
+    # the first frame's latents and mask beside the noise, CLIP image features in cross-attention; 33 frames (9 latent
+    # frames, 14,040 tokens a row) so that two repeats fit one call at 14B
+    "wan_i2v": dict(spec="wan2.1-i2v-14b-480p.yaml", components=wan_i2v_components, pipeline="WanImageToVideoPipeline",
+                    inputs=("image",), request=dict(height=480, width=832, frames=33, max_sequence_length=512),
+                    steps=(1, 3), diffusers_kwargs=dict(height=480, width=832, num_frames=33, guidance_scale=5.0,
+                                                        max_sequence_length=512)),
+    # keyframes (first and last frame) on both sides: 96 control channels beside the noise, VACE hints every 2nd block
+    "wan_vace": dict(spec="wan2.1-vace-1.3b.yaml", components=wan_vace_components, pipeline="WanVACEPipeline",
+                     inputs=("keyframes",), request=dict(height=480, width=832, frames=81, max_sequence_length=512),
+                     steps=(1, 3), diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
+                                                         max_sequence_length=512)),
+    # a timestep per token on both sides (WanPipeline with expand_timesteps); 704x1280x121: 27,280 tokens a row
+    "wan_ti2v": dict(spec="wan2.2-ti2v-5b.yaml", components=wan_ti2v_components, pipeline="WanPipeline",
+                     diffusers_only=lambda: {"expand_timesteps": True},
+                     request=dict(height=704, width=1280, frames=121, max_sequence_length=512), steps=(1, 3),
+                     diffusers_kwargs=dict(height=704, width=1280, num_frames=121, guidance_scale=5.0,
+                                           max_sequence_length=512)),
+    # inpainting at strength 1 on both sides (all steps run: per-step times compare), the right half repainted
+    "flux_fill": dict(spec="flux1-fill-dev.yaml", components=functools.partial(flux_components, fill=True),
+                      pipeline="FluxFillPipeline", inputs=("image", "mask"),
+                      request=dict(height=1024, width=1024, max_sequence_length=512, strength=1.0), steps=(2, 6),
+                      diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=30.0, max_sequence_length=512,
+                                            strength=1.0)),
+    "qwen_image_inpaint": dict(spec="qwen-image-inpaint.yaml", components=qwen_image_components,
+                               pipeline="QwenImageInpaintPipeline", inputs=("image", "mask"),
+                               request=dict(height=1024, width=1024, max_sequence_length=512, strength=1.0),
+                               steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0,
+                                                                   negative_prompt=" ", max_sequence_length=512,
+                                                                   strength=1.0)),
+    # CFG 4.5 on both sides (the spec's skip-layer term is at scale 0: off); no LoRA
+    "sd3": dict(spec="sd3.5-medium.yaml", components=functools.partial(sd3_components, lora=False),
+                pipeline="StableDiffusion3Pipeline",
+                request=dict(height=1024, width=1024, max_sequence_length=256), steps=(2, 6),
+                diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.5, max_sequence_length=256)),
+    # the reference image's 4,096 tokens after the noise tokens (1024² in, 1024² out, no resize on either side)
+    "flux_kontext": dict(spec="flux1-kontext-dev.yaml", components=flux_components, pipeline="FluxKontextPipeline",
+                         inputs=("image",), overrides=["model.options.auto_resize=false"],
+                         request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                         diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=2.5, max_sequence_length=512,
+                                               _auto_resize=False)),
+    # true CFG with its per-token renorm on both sides (the spec's negative prompt " " is the model card's)
+    "qwen_image": dict(spec="qwen-image.yaml", components=qwen_image_components, pipeline="QwenImagePipeline",
+                       request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                       diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0, negative_prompt=" ",
+                                             max_sequence_length=512)),
+    "z_image": dict(spec="z-image-turbo.yaml", components=z_image_components, pipeline="ZImagePipeline",
+                    request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                    diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=0.0, max_sequence_length=512)),
+    # the output size is the image's aspect bucket on both sides (a 480x848 image: the 16:9 bucket); 33 frames
+    "hunyuan_video15_i2v": dict(spec="hunyuanvideo-1.5-i2v.yaml", components=hunyuan_video15_i2v_components,
+                                pipeline="HunyuanVideo15ImageToVideoPipeline", diffusers_only=hunyuan_video15_guider,
+                                inputs=("image",), image_size=(480, 848), request=dict(frames=33), steps=(1, 3),
+                                diffusers_kwargs=dict(num_frames=33)),
+    # the reference image's 4,096 tokens after the noise tokens, and fed to the text encoder's vision tower
+    "qwen_image_edit": dict(spec="qwen-image-edit.yaml", components=qwen_image_edit_components,
+                            pipeline="QwenImageEditPipeline", inputs=("image",),
+                            request=dict(height=1024, width=1024), steps=(2, 6),
+                            diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0, negative_prompt=" ")),
+    "qwen_image_edit_plus": dict(spec="qwen-image-edit-plus.yaml", components=qwen_image_edit_components,
+                                 pipeline="QwenImageEditPlusPipeline", inputs=("image",),
+                                 request=dict(height=1024, width=1024), steps=(2, 6),
+                                 diffusers_kwargs=dict(height=1024, width=1024, true_cfg_scale=4.0,
+                                                       negative_prompt=" ")),
+    # 480x848x121: 49290 video tokens, so cond and uncond run as separate forwards on both sides
+    "hunyuan_video15": dict(spec="hunyuanvideo-1.5-t2v.yaml", components=hunyuan_video15_components,
+                            pipeline="HunyuanVideo15Pipeline", diffusers_only=hunyuan_video15_guider,
+                            request=dict(height=480, width=848, frames=121), steps=(1, 3),
+                            diffusers_kwargs=dict(height=480, width=848, num_frames=121)),
+}
+
+
+# ---- the parallel configurations of ``gpu_parallel`` (and ``gpu_peers --parallel``) ----------------------------------
+
+PARALLEL_DEGREES = {"single": {}, "single-unbatched": {}, "cfg2": {"cfg": 2}, "ulysses2": {"ulysses": 2},
+                    "ring2": {"ring": 2}}
+
+
+def parallel_overrides(name: str, label: str) -> list[str]:
+    """The spec overrides of workload ``name`` under parallel configuration ``label`` (``PARALLEL_DEGREES``): one
+    attention kernel for every run compared, FLUX with true CFG (two passes to split)."""
+    degrees = PARALLEL_DEGREES[label]
+    out = ["runtime.progress=false", "policies.attention.default=sdpa"]  # one kernel for every run compared
+    if label == "single-unbatched":
+        # one sample row per forward, as each cfg rank runs: how far bf16 moves with the batch shape alone
+        out.append("runtime.max_batch=1")
+    if name == "flux":
+        out.append("recipe.phases.0.guidance.terms=[{kind: true_cfg, scale: 4.0}]")
+    if degrees:
+        out.append("policies.parallel={" + ", ".join(f"{k}: {v}" for k, v in degrees.items()) + "}")
+    return out
+
+
+@harness.on_smoke
+def _tiny_workloads() -> None:
+    """Under smoke: 64 px requests (5 frames for video), 1 and 2 steps; LTX-2 at 32x32x5."""
+    for w in WORKLOADS.values():
+        if "ltx2_part" in w:  # sized by LTX2_SIZE
+            continue
+        w["steps"] = (1, 2)
+        sized = "image_size" not in w  # a family that takes its size from the image: the image's size only
+        w["request"] |= ({"height": 64, "width": 64} if sized else {}) | (
+            {"frames": 5} if "frames" in w["request"] else {})
+        w["diffusers_kwargs"] |= ({"height": 64, "width": 64} if sized else {}) | (
+            {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
+        w["image_size"] = (64, 64)
+    LTX2_SIZE.update(height=32, width=32, frames=5, fps=25)

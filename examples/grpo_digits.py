@@ -1,11 +1,12 @@
 """GRPO on the embedded digits model: a LoRA learns to draw the prompted digit more clearly, on a CPU.
 
-``python examples/grpo_digits.py [--iterations 30] [--out grpo_log.json] [--plot grpo.png]``
+``python grpo_digits.py [--iterations 30] [--out grpo_log.json] [--plot grpo.png]``, from any folder, after
+``pip install 'omnispec-diffusion[examples]'`` (scikit-learn for the reward, matplotlib for ``--plot``).
 
 Reward: the probability a digit classifier (an SVC trained on scikit-learn's digits, as in
 ``benchmarks.digits_quality``) gives the prompted digit. Each iteration: rollouts of ``prompts x group``
 samples with Flow-GRPO's SDE on the first ``window`` steps (the rest stay deterministic, which is where
-the class is decided anyway; see BENCHMARKS.md), group-normalised advantages, then a clipped-ratio
+the class is decided anyway), group-normalised advantages, then a clipped-ratio
 policy-gradient step over the stored steps, replayed through ``Pipeline.log_prob`` with gradients, plus an
 optional KL to the reference model (the same DiT with the LoRA switched off), ``omnispec.rl.kl``: Flow-GRPO's
 KL term. Guidance is off so that the starting policy has room to improve. ``--outside-every K`` computes only
@@ -15,6 +16,7 @@ one deterministic step in K outside the window (the sampler's ``outside_window``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
@@ -24,26 +26,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 def reward_model():
-    from sklearn.datasets import load_digits
-    from sklearn.svm import SVC
+    from omnispec.src_models.digits.reward import digit_reward
 
-    from benchmarks.digits_quality import to_8x8
+    return digit_reward()
 
-    data = load_digits()
-    clf = SVC(gamma=0.001, C=10.0, probability=True, random_state=0).fit(data.data, data.target)
 
-    def reward(array: np.ndarray, digits: list[int]) -> torch.Tensor:
-        probs = clf.predict_proba(to_8x8(array).reshape(len(array), -1))
-        return torch.tensor([probs[i, d] for i, d in enumerate(digits)], dtype=torch.float32)
-
-    return reward
+def missing_packages(plot: bool) -> list[str]:
+    """The packages this run needs that are not installed (checked before any training)."""
+    needed = {"sklearn": "scikit-learn", "peft": "peft", **({"matplotlib": "matplotlib"} if plot else {})}
+    return [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
 
 
 def overrides(steps: int, noise_level: float, window: int | None, outside_every: int) -> list[str]:
@@ -62,7 +57,7 @@ def train(iterations: int = 60, prompts_per_iter: int = 5, group: int = 8, steps
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    pipe = omnispec.build(ROOT / "specs" / "digits.yaml", overrides=overrides(steps, noise_level, window, outside_every))
+    pipe = omnispec.build("digits", overrides=overrides(steps, noise_level, window, outside_every))
     dit = pipe.components["transformer"]
     dit.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]),
                     adapter_name="grpo")
@@ -124,7 +119,7 @@ def compare_outside(every: int, seeds: list[int], out: Path | None, log=print, *
             if out:
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"seed{seed}_every{k}.json").write_text(json.dumps({"kwargs": kwargs, "history": history}))
-    pipes = {k: omnispec.build(ROOT / "specs" / "digits.yaml", overrides=overrides(
+    pipes = {k: omnispec.build("digits", overrides=overrides(
         kwargs.get("steps", 10), kwargs.get("noise_level", 0.7), kwargs.get("window", 4), k)) for k in (1, every)}
     times: dict[int, list[float]] = {1: [], every: []}
     prompts = WORDS[: kwargs.get("prompts_per_iter", 5)]
@@ -183,6 +178,10 @@ def main() -> None:
                         help="train exact and with --outside-every K for each of --seeds, then time both rollouts")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
+    if missing := missing_packages(args.plot is not None):
+        print(f"error: this example needs {', '.join(missing)}: pip install 'omnispec-diffusion[examples]'",
+              file=sys.stderr)
+        raise SystemExit(2)
     if args.compare_outside:
         compare_outside(args.compare_outside, args.seeds, args.out, iterations=args.iterations,
                         prompts_per_iter=args.prompts, group=args.group, steps=args.steps, lr=args.lr, kl=args.kl,

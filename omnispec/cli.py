@@ -18,6 +18,7 @@ from typing import NoReturn
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
 from .spec.base import MAX_LORA_SCALE
 from .spec.errors import printable
+from .spec.catalog import bundled_path
 from .spec.files import path_kind
 from .version import __version__
 
@@ -27,7 +28,10 @@ class _Parser(argparse.ArgumentParser):
     as every other bad input is; ``--help`` still prints the usage."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {printable(message)}", file=sys.stderr)
+        from .log import main_process
+
+        if main_process():  # under torchrun every rank parses the same arguments: rank 0 says it
+            print(f"error: {printable(message)}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -179,15 +183,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .log import configure, harmless_messages_demoted
+    from .log import configure, harmless_messages_demoted, main_process
 
     configure(-1 if args.quiet else (args.verbose or 0))
     try:
         with harmless_messages_demoted():  # what dependencies say on import about parts they lack
             return _dispatch(args)
     except SpecError as exc:
-        for problem in exc.problems:
-            print(printable(f"error: {problem}"), file=sys.stderr)
+        if main_process():  # under torchrun every rank finds the same mistake: rank 0 says it
+            for problem in exc.problems:
+                print(printable(f"error: {problem}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -217,11 +222,13 @@ def _run(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from . import records
 
+    if records.is_output(args.spec) and not os.path.lexists(args.spec) and bundled_path(args.spec) is None:
+        raise SpecError.single(f"no such file {args.spec!r} (an output to explain, by its suffix)", "SPEC_OR_OUTPUT")
     if records.is_output(args.spec) and os.path.lexists(args.spec):  # a broken link too: read() says why
         record = records.read(args.spec)
         say(json.dumps(record.data(), indent=2) if args.json else records.render(record, args.spec))
         return 0
-    spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code)
+    spec = load_spec(args.spec, args.overrides, trust_code=args.trust_code, overrides_from="--set")
     sigmas = None
     configs = None
     if args.source:
@@ -246,6 +253,9 @@ def _explain(args: argparse.Namespace) -> int:
     text = None if args.json else render_explain(info)
     if args.estimate:
         from .estimate import estimate, render_estimate
+        from .spec.hub import offline_unless_needed
+
+        offline_unless_needed(spec, args.source, downloads=False)  # the estimate reads files on disk only
 
         found = estimate(spec, source=args.source, kind=args.device_kind, trust_code=args.trust_code)
         info["estimate"] = found.as_dict()
@@ -255,11 +265,10 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _planned_attention(spec) -> tuple[dict[str, str], dict[str, str]]:
-    """Per attention role of the family: the backend the policy asks for, without and with gradients."""
-    from .runtime.families import family_class
+    """The attention policy's default and per-role entries: the backend each asks for, without and with gradients."""
     from .spec.attention_plan import planned_attention
 
-    return planned_attention(spec, family_class(spec.model.family).targets.attention.roles)
+    return planned_attention(spec)
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -304,7 +313,7 @@ def _validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.specs:
         try:
-            spec = load_spec(path, args.overrides, trust_code=args.trust_code)
+            spec = load_spec(path, args.overrides, trust_code=args.trust_code, overrides_from="--set")
         except SpecError as exc:
             failed = True
             for problem in exc.problems:

@@ -61,6 +61,7 @@ def configure(verbosity: int = 0) -> None:
     with ``-q``, so one process speaks."""
     if not main_process():
         verbosity = -1
+    _shorten_long_messages()
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -90,6 +91,29 @@ def configure(verbosity: int = 0) -> None:
         # tqdm reads TQDM_* when first imported (diffusers' video writer draws a plain tqdm bar); "0" would also
         # disable, since the value is read as a bool: only ever "1"
         os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+# The longest log message the CLI prints whole: a library may echo a user's input into one (the part of a prompt a
+# tokenizer cut), and a 100,000-character prompt would become one line that long.
+LONGEST_MESSAGE = 1000
+
+
+def _shorten_long_messages() -> None:
+    """Every log record of the process (the libraries' too) made with its message cut to ``LONGEST_MESSAGE``
+    characters, saying how long it was; installed once."""
+    make = logging.getLogRecordFactory()
+    if getattr(make, "omnispec_shortens", False):
+        return
+
+    def shortened(*args: object, **kwargs: object) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        text = record.getMessage()
+        if len(text) > LONGEST_MESSAGE:
+            record.msg, record.args = f"{text[:LONGEST_MESSAGE - 40]}... ({len(text):,} characters)", ()
+        return record
+
+    shortened.omnispec_shortens = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(shortened)
 
 
 class _Demote(logging.Filter):

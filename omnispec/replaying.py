@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .runtime.pipeline import Output
 
 
-def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bool = False) -> PipelineSpec:
+def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bool = False,
+                overrides_from: str = "override") -> PipelineSpec:
     """The recorded spec (on the recorded Hub revision), with ``overrides``, validated as any spec."""
     spec = dict(record.spec)
     checkpoint = record.checkpoint
@@ -34,7 +35,7 @@ def replay_spec(record: Record, overrides: Iterable[str] = (), *, trust_code: bo
     model = spec.get("model")
     if revision and isinstance(model, dict) and not model.get("revision"):
         spec["model"] = {**model, "revision": revision}  # the same snapshot of the Hub repo
-    return load_spec(spec, list(overrides), trust_code=trust_code)
+    return load_spec(spec, list(overrides), trust_code=trust_code, overrides_from=overrides_from)
 
 
 def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, mask: bool = True,

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from .log import progress_bars_disabled
+from .records.outputs import check_output_path
 from .spec import Problem, SpecError, load_spec
 from .spec.errors import printable
 from .spec.files import path_kind, user_path
-from .spec.hub import is_hub_id
+from .spec.hub import is_hub_id, offline_unless_needed
 from .spec.request import request_fields, resolve_request
 
 
@@ -30,7 +31,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.spec is None:
             raise SpecError.single("give a SPEC (a file or a bundled spec's name; omnispec list) or --from OUTPUT",
                                    "spec")
-        spec = load_spec(args.spec, overrides, trust_code=args.trust_code)
+        spec = load_spec(args.spec, overrides, trust_code=args.trust_code, overrides_from="--set")
         prompts, seeds, fields, source = args.prompt, args.seed, {}, args.source
         if not prompts:
             problems.append(Problem("--prompt", "give at least one --prompt"))
@@ -43,11 +44,20 @@ def run_command(args: argparse.Namespace) -> int:
         fields["references"] = list(args.reference)
     request = _collect(problems, lambda: resolve_request(spec, prompts, seeds, **fields)) if prompts else None
     problems += lora_problems(args.lora or [])
+    output_path = Path(args.output)
+    video = spec.recipe.task.endswith("video")
+    samples = 1 if select is not None else len(prompts or ()) or 1
+    # What needs no model library is told before torch, diffusers and transformers are imported (seconds): the
+    # spec, the request's fields, the LoRA arguments and the output path (a .wav's sound track is the family's to say).
+    _collect(problems, lambda: check_output_path(output_path, video, samples, overwrite=args.overwrite,
+                                                 audio=output_path.suffix.lower() == ".wav"))
+    if problems:
+        raise SpecError(problems)
+    offline_unless_needed(spec, source)
 
     from .runtime import build
     from .runtime.build import check_device
     from .runtime.families import family_class
-    from .runtime.media import check_output_path
 
     if request is not None:
         _collect(problems, lambda: family_class(spec.model.family).check_request(request, spec))
@@ -58,9 +68,6 @@ def run_command(args: argparse.Namespace) -> int:
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bars
-    output_path = Path(args.output)
-    video = spec.recipe.task.endswith("video")
-    samples = 1 if select is not None else len(prompts or ()) or 1
     audio = "audio" in _family_streams(spec)
     _collect(problems, lambda: check_output_path(output_path, video, samples, overwrite=args.overwrite, audio=audio))
     given = args.device is not None
@@ -107,7 +114,7 @@ def _from_output(args: argparse.Namespace, overrides: list[str]) -> tuple[Any, .
     problems = records.replay_problems(made_by, args.source)
     if problems:
         raise SpecError(problems)
-    spec = replay_spec(made_by, overrides, trust_code=args.trust_code)
+    spec = replay_spec(made_by, overrides, trust_code=args.trust_code, overrides_from="--set")
     prompts, seeds, fields = request_arguments(made_by, spec, images=not args.image, mask=not args.mask,
                                                references=not args.reference, video=not args.video)
     select = made_by.sample

@@ -141,5 +141,5 @@ def test_explain_says_each_roles_backend_with_and_without_gradients(pipe, capsys
     assert re.match(r"\n  self +sdpa with cuDNN attention off .*rollouts and their replays run it too", trained), text
     assert main(["explain", str(DIGITS), "--set", "policies.compile.mode=regional", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["attention"]["self"].startswith("sdpa (auto under compile")
-    assert out["attention_with_gradients"]["self"].startswith("sdpa with cuDNN attention off")
+    assert out["attention"]["default"].startswith("sdpa (auto under compile")
+    assert out["attention_with_gradients"]["default"].startswith("sdpa with cuDNN attention off")

@@ -1,8 +1,10 @@
 """Every code block of README.md and docs/*.md runs as written (docs/testing.md, "The docs run"), so no snippet can
 drift from the code.
 
-Per file, in a fresh folder that is the working directory, blocks run in order: ``python`` blocks in one namespace,
-``bash`` blocks line by line (``omnispec`` through the CLI in this process, ``torchrun`` as a subprocess; the
+Per file, in a fresh folder outside the repository that is the working directory, blocks run in order: each ``python``
+block alone, as a user copies it, unless the line right before it, ``_(continues the block above)_``, says it goes on from
+the block before (then it shares that block's names); a block that writes files runs a second time in a row, in the same
+folder, and must run again; ``bash`` blocks line by line (``omnispec`` through the CLI in this process, ``torchrun`` as a subprocess; the
 quick start's ``pip install`` lines are the ones ``.ci/run`` runs), ``yaml`` blocks validated as specs (a fragment
 onto the spec an ``<!-- fragment of NAME -->`` comment names), ``json`` parsed. ``text`` blocks are figures and
 printed output, not code. The one substitution: a bundled spec of a real model (and a ``/models/...`` checkpoint
@@ -32,19 +34,26 @@ from conftest import ROOT, cpu_env
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([A-Za-z]*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 FRAGMENT = re.compile(r"<!--\s*fragment of ([\w.\-]+)\s*-->\s*$")
+CONTINUES = re.compile(r"^_\(continues the block above\)_\s*$")
 EXPECT = re.compile(r"#\s*exit (\d+)\s*$")
 LANGUAGES = ("python", "bash", "yaml", "json", "text")
 
 
 def blocks(page: Path) -> list[tuple[str, str, int, str | None]]:
     """(language, code, line, the spec a fragment belongs to) of each fenced block."""
+    return [(language, code, line, fragment) for language, code, line, fragment, _ in marked_blocks(page)]
+
+
+def marked_blocks(page: Path) -> list[tuple[str, str, int, str | None, bool]]:
+    """(language, code, line, the spec a fragment belongs to, whether it continues the block before) of each block."""
     text = page.read_text()
     out = []
     for match in FENCE.finditer(text):
         before = text[:match.start()].rstrip().splitlines()
         fragment = FRAGMENT.search(before[-1]) if before else None
+        continues = bool(before) and CONTINUES.search(before[-1]) is not None
         out.append((match.group(1), match.group(2), text.count("\n", 0, match.start()) + 1,
-                    fragment.group(1) if fragment else None))
+                    fragment.group(1) if fragment else None, continues))
     return out
 
 
@@ -174,6 +183,17 @@ def run_command(command: str, expected: int, tiny, where: str) -> None:
     raise AssertionError(f"{where}: the docs test runs omnispec, torchrun and the quick start's pip, not {argv[0]!r}")
 
 
+def files_in(folder: Path) -> dict[str, float]:
+    """Every file below ``folder`` with its modification time."""
+    return {str(p): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_python_block_runs_alone_unless_marked_as_continuing(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nx = 1\n```\n\n_(continues the block above)_\n```python\nprint(x)\n```\n\n```python\ny = 2\n```\n")
+    assert [continues for *_, continues in marked_blocks(page)] == [False, True, False]
+
+
 def check_yaml(code: str, fragment_of: str | None, where: str) -> None:
     data = yaml.safe_load(code)
     if fragment_of is None:
@@ -189,11 +209,20 @@ def check_yaml(code: str, fragment_of: str | None, where: str) -> None:
 def test_the_page_runs_as_written(page, substituted, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    namespace: dict = {"__name__": "__docs__"}
-    for language, code, line, fragment_of in blocks(page):
+    chain: list[tuple[str, str]] = []  # the python blocks a block continues, and itself: (code, where)
+    namespace: dict = {}
+    for language, code, line, fragment_of, continues in marked_blocks(page):
         where = f"{page.name}:{line}"
         if language == "python":
+            if not continues:
+                chain, namespace = [], {"__name__": "__docs__"}
+            chain.append((code, where))
+            written = files_in(tmp_path)
             exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own code
+            if files_in(tmp_path) != written:  # it wrote files: a user runs it again, in the same folder
+                again: dict = {"__name__": "__docs__"}
+                for earlier, at in chain:
+                    exec(compile(earlier, f"{at} (again)", "exec"), again)  # noqa: S102
         elif language == "bash":
             for command, expected in commands(code):
                 if page.name == "README.md" and line == blocks(page)[0][2]:

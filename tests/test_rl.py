@@ -1,6 +1,7 @@
 """RL: SDE samplers, rollouts, exact replay, windows, weight sync, on the embedded digits model."""
 
 import importlib.util
+import json
 import math
 
 import numpy as np
@@ -364,3 +365,26 @@ def test_a_rows_log_prob_is_the_same_bits_whatever_rows_are_scored_with_it(devic
         for lo, hi in [(0, 1), (3, 4), (1, 5), (7, 8), (2, 8)]:
             alone = gaussian_log_prob(sample[lo:hi], mean[lo:hi], std[lo:hi]).cpu()
             assert torch.equal(alone, batch[lo:hi]), (shape, lo, hi, (alone - batch[lo:hi]).abs().max().item())
+
+
+def test_grpo_example_runs_from_any_folder_and_names_a_missing_package_before_training(tmp_path):
+    """Copied out of the repository, it runs (the bundled spec by name, the reward from the installed package); a
+    --plot without matplotlib is one error line before any training."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import cpu_env
+
+    example = shutil.copy(SPECS.parent / "examples" / "grpo_digits.py", tmp_path)
+    env = cpu_env(OMP_NUM_THREADS="1")
+    ran = subprocess.run([sys.executable, example, "--iterations", "1", "--prompts", "1", "--group", "2",
+                          "--steps", "2", "--window", "1", "--out", "log.json"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads((tmp_path / "log.json").read_text())["history"]
+    if importlib.util.find_spec("matplotlib") is None:
+        refused = subprocess.run([sys.executable, example, "--plot", "reward.png"], capture_output=True, text=True,
+                                 cwd=tmp_path, env=env, timeout=60)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            "error: this example needs matplotlib: pip install 'omnispec-diffusion[examples]'"]

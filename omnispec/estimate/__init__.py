@@ -69,6 +69,7 @@ def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = N
 
 def _checkpoint_root(spec: PipelineSpec, source: str | None) -> Path:
     root = source or spec.model.source
+    where = "--source" if source else "model.source"  # what the user gave: the flag, or the spec's field
     if not root:
         raise SpecError.single("no checkpoint: the spec has no model.source and no --source was given", "--source")
     local = user_path(root)
@@ -81,7 +82,7 @@ def _checkpoint_root(spec: PipelineSpec, source: str | None) -> Path:
         return Path(snapshot_download(root, revision=spec.model.revision, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
         raise SpecError.single(f"{root!r} is neither a local checkpoint folder nor in the Hub cache; the estimate "
-                               "reads config files and safetensors headers from disk: pass --source DIR", "--source"
+                               "reads config files and safetensors headers from disk: pass --source DIR", where
                                ) from None
 
 
@@ -244,8 +245,11 @@ def _time(result: Estimate, kind: DeviceKind, spec: PipelineSpec) -> None:
     result.compute_seconds = kind.seconds(result.forward_flops, dtype, compiled)
     result.memory_seconds = (result.moved_bytes or 0) / (kind.bandwidth * BANDWIDTH_SHARE)
     result.overhead_seconds = 0.0 if compiled else (result.kernels or 0) * kind.launch_seconds
-    # Kernels run back to back while the host queues the next ones: the slower of the two sets the pace.
-    per_forward = max(result.compute_seconds + result.memory_seconds, result.overhead_seconds)
+    # On a GPU kernels run back to back while the host queues the next ones: the slower of the two sets the pace. On
+    # a CPU the dispatching thread runs each op itself: the two add up.
+    device_seconds = result.compute_seconds + result.memory_seconds
+    per_forward = (max(device_seconds, result.overhead_seconds) if kind.overlaps
+                   else device_seconds + result.overhead_seconds)
     offload = spec.policies.offload
     if offload.streams_blocks and kind.host_link is not None:
         streamed = sum(sum(c.blocks.values()) for c in result.components if c.role == "denoiser")

@@ -26,6 +26,9 @@ class DeviceKind:
     host_link: float | None  # pinned host-to-device bytes per second (None: the host is the device)
     launch_seconds: float  # per op, eager dispatch and launch
     share: float | None = None  # of the matmul peak a forward reaches, when not EAGER_SHARE / COMPILED_SHARE
+    # Whether an op's dispatch overlaps the device's work on earlier ops (a GPU's queue); on a CPU the thread that
+    # dispatches an op also runs it, so the two add up.
+    overlaps: bool = True
 
     def seconds(self, flops: float, dtype: str, compiled: bool) -> float:
         share = self.share or (COMPILED_SHARE if compiled else EAGER_SHARE)
@@ -34,10 +37,11 @@ class DeviceKind:
 
 def _cpu() -> DeviceKind:
     """This machine's CPU, at the rate a core of the development machine reached on the FLOP-counted float32 matmuls
-    of a tiny FLUX forward."""
+    of a tiny FLUX forward, and the time eager torch takes to dispatch one op from a module's forward there (the
+    digits model's step: BENCHMARKS.md, "Everyday use: answers and estimates")."""
     rate = 0.043 * (os.cpu_count() or 1)
     return DeviceKind("cpu", {"float32": rate, "bfloat16": rate / 2, "float16": rate / 2, "float8": rate / 2},
-                      20e9, None, 2e-6, share=1.0)
+                      20e9, None, 7e-6, share=1.0, overlaps=False)
 
 
 # Published dense (no sparsity) tensor-core peaks; float32 is the plain (non-TF32) rate, as torch runs float32

@@ -27,6 +27,7 @@ from ..spec.errors import Problem
 from ..spec.explain import describe_weights
 from .components import check_source, load_components
 from .families import family_class
+from .threads import set_cpu_threads
 from .lora import adapter_files, load_adapter_slots
 from .parallel import check_axes, distribute_axes, enable_axes
 from .parallel import setup as setup_parallel
@@ -85,6 +86,8 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     if device is None:
         check_device(spec.runtime.device, "runtime.device")
     target = resolve_device(device or spec.runtime.device)
+    if target.type == "cpu":
+        set_cpu_threads(spec.runtime.threads)
     check_policies(spec, family_cls.targets, target)
     check_axes(spec, family_cls.targets)
     parallel = setup_parallel(spec, target, process_group)

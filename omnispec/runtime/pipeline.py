@@ -46,7 +46,8 @@ class Output:
         for the array; several as ``name-0.png`` ...), each through a temporary file renamed into place. An
         existing file is replaced only with ``overwrite=True``; a path that can't be written raises ``SpecError``
         naming it."""
-        from .media import check_output_path, save_output
+        from ..records.outputs import check_output_path
+        from .media import save_output
 
         if not isinstance(path, (str, os.PathLike)):
             raise SpecTypeError.single(f"expected a file path, got {type(path).__name__}", "path")

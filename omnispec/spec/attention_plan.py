@@ -6,8 +6,6 @@ adds what only the device can say (which kernels are usable, what ``auto`` chose
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from .pipeline import PipelineSpec
 
 # Named backends that run as named with gradients too: torch's own flash, memory-efficient and math kernels.
@@ -47,17 +45,17 @@ def training_backend(backend: str, compiled: bool) -> str:
             f"runs on sdpa with cuDNN attention off{ALSO}")
 
 
-def planned_attention(spec: PipelineSpec, roles: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Per attention role: the backend the policy asks for without gradients, and the one where a forward may be
-    differentiated, each with how it is chosen (the checks against a device happen at build; ``Pipeline.explain()``
-    shows their outcome)."""
+def planned_attention(spec: PipelineSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """For the policy's ``default`` and each of its ``per_role`` entries: the backend it asks for without gradients,
+    and the one where a forward may be differentiated, each with how it is chosen. Which attention modules each role
+    is, and the checks against a device, need the family and the device: ``Pipeline.explain()`` shows them per role
+    after a build."""
     policy = spec.policies.attention
     forced = auto_as_sdpa(spec)
     compiled = spec.policies.compile.mode != "none"
     plain_notes, training_notes = {}, {}
-    for role in roles:
-        backend = policy.per_role.get(role, policy.default)
-        source = "per_role" if role in policy.per_role else "default"
+    for role, backend in {"default": policy.default, **policy.per_role}.items():
+        source = "default" if role == "default" else "per_role"
         if backend == "auto" and forced:
             plain, trained = f"sdpa ({forced})", training_backend("sdpa", compiled)
         elif backend == "auto":

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
 from .errors import SpecError
 from .files import path_kind, user_path
@@ -55,6 +57,35 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
 
 
 LOCAL_CHECKPOINT = "a local checkpoint directory with --source (source= in Python)"
+
+
+def needs_hub(spec: Any, source: str | None = None) -> bool:
+    """Whether running ``spec`` (from ``source`` when given) may read anything from the Hub: a checkpoint, a
+    component, a weights file or a LoRA that is not on this machine."""
+    def local(ref: str | None) -> bool:
+        return ref is None or path_kind(user_path(ref)) is not None
+
+    root = source or spec.model.source
+    for component in spec.model.components.values():
+        folder = component.source or root
+        if not local(folder) or (component.file is not None and not local(component.file) and folder is None):
+            return True
+    return not local(root) or any(not local(a.path) for a in spec.model.adapters.values())
+
+
+def offline_unless_needed(spec: Any, source: str | None = None, *, downloads: bool = True) -> None:
+    """Put huggingface_hub (and the libraries that ask it) in offline mode for this process when ``spec`` needs
+    nothing from the Hub and the user has not said otherwise: a local run then makes no request (libraries ask the
+    Hub on their own: an agent registry, a kernel's trust status), which on a machine without a network waits for
+    timeouts and, at ``-vv``, prints their tracebacks. ``downloads=False``: the caller reads only what is on disk
+    (the Hub's cache included), so the process goes offline whatever the spec names."""
+    if "HF_HUB_OFFLINE" in os.environ or (downloads and needs_hub(spec, source)):
+        return
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "huggingface_hub" in sys.modules:  # read at its import: tell it too
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = True
 
 
 def check_reachable(ref: str, where: str, instead: str = LOCAL_CHECKPOINT) -> None:

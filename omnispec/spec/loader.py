@@ -14,14 +14,15 @@ from pydantic import ValidationError
 from .base import MAX_EXTENDS, MAX_SPEC_BYTES, MAX_SPEC_DEPTH
 from .bounded import check_bounds, decode_utf8, parse_json, parse_yaml
 from .catalog import bundled_path, resolve_spec_path
-from .errors import SpecError, SpecTypeError, from_validation_error
+from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .pipeline import PipelineSpec
+from .suggest import shortened, with_suggestion
 
 SpecSource = str | Path | Mapping[str, Any]
 
 
 def load_spec(
-    source: SpecSource, overrides: Iterable[str] = (), *, trust_code: bool = False
+    source: SpecSource, overrides: Iterable[str] = (), *, trust_code: bool = False, overrides_from: str = "override"
 ) -> PipelineSpec:
     """Load and validate a spec.
 
@@ -29,20 +30,36 @@ def load_spec(
     file of that name wins) or an already-parsed mapping. ``extends`` names a file relative to the spec's own,
     or a bundled spec.
     ``overrides`` are ``dotted.path=value`` strings (``recipe.phases.0.schedule.steps=8``); values are
-    parsed as YAML scalars or lists. Raises ``SpecError`` naming the file and field path of each problem
-    (``SpecTypeError``, also a ``TypeError``, for an argument of the wrong type). Files are read within the
+    parsed as YAML scalars or lists. Raises ``SpecError`` naming the file and field path of each problem, or the
+    override a problem comes from (``overrides_from``: how the caller's user gave them, ``--set`` on the command line),
+    with the nearest known key for an unknown one (``SpecTypeError``, also a ``TypeError``, for an argument of the
+    wrong type). Files are read within the
     limits of README's "Limits and errors" (size, nesting, values with aliases expanded, extends chain).
     """
     if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Iterable):
         raise SpecTypeError.single(f"overrides is a list of 'key=value' strings, got {type(overrides).__name__}",
                                    "overrides")
     data, file = resolve_spec_data(source)
+    overrides = list(overrides)
     for override in overrides:
         if not isinstance(override, str):
             raise SpecTypeError.single(f"an override is a 'key=value' string, got {type(override).__name__}",
                                        "overrides")
-        apply_override(data, override, file)
-    return validate_spec(data, file, trust_code=trust_code)
+        apply_override(data, override, f"{overrides_from} {shortened(override)!r}")
+    try:
+        return validate_spec(data, file, trust_code=trust_code)
+    except SpecError as exc:
+        raise SpecError([_attributed(p, overrides, overrides_from) for p in exc.problems]) from None
+
+
+def _attributed(problem: Problem, overrides: list[str], overrides_from: str) -> Problem:
+    """``problem`` blamed on the last override whose key path it lies on (or under), else left on the file."""
+    at = problem.path.split(".") if problem.path else []
+    for override in reversed(overrides):
+        key = override.partition("=")[0].strip().split(".")
+        if at and (at[:len(key)] == key or key[:len(at)] == at):
+            return Problem(problem.path, problem.message, f"{overrides_from} {shortened(override)!r}")
+    return problem
 
 
 def resolve_spec_data(source: SpecSource) -> tuple[dict[str, Any], str | None]:
@@ -81,7 +98,8 @@ def validate_spec(data: Mapping[str, Any], file: str | None = None, *, trust_cod
     try:
         return PipelineSpec.model_validate(data, context={"trust_code": trust_code})
     except ValidationError as exc:
-        raise from_validation_error(exc, data, file) from None
+        found = from_validation_error(exc, data, file)
+        raise SpecError([with_suggestion(p, data) for p in found.problems]) from None
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -27,6 +27,10 @@ class RuntimeSpec(SpecModel):
         "it a batched forward of long video sequences is no faster than its rows one by one, and needs more memory.",
     )
     progress: bool = True
+    threads: int | None = Field(default=None, ge=1, le=1024, description=(
+        "Torch threads on a CPU device. Unset: torch's count, lowered to the cores the machine's load leaves free "
+        "(on a busy machine more threads than free cores make each step many times slower), unless OMP_NUM_THREADS "
+        "sets it."))
     encoding_cache_bytes: int | None = Field(default=None, ge=0, description=(
         "Most bytes of prompt encodings a pipeline keeps for reuse (least recently used dropped first); 0 keeps "
         "none. Unset: 1% of the device's memory (of the host's on a CPU)."))

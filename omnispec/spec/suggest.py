@@ -1,0 +1,95 @@
+"""What an error line adds for the person reading it: the nearest known key for an unknown one, and a user's long
+string shortened to a length a line can carry."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from .errors import Problem
+from .kinds import Kinds, tag_value
+
+LONGEST = 80  # characters of a user's string an error line quotes
+
+
+def shortened(text: str, limit: int = LONGEST) -> str:
+    """``text``, or its start and how long it was when longer than ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit - 25]}... ({len(text):,} characters)"
+
+
+def with_suggestion(problem: Problem, data: Any) -> Problem:
+    """``problem`` with "did you mean ...?" added when it is an unknown key close to a key its model knows."""
+    if not problem.message.startswith("unknown key") or not problem.path:
+        return problem
+    *parent, key = problem.path.split(".")
+    known = keys_at(parent, data)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close:
+        return problem
+    return Problem(problem.path, f"{problem.message}; did you mean {close[0]!r}?", problem.file)
+
+
+def keys_at(path: list[str], data: Any) -> list[str]:
+    """The field names of the spec model at ``path`` in ``data`` (a spec's data); [] where it cannot be told."""
+    from .pipeline import PipelineSpec
+
+    kind: Any = PipelineSpec
+    node = data
+    for part in path:
+        kind = _item(kind, part, node)
+        node = node.get(part) if isinstance(node, Mapping) else (
+            node[int(part)] if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) <
+            len(node) else None)
+        kind = _model(kind, node)
+        if kind is None:
+            return []
+    kind = _model(kind, node)
+    return list(kind.model_fields) if isinstance(kind, type) and issubclass(kind, BaseModel) else []
+
+
+def _item(kind: Any, part: str, node: Any) -> Any:
+    """The type one step down ``kind`` at ``part``: a model's field, a list's or a dict's items."""
+    kind = _model(kind, node)
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        field = kind.model_fields.get(part)
+        return field.annotation if field is not None else None
+    origin = typing.get_origin(kind)
+    if origin in (list, tuple):
+        return typing.get_args(kind)[0]
+    if origin is dict:
+        return typing.get_args(kind)[1]
+    return None
+
+
+def _model(kind: Any, node: Any) -> Any:
+    """``kind`` with ``Annotated``, ``Optional`` and the kinds registries unwrapped to the one class ``node`` is."""
+    while True:
+        if typing.get_origin(kind) is typing.Annotated:
+            base, *extra = typing.get_args(kind)
+            registry = next((e for e in extra if isinstance(e, Kinds)), None)
+            if registry is None:
+                kind = base
+                continue
+            tag = node.get(registry.tag) if isinstance(node, Mapping) else None
+            return registry.classes.get(tag) if isinstance(tag, str) else None
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(models) == 1:
+                return models[0]
+            tagged = [m for m in models if isinstance(node, Mapping) and _tag_of(m) == node.get("kind")]
+            return tagged[0] if tagged else None
+        return kind
+
+
+def _tag_of(model: type) -> str | None:
+    try:
+        return tag_value(model, "kind")
+    except TypeError:
+        return None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omnispec.src_models.digits.reward import to_8x8
 
 from . import harness
 
@@ -71,12 +72,6 @@ def train_classifier(seed: int = 0) -> Classifier:
                                                         stratify=data.target)
     model = SVC(gamma=0.001, C=10.0).fit(x_train, y_train)
     return Classifier(model, float((model.predict(x_test) == y_test).mean()))
-
-
-def to_8x8(array: np.ndarray) -> np.ndarray:
-    """(N, 32, 32, 1) in [0, 1] -> (N, 8, 8) on the data set's 0..16 scale."""
-    x = torch.from_numpy(array[..., 0]).unsqueeze(1)
-    return (torch.nn.functional.avg_pool2d(x, 4)[:, 0] * 16.0).numpy()
 
 
 def mean_pairwise_distance(x: np.ndarray) -> float:

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
 from .spec.base import MAX_LORA_SCALE
-from .spec.errors import printable
+from .spec.errors import LaunchError, printable
 from .spec.catalog import bundled_path
 from .spec.files import path_kind
 from .version import __version__
@@ -190,7 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with harmless_messages_demoted():  # what dependencies say on import about parts they lack
             return _dispatch(args)
     except SpecError as exc:
-        if main_process():  # under torchrun every rank finds the same mistake: rank 0 says it
+        # under torchrun every rank finds the same mistake in the input: rank 0 says it; a launch that is wrong
+        # itself, every rank
+        if main_process() or isinstance(exc, LaunchError):
             for problem in exc.problems:
                 print(printable(f"error: {problem}"), file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from .log import progress_bars_disabled
 from .records.outputs import check_output_path
 from .spec import Problem, SpecError, load_spec
+from .spec.base import DEVICE_PATTERN
 from .spec.errors import printable
 from .spec.files import path_kind, user_path
 from .spec.hub import is_hub_id, offline_unless_needed
@@ -51,6 +53,8 @@ def run_command(args: argparse.Namespace) -> int:
     # spec, the request's fields, the LoRA arguments and the output path (a .wav's sound track is the family's to say).
     _collect(problems, lambda: check_output_path(output_path, video, samples, overwrite=args.overwrite,
                                                  audio=output_path.suffix.lower() == ".wav"))
+    if args.device is not None and not re.fullmatch(DEVICE_PATTERN, args.device):
+        problems.append(Problem("--device", f"unknown device {args.device!r}; expected auto, cpu, mps, cuda or cuda:N"))
     if problems:
         raise SpecError(problems)
     offline_unless_needed(spec, source)

@@ -34,7 +34,7 @@ def check_output_path(path: Path, video: bool, samples: int = 1, *, overwrite: b
     allowed = (*allowed, ".wav") if audio else allowed
     if path_kind(path) == "dir":
         example = path / ("out" + allowed[0])
-        raise SpecError.single(f"{path} is a folder; give a file name in it, such as {example}", where)
+        raise SpecError.single(f"{path} is a directory; give a file name in it, such as {example}", where)
     if suffix not in allowed:
         kind = "a video" if video else "an image"
         raise SpecError.single(f"cannot write {kind} task's output as {suffix or 'no suffix'}; use "

@@ -55,6 +55,11 @@ class SpecError(ValueError):
         return cls([Problem(path, message, file)])
 
 
+class LaunchError(SpecError):
+    """The launch environment itself is wrong (torchrun's variables, a rendezvous nobody answers): every process says
+    so, since none can tell whether the rank that speaks for the others exists."""
+
+
 class SpecTypeError(SpecError, TypeError):
     """An argument of the wrong type (``prompt=123``, ``seed="abc"``): a ``TypeError`` and a ``SpecError``, so
     both ``except TypeError`` and the CLI's handling of bad input catch it."""

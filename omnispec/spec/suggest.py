@@ -58,7 +58,10 @@ def _item(kind: Any, part: str, node: Any) -> Any:
     kind = _model(kind, node)
     if isinstance(kind, type) and issubclass(kind, BaseModel):
         field = kind.model_fields.get(part)
-        return field.annotation if field is not None else None
+        if field is None:
+            return None
+        kinds = [m for m in field.metadata if isinstance(m, Kinds)]  # pydantic keeps Annotated's extras here
+        return typing.Annotated[field.annotation, kinds[0]] if kinds else field.annotation
     origin = typing.get_origin(kind)
     if origin in (list, tuple):
         return typing.get_args(kind)[0]

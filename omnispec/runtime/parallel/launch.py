@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ...spec import SpecError
+from ...spec.errors import LaunchError
 
 # How long a rank waits for the others to reach the rendezvous (rank 0 for every rank, the others for rank 0).
 RENDEZVOUS_SECONDS = 30.0
@@ -46,7 +46,7 @@ def environment_integer(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise SpecError.single(f"the environment variable {name} is {value!r}, not an integer", WHERE) from None
+        raise LaunchError.single(f"the environment variable {name} is {value!r}, not an integer", WHERE) from None
 
 
 def launch_environment(world: int) -> Launch:
@@ -54,14 +54,14 @@ def launch_environment(world: int) -> Launch:
     what is missing or wrong (a shell may hold RANK and WORLD_SIZE from another launch)."""
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]
     if missing:
-        raise SpecError.single(f"WORLD_SIZE is {world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+        raise LaunchError.single(f"WORLD_SIZE is {world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
                                f" not set: launch with torchrun --nproc-per-node {world} -m omnispec run ..., which "
                                "sets them all (or unset WORLD_SIZE and RANK left from another launch)", WHERE)
     rank, port = environment_integer("RANK", 0), environment_integer("MASTER_PORT", 0)  # both set (checked above)
     if not 0 <= rank < world:
-        raise SpecError.single(f"RANK is {rank}, outside the {world} ranks (0 to {world - 1}) WORLD_SIZE gives", WHERE)
+        raise LaunchError.single(f"RANK is {rank}, outside the {world} ranks (0 to {world - 1}) WORLD_SIZE gives", WHERE)
     if not 0 < port < 1 << 16:
-        raise SpecError.single(f"MASTER_PORT is {port}, not a TCP port (1 to 65535)", WHERE)
+        raise LaunchError.single(f"MASTER_PORT is {port}, not a TCP port (1 to 65535)", WHERE)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return Launch(rank, world, os.environ["MASTER_ADDR"].strip(), port, agent)
 
@@ -80,7 +80,7 @@ def rendezvous(launch: Launch) -> dist.Store:
     except (RuntimeError, OSError) as exc:  # torch's DistStoreError / DistNetworkError
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         waited = "the other ranks did not come" if hosting else "the rendezvous did not answer"
-        raise SpecError.single(f"rank {launch.rank} of {launch.world_size}: {waited} within {RENDEZVOUS_SECONDS:g} s "
+        raise LaunchError.single(f"rank {launch.rank} of {launch.world_size}: {waited} within {RENDEZVOUS_SECONDS:g} s "
                                f"at {launch.master_addr}:{launch.master_port} ({first}); start every rank together "
                                "(torchrun does), or unset WORLD_SIZE and RANK left from another launch",
                                WHERE) from None
@@ -97,7 +97,7 @@ def _wait_for_host(launch: Launch, deadline: float) -> None:
                 return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise SpecError.single(
+                raise LaunchError.single(
                     f"rank {launch.rank} of {launch.world_size}: nothing answers at MASTER_ADDR:MASTER_PORT "
                     f"{launch.master_addr}:{launch.master_port} within {RENDEZVOUS_SECONDS:g} s "
                     f"({exc.strerror or exc}); "

@@ -1,0 +1,163 @@
+"""Everyday use: questions that need no model answer before torch is imported, and each message names what the user
+gave (the --set argument with the nearest key, the folder given as an output, the missing file, the spec's own
+source), shortened where the user's string is long; a local run asks the Hub nothing; CPU threads follow the free
+cores."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SPECS, cpu_env, refused
+
+DIGITS = str(SPECS / "digits.yaml")
+
+
+def imports_after(argv: list[str], tmp_path) -> tuple[int, set[str]]:
+    """The CLI's exit code for ``argv`` and the model libraries imported by then, in a fresh interpreter."""
+    script = ("import sys, json; from omnispec.cli import main; code = main(sys.argv[1:]); "
+              "print(json.dumps([code, sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", script, "-q", *argv], capture_output=True, text=True, cwd=tmp_path,
+                         env=cpu_env(), timeout=120)
+    code, modules = json.loads(out.stdout.strip().splitlines()[-1])
+    return code, set(modules)
+
+
+@pytest.mark.parametrize("argv", [
+    ["explain", "digits"], ["validate", "digits"], ["list"], ["schema"],
+    ["run", "digits", "--prompt", "seven", "--steps", "0", "--output", "x.png"],
+    ["run", "digits", "--prompt", "seven", "--output", "x.txt"],
+    ["run", "digits", "--prompt", "seven", "--output", "."],
+], ids=["explain", "validate", "list", "schema", "request", "suffix", "folder"])
+def test_questions_and_mistakes_are_answered_before_any_model_library_is_imported(argv, tmp_path):
+    code, modules = imports_after(argv, tmp_path)
+    assert code == (0 if argv[0] in ("explain", "validate", "list", "schema") else 2)
+    assert modules == set(), modules
+
+
+def test_a_set_typo_names_the_set_argument_and_the_nearest_key(capsys):
+    refused(["validate", DIGITS, "--set", "recipe.defalts.steps=2"],
+            "error: --set 'recipe.defalts.steps=2': recipe.defalts: unknown key 'defalts'; did you mean 'defaults'?",
+            capsys=capsys)
+    refused(["validate", DIGITS, "--set", "policies.cache={kind: step_mask, mask: [true], maks: 1}"],
+            "unknown key 'maks'; did you mean 'mask'?", capsys=capsys)
+
+
+def test_a_key_of_the_file_itself_is_still_blamed_on_the_file(tmp_path, capsys):
+    spec = tmp_path / "mine.yaml"
+    spec.write_text(f"extends: {DIGITS}\nruntime: {{sed: 3}}\n")
+    refused(["validate", str(spec)], f"error: {spec}: runtime.sed: unknown key 'sed'; did you mean 'seed'?",
+            capsys=capsys)
+
+
+def test_a_folder_given_as_output_is_told_as_a_folder(tmp_path, capsys):
+    refused(["run", "digits", "--prompt", "seven", "--output", str(tmp_path)],
+            f"--output: {tmp_path} is a directory; give a file name in it, such as {tmp_path / 'out.png'}", capsys=capsys)
+
+
+def test_explaining_a_missing_output_names_the_file_not_the_bundled_specs(tmp_path, capsys):
+    err = refused(["explain", str(tmp_path / "car.png")], "no such file", capsys=capsys)
+    assert "bundled specs" not in err
+
+
+def test_the_estimate_names_the_specs_source_when_no_source_was_given(tmp_path, capsys):
+    err = refused(["explain", DIGITS, "--estimate", "--set", f"model.source={tmp_path / 'nowhere'}"],
+                  "model.source:", capsys=capsys)
+    assert "--source:" not in err
+
+
+def test_a_long_log_message_is_shortened(capsys):
+    from omnispec.log import LONGEST_MESSAGE, configure
+
+    configure(0)
+    logging.getLogger("some.library").addHandler(handler := logging.StreamHandler(sys.stderr))
+    try:
+        logging.getLogger("some.library").warning("truncated: " + "seven " * 20_000)
+    finally:
+        logging.getLogger("some.library").removeHandler(handler)
+    line = capsys.readouterr().err.strip()
+    assert len(line) <= LONGEST_MESSAGE and line.endswith("(120,011 characters)"), line[-80:]
+
+
+def test_a_local_run_puts_the_hub_libraries_offline_and_a_hub_source_does_not(monkeypatch):
+    from omnispec.spec import load_spec
+    from omnispec.spec.hub import needs_hub, offline_unless_needed
+
+    local = load_spec(DIGITS)
+    assert not needs_hub(local) and needs_hub(load_spec(DIGITS, ["model.source=owner/model"]))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    offline_unless_needed(load_spec(DIGITS, ["model.source=owner/model"]))
+    assert "HF_HUB_OFFLINE" not in os.environ
+    offline_unless_needed(local)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_a_local_run_makes_no_hub_request_at_any_verbosity(tmp_path):
+    """With HF_HUB_OFFLINE unset and no route to the Hub (a proxy that refuses), -vv shows no request and no
+    traceback."""
+    env = cpu_env(OMP_NUM_THREADS="1")
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("TRANSFORMERS_OFFLINE", None)
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    out = subprocess.run([sys.executable, "-m", "omnispec", "-vv", "run", "digits", "--prompt", "seven", "--steps", "1",
+                          "--output", "x.png"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "huggingface.co" not in out.stderr, out.stderr[-3000:]
+
+
+def test_cpu_threads_follow_the_free_cores(monkeypatch):
+    import torch
+
+    from omnispec.runtime import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_CHOSEN", [])
+    monkeypatch.setattr(threads, "free_cores", lambda: 1)
+    before = torch.get_num_threads()
+    try:
+        threads.set_cpu_threads(None)
+        assert torch.get_num_threads() == min(before, 1)
+        threads.set_cpu_threads(3)  # runtime.threads
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_free_cores_leave_out_the_load_of_other_processes(monkeypatch):
+    from omnispec.runtime import threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    assert threads.free_cores() == 2  # 4 cores, 2 busy beside this process
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    assert threads.free_cores() == 1
+
+
+def test_the_cpu_estimate_of_a_digits_step_is_within_twice_a_measured_one():
+    import time
+
+    import torch
+
+    import omnispec
+    from omnispec.estimate import estimate
+    from omnispec.spec import load_spec
+
+    predicted = estimate(load_spec(DIGITS), kind="cpu").step_seconds
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = omnispec.build(DIGITS, overrides=["runtime.progress=false"])
+        timings = []
+        for steps in (2, 12, 2, 12, 2, 12):
+            start = time.perf_counter()
+            pipe.generate(pipe.request("seven", seed=0, steps=steps), decode=False)
+            timings.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    measured = (min(timings[1::2]) - min(timings[0::2])) / 10
+    assert measured / 2 <= predicted <= measured * 2, (predicted, measured)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ...spec import PipelineSpec, SpecError
+from ...spec.errors import LaunchError
 from ...spec.policies import PARALLEL_AXES
 from .launch import environment_integer, launch_environment, rendezvous
 
@@ -66,8 +67,9 @@ def _ensure_process_group(world: int, device: torch.device) -> None:
             f"the degrees multiply to {world} processes but this is a single process; launch with "
             f"torchrun --nproc-per-node {world} -m omnispec run ...", "policies.parallel")
     if env_world != world:
-        raise SpecError.single(f"the degrees multiply to {world} processes but WORLD_SIZE is {env_world}",
-                               "policies.parallel")
+        # the launch disagrees with the spec: every rank says so, none can tell whether rank 0 exists
+        raise LaunchError.single(f"the degrees multiply to {world} processes but WORLD_SIZE is {env_world}",
+                                 "policies.parallel")
     if device.type == "cuda":
         torch.cuda.set_device(_local_cuda_device())
     launch = launch_environment(world)

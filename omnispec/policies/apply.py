@@ -21,6 +21,7 @@ from .compile import apply_compile, backend_problem
 from .mlp import apply_mlp
 from .modulation import ModulationStep, apply_modulation
 from .offload import apply_offload
+from .presets import PresetOutcome
 from .steps import StepPolicies, StepPolicy
 from .vae import apply_vae
 
@@ -38,12 +39,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 @dataclass
 class AppliedPolicies:
     """What a build applied: the attention plan, the cache (None: none), the step policies the loop consults
-    (``steps``: the cache, the modulation table) and explain's notes."""
+    (``steps``: the cache, the modulation table), explain's notes and what the preset did."""
 
     attention: AttentionPlan = field(default_factory=AttentionPlan)
     cache: CacheRuntime | None = None
     steps: StepPolicies = field(default_factory=StepPolicies)
     notes: dict[str, str] = field(default_factory=dict)
+    preset: PresetOutcome | None = None
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -51,6 +53,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def check_policies(spec: PipelineSpec, targets: Targets, device: torch.device) -> None:
     """Refuse what cannot run here, naming the field; nothing is loaded yet."""
+    if problems := policy_problems(spec, targets, device):
+        raise SpecError(problems)
+
+
+def policy_problems(spec: PipelineSpec, targets: Targets, device: torch.device) -> list[Problem]:
+    """What cannot run here, each naming its field (``check_policies`` refuses them; a preset leaves out a field that
+    would add one)."""
     p = spec.policies
     problems: list[Problem] = list(quantization.check(spec, device))
     dtype = _DTYPES[spec.model.dtype]
@@ -91,8 +100,7 @@ def check_policies(spec: PipelineSpec, targets: Targets, device: torch.device) -
         reason = usable(backend, device, dtype, 128)
         if reason is not None:
             problems.append(Problem(f"policies.attention.{'.'.join(where)}", f"{backend} cannot run here: {reason}"))
-    if problems:
-        raise SpecError(problems)
+    return problems
 
 
 def apply_policies(spec: PipelineSpec, targets: Targets, components: dict[str, Any],

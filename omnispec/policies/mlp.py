@@ -80,7 +80,8 @@ def apply_mlp(spec: PipelineSpec, targets: Targets, denoisers: Mapping[str, torc
         if not fused:
             continue
         gelus = fuse_gelus(denoiser)
-        blocks = targets.mlp.parallel_hooks(denoiser, OPERATORS) if targets.mlp is not None else []
+        hooks = targets.mlp.parallel_hooks if targets.mlp is not None else None
+        blocks = hooks(denoiser, OPERATORS) if hooks is not None else []
         for module, hook in blocks:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
         if not gelus and not blocks:

@@ -134,9 +134,11 @@ def _path_data(path: str | None) -> dict[str, str]:
 
 
 def make_record(spec: dict[str, Any], request: Request, device: str, checkpoint: dict[str, Any] | None,
-                weights_changed: int = 0, size: tuple[int, int] | None = None) -> dict[str, Any]:
+                weights_changed: int = 0, size: tuple[int, int] | None = None,
+                preset: dict[str, Any] | None = None) -> dict[str, Any]:
     """What made a request's outputs (``sample`` is filled per file when written); ``spec`` is ``spec_data``'s.
-    ``size`` is the (height, width) generated: where it is not the one asked for, both are recorded."""
+    ``size`` is the (height, width) generated: where it is not the one asked for, both are recorded. ``preset``:
+    what ``policies.preset`` turned on (the spec holds those fields already)."""
     data = request_data(request)
     asked = (request.height, request.width)
     if size is not None and tuple(size) != asked:
@@ -153,6 +155,8 @@ def make_record(spec: dict[str, Any], request: Request, device: str, checkpoint:
     }
     if weights_changed:
         out["weights_changed"] = weights_changed  # in-memory updates (RL sync, set_lora) since build
+    if preset:
+        out["preset"] = preset
     return out
 
 

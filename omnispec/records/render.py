@@ -45,6 +45,10 @@ def render(record: Record, path: str | None = None) -> str:
         lines.append(f"components given in memory: {', '.join(checkpoint.in_memory)}")
     if record.weights_changed:
         lines.append("weights changed in memory after loading: the checkpoint alone does not reproduce it")
+    if record.preset is not None:
+        approximate = f" (approximate: {', '.join(record.preset.approximate)})" if record.preset.approximate else ""
+        lines.append(f"preset {record.preset.name}: turned on {', '.join(record.preset.turned_on) or 'nothing'}"
+                     + approximate)
     if record.replay_of is not None:
         drift = "; ".join(record.replay_of.drift) or "same versions"
         lines.append(f"made again from a record ({drift})")

@@ -148,6 +148,16 @@ class ReplayOf(RecordModel):
     drift: list[str] = Field(default_factory=list)
 
 
+class PresetRecord(RecordModel):
+    """What ``policies.preset`` did at build (the record's spec holds the fields it set): the fields it turned on,
+    which of them approximate, the ones it left out and why."""
+
+    name: Literal["fast", "fastest"]
+    turned_on: dict[str, Any] = Field(default_factory=dict)
+    approximate: list[Annotated[str, Field(max_length=200)]] = Field(default_factory=list, max_length=32)
+    left_out: dict[str, Annotated[str, Field(max_length=2000)]] = Field(default_factory=dict)
+
+
 class Record(RecordModel):
     omnispec: Literal[1]
     created: str = Field(max_length=64)
@@ -158,6 +168,7 @@ class Record(RecordModel):
     sample: Annotated[int, Field(ge=0)] | None = None
     checkpoint: CheckpointRecord = Field(default_factory=CheckpointRecord)
     weights_changed: Annotated[int, Field(ge=0)] = 0
+    preset: PresetRecord | None = None
     replay_of: ReplayOf | None = None
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ import torch
 
 from ..log import harmless_messages_demoted
 from ..policies import apply_policies, check_policies, quantization, resolve_device
+from ..policies.presets import preset_here
 from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
 from ..spec.base import DEVICE_PATTERN
@@ -88,6 +89,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     target = resolve_device(device or spec.runtime.device)
     if target.type == "cpu":
         set_cpu_threads(spec.runtime.threads)
+    spec, preset = preset_here(spec, family_cls.targets, target)
     check_policies(spec, family_cls.targets, target)
     check_axes(spec, family_cls.targets)
     parallel = setup_parallel(spec, target, process_group)
@@ -111,6 +113,9 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     applied = apply_policies(spec, family_cls.targets, modules, target)
     if quantized:
         applied.notes["quantization"] = "; ".join(quantized)
+    if preset.name != "none":
+        applied.notes["preset"] = preset.note()
+    applied.preset = preset
     enable_axes(parallel, spec, family_cls.targets, modules)
     family = family_cls(spec, modules, target)
     pipe = pipeline_class(spec, family, modules, target, applied, parallel)

@@ -10,6 +10,7 @@ from .errors import SpecError
 from .pipeline import PipelineSpec
 from .plan import StepPlan, compile_plan, compress_plan
 from .policies import PARALLEL_AXES
+from .presets import asked
 from .recipe import Phase
 from .weights_file import locate, read_weights_file
 
@@ -81,6 +82,8 @@ def explain_spec(
         "output_phase": spec.recipe.phases[spec.recipe.output_index() or 0].name,
         "policies": spec.policies.model_dump(mode="json"),
     }
+    if spec.policies.preset != "none":
+        out["preset"] = {"name": spec.policies.preset, "asks": asked(spec.policies.preset)}
     if spec.policies.parallel.world_size > 1:
         out["mesh"] = describe_mesh(spec)
     if attention is not None:
@@ -233,6 +236,12 @@ def render_explain(info: Mapping[str, Any]) -> str:
     vae = pol.get("vae", {})
     if vae.get("tiling") or vae.get("slicing"):
         lines.append(f"  vae          tiling {vae['tiling']}, slicing {vae['slicing']}")
+    if info.get("preset"):
+        lines.append(f"  preset       {info['preset']['name']}: asks for each of these where the family and device "
+                     "support it (a build says which); fields the spec sets keep their values")
+        for item in info["preset"]["asks"]:
+            mark = "  [approximate]" if item["approximate"] else ""
+            lines.append(f"    {item['field']} = {item['value']}: {item['what']}, {item['where']}{mark}")
     if info.get("mesh"):
         lines.append("mesh:")
         lines += [f"  {line}" for line in info["mesh"]]

@@ -362,7 +362,14 @@ class KernelPolicySpec(SpecModel):
 KERNEL_POLICIES = Kinds("kernel policy")
 
 
+PresetName = Literal["none", "fast", "fastest"]
+
+
 class Policies(SpecModel):
+    preset: PresetName = Field(default="none", description=(
+        "A named bundle of speed-ups, each applied where the family and device support it: fast (every exact one: "
+        "regional compile with CUDA graphs, fused kernels, the fastest exact attention installed) or fastest (fast "
+        "plus the approximate ones: fp8 matmuls). Fields the spec sets itself keep their values."))
     attention: AttentionPolicy = Field(default_factory=AttentionPolicy)
     mlp: MlpPolicy = Field(default_factory=MlpPolicy)
     offload: Annotated[OffloadSpec, OFFLOADS] = Field(default_factory=lambda: NoOffload(strategy="none"))

@@ -25,7 +25,7 @@ from .parallel import ParallelTarget, TensorPlan
 TECHNIQUES = {
     "attention": "attention roles",
     "blocks": "block lists",
-    "mlp": "parallel blocks for fused_gelu to hook",
+    "mlp": "tanh-GELU feed-forwards for fused_gelu to fuse",
     "modulation": "modulation table",
     "qk_norm_rope": "fused q/k norm + RoPE processor",
 }

@@ -16,7 +16,7 @@ from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
-from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
+from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets
 from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -31,6 +31,7 @@ class HunyuanVideo15Family(Family):
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",),
                                    "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}),
         blocks=BlocksTarget(("transformer_blocks",), shared_inputs=("rope",)),
+        mlp=MlpTarget(),  # tanh-GELU feed-forwards in the blocks (the token refiner's are SiLU)
         parallel=ParallelTarget(sequence_refusal="HunyuanVideo15Transformer3DModel has no diffusers context-parallel "
                                                  "plan"),
         guidance=GuidanceTarget(skip_layer_refusal=UNREGISTERED),

@@ -20,7 +20,7 @@ from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
 from ...spec.videos import import_pyav
-from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets, TensorPlan
+from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets, TensorPlan
 from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -68,6 +68,7 @@ class LTX2Family(Family):
                         "audio_to_video": "cross", "video_to_audio": "cross"}),
         blocks=BlocksTarget(("transformer_blocks",),
                             shared_inputs=("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")),
+        mlp=MlpTarget(),  # tanh-GELU feed-forwards (video and audio)
         parallel=ParallelTarget(
             sequence_refusal="diffusers' LTX-2 context-parallel plan splits the video tokens but not the 4-D "
                              "split-RoPE tables every LTX-2 checkpoint uses, so each rank would rotate its tokens with "

@@ -20,7 +20,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
-from ...targets import AttentionTarget, BlocksTarget, ModulationTarget, ParallelTarget, Targets
+from ...targets import AttentionTarget, BlocksTarget, MlpTarget, ModulationTarget, ParallelTarget, Targets
 from .base import Family, model_tensor_plan
 from .inpainting import START_IMAGE, InpaintMask
 from .latents import PackedLatents, decode_images
@@ -38,6 +38,7 @@ class QwenImageFamily(PackedLatents, Family):
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",)}),
         blocks=BlocksTarget(("transformer_blocks",), shared_inputs=("pos_embed", "time_text_embed")),
+        mlp=MlpTarget(),  # tanh-GELU feed-forwards
         modulation=ModulationTarget("time_text_embed", ("transformer_blocks.*.img_mod.1",
                                                         "transformer_blocks.*.txt_mod.1", "norm_out.linear")),
         parallel=ParallelTarget(sequence_refusal=None, tensor_plan=model_tensor_plan, tensor_refusal=None),

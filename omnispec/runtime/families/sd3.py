@@ -8,7 +8,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec import SkipLayer
 from ...spec.request import Request
-from ...targets import AttentionTarget, BlocksTarget, Targets
+from ...targets import AttentionTarget, BlocksTarget, MlpTarget, Targets
 from .base import Family
 from .latents import decode_images
 from .perturbations import layer_skip
@@ -21,6 +21,7 @@ class SD3Family(Family):
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",), "self": ("transformer_blocks.*.attn2",)}),
         blocks=BlocksTarget(("transformer_blocks",)),
+        mlp=MlpTarget(),  # tanh-GELU feed-forwards
         cache_limits={"first_block": "SD3's last joint block returns no text stream, which diffusers' "
                                      "first-block cache subtracts (use taylorseer, magcache or step_mask)"},
     )

@@ -8,7 +8,7 @@ from diffusers import WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec.request import Request
-from ...targets import AttentionTarget, BlocksTarget, ParallelTarget, Targets, TensorPlan
+from ...targets import AttentionTarget, BlocksTarget, MlpTarget, ParallelTarget, Targets, TensorPlan
 from .base import Family
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
@@ -37,6 +37,7 @@ class WanFamily(Family):
     targets = Targets(
         attention=AttentionTarget({"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}),
         blocks=BlocksTarget(("blocks",), shared_inputs=("rope", "condition_embedder")),
+        mlp=MlpTarget(),  # tanh-GELU feed-forwards
         parallel=ParallelTarget(sequence_refusal=None, tensor_plan=wan_tensor_plan, tensor_refusal=None),
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}

@@ -16,3 +16,7 @@ __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny
 from .offline import TINY_SPECS, tiny_checkpoint
 
 __all__ += ["TINY_SPECS", "tiny_checkpoint"]
+
+from .fixtures_kandinsky6 import kandinsky6_tokenizer, tiny_kandinsky6
+
+__all__ += ["kandinsky6_tokenizer", "tiny_kandinsky6"]

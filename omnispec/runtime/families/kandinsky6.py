@@ -30,7 +30,8 @@ from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers' block hooks do not know Kandinsky 6's fused video/audio blocks (they are not in its "
                 "TransformerBlockRegistry)")
-FIRST_FRAME = "kandinsky6_first_frame"  # geometry.extra: the reference's latents drawn at the walk's start
+# geometry.extra: the generators a walk started with, and the reference latents they drew first
+FIRST_FRAME = "kandinsky6_first_frame"
 IMAGE = "kandinsky6_image"  # geometry.extra: the request's reference image (its draw precedes the noise)
 
 
@@ -64,6 +65,11 @@ class Kandinsky6Family(Family):
     def __init__(self, spec: PipelineSpec, components, device: torch.device):
         super().__init__(spec, components, device)
         config = self.helper.transformer.config
+        if spec.recipe.task == "image-to-video" and not (config.visual_cond and
+                                                         config.visual_token_type_num_embeddings >= 2):
+            raise SpecError.single("image-to-video needs a transformer with visual_cond and two visual token types "
+                                   "(the reference frame's); this checkpoint's has neither, so it runs text-to-video "
+                                   "only", "recipe.task")
         self.grid = config.out_visual_dim // config.in_visual_dim
         if self.grid > 1:
             for i, phase in enumerate(spec.recipe.phases):
@@ -123,7 +129,7 @@ class Kandinsky6Family(Family):
         noise, per sample (the pipeline's order)."""
         helper, dtype, b = self.helper, self.latent_dtype(None), len(generators)
         if IMAGE in geometry.extra:
-            geometry.extra[FIRST_FRAME] = self._first_frame(geometry.extra[IMAGE], geometry, generators)
+            geometry.extra[FIRST_FRAME] = generators, self._first_frame(geometry.extra[IMAGE], geometry, generators)
         video = helper.prepare_latents(b, helper.transformer.config.in_visual_dim, geometry.height, geometry.width,
                                        geometry.frames or 1, dtype, self.device, generators)
         audio = helper.prepare_audio_latents(b, helper.transformer.config.in_audio_dim, self.audio_frames(geometry),
@@ -139,12 +145,12 @@ class Kandinsky6Family(Family):
 
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:
-        """The reference latents of the walk's start; a replay, which starts no walk, draws them again from the
-        request's seeds (the first draw of each sample's generator)."""
+        """The reference latents drawn at the start of the walk these generators started; otherwise (a replay,
+        which starts no walk) drawn again from the request's seeds (the first draw of each sample's generator)."""
         if not request.images:
             return None
-        first = geometry.extra.get(FIRST_FRAME)
-        if first is None:
+        drawn, first = geometry.extra.get(FIRST_FRAME, (None, None))
+        if drawn is not generators:  # not this walk's start (a replay, or a check that drew with others)
             fresh = [torch.Generator("cpu").manual_seed(s) for s in request.seeds]
             first = self._first_frame(request.images[0].image, geometry, fresh)
         return Conditioning({"first_frame": first})

@@ -196,7 +196,9 @@ class StochasticStepper:
 def stochastic_stepper(sampler: Any, steps: Any, mask: torch.Tensor, generators: list[torch.Generator], *,
                        where: str, begin: int = 0, phase_starts: Sequence[int] = ()) -> StochasticStepper:
     """The stochastic stepper of a walk over ``steps`` (a ``schedule.Steps``). A multistep solver's schedule is
-    refused unless the sampler asks for Euler steps on it (``multistep: euler``)."""
+    refused unless the sampler asks for Euler steps on it (``multistep: euler``); a scheduler whose model output is
+    no velocity is refused either way."""
+    steps.check_velocity(where)
     if sampler.multistep == "refuse":
         try:
             steps.check_stochastic(where)

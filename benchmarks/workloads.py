@@ -745,3 +745,58 @@ def _tiny_workloads() -> None:
             {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
         w["image_size"] = (64, 64)
     LTX2_SIZE.update(height=32, width=32, frames=5, fps=25)
+
+
+# ---- Kandinsky 6 (video and audio) -----------------------------------------------------------------------------------
+
+def kandinsky6_components() -> dict:
+    """Kandinsky 6.0 Pro distilled: the transformer at the released checkpoint's architecture (60 fused video/audio
+    blocks of widths 4096 / 2048, feed-forwards 16384 / 7168, four text blocks per stream, 16 video and 40 audio
+    latent channels, the reference-frame token types) with a PiflowScheduler's widened outputs (its class default of
+    10 grid points per channel); two-layer Qwen2.5-VL and one-layer CLIP text encoders of the real widths (3584, 768);
+    HunyuanVideo's VAE and MMAudio's audio VAE and vocoder at their class defaults (the real ones: 16 channels,
+    8x / 4x; 40 channels at 44.1 kHz). Under smoke, the offline fixture's tiny modules."""
+    if harness.SMOKE:
+        from omnispec.testing.fixtures_kandinsky6 import kandinsky6_components as tiny
+
+        return tiny()
+    import transformers
+    from diffusers import (AutoencoderKLHunyuanVideo, Kandinsky6Transformer3DModel, MMAudioVAE, MMAudioVocoder,
+                           PiflowScheduler)
+
+    from omnispec.testing import clip_tokenizer, qwen_tokenizer
+
+    scheduler = PiflowScheduler(shift=5.0)
+    grid = scheduler.config.n_grid
+    with torch.device(harness.DEVICE):
+        transformer = Kandinsky6Transformer3DModel(
+            in_visual_dim=16, out_visual_dim=16 * grid, in_text_dim=3584, in_text_dim2=768, time_dim=1024,
+            patch_size=(1, 2, 2), model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60,
+            axes_dims=(32, 48, 48), visual_cond=True, in_audio_dim=40, out_audio_dim=40 * grid, model_dim_a=2048,
+            time_dim_a=1024, ff_dim_a=7168, axes_dims_a=(32, 48, 48), audio_freqs_scaling=0.144,
+            text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True,
+            visual_token_type_num_embeddings=2).to(torch.bfloat16)
+    tokenizer = qwen_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 3584, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 28,
+                     "num_key_value_heads": 4, "vocab_size": 512, "bos_token_id": end, "eos_token_id": end,
+                     "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 3584},
+        vocab_size=512, bos_token_id=end, eos_token_id=end))
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        hidden_size=768, intermediate_size=768, num_attention_heads=12, num_hidden_layers=1, vocab_size=400,
+        projection_dim=768, max_position_embeddings=77, bos_token_id=0, eos_token_id=1))
+    mods = dict(transformer=transformer, vae=AutoencoderKLHunyuanVideo(), text_encoder=text_encoder,
+                tokenizer=tokenizer, text_encoder_2=clip, tokenizer_2=clip_tokenizer(), scheduler=scheduler,
+                audio_vae=MMAudioVAE(), vocoder=MMAudioVocoder())
+    return _on_device(mods, ("text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder"))
+
+
+# Text-to-video with audio at the docstring's 480x864, 33 frames (14,580 video tokens a row; decoding 121 frames for
+# the equality check would not fit beside the 29B transformer), no CFG on either side; compared decoded (the
+# pipeline's "latent" output is (B, C, F, H, W), the loop's (B, F, H, W, C)).
+WORKLOADS["kandinsky6"] = dict(
+    spec="kandinsky6-distill-t2v.yaml", components=kandinsky6_components, pipeline="Kandinsky6TI2VAPipeline",
+    compare="images", request=dict(height=480, width=864, frames=33, max_sequence_length=1024), steps=(1, 3),
+    diffusers_kwargs=dict(height=480, width=864, num_frames=33, guidance_scale=1.0, max_sequence_length=1024))

@@ -26,10 +26,8 @@ WINDOW = {"kind": "sde", "window": {"kind": "fixed", "start": 1, "length": 2}}
 
 
 @pytest.fixture(scope="module")
-def k6_dir(tmp_path_factory):
-    from omnispec.testing import tiny_kandinsky6
-
-    return tiny_kandinsky6(tmp_path_factory.mktemp("kandinsky6"))
+def k6_dir(kandinsky6_dir):
+    return kandinsky6_dir  # the session's distilled checkpoint (conftest), shared with the catalog tests
 
 
 @pytest.fixture(scope="module")

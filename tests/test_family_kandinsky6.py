@@ -142,6 +142,7 @@ EXACT = {
 }
 REFUSED = {
     "first_block": ("policies.cache={kind: first_block, threshold: 0.2}", "not in its TransformerBlockRegistry"),
+    "taylorseer": ("policies.cache={kind: taylorseer, interval: 2}", "it would cache nothing"),
     "skip_layer": ("recipe.phases.0.guidance.terms=[{kind: skip_layer, scale: 2.0, layers: [1]}]",
                    "not in its TransformerBlockRegistry"),
     "ulysses": ("policies.parallel.ulysses=2", "no diffusers context-parallel plan"),

@@ -57,7 +57,10 @@ class Kandinsky6Family(Family):
                             shared_inputs=("visual_rope_embeddings", "audio_rope_embeddings")),
         parallel=ParallelTarget(sequence_refusal="Kandinsky6Transformer3DModel has no diffusers context-parallel plan"),
         guidance=GuidanceTarget(skip_layer_refusal=UNREGISTERED),
-        cache_limits={"first_block": UNREGISTERED, "magcache": UNREGISTERED},
+        cache_limits={"first_block": UNREGISTERED, "magcache": UNREGISTERED,
+                      "taylorseer": "diffusers' TaylorSeer cache hooks the attentions its patterns name "
+                                    "(transformer_blocks.*attn and the like); Kandinsky 6's sit under "
+                                    "visual_transformer_blocks, so it would cache nothing"},
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
                 "tokenizer_2": "tokenizer", "vae": "vae", "audio_vae": "vae", "vocoder": "vae"}

@@ -71,7 +71,7 @@ class Kandinsky6Family(Family):
         if spec.recipe.task == "image-to-video" and not (config.visual_cond and
                                                          config.visual_token_type_num_embeddings >= 2):
             raise SpecError.single("image-to-video needs a transformer with visual_cond and two visual token types "
-                                   "(the reference frame's); this checkpoint's has neither, so it runs text-to-video "
+                                   "(the reference frame's); this checkpoint's lacks them, so it runs text-to-video "
                                    "only", "recipe.task")
         self.grid = config.out_visual_dim // config.in_visual_dim
         if self.grid > 1:

@@ -41,10 +41,8 @@ class Flux2Family(Flux2KleinFamily):
 
     def guidance_input(self, denoiser, rows: int, embedded: float | None, device: torch.device
                        ) -> torch.Tensor | None:
-        """The embedded guidance, float32 per row, as Flux2Pipeline builds it (the recipe's ``embedded``, else the
-        pipeline's default); None where the checkpoint's transformer has no guidance embedder."""
-        if not denoiser.config.guidance_embeds:
-            return None
+        """The embedded guidance, float32 per row, as Flux2Pipeline always passes it (the recipe's ``embedded``,
+        else the pipeline's default)."""
         scale = DEFAULT_EMBEDDED_GUIDANCE if embedded is None else embedded
         return torch.full([rows], scale, device=device, dtype=torch.float32)
 

@@ -1,10 +1,10 @@
-"""FLUX.2 [dev] (``Flux2Pipeline``): FLUX.2 [klein]'s latents, reference images, schedule and decode, with a Mistral3
-text encoder (its hidden states at layers 10, 20 and 30, stacked, after the pipeline's system turn; klein's
-``encode`` calls the helper's ``encode_prompt``, which is Flux2Pipeline's here) and guidance
-embedded in the transformer (a ``guidance`` input per row, 4.0 by default) instead of CFG passes.
+"""FLUX.2 [dev] (``Flux2Pipeline``): FLUX.2 [klein]'s latents, reference images, schedule and decode, with two
+differences. Prompts are a Mistral3 model's hidden states at layers 10, 20 and 30 after the pipeline's system turn
+(klein's ``encode`` calls the helper's ``encode_prompt``, Flux2Pipeline's here); guidance is embedded in the
+transformer (a ``guidance`` input per row, 4.0 unless the recipe's ``embedded`` sets it) instead of CFG passes.
 
-The 32B transformer and the 24B text encoder are why this model is usually run with ``policies.offload`` and fp8
-weights; both are policies the family leaves to the runtime (docs/families.md, "FLUX.2 [dev]")."""
+Its size (a 32B transformer, a 24B text encoder) is why users run it with ``policies.offload`` and fp8 weights
+(``policies.quantization``); both apply to it as to every family (docs/families.md, "FLUX.2 [dev]")."""
 
 from __future__ import annotations
 

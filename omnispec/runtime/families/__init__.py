@@ -29,6 +29,8 @@ _BUILTIN = {
     "z_image": "omnispec.runtime.families.z_image:ZImageFamily",
     "hunyuan_video15": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15Family",
     "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",
+    "ltx25": "omnispec.runtime.families.ltx25:LTX25Family",
+    "ltx25_condition": "omnispec.runtime.families.ltx25:LTX25ConditionFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

@@ -128,6 +128,9 @@ INIT_CASES = {
     "hunyuan_video15": ("hunyuan_video15_dir", None, None, TINY_OVERRIDES["hunyuan_video15"], {}, None),
     "hunyuan_video15_i2v": ("hunyuan_video15_i2v_dir", None, None, TINY_OVERRIDES["hunyuan_video15_i2v"],
                             {"image": "photo"}, None),
+    # the same LTX2Pipeline as LTX-2's checkpoints: told apart by model_index.json's diffusion_decoder
+    "ltx25": ("ltx25_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
+    "ltx25_condition": ("ltx25_dir", None, "ltx25_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
 }
 
 

@@ -16,3 +16,7 @@ __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny
 from .offline import TINY_SPECS, tiny_checkpoint
 
 __all__ += ["TINY_SPECS", "tiny_checkpoint"]
+
+from .fixtures_ltx25 import tiny_ltx25
+
+__all__ += ["tiny_ltx25"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fixtures import _seeded
+from .fixtures import TINY_OVERRIDES, _seeded
 from .ltx2_fixtures import ltx2_components
 
 
@@ -64,3 +64,8 @@ def tiny_ltx25(root: str | Path, seed: int = 0) -> Path:
     index["diffusion_decoder"] = ["diffusers", type(decoder).__name__]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True))
     return Path(root)
+
+
+# LTX-2's tiny sizes (32x32, 5 frames at 25 fps, 3 steps: the modular blocks' video processor rounds an image to
+# 32 pixels, the real VAE's scale); the tiny transformer's STG block is 1.
+TINY_OVERRIDES["ltx25"] = [*TINY_OVERRIDES["ltx2"], "recipe.phases.0.guidance.terms.1.layers=[1]"]

@@ -44,6 +44,8 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "z-image-turbo": ("tiny_z_image", {}, "z_image", ()),
     "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
     "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
+    "ltx2.5-t2v": ("tiny_ltx25", {}, "ltx25", ()),
+    "ltx2.5-i2v": ("tiny_ltx25", {}, "ltx25", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

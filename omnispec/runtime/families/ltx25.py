@@ -18,17 +18,18 @@ _GENERATORS = "ltx25_generators"  # geometry.extra: the request's generators, fo
 DECODER = ("diffusers", "LTX2VideoDiffusionDecoderModel")
 
 
-class _DiffusionDecoded:
-    """What LTX-2.5 changes in an LTX-2 adapter: the ``diffusion_decoder`` component and the decode through it."""
+class LTX25Family(LTX2Family):
+    """Text-to-video and image-to-video with audio (the modular blocks' ``text2video`` and ``image2video``): LTX-2's
+    adapter with the ``diffusion_decoder`` component and the decode through it."""
 
+    name = "ltx25"
     required = {**LTX2Family.required, "diffusion_decoder": "vae"}
     # LTX-2.5's model_index.json names LTX2Pipeline as LTX-2's does; its diffusion decoder tells it apart.
     model_index_values = {"diffusion_decoder": (list(DECODER),)}
-    # A prompt of a Gemma-4 encoder: image_crf None resolves to LTX-2.5's 18 (diffusers' resolve_default_image_crf).
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
-        super().check_spec(spec)  # type: ignore[misc]
+        super().check_spec(spec)
         for i, phase in enumerate(spec.recipe.phases):
             if not isinstance(phase.input, InitialInput):
                 raise SpecError.single(
@@ -37,32 +38,26 @@ class _DiffusionDecoded:
                     f"recipe.phases.{i}.input")
 
     def helper_components(self):
-        return tuple(n for n in super().helper_components() if n != "diffusion_decoder")  # type: ignore[misc]
+        return tuple(n for n in super().helper_components() if n != "diffusion_decoder")  # LTX2Pipeline has none
 
     def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
-        latents = super().initial_latents(geometry, generators)  # type: ignore[misc]
+        latents = super().initial_latents(geometry, generators)
         geometry.extra[_GENERATORS] = generators
         return latents
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         """Video: the denormalised latents through the diffusion decoder, which draws its starting noise from the
         generators (float32 frames in [0, 1]); audio as LTX-2's, through the audio VAE and the vocoder."""
-        decoder = self.components["diffusion_decoder"]  # type: ignore[attr-defined]
-        helper = self.helper  # type: ignore[attr-defined]
-        video = self.unpack("video", latents["video"].to(self.latent_dtype(None)), geometry)  # type: ignore[attr-defined]
+        decoder, helper = self.components["diffusion_decoder"], self.helper
+        video = self.unpack("video", latents["video"].to(self.latent_dtype(None)), geometry)
         frames = decoder.decode(video.to(decoder.dtype), generator=geometry.extra[_GENERATORS], return_dict=False)[0]
         frames = helper.video_processor.postprocess_video(frames, output_type="np")
-        audio = self.decode_audio(latents["audio"], geometry)  # type: ignore[attr-defined]
-        return Decoded(np.asarray(frames, dtype=np.float32), audio, int(helper.vocoder.config.output_sampling_rate))
+        return Decoded(np.asarray(frames, dtype=np.float32), self.decode_audio(latents["audio"], geometry),
+                       int(helper.vocoder.config.output_sampling_rate))
 
 
-class LTX25Family(_DiffusionDecoded, LTX2Family):
-    """Text-to-video and image-to-video with audio (the modular blocks' ``text2video`` and ``image2video``)."""
-
-    name = "ltx25"
-
-
-class LTX25ConditionFamily(_DiffusionDecoded, LTX2ConditionFamily):
-    """Images at frames of the video, e.g. first and last frame (the modular blocks' ``condition`` workflow)."""
+class LTX25ConditionFamily(LTX25Family, LTX2ConditionFamily):
+    """Images at frames of the video, e.g. first and last frame (the modular blocks' ``condition`` workflow): LTX-2's
+    condition adapter (its helper, noise and keyframe tokens, dropped before decoding) with LTX-2.5's decode."""
 
     name = "ltx25_condition"

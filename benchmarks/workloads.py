@@ -610,8 +610,8 @@ def _ltx2_step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: di
 def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: list[str]) -> dict:
     """A ``gpu_interpreter`` row (its keys) from LTX-2's ``step`` or ``keyframes`` comparison, so that one command
     times every family."""
-    parts = {"step": ltx2_step_part, "keyframes": ltx2_keyframes_part}
-    row = parts[part](ltx2_components(), repeats, ceiling, overrides)
+    run, components = LTX2_PARTS[part]
+    row = run(components(), repeats, ceiling, overrides)
     harness.free_device_memory()
     return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],
             "diffusers": row["diffusers"], "omnispec": row["omnispec"], "ratio": row["ratio"],
@@ -856,3 +856,92 @@ def _tiny_kandinsky6() -> None:
     w.update(steps=(1, 2), image_size=(64, 64))
     w["request"] |= {"height": 64, "width": 64, "frames": 5}
     w["diffusers_kwargs"] |= {"height": 64, "width": 64, "num_frames": 5}
+# ---- LTX-2.5: LTX-2's step comparison on its modules, against LTX25ModularPipeline -----------------------------------
+
+def ltx25_components() -> dict:
+    """LTX-2.5's modules with random bf16 weights, or the tiny test ones under smoke: LTX-2's (``ltx2_components``)
+    with the transformer's LTX-2.3 architecture (gated attention, prompt AdaLN, perturbable self-attention), a
+    one-layer Gemma-4 text encoder of Gemma 3 12B's width in place of Gemma 3 (its cost cancels in per-step times, as
+    LTX-2's), and the diffusion video decoder at its class defaults (the production config). diffusers ships no
+    config of the 22B transformer: the widths and depth are LTX-2 19B's, the LTX-2.3 flags are those of diffusers'
+    LTX-2.3 support (``perturbed_attn``, ``gated_attn``, ``cross_attn_mod``, no prompt embeddings)."""
+    if harness.SMOKE:
+        from omnispec.testing.fixtures_ltx25 import ltx25_components as tiny_ltx25_components
+
+        return tiny_ltx25_components()
+    import transformers
+    from diffusers import LTX2VideoDiffusionDecoderModel, LTX2VideoTransformer3DModel
+
+    mods = ltx2_components()
+    del mods["transformer"], mods["text_encoder"], mods["latent_upsampler"]
+    harness.free_device_memory()
+    v = len(mods["tokenizer"])
+    with torch.device(harness.DEVICE):
+        mods["text_encoder"] = transformers.Gemma4UnifiedForConditionalGeneration(transformers.Gemma4UnifiedConfig(
+            text_config={"vocab_size": v, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 1,
+                         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                         "layer_types": ["full_attention"]},
+            vision_config=None, audio_config=None))
+        mods["transformer"] = LTX2VideoTransformer3DModel(
+            rope_type="split", perturbed_attn=True, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True,
+            audio_cross_attn_mod=True, use_prompt_embeddings=False)
+        mods["diffusion_decoder"] = LTX2VideoDiffusionDecoderModel()
+    for name in ("text_encoder", "transformer", "diffusion_decoder"):
+        mods[name] = mods[name].to(harness.DEVICE, torch.bfloat16).eval()
+    return mods
+
+
+class LTX25Modular:
+    """``LTX25ModularPipeline`` called as ``_ltx2_step_rows`` calls ``LTX2Pipeline``: the guidance keywords become
+    its ``guider`` and ``audio_guider``, and it returns (video, audio)."""
+
+    def __init__(self, **mods):
+        from diffusers.modular_pipelines import LTX25AutoBlocks
+
+        self.pipe = LTX25AutoBlocks().init_pipeline()
+        self.pipe.update_components(**mods)
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        self.pipe.set_progress_bar_config(**kwargs)
+
+    def __call__(self, *, return_dict: bool, spatio_temporal_guidance_blocks, **kwargs):
+        from diffusers.guiders import LTX2Guidance
+
+        guiders = {}
+        for stream, prefix in (("guider", ""), ("audio_guider", "audio_")):
+            scales = {k: kwargs.pop(prefix + k) for k in ("guidance_scale", "stg_scale", "modality_scale",
+                                                          "guidance_rescale")}
+            blocks = spatio_temporal_guidance_blocks if stream == "guider" else None
+            guiders[stream] = LTX2Guidance(**scales, spatio_temporal_guidance_blocks=blocks)
+        self.pipe.update_components(**guiders)
+        out = self.pipe(**kwargs, output=["videos", "audio"])
+        return out["videos"], out["audio"]
+
+
+def ltx25_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx25 family: ltx2.5-t2v's plan against the modular pipeline's text2video workflow (latents out: the
+    diffusion decoder is not timed)."""
+    return _ltx2_step_rows("ltx25", ltx2_build("ltx2.5-t2v.yaml", mods, overrides), LTX25Modular, mods, {}, {},
+                           repeats, ceiling)
+
+
+def ltx25_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx25_condition family: ltx2.5-keyframes with an image at the first and at the last frame, against the
+    modular pipeline's condition workflow."""
+    from diffusers.pipelines.ltx2 import LTX2VideoCondition
+    from PIL import Image
+
+    first, _ = conditioning_inputs(LTX2_SIZE["height"], LTX2_SIZE["width"])
+    last = first.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    ours = {"conditions": [{"image": first, "frame": 0}, {"image": last, "frame": -1}]}
+    theirs = {"conditions": [LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)]}
+    return _ltx2_step_rows("ltx25_keyframes", ltx2_build("ltx2.5-keyframes.yaml", mods, overrides), LTX25Modular,
+                           mods, ours, theirs, repeats, ceiling)
+
+
+# ``ltx2_row``'s parts: the comparison and the modules it runs on.
+LTX2_PARTS = {"step": (ltx2_step_part, ltx2_components), "keyframes": (ltx2_keyframes_part, ltx2_components),
+              "ltx25": (ltx25_step_part, ltx25_components), "ltx25_keyframes": (ltx25_keyframes_part, ltx25_components)}
+# LTX-2.5 at LTX-2's size (LTX2_SIZE; the bundled spec's 704 width differs by one latent column).
+WORKLOADS["ltx25"] = dict(ltx2_part="ltx25")
+WORKLOADS["ltx25_condition"] = dict(ltx2_part="ltx25_keyframes")

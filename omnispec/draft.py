@@ -146,9 +146,11 @@ def _family_of(source: str, index: dict[str, Any] | None) -> str:
         raise SpecError.single(f"model_index.json names pipeline {pipeline!r}, which no built-in family runs (they run "
                                f"{', '.join(sorted(by_pipeline))}); pass --family to choose one", "SOURCE")
     # among the families of that pipeline, the first whose model_index settings this checkpoint has (Wan2.2 TI2V's
-    # expand_timesteps: the same WanPipeline, another family)
-    fitting = [name for name in by_pipeline[pipeline] if all(
-        index.get(key) in accepted for key, accepted in family_class(name).model_index_values.items())]
+    # expand_timesteps: the same WanPipeline, another family), the one that checks the most settings first (LTX-2.5's
+    # diffusion_decoder: the same LTX2Pipeline as LTX-2, whose family checks none)
+    fitting = sorted((name for name in by_pipeline[pipeline] if all(
+        index.get(key) in accepted for key, accepted in family_class(name).model_index_values.items())),
+        key=lambda name: -len(family_class(name).model_index_values))
     return (fitting or by_pipeline[pipeline])[0]
 
 

@@ -130,6 +130,9 @@ INIT_CASES = {
                             {"image": "photo"}, None),
     "flux2": ("flux2_dir", None, None, TINY_OVERRIDES["flux2"], {}, None),
     "kandinsky6": ("kandinsky6_dir", None, None, TINY_OVERRIDES["kandinsky6"], {}, None),
+    # the same LTX2Pipeline as LTX-2's checkpoints: told apart by model_index.json's diffusion_decoder
+    "ltx25": ("ltx25_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
+    "ltx25_condition": ("ltx25_dir", None, "ltx25_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
 }
 
 

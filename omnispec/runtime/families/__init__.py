@@ -31,6 +31,8 @@ _BUILTIN = {
     "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",
     "flux2": "omnispec.runtime.families.flux2:Flux2Family",
     "kandinsky6": "omnispec.runtime.families.kandinsky6:Kandinsky6Family",
+    "ltx25": "omnispec.runtime.families.ltx25:LTX25Family",
+    "ltx25_condition": "omnispec.runtime.families.ltx25:LTX25ConditionFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import SpecError, load_spec
-from . import fixtures
+from . import fixtures, fixtures_krea2  # noqa: F401 - its TINY_OVERRIDES entry
 
 # Per bundled spec with a real checkpoint: the builder, its keyword arguments, and the TINY_OVERRIDES key.
 _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
@@ -44,6 +44,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "z-image-turbo": ("tiny_z_image", {}, "z_image", ()),
     "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
     "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
+    "krea2-raw": ("tiny_krea2", {}, "krea2", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

@@ -38,9 +38,19 @@ class Krea2Family(PackedLatents, Family):
         cache_limits={"first_block": UNREGISTERED, "magcache": UNREGISTERED},
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
-    # The few-step distilled (TDM) checkpoint runs a fixed time shift (mu 1.15) without CFG: another recipe.
-    model_index_values = {"is_distilled": (None, False), "patch_size": (None, 2),
-                          "text_encoder_select_layers": (None, SELECT_LAYERS)}
+    model_index_values = {"patch_size": (None, 2), "text_encoder_select_layers": (None, SELECT_LAYERS)}
+
+    @classmethod
+    def index_problems(cls, spec, index) -> list[tuple[str, str]]:
+        """Besides the settings above: the few-step distilled (TDM) checkpoint, which diffusers runs at a fixed time
+        shift whatever the size, is refused rather than run on the Raw model's resolution-aware schedule."""
+        problems = super().index_problems(spec, index)
+        if index.get("is_distilled"):
+            problems.append(("model.source", (
+                "the checkpoint is Krea 2's few-step distilled model (is_distilled: true in model_index.json), which "
+                "diffusers runs with a fixed time shift (mu 1.15), 8 steps and no CFG; family 'krea2' runs the Raw "
+                "checkpoint's recipe")))
+        return problems
 
     def make_helper(self, components):
         denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]

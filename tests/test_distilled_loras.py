@@ -151,7 +151,8 @@ def test_wan22_lightning_loads_one_lora_per_expert_as_diffusers(request, picture
                    **inputs).frames
     assert np.abs(ours.array - ref).max() <= TOL
     # each expert runs its own LoRA: swapping the files changes the output
-    swapped = build(spec, source, [*tiny, *lora_overrides("lightning_high", low), *lora_overrides("lightning_low", high)])
+    swapped = build(spec, source, [*tiny, *lora_overrides("lightning_high", low),
+                                   *lora_overrides("lightning_low", high)])
     assert np.abs(swapped("a cat", seed=7, **inputs).array - ref).max() > 1e-3
 
 

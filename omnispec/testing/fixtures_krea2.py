@@ -1,4 +1,4 @@
-"""Tiny Krea 2 checkpoint (``Krea2Pipeline``): a Qwen3-VL text model whose hidden states are tapped at several layers,
+"""Tiny Krea 2 checkpoint (``Krea2Pipeline``): a Qwen3-VL text model whose hidden states are tapped at twelve layers,
 a single-stream transformer with a text-fusion stage, and a Qwen-Image VAE at scale 16 with non-trivial latent
 statistics. The scheduler config is the real checkpoint's (dynamic exponential shift to 6400 tokens)."""
 
@@ -39,8 +39,9 @@ def krea2_components(seed: int = 0) -> dict:
                                  latents_std=[1.5, 2.0, 0.5, 1.0]).eval()
     _seeded(seed)
     text_encoder = transformers.Qwen3VLModel(transformers.Qwen3VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": TEXT_LAYERS, "num_attention_heads": 2,
-                     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 512, "max_position_embeddings": 512,
+        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": TEXT_LAYERS,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 512,
+                     "max_position_embeddings": 512,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1],
                                          "mrope_interleaved": True},
                      "pad_token_id": pad},
@@ -59,8 +60,7 @@ def with_values(transformer, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in transformer.named_parameters():
-            if name.endswith("scale_shift_table") or name.endswith("norm.weight") or ".norm_" in name or \
-                    name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+            if name.endswith(("scale_shift_table", "norm.weight", "norm1.weight", "norm2.weight")) or ".norm_" in name:
                 parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
 
 

@@ -128,6 +128,7 @@ INIT_CASES = {
     "hunyuan_video15": ("hunyuan_video15_dir", None, None, TINY_OVERRIDES["hunyuan_video15"], {}, None),
     "hunyuan_video15_i2v": ("hunyuan_video15_i2v_dir", None, None, TINY_OVERRIDES["hunyuan_video15_i2v"],
                             {"image": "photo"}, None),
+    "flux2": ("flux2_dir", None, None, TINY_OVERRIDES["flux2"], {}, None),
     "krea2": ("krea2_dir", None, None, TINY_OVERRIDES["krea2"], {}, None),
 }
 

@@ -44,6 +44,8 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "z-image-turbo": ("tiny_z_image", {}, "z_image", ()),
     "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
     "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
+    "flux2-dev": ("tiny_flux2", {}, "flux2", ()),
+    "flux2-dev-edit": ("tiny_flux2", {}, "flux2", ()),
     "krea2-raw": ("tiny_krea2", {}, "krea2", ()),
 }
 TINY_SPECS = tuple(_TINY)

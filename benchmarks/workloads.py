@@ -945,3 +945,41 @@ LTX2_PARTS = {"step": (ltx2_step_part, ltx2_components), "keyframes": (ltx2_keyf
 # LTX-2.5 at LTX-2's size (LTX2_SIZE; the bundled spec's 704 width differs by one latent column).
 WORKLOADS["ltx25"] = dict(ltx2_part="ltx25")
 WORKLOADS["ltx25_condition"] = dict(ltx2_part="ltx25_keyframes")
+def krea2_components() -> dict:
+    """Krea 2's transformer at its real config; a Qwen3-VL text model of Qwen3-VL-4B's width with the 36 layers the
+    pipeline taps (small feed-forwards). Under smoke the text width is small on both sides."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.fixtures_krea2 import KREA2_SCHEDULER
+
+    text, heads, head_dim = (64, 2, 32) if harness.SMOKE else (2560, 32, 128)
+    with torch.device(harness.DEVICE):
+        transformer = Krea2Transformer2DModel(**(dict(
+            num_layers=1, text_hidden_dim=text, text_num_attention_heads=2, text_num_key_value_heads=2,
+            text_intermediate_size=64) if harness.SMOKE else {})).to(torch.bfloat16)
+    section = [head_dim // 2 - 2 * (head_dim * 5 // 32), head_dim * 5 // 32, head_dim * 5 // 32]  # 4B's [24, 20, 20]
+    tokenizer = qwen_tokenizer()
+    text_encoder = transformers.Qwen3VLModel(transformers.Qwen3VLConfig(
+        text_config={"hidden_size": text, "intermediate_size": 1024, "num_hidden_layers": 36,
+                     "num_attention_heads": heads, "num_key_value_heads": heads // 4 or 1, "head_dim": head_dim,
+                     "vocab_size": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                                            "mrope_section": section, "mrope_interleaved": True}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": text,
+                       "deepstack_visual_indexes": [0]},
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>")))
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=AutoencoderKLQwenImage(),
+                scheduler=FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER))
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+# CFG 4.5 in Krea's formulation on both sides (two forwards against the empty prompt), 1024²: 4,096 image tokens
+# beside the 512 text tokens
+WORKLOADS["krea2"] = dict(spec="krea2-raw.yaml", components=krea2_components, pipeline="Krea2Pipeline",
+                          request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                          diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.5, max_sequence_length=512))
+if harness.SMOKE:  # appended after the smoke hook resized the table: the same tiny sizes
+    WORKLOADS["krea2"].update(steps=(1, 2), image_size=(64, 64))
+    WORKLOADS["krea2"]["request"] |= {"height": 64, "width": 64}
+    WORKLOADS["krea2"]["diffusers_kwargs"] |= {"height": 64, "width": 64}

@@ -19,6 +19,7 @@ import yaml
 
 from .spec import SpecError, load_spec, resolve_spec_data
 from .spec.catalog import bundled_names, bundled_path
+from .spec.checkpoint import is_number_list
 from .spec.files import path_kind, user_path
 from .spec.model import BUILTIN_FAMILIES
 
@@ -192,7 +193,8 @@ def _template(family: str, index: dict[str, Any] | None, source: str) -> tuple[s
 
 def _checkpoint_components(index: dict[str, Any] | None, source: str) -> set[str]:
     if index is not None:
-        return {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[-1] is not None}
+        return {k for k, v in index.items()
+                if not k.startswith("_") and isinstance(v, list) and not is_number_list(v) and v[-1] is not None}
     local = user_path(source)
     return {p.name for p in local.iterdir() if p.is_dir()} if path_kind(local) == "dir" else set()
 

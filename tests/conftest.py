@@ -99,6 +99,7 @@ hunyuan_video15_i2v_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15_i
 flux2_dir = _checkpoint("tiny_flux2", "flux2")
 kandinsky6_dir = _checkpoint("tiny_kandinsky6", "kandinsky6")
 ltx25_dir = _checkpoint("tiny_ltx25", "ltx25")
+krea2_dir = _checkpoint("tiny_krea2", "krea2")
 
 
 @pytest.fixture(scope="session")

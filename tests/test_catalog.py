@@ -133,6 +133,7 @@ INIT_CASES = {
     # the same LTX2Pipeline as LTX-2's checkpoints: told apart by model_index.json's diffusion_decoder
     "ltx25": ("ltx25_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
     "ltx25_condition": ("ltx25_dir", None, "ltx25_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
+    "krea2": ("krea2_dir", None, None, TINY_OVERRIDES["krea2"], {}, None),
 }
 
 

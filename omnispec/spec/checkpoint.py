@@ -172,7 +172,7 @@ class _ModelIndex(BaseModel):
     @model_validator(mode="after")
     def _entries(self) -> _ModelIndex:
         for key, entry in (self.model_extra or {}).items():
-            if key.startswith("_") or not isinstance(entry, list):
+            if key.startswith("_") or not isinstance(entry, list) or is_number_list(entry):
                 continue
             if len(entry) != 2 or not all(e is None or isinstance(e, str) for e in entry):
                 raise ValueError(f"{key}: a component entry is [library, class], got {entry!r:.80}")
@@ -202,6 +202,12 @@ class _SchedulerConfig(BaseModel):
     use_beta_sigmas: bool | None = None
     invert_sigmas: bool | None = None
     num_train_timesteps: Annotated[int, Field(ge=1, le=MAX_TRAIN_TIMESTEPS)] | None = None
+
+
+def is_number_list(entry: Any) -> bool:
+    """A list of numbers in ``model_index.json`` is a pipeline setting (Krea 2's ``text_encoder_select_layers``),
+    not a component entry ``[library, class]``."""
+    return isinstance(entry, list) and all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in entry)
 
 
 def model_index_data(data: Any, file: str) -> dict[str, Any]:

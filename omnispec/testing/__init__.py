@@ -17,6 +17,10 @@ from .fixtures_flux2 import tiny_flux2
 
 __all__ += ["tiny_flux2"]
 
+from .fixtures_krea2 import tiny_krea2
+
+__all__ += ["tiny_krea2"]
+
 from .offline import TINY_SPECS, tiny_checkpoint
 
 __all__ += ["TINY_SPECS", "tiny_checkpoint"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import SpecError, load_spec
-from . import fixtures
+from . import fixtures, fixtures_krea2  # noqa: F401 - its TINY_OVERRIDES entry
 
 # Per bundled spec with a real checkpoint: the builder, its keyword arguments, and the TINY_OVERRIDES key.
 _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
@@ -50,6 +50,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "kandinsky6-distill-i2v": ("tiny_kandinsky6", {}, "kandinsky6", ()),
     "ltx2.5-t2v": ("tiny_ltx25", {}, "ltx25", ()),
     "ltx2.5-i2v": ("tiny_ltx25", {}, "ltx25", ()),
+    "krea2-raw": ("tiny_krea2", {}, "krea2", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

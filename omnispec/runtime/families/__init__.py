@@ -33,6 +33,7 @@ _BUILTIN = {
     "kandinsky6": "omnispec.runtime.families.kandinsky6:Kandinsky6Family",
     "ltx25": "omnispec.runtime.families.ltx25:LTX25Family",
     "ltx25_condition": "omnispec.runtime.families.ltx25:LTX25ConditionFamily",
+    "krea2": "omnispec.runtime.families.krea2:Krea2Family",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

@@ -9,6 +9,7 @@ checkpoint stores its tokenizer and image processor and the tests hand the proce
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -26,14 +27,35 @@ Z_DIM = 8  # not 4: an RGBA reference image with as many channels as the latents
 TURBO_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
 
 
-def qwen21_processor(tokenizer_or_path):
-    """A ``Qwen3VLProcessor`` without a video processor: a Qwen2-VL image processor at patch 16, merge 2, and a
-    tokenizer (given, or loaded with the image processor from a saved ``processor/`` folder)."""
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
+@functools.cache
+def _image_only():
+    from transformers import Qwen3VLProcessor
 
-    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+    class Qwen3VLProcessorPil(Qwen3VLProcessor):
+        """A ``Qwen3VLProcessor`` without its video processor (transformers builds that only with torchvision):
+        the PIL-only variant a spec may name (``omnispec.testing.fixtures_qwen_image21:Qwen3VLProcessorPil``) to
+        load a tiny checkpoint's ``processor/`` without torchvision, as the CLI tests do."""
+
         def check_argument_for_proper_class(self, name, arg):
             return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+        @classmethod
+        def from_pretrained(cls, path, subfolder: str | None = None, **kwargs):
+            return qwen21_processor(Path(path) / (subfolder or ""))
+
+    return Qwen3VLProcessorPil
+
+
+def __getattr__(name: str):
+    if name == "Qwen3VLProcessorPil":  # built on first use: importing this module imports no transformers
+        return _image_only()
+    raise AttributeError(name)
+
+
+def qwen21_processor(tokenizer_or_path):
+    """An image-only ``Qwen3VLProcessor``: a Qwen2-VL image processor at patch 16, merge 2, and a tokenizer (given,
+    or loaded with the image processor from a saved ``processor/`` folder)."""
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor
 
     if isinstance(tokenizer_or_path, (str, bytes)) or hasattr(tokenizer_or_path, "__fspath__"):
         images = Qwen2VLImageProcessor.from_pretrained(tokenizer_or_path)
@@ -42,8 +64,12 @@ def qwen21_processor(tokenizer_or_path):
         images = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32,
                                        max_pixels=128 * 128)
         tokenizer = tokenizer_or_path
-    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None,
-                                     chat_template=CHAT_TEMPLATE)
+    return _image_only()(image_processor=images, tokenizer=tokenizer, video_processor=None,
+                         chat_template=CHAT_TEMPLATE)
+
+
+# In the spec's terms: the processor class the tiny checkpoints load with (overrides, or --set for the CLI).
+PIL_PROCESSOR = "model.components.processor.class=omnispec.testing.fixtures_qwen_image21:Qwen3VLProcessorPil"
 
 
 def qwen_image21_components(seed: int = 0, turbo: bool = False) -> dict:
@@ -103,11 +129,11 @@ def tiny_qwen_image21(root: str | Path, seed: int = 0, turbo: bool = False) -> P
     return Path(root)
 
 
-# float32, 3 steps, 32x64 outputs; output_resolution 64 keeps a condition image at 64x64 pixels' worth of its aspect,
+# The processor loaded without torchvision, float32, 3 steps, 32x64 outputs; output_resolution 64 keeps a condition image at 64x64 pixels' worth of its aspect,
 # which the tiny processor does not resize again (its vision slots then match the VAE's latent tokens).
 TINY_OVERRIDES_QWEN21 = {
-    "qwen_image21": ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=64",
+    "qwen_image21": [PIL_PROCESSOR, "model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=64",
                      "recipe.defaults.steps=3", "model.options.output_resolution=64", "runtime.progress=false"],
-    "qwen_image21_edit": ["model.dtype=float32", "recipe.defaults.steps=3", "model.options.output_resolution=64",
+    "qwen_image21_edit": [PIL_PROCESSOR, "model.dtype=float32", "recipe.defaults.steps=3", "model.options.output_resolution=64",
                           "runtime.progress=false"],
 }

@@ -67,9 +67,13 @@ class QwenImage21Family(Family):
         theirs = index.get("sample_sigmas")
         if theirs is None:
             return problems
+        if not isinstance(theirs, list) or not all(isinstance(s, (int, float)) and not isinstance(s, bool)
+                                                   for s in theirs):
+            problems.append(("model.source", f"the checkpoint's model_index.json sets sample_sigmas {theirs!r:.80}, "
+                                             "not a list of numbers"))
+            return problems
         ours = getattr(spec.recipe.phases[0].schedule, "sigmas", None)
-        if ours is None or not np.allclose([float(s) for s in ours], [float(s) for s in theirs], atol=1e-6) \
-                or len(ours) != len(theirs):
+        if ours is None or len(ours) != len(theirs) or not np.allclose(ours, theirs, rtol=0, atol=1e-6):
             problems.append(("recipe.phases.0.schedule.sigmas", (
                 f"the checkpoint's model_index.json sets sample_sigmas {list(theirs)}, which diffusers samples on, "
                 f"and the spec's schedule walks {'its step count' if ours is None else list(ours)}: set "

@@ -197,6 +197,9 @@ def test_a_checkpoint_whose_sample_sigmas_the_spec_does_not_walk_is_refused(qwen
     (changed / "model_index.json").write_text(json.dumps({**index, "sample_sigmas": [1.0, 0.5]}))
     with pytest.raises(SpecError, match=r"sample_sigmas \[1.0, 0.5\]"):
         omnispec.build(SPECS / "qwen-image-2.1-turbo.yaml", source=str(changed), overrides=T2I)
+    (changed / "model_index.json").write_text(json.dumps({**index, "sample_sigmas": "fast"}))
+    with pytest.raises(SpecError, match="sets sample_sigmas 'fast', not a list of numbers"):
+        omnispec.build(SPECS / "qwen-image-2.1-turbo.yaml", source=str(changed), overrides=T2I)
 
 
 def test_init_recognises_the_checkpoint(qwen_image21_dir, tmp_path):

@@ -788,3 +788,50 @@ def _tiny_workloads() -> None:
             {"num_frames": 5} if "num_frames" in w["diffusers_kwargs"] else {})
         w["image_size"] = (64, 64)
     LTX2_SIZE.update(height=32, width=32, frames=5, fps=25)
+
+
+def flux2_components() -> dict:
+    """FLUX.2 [dev]'s transformer at its published shape (diffusers' Flux2Transformer2DModel defaults: 8 double and
+    48 single blocks of 48 heads of 128, guidance embeddings, prompts 3 x 5120 wide: 32B); a 30-layer Mistral3
+    language model 5120 wide with a narrow MLP and a one-layer vision tower (the prompt is its hidden states at layers
+    10, 20 and 30), FLUX.2's VAE at its default config."""
+    import transformers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    from omnispec.testing.fixtures_flux2 import mistral_tokenizer
+
+    tokenizer = mistral_tokenizer()
+    width = 16 if harness.SMOKE else 5120
+    size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                axes_dims_rope=(4, 4, 4, 4), in_channels=16) if harness.SMOKE else {}
+    with torch.device(harness.DEVICE):
+        transformer = Flux2Transformer2DModel(joint_attention_dim=3 * width, guidance_embeds=True,
+                                              **size).to(torch.bfloat16)
+    text_encoder = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(
+            hidden_size=width, intermediate_size=16 if harness.SMOKE else 1024, num_hidden_layers=30,
+            num_attention_heads=2 if harness.SMOKE else 32, num_key_value_heads=2 if harness.SMOKE else 8,
+            head_dim=8 if harness.SMOKE else 128, vocab_size=512, max_position_embeddings=1024),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                                       num_attention_heads=2, head_dim=8, image_size=64,
+                                                       patch_size=8),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1))
+    vae = AutoencoderKLFlux2(**(dict(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                                     norm_num_groups=4) if harness.SMOKE else {}))
+    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                max_shift=1.15, shift=3.0, time_shift_type="exponential",
+                                                use_dynamic_shifting=True)
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, scheduler=scheduler)
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+# FLUX.2 [dev]: embedded guidance 4.0 on both sides (one forward a step), 1024²: 4,096 image tokens
+WORKLOADS["flux2"] = dict(spec="flux2-dev.yaml", components=flux2_components, pipeline="Flux2Pipeline",
+                          compare="images", request=dict(height=1024, width=1024, max_sequence_length=512),
+                          steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.0,
+                                                              max_sequence_length=512))
+if harness.SMOKE:  # appended after the smoke hook resized the table: the same tiny sizes
+    WORKLOADS["flux2"].update(steps=(1, 2), image_size=(64, 64))
+    WORKLOADS["flux2"]["request"] |= {"height": 64, "width": 64}
+    WORKLOADS["flux2"]["diffusers_kwargs"] |= {"height": 64, "width": 64}

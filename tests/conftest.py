@@ -96,6 +96,7 @@ qwen_edit_dir = _checkpoint("tiny_qwen_image", "qwen_edit", edit=True)
 z_image_dir = _checkpoint("tiny_z_image", "z_image")
 hunyuan_video15_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15")
 hunyuan_video15_i2v_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15_i2v", i2v=True)
+flux2_dir = _checkpoint("tiny_flux2", "flux2")
 
 
 @pytest.fixture(scope="session")

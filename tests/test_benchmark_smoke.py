@@ -43,6 +43,7 @@ SMOKES = [
     ("gpu_adaln_norm", [], 1),  # every default variant: each heuristic's scope entered around a compile
     ("gpu_gemm_epilogue", [], 1),
     ("gpu_attention_kernels", [], 1),
+    ("gpu_sparse_attention", [], 1),
     ("gpu_gemm_kernels", [], 1),
     ("gpu_joint_gemm", [], 1),
     # the whole block and one LoRA linear: every code path; the feed-forward as policies.mlp.fused_gelu makes it

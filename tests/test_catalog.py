@@ -128,6 +128,7 @@ INIT_CASES = {
     "hunyuan_video15": ("hunyuan_video15_dir", None, None, TINY_OVERRIDES["hunyuan_video15"], {}, None),
     "hunyuan_video15_i2v": ("hunyuan_video15_i2v_dir", None, None, TINY_OVERRIDES["hunyuan_video15_i2v"],
                             {"image": "photo"}, None),
+    "flux2": ("flux2_dir", None, None, TINY_OVERRIDES["flux2"], {}, None),
     # the tiny processor loads without torchvision through the class its overrides name
     "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
 }

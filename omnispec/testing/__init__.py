@@ -13,6 +13,9 @@ from .tokenizers import qwen_tokenizer, qwen_vl_processor
 __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny_qwen_image", "tiny_wan_ti2v",
             "tiny_wan_vace", "tiny_z_image"]
 
+from .fixtures_flux2 import tiny_flux2
+
+__all__ += ["tiny_flux2"]
 from .fixtures_qwen_image21 import qwen21_processor, tiny_qwen_image21
 
 __all__ += ["qwen21_processor", "tiny_qwen_image21"]

@@ -44,6 +44,8 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "z-image-turbo": ("tiny_z_image", {}, "z_image", ()),
     "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
     "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
+    "flux2-dev": ("tiny_flux2", {}, "flux2", ()),
+    "flux2-dev-edit": ("tiny_flux2", {}, "flux2", ()),
     "qwen-image-2.1": ("tiny_qwen_image21", {}, "qwen_image21", ()),
     "qwen-image-2.1-edit": ("tiny_qwen_image21", {}, "qwen_image21_edit", ()),
     "qwen-image-2.1-turbo": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21", ()),

@@ -29,6 +29,7 @@ _BUILTIN = {
     "z_image": "omnispec.runtime.families.z_image:ZImageFamily",
     "hunyuan_video15": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15Family",
     "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",
+    "flux2": "omnispec.runtime.families.flux2:Flux2Family",
     "qwen_image21": "omnispec.runtime.families.qwen_image21:QwenImage21Family",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"

@@ -20,7 +20,8 @@ from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
 from ...spec.videos import import_pyav
-from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets, TensorPlan
+from ...targets import (AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets, TensorPlan,
+                        VideoTokensTarget)
 from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -50,6 +51,11 @@ def ltx2_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
                       rope=tuple(attentions))
 
 
+def ltx2_token_grid(denoiser: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+    """The (frames, height, width) of a call's video tokens, which the pipeline passes as latent sizes (patch 1)."""
+    return kwargs["num_frames"], kwargs["height"], kwargs["width"]
+
+
 class LTX2Family(Family):
     name = "ltx2"
     pipeline_class = LTX2Pipeline
@@ -69,6 +75,7 @@ class LTX2Family(Family):
         blocks=BlocksTarget(("transformer_blocks",),
                             shared_inputs=("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")),
         mlp=MlpTarget(),  # tanh-GELU feed-forwards (video and audio)
+        video_tokens=VideoTokensTarget(("video_self",), ltx2_token_grid),
         parallel=ParallelTarget(
             sequence_refusal="diffusers' LTX-2 context-parallel plan splits the video tokens but not the 4-D "
                              "split-RoPE tables every LTX-2 checkpoint uses, so each rank would rotate its tokens with "

@@ -983,3 +983,51 @@ if harness.SMOKE:  # appended after the smoke hook resized the table: the same t
     WORKLOADS["krea2"].update(steps=(1, 2), image_size=(64, 64))
     WORKLOADS["krea2"]["request"] |= {"height": 64, "width": 64}
     WORKLOADS["krea2"]["diffusers_kwargs"] |= {"height": 64, "width": 64}
+QWEN21_SCHEDULE = ("recipe.phases.0.schedule={kind: flow_match, shift: dynamic, base_shift: 0.5, max_shift: 0.9, "
+                   "base_seq_len: 256, max_seq_len: 8192}")
+
+
+def qwen_image21_components() -> dict:
+    """Qwen-Image-2.1's transformer and VAE at their real configs (diffusers' defaults: 32 single-stream blocks of
+    4096, a 64-channel 16x VAE); a one-layer Qwen3-VL text encoder of Qwen3-VL-8B's width, with the image-only
+    processor of the offline fixtures (this workload is text-to-image)."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
+
+    from omnispec.testing import qwen21_processor, qwen_tokenizer
+    from omnispec.testing.fixtures_qwen_image21 import CHAT_TEMPLATE
+
+    tokenizer = qwen_tokenizer(CHAT_TEMPLATE)
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    with torch.device(harness.DEVICE):
+        transformer = QwenImage21Transformer2DModel(num_layers=1 if harness.SMOKE else 32).to(torch.bfloat16)
+    text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        text_config={"hidden_size": 4096, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                         "mrope_section": [24, 20, 20]}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 4096,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]))
+    # a dynamic shift (QWEN21_SCHEDULE says it to the spec); no terminal stretch, which diffusers' scheduler divides
+    # by zero on the smoke run's one step
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192,
+                                                time_shift_type="exponential")
+    mods = dict(transformer=transformer, text_encoder=text_encoder, processor=qwen21_processor(tokenizer),
+                vae=AutoencoderKLQwenImage21(), scheduler=scheduler)
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+
+# Qwen-Image-2.1: 1024x1024 (4,096 target tokens after the prompt's in one sequence), no guidance on both sides (the
+# defaults); the schedule written out as the components' scheduler has it (no checkpoint to follow)
+WORKLOADS["qwen_image21"] = dict(spec="qwen-image-2.1.yaml", components=qwen_image21_components,
+                                 pipeline="QwenImage21Pipeline", overrides=[QWEN21_SCHEDULE],
+                                 request=dict(height=1024, width=1024), steps=(2, 6),
+                                 diffusers_kwargs=dict(height=1024, width=1024))
+if harness.SMOKE:  # appended after the smoke hook resized the table: the same tiny sizes
+    WORKLOADS["qwen_image21"].update(steps=(1, 2), image_size=(64, 64))
+    WORKLOADS["qwen_image21"]["request"] |= {"height": 64, "width": 64}
+    WORKLOADS["qwen_image21"]["diffusers_kwargs"] |= {"height": 64, "width": 64}

@@ -196,3 +196,7 @@ def marker(tmp_path, monkeypatch):
     path = tmp_path / "code-ran"
     monkeypatch.setenv("OMNISPEC_TEST_MARKER", str(path))
     return path
+
+
+qwen_image21_dir = _checkpoint("tiny_qwen_image21", "qwen_image21")
+qwen_image21_turbo_dir = _checkpoint("tiny_qwen_image21", "qwen_image21_turbo", turbo=True)

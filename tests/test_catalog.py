@@ -134,6 +134,8 @@ INIT_CASES = {
     "ltx25": ("ltx25_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
     "ltx25_condition": ("ltx25_dir", None, "ltx25_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
     "krea2": ("krea2_dir", None, None, TINY_OVERRIDES["krea2"], {}, None),
+    # the tiny processor loads without torchvision through the class its overrides name
+    "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
 }
 
 

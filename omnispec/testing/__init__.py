@@ -16,6 +16,9 @@ __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny
 from .fixtures_flux2 import tiny_flux2
 
 __all__ += ["tiny_flux2"]
+from .fixtures_qwen_image21 import qwen21_processor, tiny_qwen_image21
+
+__all__ += ["qwen21_processor", "tiny_qwen_image21"]
 
 from .fixtures_krea2 import tiny_krea2
 

@@ -51,6 +51,10 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "ltx2.5-t2v": ("tiny_ltx25", {}, "ltx25", ()),
     "ltx2.5-i2v": ("tiny_ltx25", {}, "ltx25", ()),
     "krea2-raw": ("tiny_krea2", {}, "krea2", ()),
+    "qwen-image-2.1": ("tiny_qwen_image21", {}, "qwen_image21", ()),
+    "qwen-image-2.1-edit": ("tiny_qwen_image21", {}, "qwen_image21_edit", ()),
+    "qwen-image-2.1-turbo": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21", ()),
+    "qwen-image-2.1-turbo-edit": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21_edit", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

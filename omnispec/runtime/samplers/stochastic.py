@@ -266,8 +266,22 @@ def _fill_random(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: S
         mask[row, first:first + window.length] = True
 
 
+def _fill_sliding(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: Sequence[tuple[int, int]],
+                  group_ids: torch.Tensor, seed: int) -> None:
+    starts = [s for s in range(window.start, len(usable)) if _fits(window, s, usable, spans)]
+    if not starts:
+        raise SpecError.single(f"no room for a {window.length}-step window starting at or after {window.start} "
+                               f"within the usable steps {_ranges(usable)} of one walk", "sampler.window")
+    first = window.first_step(starts[-1])
+    if not _fits(window, first, usable, spans):
+        raise SpecError.single(f"at iteration {window.iteration} the window starts at step {first}, where "
+                               f"{window.length} steps do not fit the usable steps {_ranges(usable)} of one walk",
+                               "sampler.window")
+    mask[:, first:first + window.length] = True
+
+
 # One mask per window kind of ``omnispec.spec.recipe``; tests/test_architecture.py checks none is missing.
-_WINDOW_FILLS = {"all": _fill_all, "fixed": _fill_fixed, "random": _fill_random}
+_WINDOW_FILLS = {"all": _fill_all, "fixed": _fill_fixed, "random": _fill_random, "sliding": _fill_sliding}
 
 
 def _ranges(usable: torch.Tensor) -> str:

@@ -36,6 +36,7 @@ import torch
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 ALGORITHMS = ("mixgrpo", "grpo_guard", "nft")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]
+DEFAULT_LR = {"mixgrpo": 2e-3, "grpo_guard": 1e-3, "nft": 3e-3}
 
 
 def missing_packages() -> list[str]:
@@ -60,7 +61,7 @@ def group_advantages(reward: torch.Tensor, prompts: int) -> torch.Tensor:
 
 
 def train(algorithm: str = "mixgrpo", iterations: int = 40, prompts_per_iter: int = 4, group: int = 6,
-          steps: int = 8, lr: float | None = None, clip: float = 0.2, window: int = 2, every: int = 4,
+          steps: int = 8, lr: float | None = None, clip: float = 0.2, window: int = 2, every: int = 10,
           noise_level: float = 0.7, nft_steps: int = 2, beta: float = 1.0, seed: int = 0, log=print) -> list[dict]:
     """Train and return one row per iteration (its mean reward and the algorithm's own numbers)."""
     import omnispec
@@ -75,7 +76,7 @@ def train(algorithm: str = "mixgrpo", iterations: int = 40, prompts_per_iter: in
     dit = pipe.components["transformer"]
     dit.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS), adapter_name="policy")
     params = [p for p in dit.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr or (3e-3 if algorithm == "nft" else 1e-3))
+    opt = torch.optim.AdamW(params, lr=lr or DEFAULT_LR[algorithm])
     old_params = [p.detach().clone() for p in params]  # DiffusionNFT's old policy
     from omnispec.src_models.digits.reward import digit_reward
 
@@ -177,8 +178,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--window", type=int, default=2, help="stochastic steps (mixgrpo, grpo_guard)")
-    parser.add_argument("--every", type=int, default=4, help="mixgrpo: iterations between window moves")
-    parser.add_argument("--lr", type=float, help="default 1e-3 (3e-3 for nft)")
+    parser.add_argument("--every", type=int, default=10, help="mixgrpo: iterations between window moves")
+    parser.add_argument("--lr", type=float, help=f"default {DEFAULT_LR}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="the history as JSON")
     args = parser.parse_args()

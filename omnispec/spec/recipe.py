@@ -215,6 +215,18 @@ class OutsideWindow(SpecModel):
         "Compute the prediction on one outside step in every compute_every (the first of each run of outside "
         "steps, and of each phase, always computes) and reuse the last computed prediction on the others: "
         "an Euler step over several sigmas at once. 1 computes every step."))
+    solver: Literal["euler", "dpmsolver++"] = Field(default="euler", description=(
+        "The ODE steps after the window: Euler, or second-order multistep DPM-Solver++ on the clean-sample "
+        "estimates of the steps so far (MixGRPO-Flash's post-window solver; its last step is first order). Steps "
+        "before the window stay Euler."))
+    solver_type: Literal["heun", "midpoint"] = Field(default="heun", description=(
+        "DPM-Solver++'s second-order correction (MixGRPO's default: heun)."))
+
+    @model_validator(mode="after")
+    def _one_speed_up(self) -> OutsideWindow:
+        if self.solver != "euler" and self.compute_every != 1:
+            raise ValueError("a multistep solver after the window needs every step's prediction; use compute_every: 1")
+        return self
 
 
 class _Stochastic(SamplerSpec):

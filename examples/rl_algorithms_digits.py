@@ -9,7 +9,8 @@ normalised within each prompt's group.
 
 - ``mixgrpo``: MixGRPO's sliding window. Flow-GRPO's SDE runs on a window of ``--window`` steps that moves by its
   length every ``--every`` iterations (``window: {kind: sliding, ...}``, the iteration passed in the sampler);
-  the other steps are ODE steps, and only the window's steps are replayed and trained (clipped ratios).
+  the other steps are ODE steps (``--flash``: DPM-Solver++ after the window, MixGRPO-Flash's), and only the window's
+  steps are replayed and trained (clipped ratios).
 - ``grpo_guard``: Flow-GRPO's SDE on the first ``--window`` steps, two optimizer steps per rollout batch, and
   GRPO-Guard's regulated ratio (``omnispec.rl.guard_log_ratio``) in the clipped objective; the old transition
   means come from one replay without gradients right after the rollout.
@@ -44,12 +45,14 @@ def missing_packages() -> list[str]:
     return [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
 
 
-def sampler(algorithm: str, iteration: int, steps: int, window: int, every: int, noise_level: float) -> dict:
+def sampler(algorithm: str, iteration: int, steps: int, window: int, every: int, noise_level: float,
+            flash: bool = False) -> dict:
     """The rollout's sampler at this training iteration."""
     if algorithm == "mixgrpo":
         return {"kind": "sde", "noise_level": noise_level,
                 "window": {"kind": "sliding", "length": window, "every": every, "iteration": iteration,
-                           "wrap": True}}
+                           "wrap": True},
+                "outside_window": {"solver": "dpmsolver++" if flash else "euler"}}
     if algorithm == "grpo_guard":
         return {"kind": "sde", "noise_level": noise_level, "window": {"kind": "fixed", "start": 0, "length": window}}
     return {"kind": "cps", "include_last": True, "window": {"kind": "fixed", "start": steps - 1, "length": 1}}
@@ -62,10 +65,12 @@ def group_advantages(reward: torch.Tensor, prompts: int) -> torch.Tensor:
 
 def train(algorithm: str = "mixgrpo", iterations: int = 40, prompts_per_iter: int = 4, group: int = 6,
           steps: int = 8, lr: float | None = None, clip: float = 0.2, window: int = 2, every: int = 10,
-          noise_level: float = 0.7, nft_steps: int = 2, beta: float = 1.0, seed: int = 0, log=print) -> list[dict]:
+          noise_level: float = 0.7, nft_steps: int = 2, beta: float = 1.0, seed: int = 0, flash: bool = False,
+          log=print) -> list[dict]:
     """Train and return one row per iteration (its mean reward and the algorithm's own numbers)."""
-    import omnispec
     from peft import LoraConfig
+
+    import omnispec
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -87,7 +92,7 @@ def train(algorithm: str = "mixgrpo", iterations: int = 40, prompts_per_iter: in
         start = time.time()
         digits = rng.sample(range(10), prompts_per_iter)
         ro = pipe.rollout([WORDS[d] for d in digits], group_size=group, seed=seed * 100_000 + it * 1000,
-                          sampler=sampler(algorithm, it, steps, window, every, noise_level))
+                          sampler=sampler(algorithm, it, steps, window, every, noise_level, flash))
         r = reward(ro.array, [digits[int(g)] for g in ro.group_ids])
         adv = group_advantages(r, prompts_per_iter)
         row = {"iteration": it, "reward": r.mean().item()}
@@ -180,6 +185,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2, help="stochastic steps (mixgrpo, grpo_guard)")
     parser.add_argument("--every", type=int, default=10, help="mixgrpo: iterations between window moves")
     parser.add_argument("--lr", type=float, help=f"default {DEFAULT_LR}")
+    parser.add_argument("--flash", action="store_true", help="mixgrpo: DPM-Solver++ after the window (MixGRPO-Flash)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="the history as JSON")
     args = parser.parse_args()
@@ -192,7 +198,7 @@ def main() -> None:
             print(f"error: --{name} must be >= 1", file=sys.stderr)
             raise SystemExit(2)
     history = train(args.algorithm, args.iterations, args.prompts, args.group, args.steps, args.lr,
-                    window=args.window, every=args.every, seed=args.seed)
+                    window=args.window, every=args.every, seed=args.seed, flash=args.flash)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "history": history},
                                        indent=1))

@@ -256,7 +256,7 @@ def test_each_algorithm_trains_a_few_iterations_of_the_digits_example(algorithm)
     import rl_algorithms_digits
 
     history = rl_algorithms_digits.train(algorithm, iterations=2, prompts_per_iter=1, group=2, steps=3, window=1,
-                                         every=1, nft_steps=1, log=lambda s: None)
+                                         every=1, nft_steps=1, flash=algorithm == "mixgrpo", log=lambda s: None)
     assert len(history) == 2 and all(0 <= row["reward"] <= 1 for row in history)
     if algorithm == "nft":
         assert all(math.isfinite(row["nft_loss"]) for row in history)

@@ -111,7 +111,7 @@ def _start_ray(smoke: bool):
 
 def benchmark(args, results: harness.Results) -> None:
     try:
-        import ray  # noqa: F401
+        import ray
     except ImportError:
         raise harness.UsageError("needs Ray: pip install 'omnispec-diffusion[ray]'") from None
     import omnispec
@@ -144,7 +144,7 @@ def benchmark(args, results: harness.Results) -> None:
             results.save({"config": config, "event": "start", "seconds": time.perf_counter() - start})
             try:
                 _measure(engine, args, config, trainer, transformer, full_state, lora_meta, set_lora, results)
-            except Exception as exc:  # a row that says what failed; the other worker counts still run
+            except Exception as exc:  # noqa: BLE001 - a row says what failed; the other worker counts still run
                 results.save({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
             finally:
                 engine.shutdown()

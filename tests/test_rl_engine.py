@@ -169,3 +169,10 @@ def test_bad_requests_are_refused_at_submit(engine):
         engine.submit([{"group_size": 2}])
     with pytest.raises(omnispec.SpecError, match="empty"):
         engine.submit([])
+    with pytest.raises(TypeError, match="requests.0.prompts"):
+        engine.submit([{"prompts": 5}])
+    handle = engine.submit([{"prompts": "one", "sampler": {"kind": "euler"}}])  # checked in the worker
+    with pytest.raises(omnispec.SpecError, match="stochastic"):
+        engine.get(handle)
+    (ro,) = engine.rollout([{"prompts": "one", "sampler": SDE}])  # the workers go on
+    assert ro.select([0]).policy_version == ro.policy_version == engine.version

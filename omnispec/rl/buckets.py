@@ -2,15 +2,19 @@
 than the room left in a bucket is split across buckets), and put back together on the other side.
 
 A bucket is a list of ``Piece``s: a slice of one tensor's flattened elements, with the tensor's name, shape and
-dtype, so the receiver needs nothing but the pieces, in any bucket order. ``Assembler`` collects pieces and hands
-out each tensor once all its elements arrived; ``finish`` says which tensors are still incomplete.
+dtype, so the receiver needs nothing but the pieces, in any bucket order. A piece holds its elements' bytes as a
+numpy ``uint8`` array: Ray serializes those out of band, without a pickled copy, and a worker reads them straight
+from the object store's shared memory (read-only), copying each once into the tensor it rebuilds. ``Assembler``
+collects pieces and hands out each tensor once all its elements arrived; ``incomplete`` names the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..spec import SpecError, SpecTypeError
@@ -22,11 +26,15 @@ class Piece:
     shape: tuple[int, ...]
     dtype: torch.dtype
     start: int  # the first flattened element this piece holds
-    data: torch.Tensor  # 1-D, contiguous, on the CPU
+    data: np.ndarray  # the bytes of its elements, uint8, 1-D
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return int(self.data.nbytes)
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
 
 
 def check_bucket_bytes(bucket_bytes: object) -> int:
@@ -39,15 +47,17 @@ def check_bucket_bytes(bucket_bytes: object) -> int:
 
 def to_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[Piece]]:
     """Buckets of pieces, each at most ``bucket_bytes`` bytes (a single element larger than that is a bucket of
-    its own), in the order of ``named``. Tensors are copied to the host once, detached, and kept contiguous."""
+    its own), in the order of ``named``. A device tensor is copied to the host once; the pieces of a contiguous host
+tensor view its memory (no copy), so a bucket is to be sent (``ray.put``, pickled) before that tensor changes."""
     bucket_bytes = check_bucket_bytes(bucket_bytes)
     bucket: list[Piece] = []
     room = bucket_bytes
     for name, tensor in named:
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         size, start = flat.element_size(), 0
+        raw = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
         if flat.numel() == 0:
-            bucket.append(Piece(name, tuple(tensor.shape), tensor.dtype, 0, flat))
+            bucket.append(Piece(name, tuple(tensor.shape), tensor.dtype, 0, raw))
             continue
         while start < flat.numel():
             take = min(flat.numel() - start, room // size)
@@ -57,8 +67,8 @@ def to_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
                     bucket, room = [], bucket_bytes
                     continue
                 take = 1  # an element larger than a whole bucket
-            # a copy: a pickled view would carry its whole tensor's storage
-            bucket.append(Piece(name, tuple(tensor.shape), tensor.dtype, start, flat[start:start + take].clone()))
+            # a view: Ray (and pickle) serialize only the viewed bytes of a contiguous numpy slice
+            bucket.append(Piece(name, tuple(tensor.shape), tensor.dtype, start, raw[start * size:(start + take) * size]))
             start += take
             room -= take * size
     if bucket:
@@ -86,12 +96,20 @@ class Assembler:
             elif self._shapes[piece.name] != (piece.shape, piece.dtype):
                 raise SpecError.single(f"{piece.name}: pieces of different shapes or dtypes", "bucket")
             flat, missing = self._parts[piece.name]
-            end = piece.start + piece.data.numel()
-            if piece.start < 0 or end > numel or piece.data.dtype != piece.dtype:
+            data = piece.data
+            if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1
+                    and data.nbytes % piece.dtype.itemsize == 0):
+                raise SpecError.single(f"{piece.name}: a piece's data is not whole elements' bytes", "bucket")
+            end = piece.start + piece.numel
+            if piece.start < 0 or end > numel:
                 raise SpecError.single(f"{piece.name}: a piece [{piece.start}, {end}) outside its {numel} elements",
                                        "bucket")
-            flat[piece.start:end] = piece.data
-            missing -= piece.data.numel()
+            if piece.numel:
+                with warnings.catch_warnings():  # read-only shared memory: read once, never written
+                    warnings.filterwarnings("ignore", message=".*not writable.*")
+                    source = torch.from_numpy(data)
+                flat[piece.start:end].view(torch.uint8).copy_(source)
+            missing -= piece.numel
             self._parts[piece.name] = (flat, missing)
             if missing == 0:
                 done[piece.name] = flat.view(piece.shape)

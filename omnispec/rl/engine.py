@@ -67,23 +67,22 @@ class RolloutRequest:
         """A request from itself or a mapping: ``prompts`` (a string or strings), the rollout's arguments, and
         any other key a request field."""
         if isinstance(value, RolloutRequest):
-            request = value
+            given = {k: getattr(value, k) for k in _ROLLOUT_KEYS} | {"options": value.options}
         elif isinstance(value, Mapping):
             if "prompts" not in value:
                 raise SpecError.single("a rollout request needs 'prompts'", where)
-            given = dict(value)
-            prompts = given.pop("prompts")
-            request = cls(prompts=(prompts,) if isinstance(prompts, str) else tuple(prompts),  # checked below
-                          **{k: given.pop(k) for k in _ROLLOUT_KEYS[1:] if k in given}, options=given)
+            rest = dict(value)
+            given = {k: rest.pop(k) for k in _ROLLOUT_KEYS if k in rest} | {"options": rest}
         else:
             raise SpecTypeError.single(f"expected a rollout request (a mapping or RolloutRequest), got "
                                        f"{type(value).__name__}", where)
+        given = {"group_size": 1, "seed": 0, "sampler": None, "shared_noise": False} | given
         try:
-            check_rollout_args(list(request.prompts), request.group_size, request.seed, request.shared_noise, 0)
+            prompts = check_rollout_args(given["prompts"], given["group_size"], given["seed"], given["shared_noise"], 0)
         except (SpecError, SpecTypeError) as exc:
             problem = exc.problems[0]
             raise type(exc).single(problem.message, f"{where}.{problem.path}" if problem.path else where) from None
-        return request
+        return cls(**given | {"prompts": tuple(prompts)})
 
     @property
     def samples(self) -> int:

@@ -171,8 +171,9 @@ def test_bad_requests_are_refused_at_submit(engine):
         engine.submit([])
     with pytest.raises(TypeError, match="requests.0.prompts"):
         engine.submit([{"prompts": 5}])
-    handle = engine.submit([{"prompts": "one", "sampler": {"kind": "euler"}}])  # checked in the worker
-    with pytest.raises(omnispec.SpecError, match="stochastic"):
+    handle = engine.submit([{"prompts": "one", "sampler": {"kind": "ode"}}])  # checked in the worker
+    with pytest.raises(omnispec.SpecError, match="stochastic") as caught:
         engine.get(handle)
+    assert caught.value.problems[0].path == "sampler" and "ray::" not in str(caught.value)  # the worker's own error
     (ro,) = engine.rollout([{"prompts": "one", "sampler": SDE}])  # the workers go on
     assert ro.select([0]).policy_version == ro.policy_version == engine.version

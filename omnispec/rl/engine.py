@@ -223,6 +223,20 @@ def _move(tensors: list[torch.Tensor], device: torch.device) -> None:
                 tensor.data = tensor.data.to(device)
 
 
+def _ray_get(ray: Any, refs: Any, timeout: float | None = None) -> Any:
+    """``ray.get``, raising a worker's own argument errors (``SpecError``, ``SpecTypeError``, ``EngineAsleep``) as
+    they are, without Ray's wrapping traceback; anything else keeps it."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, (SpecError, SpecTypeError)):  # made again from its problems: a pickled one's
+            raise type(cause)(cause.problems) from None   # message is not restored (its args are its text)
+        if isinstance(cause, EngineAsleep):
+            raise cause from None
+        raise
+
+
 def _allocated() -> dict[str, int]:
     if not torch.cuda.is_available():
         return {"allocated_bytes": 0, "reserved_bytes": 0}
@@ -254,7 +268,7 @@ class RolloutHandle:
 
     def result(self, timeout: float | None = None) -> list[Rollout]:
         if self._result is None:
-            answers = self._ray.get(self._refs, timeout=timeout)
+            answers = _ray_get(self._ray, self._refs, timeout)
             seconds = time.perf_counter() - self.submitted
             samples = sum(r.samples for r in self.requests)
             self.stats = {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
@@ -365,8 +379,8 @@ class RolloutEngine:
                 nbytes += sum(p.nbytes for p in bucket)
                 buckets += 1
             commits = [w.commit.remote(version, kind, lora, component) for w in self.workers]
-            self._ray.get(staged)
-            apply_s = max(self._ray.get(commits))
+            _ray_get(self._ray, staged)
+            apply_s = max(_ray_get(self._ray, commits))
             self.version = version
             return UpdateReport(version, len(pairs), nbytes, buckets, time.perf_counter() - start, apply_s)
 

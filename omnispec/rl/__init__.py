@@ -2,8 +2,9 @@
 
 ``Pipeline.rollout`` / ``Pipeline.log_prob`` are the entry points; ``kl`` is Flow-GRPO's KL term on two
 replays; ``losses`` holds the policy losses (PPO's clipped surrogate, GRPO-Guard's regulated ratio, DiffusionNFT's
-loss) and ``denoiser`` the prediction at states a trainer makes (forward-process training); ``RolloutPool``
-spreads rollouts over Ray actors (``pip install 'omnispec-diffusion[ray]'``).
+loss) and ``denoiser`` the prediction at states a trainer makes (forward-process training); ``RolloutPool`` spreads
+rollouts over Ray actors and ``RolloutEngine`` serves a separate trainer process from them
+(``pip install 'omnispec-diffusion[ray]'``).
 """
 
 from .forward import Denoiser, denoiser
@@ -14,7 +15,7 @@ from .weights import reference, scale_lora, set_lora, update_weights
 
 __all__ = ["RLPipeline", "Replay", "Rollout", "RolloutPool", "kl", "log_prob", "reference", "rollout", "scale_lora",
            "set_lora", "update_weights", "Denoiser", "NFTLoss", "clipped_surrogate", "denoiser", "guard_log_ratio",
-           "nft_loss", "nft_noised", "nft_steps"]
+           "nft_loss", "nft_noised", "nft_steps", "RolloutEngine"]
 
 
 def __getattr__(name: str):
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from .pool import RolloutPool
 
         return RolloutPool
+    if name == "RolloutEngine":
+        from .engine import RolloutEngine
+
+        return RolloutEngine
     raise AttributeError(name)

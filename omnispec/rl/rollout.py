@@ -58,6 +58,9 @@ class Rollout:
     sampler: Any
     weight_version: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # the trainer's version of the weights it ran at, when a ``RolloutEngine`` made it (None otherwise): the number
+    # its last weight update carried, 0 before any
+    policy_version: int | None = None
 
     @property
     def window(self) -> int:
@@ -84,6 +87,7 @@ class Rollout:
             request=self.request.model_copy(update={"prompts": [self.prompts[i] for i in pick],
                                                     "seeds": [self.seeds[i] for i in pick]}),
             sampler=self.sampler, weight_version=self.weight_version, extra=dict(self.extra),
+            policy_version=self.policy_version,
         )
 
 

@@ -13,6 +13,10 @@ from .tokenizers import qwen_tokenizer, qwen_vl_processor
 __all__ += ["qwen_tokenizer", "qwen_vl_processor", "tiny_hunyuan_video15", "tiny_qwen_image", "tiny_wan_ti2v",
             "tiny_wan_vace", "tiny_z_image"]
 
+from .fixtures_minimax_h3 import minimax_h3_processor, tiny_minimax_h3
+
+__all__ += ["minimax_h3_processor", "tiny_minimax_h3"]
+
 from .offline import TINY_SPECS, tiny_checkpoint
 
 __all__ += ["TINY_SPECS", "tiny_checkpoint"]

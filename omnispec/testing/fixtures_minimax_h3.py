@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .fixtures import TINY_OVERRIDES
+
 # The stereo audio and video schedules' shifts of the released scheduler configs (video 12, audio 3).
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 LATENT_CHANNELS, AUDIO_CHANNELS, TEXT_DIM = 4, 4, 16
@@ -80,3 +82,28 @@ def minimax_h3_components(seed: int = 0) -> dict:
     return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 processor=minimax_h3_processor(tokenizer), scheduler=MiniMaxH3Scheduler(shift=VIDEO_SHIFT),
                 audio_scheduler=MiniMaxH3Scheduler(shift=AUDIO_SHIFT))
+
+
+def tiny_minimax_h3(root: str | Path, seed: int = 0) -> Path:
+    """The released repository's layout: one folder per module and a ``model_index.json`` naming
+    ``MiniMaxH3ModularPipeline`` and each module's class. The processor is saved as its image processor and
+    tokenizer (load it with ``minimax_h3_processor(root / "processor")``: transformers loads a ``Qwen3VLProcessor``
+    only with torchvision installed)."""
+    root = Path(root)
+    modules = minimax_h3_components(seed)
+    processor = modules.pop("processor")
+    index: dict = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": "0.42.1"}
+    for name, module in modules.items():
+        module.save_pretrained(root / name)
+        library = "transformers" if type(module).__module__.startswith("transformers") else "diffusers"
+        index[name] = [library, type(module).__name__]
+    processor.image_processor.save_pretrained(root / "processor")
+    processor.tokenizer.save_pretrained(root / "processor")
+    index["processor"] = ["transformers", "Qwen3VLProcessor"]
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    return root
+
+
+# Float32, a 32-pixel square (one token per latent frame), the shortest clip (124 frames: 5.17 s at 24 fps), 3 steps.
+TINY_OVERRIDES["minimax_h3"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=32",
+                                "recipe.defaults.steps=3", "runtime.progress=false"]

@@ -29,6 +29,7 @@ _BUILTIN = {
     "z_image": "omnispec.runtime.families.z_image:ZImageFamily",
     "hunyuan_video15": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15Family",
     "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",
+    "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

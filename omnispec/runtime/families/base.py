@@ -266,6 +266,12 @@ class Family:
         to ``sigma``)."""
         return latents
 
+    def stream_sigmas(self, sigmas: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Streams that walk noise levels of their own while the walk walks ``sigmas`` (float32, terminal
+        included): stream -> its sigma at each of those steps (MiniMax-H3's audio, on its own shift). The steppers
+        step those streams on them; by default every stream walks the walk's sigmas."""
+        return {}
+
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         raise NotImplementedError
 

@@ -23,14 +23,32 @@ def _seeded(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _processor_class():
+    from transformers import Qwen3VLProcessor
+
+    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        """A ``Qwen3VLProcessor`` without the video processor that transformers builds only with torchvision."""
+
+        def check_argument_for_proper_class(self, name, arg):
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+    return ImageOnlyQwen3VLProcessor
+
+
+class ImageOnlyQwen3VLProcessorLoader:
+    """Loads a saved ``processor/`` folder as ``minimax_h3_processor`` builds it: what a spec names as the
+    processor's class to run MiniMax-H3's text workflows without torchvision (``--set
+    model.components.processor.class=omnispec.testing.fixtures_minimax_h3:ImageOnlyQwen3VLProcessorLoader``)."""
+
+    @classmethod
+    def from_pretrained(cls, path, subfolder: str | None = None, **_: object):
+        return minimax_h3_processor(Path(path) / (subfolder or ""))
+
+
 def minimax_h3_processor(tokenizer_or_path):
     """A ``Qwen3VLProcessor`` from a tokenizer (or a saved ``processor/`` folder), without the video processor that
     transformers builds only with torchvision; MiniMax-H3's text workflows read only its token-type ids."""
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
-
-    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor
 
     if isinstance(tokenizer_or_path, (str, bytes)) or hasattr(tokenizer_or_path, "__fspath__"):
         images = Qwen2VLImageProcessor.from_pretrained(tokenizer_or_path)
@@ -38,7 +56,7 @@ def minimax_h3_processor(tokenizer_or_path):
     else:
         images = Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16})
         tokenizer = tokenizer_or_path
-    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tokenizer)
+    return _processor_class()(image_processor=images, tokenizer=tokenizer)
 
 
 def minimax_h3_components(seed: int = 0) -> dict:

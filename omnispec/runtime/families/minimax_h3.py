@@ -36,6 +36,8 @@ from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states"})
+BLOCK_HOOKS = ("diffusers' block hooks do not know MiniMaxH3TransformerBlock (it is not in their registry of "
+               "transformer blocks)")
 NO_GUIDANCE = ("MiniMax-H3 is guidance-distilled: its one pass per step has no negative prompt or unconditional "
                "branch (diffusers' blocks run no guider)")
 
@@ -61,6 +63,7 @@ class MiniMaxH3Family(Family):
         blocks=BlocksTarget(("transformer_blocks",)),
         parallel=ParallelTarget(sequence_refusal="MiniMax-H3's packed sequence is split inside the transformer by "
                                 "its own context-parallel plan; omnispec's sequence split is not wired to it yet"),
+        cache_limits={kind: BLOCK_HOOKS for kind in ("first_block", "magcache")},
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "processor": "processor", "vae": "vae",
                 "audio_vae": "vae", "audio_scheduler": "scheduler"}

@@ -1,0 +1,150 @@
+"""MiniMax-H3 (modular pipeline only) against diffusers' MiniMaxH3ModularPipeline on one tiny checkpoint: video and
+stereo audio compared, rollouts scoring both streams, policies on the family, checkpoint checks."""
+
+from __future__ import annotations
+
+import wave
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+import transformers
+from diffusers.modular_pipelines import MiniMaxH3Blocks
+
+import omnispec
+from omnispec.cli import main
+from omnispec.spec import SpecError
+from omnispec.testing import minimax_h3_processor, tiny_checkpoint
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+PROMPT = "a red fox in the snow"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_checkpoint("minimax-h3-t2v", tmp_path_factory.mktemp("minimax_h3"))
+
+
+@pytest.fixture(scope="module")
+def processor(tiny):
+    return minimax_h3_processor(tiny[0] / "processor")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny, processor):
+    root, overrides = tiny
+    return omnispec.build("minimax-h3-t2v", source=root, overrides=overrides, components={"processor": processor})
+
+
+def reference(root: Path, processor, seed: int, steps: int):
+    """diffusers' modular pipeline on the same files: num_inference_steps counts the grid's terminal 0."""
+    modules = {name: getattr(diffusers, cls).from_pretrained(root / name) for name, cls in [
+        ("transformer", "MiniMaxH3Transformer3DModel"), ("vae", "AutoencoderKLMiniMaxH3"),
+        ("audio_vae", "AutoencoderKLMiniMaxH3Audio"), ("scheduler", "MiniMaxH3Scheduler"),
+        ("audio_scheduler", "MiniMaxH3Scheduler")]}
+    modules["text_encoder"] = transformers.Qwen3VLForConditionalGeneration.from_pretrained(root / "text_encoder")
+    modules["tokenizer"] = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
+    ref = MiniMaxH3Blocks().init_pipeline()
+    ref.update_components(processor=processor, **modules)
+    out = ref(prompt=PROMPT, height=32, width=32, num_frames=124, num_inference_steps=steps + 1,
+              generator=torch.Generator("cpu").manual_seed(seed), output_type="np", output=["videos", "audio"])
+    return np.asarray(out["videos"]), out["audio"].numpy()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny, processor):
+    return reference(tiny[0], processor, seed=3, steps=3)
+
+
+def test_t2va_video_and_stereo_audio_match_diffusers(pipe, expected):
+    ours = pipe(PROMPT, seed=3)
+    video, audio = expected
+    assert ours.array.shape == video.shape == (1, 124, 32, 32, 3)
+    assert ours.audio.shape == audio.shape == (1, 2, 1656) and ours.sample_rate == 320
+    assert np.abs(ours.array - video).max() <= 1e-4
+    assert np.abs(ours.audio - audio).max() <= 1e-4
+    assert np.abs(ours.audio[:, 0] - ours.audio[:, 1]).max() > 1e-3  # two channels, not one copied
+
+
+def test_cli_run_matches_diffusers_and_writes_the_stereo_track(tiny, expected, tmp_path, capsys):
+    """The processor's class is the torchvision-free loader here (transformers builds Qwen3VLProcessor's video part
+    only with torchvision), so the checkpoint's class check is off for this run."""
+    root, overrides = tiny
+    loader = "omnispec.testing.fixtures_minimax_h3:ImageOnlyQwen3VLProcessorLoader"
+    sets = [x for o in [*overrides, f"model.components.processor.class={loader}", "model.check_checkpoint=false"]
+            for x in ("--set", o)]
+    out = tmp_path / "out.npy"
+    assert main(["run", str(SPECS / "minimax-h3-t2v.yaml"), "--source", str(root), *sets, "--prompt", PROMPT,
+                 "--seed", "3", "--output", str(out)]) == 0, capsys.readouterr().err
+    assert np.abs(np.load(out) - expected[0]).max() <= 1e-4
+    with wave.open(str(out.with_suffix(".wav"))) as track:
+        assert track.getnchannels() == 2 and track.getframerate() == 320 and track.getnframes() == 1656
+
+
+def test_prompts_of_different_lengths_in_one_request_are_each_their_own_run(pipe):
+    both = pipe([PROMPT, "a fox"], seed=[3, 4])  # two text lengths: two layouts, one forward each
+    alone = pipe("a fox", seed=4)
+    assert both.array.shape[0] == 2 and np.abs(both.array[1] - alone.array[0]).max() <= 1e-5
+    assert np.abs(both.audio[1] - alone.audio[0]).max() <= 1e-5
+
+
+def test_rollout_scores_both_streams_and_replays_exactly(pipe):
+    ro = pipe.rollout(PROMPT, group_size=2, seed=1, sampler={"kind": "sde", "window": {"kind": "fixed", "start": 0,
+                                                                                       "length": 2}})
+    assert set(ro.states) == set(ro.stream_log_probs) == {"video", "audio"}
+    assert torch.allclose(ro.log_probs, ro.stream_log_probs["video"] + ro.stream_log_probs["audio"])
+    replay = pipe.log_prob(ro, grad=False)
+    assert torch.equal(replay.log_probs.cpu(), ro.log_probs)
+    ratio = (pipe.log_prob(ro, grad=False, micro_batch=1).log_probs.cpu() - ro.log_probs).exp()
+    assert (ratio - 1).abs().max().item() <= 1e-5
+
+
+def test_audio_walks_its_own_shift_on_the_video_grid(pipe):
+    family = pipe.family
+    video = torch.tensor([1.0, 0.9, 0.5, 0.0])
+    audio = family.stream_sigmas(video)["audio"]
+    base = video / (12 - 11 * video)
+    assert torch.allclose(audio, 3 * base / (1 + 2 * base)) and audio[0] == 1 and audio[-1] == 0
+
+
+def test_guidance_negative_prompts_and_sequence_split_are_refused_with_the_reason(tiny, capsys):
+    with pytest.raises(SpecError, match="guidance-distilled"):
+        omnispec.build(SPECS / "minimax-h3-t2v.yaml", overrides=["recipe.phases.0.guidance.terms=[{kind: cfg, "
+                                                                 "scale: 3.0}]"])
+    with pytest.raises(SpecError, match="context-parallel"):
+        omnispec.build(SPECS / "minimax-h3-t2v.yaml", overrides=["policies.parallel.ulysses=2"])
+    root, overrides = tiny
+    sets = [x for o in overrides for x in ("--set", o)]
+    assert main(["run", str(SPECS / "minimax-h3-t2v.yaml"), "--source", str(root), *sets, "--prompt", "x",
+                 "--negative-prompt", "blurry", "--output", "unused.npy"]) == 2
+    err = capsys.readouterr().err
+    assert "negative_prompt" in err and "guidance-distilled" in err and "Traceback" not in err
+
+
+def test_an_attention_role_and_a_cache_run_on_the_family_and_block_hooks_are_refused(tiny, processor):
+    root, overrides = tiny
+    pipe = omnispec.build("minimax-h3-t2v", source=root, components={"processor": processor}, overrides=[
+        *overrides, "policies.attention={default: sdpa, per_role: {text: sdpa_math}}",
+        "policies.cache={kind: step_mask, mask: [true, false, true]}"])
+    assert pipe.policies.attention.per_role["text"] == "sdpa_math"
+    out = pipe(PROMPT, seed=3)
+    assert np.isfinite(out.array).all() and np.isfinite(out.audio).all()
+    with pytest.raises(SpecError, match="MiniMaxH3TransformerBlock"):
+        omnispec.build(SPECS / "minimax-h3-t2v.yaml", overrides=["policies.cache={kind: first_block}"])
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_loading(tiny):
+    root, overrides = tiny
+    with pytest.raises(SpecError, match=r"model.components.transformer.class: the spec loads "
+                                        r"diffusers.LTX2VideoTransformer3DModel but .*MiniMaxH3Transformer3DModel"):
+        omnispec.build(SPECS / "minimax-h3-t2v.yaml", source=str(root), overrides=[
+            *overrides, "model.components.transformer.class=diffusers.LTX2VideoTransformer3DModel"])
+
+
+def test_a_schedule_shift_other_than_the_checkpoint_scheduler_is_refused(tiny):
+    root, overrides = tiny
+    with pytest.raises(SpecError, match="shift"):
+        omnispec.build(SPECS / "minimax-h3-t2v.yaml", source=str(root), overrides=[
+            *overrides, "recipe.phases.0.schedule.shift=5.0"])

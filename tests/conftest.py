@@ -192,3 +192,6 @@ def marker(tmp_path, monkeypatch):
     path = tmp_path / "code-ran"
     monkeypatch.setenv("OMNISPEC_TEST_MARKER", str(path))
     return path
+
+
+minimax_h3_dir = _checkpoint("tiny_minimax_h3", "minimax_h3")

@@ -98,6 +98,13 @@ def _qwen_processor(qwen_edit_dir):
     return {"processor": qwen_vl_processor(qwen_edit_dir / "processor")}
 
 
+def _minimax_h3_processor(minimax_h3_dir):
+    from omnispec.testing import minimax_h3_processor
+
+    # transformers loads a Qwen3VLProcessor only with torchvision: handed in memory, as the family tests do.
+    return {"processor": minimax_h3_processor(minimax_h3_dir / "processor")}
+
+
 FEW = ["recipe.defaults.steps=2"]
 KONTEXT = [*TINY_OVERRIDES["flux"], "recipe.defaults.height=48", "model.options={max_area: 1536, auto_resize: false}"]
 # family -> (fixture, pipeline class to relabel to or None, --family or None, overrides, request, components)
@@ -128,6 +135,7 @@ INIT_CASES = {
     "hunyuan_video15": ("hunyuan_video15_dir", None, None, TINY_OVERRIDES["hunyuan_video15"], {}, None),
     "hunyuan_video15_i2v": ("hunyuan_video15_i2v_dir", None, None, TINY_OVERRIDES["hunyuan_video15_i2v"],
                             {"image": "photo"}, None),
+    "minimax_h3": ("minimax_h3_dir", None, None, TINY_OVERRIDES["minimax_h3"], {}, _minimax_h3_processor),
 }
 
 

@@ -81,6 +81,9 @@ class Family:
     # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
     # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
     model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+    # Scheduler classes besides FlowMatchEulerDiscreteScheduler whose schedule a ``flow_match`` schedule with the
+    # config's ``shift`` reproduces, so ``omnispec init`` drafts one (``shift: from_checkpoint``) for them.
+    flow_match_schedulers: ClassVar[tuple[str, ...]] = ()
 
     # ---- what techniques need from the denoiser -----------------------------------------------------------
     # Declared on the class (known before weights load); an instance's ``targets`` adds what needs the instance

@@ -65,6 +65,8 @@ class MiniMaxH3Family(Family):
                                 "its own context-parallel plan; omnispec's sequence split is not wired to it yet"),
         cache_limits={kind: BLOCK_HOOKS for kind in ("first_block", "magcache")},
     )
+    # Its sigmas are a flow_match schedule's at the config's shift (module docstring): omnispec init drafts one.
+    flow_match_schedulers = ("MiniMaxH3Scheduler",)
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "processor": "processor", "vae": "vae",
                 "audio_vae": "vae", "audio_scheduler": "scheduler"}
 

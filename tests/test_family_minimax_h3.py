@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from PIL import Image
 from diffusers.modular_pipelines import MiniMaxH3Blocks
 
 import omnispec
@@ -38,8 +39,18 @@ def pipe(tiny, processor):
     return omnispec.build("minimax-h3-t2v", source=root, overrides=overrides, components={"processor": processor})
 
 
-def reference(root: Path, processor, seed: int, steps: int):
-    """diffusers' modular pipeline on the same files: num_inference_steps counts the grid's terminal 0."""
+@pytest.fixture(scope="module")
+def keyframes():
+    """A portrait first frame (stretched onto the canvas) and a landscape last frame (cover-cropped onto it)."""
+    rng = np.random.default_rng(0)
+    return (Image.fromarray(rng.integers(0, 255, (48, 40, 3), dtype=np.uint8)),
+            Image.fromarray(rng.integers(0, 255, (40, 64, 3), dtype=np.uint8)))
+
+
+@pytest.fixture(scope="module")
+def diffusers_pipe(tiny, processor):
+    """diffusers' modular pipeline on the same files."""
+    root = tiny[0]
     modules = {name: getattr(diffusers, cls).from_pretrained(root / name) for name, cls in [
         ("transformer", "MiniMaxH3Transformer3DModel"), ("vae", "AutoencoderKLMiniMaxH3"),
         ("audio_vae", "AutoencoderKLMiniMaxH3Audio"), ("scheduler", "MiniMaxH3Scheduler"),
@@ -48,14 +59,20 @@ def reference(root: Path, processor, seed: int, steps: int):
     modules["tokenizer"] = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
     ref = MiniMaxH3Blocks().init_pipeline()
     ref.update_components(processor=processor, **modules)
+    return ref
+
+
+def reference(ref, seed: int, steps: int, **keyframes):
+    """num_inference_steps counts the grid's terminal 0: ``steps`` forwards are ``steps + 1`` of it."""
     out = ref(prompt=PROMPT, height=32, width=32, num_frames=124, num_inference_steps=steps + 1,
-              generator=torch.Generator("cpu").manual_seed(seed), output_type="np", output=["videos", "audio"])
+              generator=torch.Generator("cpu").manual_seed(seed), output_type="np", output=["videos", "audio"],
+              **keyframes)
     return np.asarray(out["videos"]), out["audio"].numpy()
 
 
 @pytest.fixture(scope="module")
-def expected(tiny, processor):
-    return reference(tiny[0], processor, seed=3, steps=3)
+def expected(diffusers_pipe):
+    return reference(diffusers_pipe, seed=3, steps=3)
 
 
 def test_t2va_video_and_stereo_audio_match_diffusers(pipe, expected):
@@ -66,6 +83,32 @@ def test_t2va_video_and_stereo_audio_match_diffusers(pipe, expected):
     assert np.abs(ours.array - video).max() <= 1e-4
     assert np.abs(ours.audio - audio).max() <= 1e-4
     assert np.abs(ours.audio[:, 0] - ours.audio[:, 1]).max() > 1e-3  # two channels, not one copied
+
+
+@pytest.mark.parametrize("which", ["first_and_last", "last"])
+def test_fl2va_first_and_last_frames_match_diffusers(tiny, processor, diffusers_pipe, keyframes, which):
+    first, last = keyframes
+    theirs = {"image": first, "last_image": last} if which == "first_and_last" else {"last_image": last}
+    ours = [{"image": first, "frame": 0}, {"image": last, "frame": -1}] if which == "first_and_last" else \
+        [{"image": last, "frame": -1}]
+    root, overrides = tiny
+    pipe = omnispec.build("minimax-h3-fl2va", source=root, overrides=overrides, components={"processor": processor})
+    out = pipe(PROMPT, seed=5, conditions=ours)
+    video, audio = reference(diffusers_pipe, seed=5, steps=3, **theirs)
+    assert np.abs(out.array - video).max() <= 1e-4 and np.abs(out.audio - audio).max() <= 1e-4
+
+
+def test_fl2va_canvas_follows_the_first_keyframe_and_middle_frames_are_refused(tiny, processor, keyframes):
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    root, overrides = tiny
+    pipe = omnispec.build("minimax-h3-fl2va", source=root, components={"processor": processor},
+                          overrides=[*overrides, "recipe.defaults.height=null", "recipe.defaults.width=null"])
+    first = keyframes[0]
+    geometry = pipe.family.geometry(pipe.request(PROMPT, 0, image=first), 1.0)
+    assert (geometry.height, geometry.width) == resolve_canvas_size(*first.size, 32, 768, 768 * 1344) == (928, 768)
+    with pytest.raises(SpecError, match="frame 0 or ends on one at the last frame"):
+        pipe(PROMPT, seed=0, conditions=[{"image": first, "frame": 17}])
 
 
 def test_cli_run_matches_diffusers_and_writes_the_stereo_track(tiny, expected, tmp_path, capsys):

@@ -45,6 +45,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
     "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
     "minimax-h3-t2v": ("tiny_minimax_h3", {}, "minimax_h3", ()),
+    "minimax-h3-fl2va": ("tiny_minimax_h3", {}, "minimax_h3", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

@@ -13,8 +13,15 @@ at the video shift: its ``linspace(1, 1/S, S)`` is that grid without its termina
 The model's velocity points toward the data (``x0 = x + sigma v``) and its timestep is ``1 - sigma``: ``predict``
 hands it ``1 - sigma`` per stream and negates what it returns.
 
-Layout, timesteps, noise order (video drawn 5D then patchified, then audio drawn in rows) and decode are the modular
-blocks' own helpers, so they equal diffusers' by construction.
+First/last frame (the blocks' fl2va workflow): a request image at frame 0 is the keyframe the video starts from,
+one at the last frame (-1) the keyframe it ends on. The modular blocks put them on the canvas, present them to the
+text encoder (a label and a vision block each, whose rows are tagged as video) and encode them (the VAE's posterior
+sampled under the model's own fixed seed); each keyframe's latents, noised to ``t = 0.999`` with the sample's first
+draws, are conditioning rows before the video rows, held there at ``max(t, 0.999)`` and never stepped.
+
+Prompt encoding, keyframe preparation, layout, timesteps, noise order (keyframe noise, then video drawn 5D and
+patchified, then audio drawn in rows) and decode are the modular blocks' own, so they equal diffusers' by
+construction.
 """
 
 from __future__ import annotations
@@ -24,10 +31,10 @@ import torch
 from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ModularPipeline
 from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
                                                                    MiniMaxH3SetTimestepsStep, patchify_video_latents)
-from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (align_num_frames, audio_latent_num_frames,
-                                                                     video_latent_num_frames)
+                                                                     resolve_canvas_size, video_latent_num_frames)
 from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
 
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
@@ -35,7 +42,8 @@ from ...targets import AttentionTarget, BlocksTarget, ParallelTarget, Targets
 from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
-PROMPT_KEYS = frozenset({"encoder_hidden_states"})
+PROMPT_KEYS = frozenset({"encoder_hidden_states", "text_tags"})
+CONDITION_NOISE = "minimax_h3_condition_noise"  # geometry.extra: each sample's keyframe draws, kept from its start
 BLOCK_HOOKS = ("diffusers' block hooks do not know MiniMaxH3TransformerBlock (it is not in their registry of "
                "transformer blocks)")
 NO_GUIDANCE = ("MiniMax-H3 is guidance-distilled: its one pass per step has no negative prompt or unconditional "
@@ -57,6 +65,7 @@ class MiniMaxH3Family(Family):
     pipeline_class = MiniMaxH3ModularPipeline
     streams = ("video", "audio")
     spatial_streams = ("video",)
+    max_images = 2  # the first and the last frame
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",), "text": ("token_refiner.*.attn",)},
                                   categories={"joint": "self", "text": "self"}),
@@ -78,13 +87,51 @@ class MiniMaxH3Family(Family):
                 raise SpecError.single(f"{NO_GUIDANCE}; phase {phase.name!r} has guidance terms",
                                        "recipe.phases.guidance")
 
-    def make_helper(self, components):
-        """The modular pipeline with the loaded modules (``init_pipeline`` loads nothing)."""
-        from diffusers.modular_pipelines import MiniMaxH3Blocks
+    @classmethod
+    def check_request(cls, request: Request, spec: PipelineSpec) -> None:
+        super().check_request(request, spec)
+        frames = request.frames or 1
+        anchors = [cls._anchor(c.frame, frames) for c in request.images]
+        for k, anchor in enumerate(anchors):
+            if anchor is None:
+                raise SpecError.single("MiniMax-H3 starts from a keyframe at frame 0 or ends on one at the last frame "
+                                       f"(-1), not at frame {request.images[k].frame}", f"request.conditions.{k}.frame")
+        if len(set(anchors)) != len(anchors):
+            raise SpecError.single("MiniMax-H3 takes one keyframe at the first frame and one at the last",
+                                   "request.conditions")
+        for k, condition in enumerate(request.images):
+            if not isinstance(condition.image, (Image.Image, np.ndarray)):
+                raise SpecError.single("MiniMax-H3 prepares its keyframes as PIL images: pass a PIL image, an (H, W, "
+                                       "3) uint8 array or a path", f"request.conditions.{k}.image")
 
-        helper = MiniMaxH3Blocks().init_pipeline()
-        helper.update_components(**{n: components[n] for n in self.helper_components() if components.get(n) is not None})
+    @staticmethod
+    def _anchor(frame: int, frames: int) -> str | None:
+        return "first" if frame in (0, -frames) else "last" if frame in (-1, frames - 1) else None
+
+    def make_helper(self, components):
+        """The modular pipeline with the loaded modules (``init_pipeline`` loads nothing), and two pipelines of its
+        blocks before the denoise: media preparation with text encoding (``prepare``), with keyframe encoding
+        (``prepare_keyframes``)."""
+        from diffusers.modular_pipelines import MiniMaxH3Blocks, SequentialPipelineBlocks
+
+        blocks = MiniMaxH3Blocks()
+        loaded = {n: components[n] for n in self.helper_components() if components.get(n) is not None}
+        helper = blocks.init_pipeline()
+        self.prepare, self.prepare_keyframes = (
+            SequentialPipelineBlocks.from_blocks_dict({n: blocks.sub_blocks[n] for n in names}).init_pipeline()
+            for names in (("before_encode", "text_encoder"), ("before_encode", "vae_encoder")))
+        for pipeline in (helper, self.prepare, self.prepare_keyframes):
+            pipeline.update_components(**{n: m for n, m in loaded.items() if n in pipeline.component_names})
         return helper
+
+    def keyframes(self, request: Request) -> dict[str, Image.Image]:
+        """The request's images as the blocks take them: ``image`` (first frame) and ``last_image``."""
+        frames, out = request.frames or 1, {}
+        for condition in request.images:
+            image = condition.image
+            image = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8))
+            out["image" if self._anchor(condition.frame, frames) == "first" else "last_image"] = image.convert("RGB")
+        return out
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")
@@ -92,26 +139,35 @@ class MiniMaxH3Family(Family):
     # ---- prompts ---------------------------------------------------------------------------------------
 
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
-        """Each prompt verbatim (no template, no special tokens) through the Qwen3-VL conditioner, as the t2va text
-        block encodes its one prompt; rows padded to the longest, with their lengths."""
-        helper = self.helper
-        embeds = []
+        """Each prompt through the blocks' text encoding (with the keyframes, each labelled and shown to the
+        Qwen3-VL conditioner): its hidden state and per-row modality tags, rows padded to the longest, with their
+        lengths."""
+        size = {"height": request.height, "width": request.width} if request.height and request.width else {}
+        embeds, tags = [], []
         for prompt in prompts:
-            ids = helper.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            embeds.append(get_qwen3vl_prompt_embeds(helper.text_encoder, helper.processor, ids, {},
-                                                    text_encoder_layer=helper.text_encoder_layer, device=self.device,
-                                                    dtype=helper.text_encoder.dtype))
+            out = self.prepare(prompt=prompt, **size, **self.keyframes(request),
+                               output=["prompt_embeds", "text_token_tags"])
+            embeds.append(out["prompt_embeds"].to(self.device))
+            tags.append(out["text_token_tags"][None])
         longest = max(e.shape[1] for e in embeds)
         padded = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e in embeds])
-        # Lengths stay on the host: each forward builds the layout of its rows' text length without a device sync.
+        tags = torch.cat([torch.nn.functional.pad(t, (0, longest - t.shape[1])) for t in tags])
+        # Lengths and tags stay on the host: each forward builds the layout of its rows without a device sync.
         lengths = torch.tensor([[e.shape[1]] for e in embeds])
-        return Conditioning({"encoder_hidden_states": padded, "text_length": lengths}, ragged=PROMPT_KEYS)
+        return Conditioning({"encoder_hidden_states": padded, "text_tags": tags, "text_length": lengths},
+                            ragged=PROMPT_KEYS)
 
     # ---- geometry and latents --------------------------------------------------------------------------
 
     def geometry(self, request: Request, size_scale: float) -> Geometry:
-        geometry = super().geometry(request, size_scale)
         h = self.helper
+        if request.images and not (request.height and request.width):  # the blocks' canvas of the first keyframe
+            height, width = resolve_canvas_size(*next(iter(self.keyframes(request).values())).size,
+                                                h.canvas_multiple, h.config.canvas_short_edge, h.config.canvas_max_pixels)
+            request = request.model_copy(update={"height": height, "width": width})
+        geometry = super().geometry(request, size_scale)
+        geometry.extra["keyframe_anchors"] = tuple(a for a in ("first", "last") if a in {
+            self._anchor(c.frame, request.frames or 1) for c in request.images})
         geometry.fps = h.fps
         frames = align_num_frames(geometry.frames or 1, h.vae_frames_per_chunk, h.vae_latents_per_chunk)
         if not h.min_duration <= frames / h.fps <= h.max_duration:
@@ -147,15 +203,44 @@ class MiniMaxH3Family(Family):
         """Per sample (one generator each, as the blocks draw from the request's one generator): the video noise
         drawn 5D and patchified, then the audio noise drawn directly in rows."""
         helper = self.helper
-        video, audio = [], []
+        video, audio, kept = [], [], []
         for generator in generators:
+            kept.append(self._condition_noise(geometry, generator))
             noise = randn_tensor((1, helper.vae_latent_channels, *self.latent_shape(geometry)), generator=generator,
                                  device=self.device, dtype=torch.float32)
             video.append(patchify_video_latents(noise, helper.patch_size))
             audio.append(randn_tensor((self.audio_latents(geometry) * helper.audio_channels,
                                        helper.audio_latent_channels), generator=generator, device=self.device,
                                       dtype=torch.float32))
+        geometry.extra[CONDITION_NOISE] = kept
         return {"video": torch.stack(video), "audio": torch.stack(audio)}
+
+    def _condition_noise(self, geometry: Geometry, generator: torch.Generator) -> list[torch.Tensor]:
+        """A sample's first draws: one per keyframe, shaped as its latents (one latent frame)."""
+        _, h, w = self.latent_shape(geometry)
+        return [randn_tensor((1, self.helper.vae_latent_channels, 1, h, w), generator=generator, device=self.device,
+                             dtype=torch.float32) for _ in geometry.extra["keyframe_anchors"]]
+
+    def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
+                      ) -> Conditioning | None:
+        """The keyframes as the blocks encode them, each noised to the model's ``t = 0.999`` with the sample's own
+        first draws (kept from the walk's start, or drawn again from the request's seeds when the walk did not start
+        here: replay) and patchified: ``condition_rows`` (B, keyframes * rows per frame, C * 4)."""
+        if not request.images:
+            return None
+        helper = self.helper
+        encoded = self.prepare_keyframes(height=geometry.height, width=geometry.width, **self.keyframes(request),
+                                         output=["condition_latents", "keyframe_anchors"])
+        assert tuple(encoded["keyframe_anchors"]) == geometry.extra["keyframe_anchors"]
+        draws = geometry.extra.get(CONDITION_NOISE) or [
+            self._condition_noise(geometry, torch.Generator("cpu").manual_seed(s)) for s in request.seeds]
+        rows = []
+        for noises in draws:
+            rows.append(torch.cat([
+                patchify_video_latents(helper.scheduler.scale_noise(latents.to(self.device), helper.keyframe_noise_aug,
+                                                                    noise), helper.patch_size)
+                for latents, noise in zip(encoded["condition_latents"], noises)]))
+        return Conditioning({"condition_rows": torch.stack(rows)})
 
     def noise(self, latents: Streams, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
         return self.initial_latents(geometry, generators)
@@ -167,16 +252,16 @@ class MiniMaxH3Family(Family):
 
     # ---- the denoiser -------------------------------------------------------------------------------------
 
-    def _layout(self, geometry: Geometry, text_length: int) -> dict[str, torch.Tensor]:
-        """The packed layout's structural tensors for a prompt of ``text_length`` tokens, built once per walk."""
-        key = ("minimax_h3_layout", text_length)
+    def _layout(self, geometry: Geometry, tags: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The packed layout's structural tensors for text rows tagged ``tags``, built once per walk."""
+        anchors = geometry.extra["keyframe_anchors"]
+        key = ("minimax_h3_layout", tags, anchors)
         if key not in geometry.extra:
             h = self.helper
             f, lh, lw = self.latent_shape(geometry)
-            tags = torch.full((text_length,), h.text_tag, dtype=torch.long)
             position_ids, token_tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                tags, f, lh, lw, self.audio_latents(geometry), h.patch_size, h.audio_channels, h.audio_tag,
-                h.video_tag)
+                torch.tensor(tags, dtype=torch.long), f, lh, lw, self.audio_latents(geometry), h.patch_size,
+                h.audio_channels, h.audio_tag, h.video_tag, anchors)
             geometry.extra[key] = {"position_ids": position_ids.to(self.device), "token_tags": token_tags.to(self.device),
                                    "video_indices": video.to(self.device), "audio_indices": audio.to(self.device),
                                    "text_indices": text.to(self.device)}
@@ -184,24 +269,31 @@ class MiniMaxH3Family(Family):
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
+        helper = self.helper
         sigma = timestep.to(torch.float32).reshape(-1)[0] / 1000.0
-        audio_sigma = self.stream_sigmas(sigma)["audio"]
+        t, audio_t = float(1 - sigma), float(1 - self.stream_sigmas(sigma)["audio"])
         lengths = cond.batched["text_length"].reshape(-1).tolist()
+        tags = [tuple(row[:n].tolist()) for row, n in zip(cond.batched["text_tags"], lengths)]
+        conditions = cond.batched.get("condition_rows")
+        held = 0 if conditions is None else conditions.shape[1]
         video_out, audio_out = [], []
-        for length in sorted(set(lengths)):  # rows with one text length share one layout and one forward
-            rows = [k for k, n in enumerate(lengths) if n == length]
-            layout = self._layout(geometry, length)
+        for text in dict.fromkeys(tags):  # rows with one text layout share one forward
+            rows = [k for k, row in enumerate(tags) if row == text]
+            layout = self._layout(geometry, text)
             unique, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), 0, 0, length, float(1 - sigma),
-                float(1 - audio_sigma), 1.0, 1.0)
+                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), held, 0, len(text), t, audio_t,
+                max(t, helper.keyframe_noise_aug), 1.0)
+            video = latents["video"][rows]
+            if held:
+                video = torch.cat([conditions[rows].to(video), video], dim=1)
             v, a = denoiser(
-                hidden_states=latents["video"][rows], audio_hidden_states=latents["audio"][rows],
-                encoder_hidden_states=cond.batched["encoder_hidden_states"][rows, :length],
+                hidden_states=video, audio_hidden_states=latents["audio"][rows],
+                encoder_hidden_states=cond.batched["encoder_hidden_states"][rows, :len(text)],
                 timestep=unique.to(self.device), timestep_indices=indices.to(self.device), return_dict=False,
                 **layout)
-            video_out.append((rows, v))
+            video_out.append((rows, v[:, held:]))
             audio_out.append((rows, a))
-        return {"video": -self._gather(video_out, len(lengths)), "audio": -self._gather(audio_out, len(lengths))}
+        return {"video": -self._gather(video_out, len(tags)), "audio": -self._gather(audio_out, len(tags))}
 
     @staticmethod
     def _gather(parts, batch: int) -> torch.Tensor:

@@ -126,6 +126,22 @@ def test_cli_run_matches_diffusers_and_writes_the_stereo_track(tiny, expected, t
         assert track.getnchannels() == 2 and track.getframerate() == 320 and track.getnframes() == 1656
 
 
+def test_cli_fl2va_with_keyframe_files_matches_diffusers(tiny, diffusers_pipe, keyframes, tmp_path, capsys):
+    root, overrides = tiny
+    loader = "omnispec.testing.fixtures_minimax_h3:ImageOnlyQwen3VLProcessorLoader"
+    sets = [x for o in [*overrides, f"model.components.processor.class={loader}", "model.check_checkpoint=false"]
+            for x in ("--set", o)]
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    keyframes[0].save(first)
+    keyframes[1].save(last)
+    out = tmp_path / "out.npy"
+    assert main(["run", str(SPECS / "minimax-h3-fl2va.yaml"), "--source", str(root), *sets, "--prompt", PROMPT,
+                 "--image", str(first), "--image", f"{last}@-1", "--seed", "5", "--output", str(out)]) == 0, \
+        capsys.readouterr().err
+    video, _ = reference(diffusers_pipe, seed=5, steps=3, image=Image.open(first), last_image=Image.open(last))
+    assert np.abs(np.load(out) - video).max() <= 1e-4
+
+
 def test_prompts_of_different_lengths_in_one_request_are_each_their_own_run(pipe):
     both = pipe([PROMPT, "a fox"], seed=[3, 4])  # two text lengths: two layouts, one forward each
     alone = pipe("a fox", seed=4)

@@ -149,9 +149,17 @@ def test_prompts_of_different_lengths_in_one_request_are_each_their_own_run(pipe
     assert np.abs(both.audio[1] - alone.audio[0]).max() <= 1e-5
 
 
-def test_rollout_scores_both_streams_and_replays_exactly(pipe):
+@pytest.mark.parametrize("task", ["t2va", "fl2va"])
+def test_rollout_scores_both_streams_and_replays_exactly(tiny, processor, pipe, keyframes, task):
+    """fl2va: replay conditions the walks without starting them, so the keyframes' noise (each sample's first
+    draws) is drawn again from the seeds."""
+    kwargs = {}
+    if task == "fl2va":
+        pipe = omnispec.build("minimax-h3-fl2va", source=tiny[0], overrides=tiny[1],
+                              components={"processor": processor})
+        kwargs = {"conditions": [{"image": keyframes[0], "frame": 0}, {"image": keyframes[1], "frame": -1}]}
     ro = pipe.rollout(PROMPT, group_size=2, seed=1, sampler={"kind": "sde", "window": {"kind": "fixed", "start": 0,
-                                                                                       "length": 2}})
+                                                                                       "length": 2}}, **kwargs)
     assert set(ro.states) == set(ro.stream_log_probs) == {"video", "audio"}
     assert torch.allclose(ro.log_probs, ro.stream_log_probs["video"] + ro.stream_log_probs["audio"])
     replay = pipe.log_prob(ro, grad=False)
@@ -192,6 +200,14 @@ def test_an_attention_role_and_a_cache_run_on_the_family_and_block_hooks_are_ref
     assert np.isfinite(out.array).all() and np.isfinite(out.audio).all()
     with pytest.raises(SpecError, match="MiniMaxH3TransformerBlock"):
         omnispec.build(SPECS / "minimax-h3-t2v.yaml", overrides=["policies.cache={kind: first_block}"])
+
+
+def test_layerwise_offload_gives_the_plain_output(tiny, processor, expected):
+    root, overrides = tiny
+    pipe = omnispec.build("minimax-h3-t2v", source=root, components={"processor": processor},
+                          overrides=[*overrides, "policies.offload={strategy: layerwise}"])
+    out = pipe(PROMPT, seed=3)
+    assert np.abs(out.array - expected[0]).max() <= 1e-4 and np.abs(out.audio - expected[1]).max() <= 1e-4
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_loading(tiny):

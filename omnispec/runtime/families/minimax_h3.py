@@ -43,7 +43,6 @@ from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "text_tags"})
-CONDITION_NOISE = "minimax_h3_condition_noise"  # geometry.extra: each sample's keyframe draws, kept from its start
 BLOCK_HOOKS = ("diffusers' block hooks do not know MiniMaxH3TransformerBlock (it is not in their registry of "
                "transformer blocks)")
 NO_GUIDANCE = ("MiniMax-H3 is guidance-distilled: its one pass per step has no negative prompt or unconditional "
@@ -200,19 +199,19 @@ class MiniMaxH3Family(Family):
         return torch.float32  # the blocks step float32 rows; the transformer casts each input to its projection
 
     def initial_latents(self, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
-        """Per sample (one generator each, as the blocks draw from the request's one generator): the video noise
-        drawn 5D and patchified, then the audio noise drawn directly in rows."""
+        """Per sample (one generator each, as the blocks draw from the request's one generator): past the keyframes'
+        noise (its first draws, which ``encode_images`` makes again from the sample's seed), the video noise drawn 5D
+        and patchified, then the audio noise drawn directly in rows."""
         helper = self.helper
-        video, audio, kept = [], [], []
+        video, audio = [], []
         for generator in generators:
-            kept.append(self._condition_noise(geometry, generator))
+            self._condition_noise(geometry, generator)
             noise = randn_tensor((1, helper.vae_latent_channels, *self.latent_shape(geometry)), generator=generator,
                                  device=self.device, dtype=torch.float32)
             video.append(patchify_video_latents(noise, helper.patch_size))
             audio.append(randn_tensor((self.audio_latents(geometry) * helper.audio_channels,
                                        helper.audio_latent_channels), generator=generator, device=self.device,
                                       dtype=torch.float32))
-        geometry.extra[CONDITION_NOISE] = kept
         return {"video": torch.stack(video), "audio": torch.stack(audio)}
 
     def _condition_noise(self, geometry: Geometry, generator: torch.Generator) -> list[torch.Tensor]:
@@ -224,16 +223,16 @@ class MiniMaxH3Family(Family):
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:
         """The keyframes as the blocks encode them, each noised to the model's ``t = 0.999`` with the sample's own
-        first draws (kept from the walk's start, or drawn again from the request's seeds when the walk did not start
-        here: replay) and patchified: ``condition_rows`` (B, keyframes * rows per frame, C * 4)."""
+        first draws and patchified: ``condition_rows`` (B, keyframes * rows per frame, C * 4). Those draws come first
+        from a generator seeded with the sample's seed, so they are drawn here from the request's seeds (the same
+        numbers whether or not the walk started in this process: replay conditions a walk without starting it)."""
         if not request.images:
             return None
         helper = self.helper
         encoded = self.prepare_keyframes(height=geometry.height, width=geometry.width, **self.keyframes(request),
                                          output=["condition_latents", "keyframe_anchors"])
         assert tuple(encoded["keyframe_anchors"]) == geometry.extra["keyframe_anchors"]
-        draws = geometry.extra.get(CONDITION_NOISE) or [
-            self._condition_noise(geometry, torch.Generator("cpu").manual_seed(s)) for s in request.seeds]
+        draws = [self._condition_noise(geometry, torch.Generator("cpu").manual_seed(s)) for s in request.seeds]
         rows = []
         for noises in draws:
             rows.append(torch.cat([

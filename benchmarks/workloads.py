@@ -610,8 +610,8 @@ def _ltx2_step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: di
 def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: list[str]) -> dict:
     """A ``gpu_interpreter`` row (its keys) from LTX-2's ``step`` or ``keyframes`` comparison, so that one command
     times every family."""
-    parts = {"step": ltx2_step_part, "keyframes": ltx2_keyframes_part}
-    row = parts[part](ltx2_components(), repeats, ceiling, overrides)
+    run, components = LTX2_PARTS[part]
+    row = run(components(), repeats, ceiling, overrides)
     harness.free_device_memory()
     return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],
             "diffusers": row["diffusers"], "omnispec": row["omnispec"], "ratio": row["ratio"],
@@ -747,6 +747,290 @@ def _tiny_workloads() -> None:
     LTX2_SIZE.update(height=32, width=32, frames=5, fps=25)
 
 
+def flux2_components() -> dict:
+    """FLUX.2 [dev]'s transformer at its published shape (diffusers' Flux2Transformer2DModel defaults: 8 double and
+    48 single blocks of 48 heads of 128, guidance embeddings, prompts 3 x 5120 wide: 32B); a 30-layer Mistral3
+    language model 5120 wide with a narrow MLP and a one-layer vision tower (the prompt is its hidden states at layers
+    10, 20 and 30), FLUX.2's VAE at its default config."""
+    import transformers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    from omnispec.testing.fixtures_flux2 import mistral_tokenizer
+
+    tokenizer = mistral_tokenizer()
+    width = 16 if harness.SMOKE else 5120
+    size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                axes_dims_rope=(4, 4, 4, 4), in_channels=16) if harness.SMOKE else {}
+    with torch.device(harness.DEVICE):
+        transformer = Flux2Transformer2DModel(joint_attention_dim=3 * width, guidance_embeds=True,
+                                              **size).to(torch.bfloat16)
+    text_encoder = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(
+            hidden_size=width, intermediate_size=16 if harness.SMOKE else 1024, num_hidden_layers=30,
+            num_attention_heads=2 if harness.SMOKE else 32, num_key_value_heads=2 if harness.SMOKE else 8,
+            head_dim=8 if harness.SMOKE else 128, vocab_size=512, max_position_embeddings=1024),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                                       num_attention_heads=2, head_dim=8, image_size=64,
+                                                       patch_size=8),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1))
+    vae = AutoencoderKLFlux2(**(dict(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                                     norm_num_groups=4) if harness.SMOKE else {}))
+    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                                max_shift=1.15, shift=3.0, time_shift_type="exponential",
+                                                use_dynamic_shifting=True)
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, scheduler=scheduler)
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+# FLUX.2 [dev]: embedded guidance 4.0 on both sides (one forward a step), 1024²: 4,096 image tokens
+WORKLOADS["flux2"] = dict(spec="flux2-dev.yaml", components=flux2_components, pipeline="Flux2Pipeline",
+                          compare="images", request=dict(height=1024, width=1024, max_sequence_length=512),
+                          steps=(2, 6), diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.0,
+                                                              max_sequence_length=512))
+if harness.SMOKE:  # appended after the smoke hook resized the table: the same tiny sizes
+    WORKLOADS["flux2"].update(steps=(1, 2), image_size=(64, 64))
+    WORKLOADS["flux2"]["request"] |= {"height": 64, "width": 64}
+    WORKLOADS["flux2"]["diffusers_kwargs"] |= {"height": 64, "width": 64}
+
+
+# ---- Kandinsky 6 (video and audio) -----------------------------------------------------------------------------------
+
+def kandinsky6_components() -> dict:
+    """Kandinsky 6.0 Pro distilled: the transformer at the released checkpoint's architecture (60 fused video/audio
+    blocks of widths 4096 / 2048, feed-forwards 16384 / 7168, four text blocks per stream, 16 video and 40 audio
+    latent channels, the reference-frame token types) with a PiflowScheduler's widened outputs (its class default of
+    10 grid points per channel); two-layer Qwen2.5-VL and one-layer CLIP text encoders of the real widths (3584, 768);
+    HunyuanVideo's VAE and MMAudio's audio VAE and vocoder at their class defaults (the real ones: 16 channels,
+    8x / 4x; 40 channels at 44.1 kHz). Under smoke, the offline fixture's tiny modules."""
+    if harness.SMOKE:
+        from omnispec.testing.fixtures_kandinsky6 import kandinsky6_components as tiny
+
+        return tiny()
+    import transformers
+    from diffusers import (AutoencoderKLHunyuanVideo, Kandinsky6Transformer3DModel, MMAudioVAE, MMAudioVocoder,
+                           PiflowScheduler)
+
+    from omnispec.testing import clip_tokenizer, qwen_tokenizer
+
+    scheduler = PiflowScheduler(shift=5.0)
+    grid = scheduler.config.n_grid
+    with torch.device(harness.DEVICE):
+        transformer = Kandinsky6Transformer3DModel(
+            in_visual_dim=16, out_visual_dim=16 * grid, in_text_dim=3584, in_text_dim2=768, time_dim=1024,
+            patch_size=(1, 2, 2), model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60,
+            axes_dims=(32, 48, 48), visual_cond=True, in_audio_dim=40, out_audio_dim=40 * grid, model_dim_a=2048,
+            time_dim_a=1024, ff_dim_a=7168, axes_dims_a=(32, 48, 48), audio_freqs_scaling=0.144,
+            text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True,
+            visual_token_type_num_embeddings=2).to(torch.bfloat16)
+    tokenizer = qwen_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 3584, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 28,
+                     "num_key_value_heads": 4, "vocab_size": 512, "bos_token_id": end, "eos_token_id": end,
+                     "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 3584},
+        vocab_size=512, bos_token_id=end, eos_token_id=end))
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        hidden_size=768, intermediate_size=768, num_attention_heads=12, num_hidden_layers=1, vocab_size=400,
+        projection_dim=768, max_position_embeddings=77, bos_token_id=0, eos_token_id=1))
+    mods = dict(transformer=transformer, vae=AutoencoderKLHunyuanVideo(), text_encoder=text_encoder,
+                tokenizer=tokenizer, text_encoder_2=clip, tokenizer_2=clip_tokenizer(), scheduler=scheduler,
+                audio_vae=MMAudioVAE(), vocoder=MMAudioVocoder())
+    return _on_device(mods, ("text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder"))
+
+
+# Text-to-video with audio at the docstring's 480x864, 33 frames (14,580 video tokens a row; decoding 121 frames for
+# the equality check would not fit beside the 29B transformer), no CFG on either side; compared decoded (the
+# pipeline's "latent" output is (B, C, F, H, W), the loop's (B, F, H, W, C)).
+WORKLOADS["kandinsky6"] = dict(
+    spec="kandinsky6-distill-t2v.yaml", components=kandinsky6_components, pipeline="Kandinsky6TI2VAPipeline",
+    compare="images", request=dict(height=480, width=864, frames=33, max_sequence_length=1024), steps=(1, 3),
+    diffusers_kwargs=dict(height=480, width=864, num_frames=33, guidance_scale=1.0, max_sequence_length=1024))
+
+
+@harness.on_smoke
+def _tiny_kandinsky6() -> None:
+    """Under smoke (now, when this module is imported after the switch): 64x64, 5 frames, 1 and 2 steps."""
+    w = WORKLOADS["kandinsky6"]
+    w.update(steps=(1, 2), image_size=(64, 64))
+    w["request"] |= {"height": 64, "width": 64, "frames": 5}
+    w["diffusers_kwargs"] |= {"height": 64, "width": 64, "num_frames": 5}
+# ---- LTX-2.5: LTX-2's step comparison on its modules, against LTX25ModularPipeline -----------------------------------
+
+def ltx25_components() -> dict:
+    """LTX-2.5's modules with random bf16 weights, or the tiny test ones under smoke: LTX-2's (``ltx2_components``)
+    with the transformer's LTX-2.3 architecture (gated attention, prompt AdaLN, perturbable self-attention), a
+    one-layer Gemma-4 text encoder of Gemma 3 12B's width in place of Gemma 3 (its cost cancels in per-step times, as
+    LTX-2's), and the diffusion video decoder at its class defaults (the production config). diffusers ships no
+    config of the 22B transformer: the widths and depth are LTX-2 19B's, the LTX-2.3 flags are those of diffusers'
+    LTX-2.3 support (``perturbed_attn``, ``gated_attn``, ``cross_attn_mod``, no prompt embeddings)."""
+    if harness.SMOKE:
+        from omnispec.testing.fixtures_ltx25 import ltx25_components as tiny_ltx25_components
+
+        return tiny_ltx25_components()
+    import transformers
+    from diffusers import LTX2VideoDiffusionDecoderModel, LTX2VideoTransformer3DModel
+
+    mods = ltx2_components()
+    del mods["transformer"], mods["text_encoder"], mods["latent_upsampler"]
+    harness.free_device_memory()
+    v = len(mods["tokenizer"])
+    with torch.device(harness.DEVICE):
+        mods["text_encoder"] = transformers.Gemma4UnifiedForConditionalGeneration(transformers.Gemma4UnifiedConfig(
+            text_config={"vocab_size": v, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 1,
+                         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                         "layer_types": ["full_attention"]},
+            vision_config=None, audio_config=None))
+        mods["transformer"] = LTX2VideoTransformer3DModel(
+            rope_type="split", perturbed_attn=True, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True,
+            audio_cross_attn_mod=True, use_prompt_embeddings=False)
+        mods["diffusion_decoder"] = LTX2VideoDiffusionDecoderModel()
+    for name in ("text_encoder", "transformer", "diffusion_decoder"):
+        mods[name] = mods[name].to(harness.DEVICE, torch.bfloat16).eval()
+    return mods
+
+
+class LTX25Modular:
+    """``LTX25ModularPipeline`` called as ``_ltx2_step_rows`` calls ``LTX2Pipeline``: the guidance keywords become
+    its ``guider`` and ``audio_guider``, and it returns (video, audio)."""
+
+    def __init__(self, **mods):
+        from diffusers.modular_pipelines import LTX25AutoBlocks
+
+        self.pipe = LTX25AutoBlocks().init_pipeline()
+        self.pipe.update_components(**mods)
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        self.pipe.set_progress_bar_config(**kwargs)
+
+    def __call__(self, *, return_dict: bool, spatio_temporal_guidance_blocks, **kwargs):
+        from diffusers.guiders import LTX2Guidance
+
+        guiders = {}
+        for stream, prefix in (("guider", ""), ("audio_guider", "audio_")):
+            scales = {k: kwargs.pop(prefix + k) for k in ("guidance_scale", "stg_scale", "modality_scale",
+                                                          "guidance_rescale")}
+            blocks = spatio_temporal_guidance_blocks if stream == "guider" else None
+            guiders[stream] = LTX2Guidance(**scales, spatio_temporal_guidance_blocks=blocks)
+        self.pipe.update_components(**guiders)
+        out = self.pipe(**kwargs, output=["videos", "audio"])
+        return out["videos"], out["audio"]
+
+
+def ltx25_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx25 family: ltx2.5-t2v's plan against the modular pipeline's text2video workflow (latents out: the
+    diffusion decoder is not timed)."""
+    return _ltx2_step_rows("ltx25", ltx2_build("ltx2.5-t2v.yaml", mods, overrides), LTX25Modular, mods, {}, {},
+                           repeats, ceiling)
+
+
+def ltx25_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx25_condition family: ltx2.5-keyframes with an image at the first and at the last frame, against the
+    modular pipeline's condition workflow."""
+    from diffusers.pipelines.ltx2 import LTX2VideoCondition
+    from PIL import Image
+
+    first, _ = conditioning_inputs(LTX2_SIZE["height"], LTX2_SIZE["width"])
+    last = first.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    ours = {"conditions": [{"image": first, "frame": 0}, {"image": last, "frame": -1}]}
+    theirs = {"conditions": [LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)]}
+    return _ltx2_step_rows("ltx25_keyframes", ltx2_build("ltx2.5-keyframes.yaml", mods, overrides), LTX25Modular,
+                           mods, ours, theirs, repeats, ceiling)
+
+
+# ``ltx2_row``'s parts: the comparison and the modules it runs on.
+LTX2_PARTS = {"step": (ltx2_step_part, ltx2_components), "keyframes": (ltx2_keyframes_part, ltx2_components),
+              "ltx25": (ltx25_step_part, ltx25_components), "ltx25_keyframes": (ltx25_keyframes_part, ltx25_components)}
+# LTX-2.5 at LTX-2's size (LTX2_SIZE; the bundled spec's 704 width differs by one latent column).
+WORKLOADS["ltx25"] = dict(ltx2_part="ltx25")
+WORKLOADS["ltx25_condition"] = dict(ltx2_part="ltx25_keyframes")
+def krea2_components() -> dict:
+    """Krea 2's transformer at its real config; a Qwen3-VL text model of Qwen3-VL-4B's width with the 36 layers the
+    pipeline taps (small feed-forwards). Under smoke the text width is small on both sides."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
+
+    from omnispec.testing import qwen_tokenizer
+    from omnispec.testing.fixtures_krea2 import KREA2_SCHEDULER
+
+    text, heads, head_dim = (64, 2, 32) if harness.SMOKE else (2560, 32, 128)
+    with torch.device(harness.DEVICE):
+        transformer = Krea2Transformer2DModel(**(dict(
+            num_layers=1, text_hidden_dim=text, text_num_attention_heads=2, text_num_key_value_heads=2,
+            text_intermediate_size=64) if harness.SMOKE else {})).to(torch.bfloat16)
+    section = [head_dim // 2 - 2 * (head_dim * 5 // 32), head_dim * 5 // 32, head_dim * 5 // 32]  # 4B's [24, 20, 20]
+    tokenizer = qwen_tokenizer()
+    text_encoder = transformers.Qwen3VLModel(transformers.Qwen3VLConfig(
+        text_config={"hidden_size": text, "intermediate_size": 1024, "num_hidden_layers": 36,
+                     "num_attention_heads": heads, "num_key_value_heads": heads // 4 or 1, "head_dim": head_dim,
+                     "vocab_size": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                                            "mrope_section": section, "mrope_interleaved": True}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": text,
+                       "deepstack_visual_indexes": [0]},
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>")))
+    mods = dict(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=AutoencoderKLQwenImage(),
+                scheduler=FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER))
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+# CFG 4.5 in Krea's formulation on both sides (two forwards against the empty prompt), 1024²: 4,096 image tokens
+# beside the 512 text tokens
+WORKLOADS["krea2"] = dict(spec="krea2-raw.yaml", components=krea2_components, pipeline="Krea2Pipeline",
+                          request=dict(height=1024, width=1024, max_sequence_length=512), steps=(2, 6),
+                          diffusers_kwargs=dict(height=1024, width=1024, guidance_scale=4.5, max_sequence_length=512))
+if harness.SMOKE:  # appended after the smoke hook resized the table: the same tiny sizes
+    WORKLOADS["krea2"].update(steps=(1, 2), image_size=(64, 64))
+    WORKLOADS["krea2"]["request"] |= {"height": 64, "width": 64}
+    WORKLOADS["krea2"]["diffusers_kwargs"] |= {"height": 64, "width": 64}
+QWEN21_SCHEDULE = ("recipe.phases.0.schedule={kind: flow_match, shift: dynamic, base_shift: 0.5, max_shift: 0.9, "
+                   "base_seq_len: 256, max_seq_len: 8192}")
+
+
+def qwen_image21_components() -> dict:
+    """Qwen-Image-2.1's transformer and VAE at their real configs (diffusers' defaults: 32 single-stream blocks of
+    4096, a 64-channel 16x VAE); a one-layer Qwen3-VL text encoder of Qwen3-VL-8B's width, with the image-only
+    processor of the offline fixtures (this workload is text-to-image)."""
+    import transformers
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
+
+    from omnispec.testing import qwen21_processor, qwen_tokenizer
+    from omnispec.testing.fixtures_qwen_image21 import CHAT_TEMPLATE
+
+    tokenizer = qwen_tokenizer(CHAT_TEMPLATE)
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    with torch.device(harness.DEVICE):
+        transformer = QwenImage21Transformer2DModel(num_layers=1 if harness.SMOKE else 32).to(torch.bfloat16)
+    text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        text_config={"hidden_size": 4096, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                         "mrope_section": [24, 20, 20]}},
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 4096,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]))
+    # a dynamic shift (QWEN21_SCHEDULE says it to the spec); no terminal stretch, which diffusers' scheduler divides
+    # by zero on the smoke run's one step
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192,
+                                                time_shift_type="exponential")
+    mods = dict(transformer=transformer, text_encoder=text_encoder, processor=qwen21_processor(tokenizer),
+                vae=AutoencoderKLQwenImage21(), scheduler=scheduler)
+    return _on_device(mods, ("text_encoder", "vae"))
+
+
+
+# Qwen-Image-2.1: 1024x1024 (4,096 target tokens after the prompt's in one sequence), no guidance on both sides (the
+# defaults); the schedule written out as the components' scheduler has it (no checkpoint to follow)
+WORKLOADS["qwen_image21"] = dict(spec="qwen-image-2.1.yaml", components=qwen_image21_components,
+                                 pipeline="QwenImage21Pipeline", overrides=[QWEN21_SCHEDULE],
+                                 request=dict(height=1024, width=1024), steps=(2, 6),
+                                 diffusers_kwargs=dict(height=1024, width=1024))
+if harness.SMOKE:  # appended after the smoke hook resized the table: the same tiny sizes
+    WORKLOADS["qwen_image21"].update(steps=(1, 2), image_size=(64, 64))
+    WORKLOADS["qwen_image21"]["request"] |= {"height": 64, "width": 64}
+    WORKLOADS["qwen_image21"]["diffusers_kwargs"] |= {"height": 64, "width": 64}
 # ---- MiniMax-H3 (a modular pipeline only) ----------------------------------------------------------------------------
 
 def _keeping_fp32(model: torch.nn.Module) -> torch.nn.Module:

@@ -72,6 +72,9 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("diffusers.models.transformers.transformer_flux", "_get_qkv_projections", "FLUX attention's query, key and "
      "value projections (and the text stream's), fused or not, as its processor computes them: omnispec's "
      "processor replaces only the norms and the RoPE after them"),
+    ("diffusers.QwenImage21Pipeline", "_pack_latents", "Qwen-Image-2.1's token flatten of its unpatched latents"),
+    ("diffusers.QwenImage21Pipeline", "_unpack_latents", "the inverse"),
+    ("diffusers.QwenImage21Pipeline", "_encode_vae_image", "Qwen-Image-2.1's normalised reference-image latents"),
 )
 
 HOOK_REGISTRY_ATTRIBUTE = "_diffusers_hook"

@@ -19,6 +19,7 @@ import yaml
 
 from .spec import SpecError, load_spec, resolve_spec_data
 from .spec.catalog import bundled_names, bundled_path
+from .spec.checkpoint import is_number_list
 from .spec.files import path_kind, user_path
 from .spec.model import BUILTIN_FAMILIES
 
@@ -146,9 +147,11 @@ def _family_of(source: str, index: dict[str, Any] | None) -> str:
         raise SpecError.single(f"model_index.json names pipeline {pipeline!r}, which no built-in family runs (they run "
                                f"{', '.join(sorted(by_pipeline))}); pass --family to choose one", "SOURCE")
     # among the families of that pipeline, the first whose model_index settings this checkpoint has (Wan2.2 TI2V's
-    # expand_timesteps: the same WanPipeline, another family)
-    fitting = [name for name in by_pipeline[pipeline] if all(
-        index.get(key) in accepted for key, accepted in family_class(name).model_index_values.items())]
+    # expand_timesteps: the same WanPipeline, another family), the one that checks the most settings first (LTX-2.5's
+    # diffusion_decoder: the same LTX2Pipeline as LTX-2, whose family checks none)
+    fitting = sorted((name for name in by_pipeline[pipeline] if all(
+        index.get(key) in accepted for key, accepted in family_class(name).model_index_values.items())),
+        key=lambda name: -len(family_class(name).model_index_values))
     return (fitting or by_pipeline[pipeline])[0]
 
 
@@ -190,7 +193,8 @@ def _template(family: str, index: dict[str, Any] | None, source: str) -> tuple[s
 
 def _checkpoint_components(index: dict[str, Any] | None, source: str) -> set[str]:
     if index is not None:
-        return {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[-1] is not None}
+        return {k for k, v in index.items()
+                if not k.startswith("_") and isinstance(v, list) and not is_number_list(v) and v[-1] is not None}
     local = user_path(source)
     return {p.name for p in local.iterdir() if p.is_dir()} if path_kind(local) == "dir" else set()
 

@@ -96,6 +96,10 @@ qwen_edit_dir = _checkpoint("tiny_qwen_image", "qwen_edit", edit=True)
 z_image_dir = _checkpoint("tiny_z_image", "z_image")
 hunyuan_video15_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15")
 hunyuan_video15_i2v_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15_i2v", i2v=True)
+flux2_dir = _checkpoint("tiny_flux2", "flux2")
+kandinsky6_dir = _checkpoint("tiny_kandinsky6", "kandinsky6")
+ltx25_dir = _checkpoint("tiny_ltx25", "ltx25")
+krea2_dir = _checkpoint("tiny_krea2", "krea2")
 
 
 @pytest.fixture(scope="session")
@@ -194,4 +198,6 @@ def marker(tmp_path, monkeypatch):
     return path
 
 
+qwen_image21_dir = _checkpoint("tiny_qwen_image21", "qwen_image21")
+qwen_image21_turbo_dir = _checkpoint("tiny_qwen_image21", "qwen_image21_turbo", turbo=True)
 minimax_h3_dir = _checkpoint("tiny_minimax_h3", "minimax_h3")

@@ -43,6 +43,7 @@ SMOKES = [
     ("gpu_adaln_norm", [], 1),  # every default variant: each heuristic's scope entered around a compile
     ("gpu_gemm_epilogue", [], 1),
     ("gpu_attention_kernels", [], 1),
+    ("gpu_sparse_attention", [], 1),
     ("gpu_gemm_kernels", [], 1),
     ("gpu_joint_gemm", [], 1),
     # the whole block and one LoRA linear: every code path; the feed-forward as policies.mlp.fused_gelu makes it
@@ -50,7 +51,10 @@ SMOKES = [
     ("gpu_parallel", ["--repeats", "1"], 2),
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code
     ("gpu_shard_graphs", [], 1),
+    ("gpu_engine", [], 1),  # Ray actors: 1 then 2 CPU workers beside the trainer
 ]
+# Benchmarks that need an optional package, not in the dev extra: skipped without it.
+NEEDS = {"gpu_engine": "ray"}
 # Rows a CPU cannot run by nature: diffusers' CUDA-only attention backends and SageAttention's kernels, which the GPU
 # run measures (an unusable backend is a row of its own, printed as every row is).
 CUDA_ONLY = ("_native_cudnn", "_native_flash", "sdpa_cudnn", "sdpa_efficient", "sage")
@@ -72,6 +76,8 @@ def _rows(stdout: str) -> list[dict]:
                          ids=[s[0] + ("" if "--parts" not in s[1] else "-" + s[1][s[1].index("--parts") + 1])
                               for s in SMOKES])
 def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp_path):
+    if module in NEEDS:
+        pytest.importorskip(NEEDS[module])
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                    "--master-port", str(free_port()), "-m", f"benchmarks.{module}", "--smoke", *extra]

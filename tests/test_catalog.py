@@ -135,6 +135,14 @@ INIT_CASES = {
     "hunyuan_video15": ("hunyuan_video15_dir", None, None, TINY_OVERRIDES["hunyuan_video15"], {}, None),
     "hunyuan_video15_i2v": ("hunyuan_video15_i2v_dir", None, None, TINY_OVERRIDES["hunyuan_video15_i2v"],
                             {"image": "photo"}, None),
+    "flux2": ("flux2_dir", None, None, TINY_OVERRIDES["flux2"], {}, None),
+    "kandinsky6": ("kandinsky6_dir", None, None, TINY_OVERRIDES["kandinsky6"], {}, None),
+    # the same LTX2Pipeline as LTX-2's checkpoints: told apart by model_index.json's diffusion_decoder
+    "ltx25": ("ltx25_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
+    "ltx25_condition": ("ltx25_dir", None, "ltx25_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
+    "krea2": ("krea2_dir", None, None, TINY_OVERRIDES["krea2"], {}, None),
+    # the tiny processor loads without torchvision through the class its overrides name
+    "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
     "minimax_h3": ("minimax_h3_dir", None, None, TINY_OVERRIDES["minimax_h3"], {}, _minimax_h3_processor),
 }
 

@@ -161,3 +161,16 @@ def test_the_cpu_estimate_of_a_digits_step_is_within_twice_a_measured_one():
         torch.set_num_threads(threads)
     measured = (min(timings[1::2]) - min(timings[0::2])) / 10
     assert measured / 2 <= predicted <= measured * 2, (predicted, measured)
+
+
+def test_a_spec_error_crosses_a_process_boundary_whole():
+    """Errors raised in Ray workers or spawned processes come back pickled: the problems, their paths and the class
+    survive."""
+    import pickle
+
+    from omnispec.spec.errors import LaunchError, Problem, SpecError
+
+    for error in (SpecError([Problem("recipe.defaults.steps", "must be at least 1"), Problem("", "and another")]),
+                  LaunchError.single("WORLD_SIZE is 2 but RANK is missing", "policies.parallel")):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and back.problems == error.problems and str(back) == str(error)

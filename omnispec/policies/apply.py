@@ -22,6 +22,7 @@ from .mlp import apply_mlp
 from .modulation import ModulationStep, apply_modulation
 from .offload import apply_offload
 from .presets import PresetOutcome
+from .sparse_attention import apply_sparse_attention
 from .steps import StepPolicies, StepPolicy
 from .vae import apply_vae
 
@@ -84,6 +85,8 @@ def policy_problems(spec: PipelineSpec, targets: Targets, device: torch.device) 
                                     f"the table is built from the denoiser's whole weights, which shard "
                                     f"{p.parallel.shard} splits over the ranks (whole only inside each block's "
                                     "forward); set this false or shard 1"))
+    if p.attention.sparse is not None and targets.video_tokens is None:
+        problems.append(Problem("policies.attention.sparse", targets.missing("video_tokens")))
     for i, kernel in enumerate(p.kernels):
         if (refusal := KERNEL_POLICIES.implementation(kernel).refusal(kernel, targets)) is not None:
             problems.append(Problem(f"policies.kernels.{i}", refusal))
@@ -108,13 +111,18 @@ def apply_policies(spec: PipelineSpec, targets: Targets, components: dict[str, A
     """Device placement, attention, MLP, cache, offload, compile (quantization already happened at load)."""
     applied = AppliedPolicies()
     denoisers = {n: components[n] for n, c in spec.model.components.items() if c.role == "denoiser"}
-    applied.attention = apply_attention(spec, targets.attention, denoisers, device)
+    sparse, sparse_note = apply_sparse_attention(spec, targets.video_tokens, targets.attention, denoisers)
+    applied.attention = apply_attention(spec, targets.attention, denoisers, device)  # its hooks outside sparse's
+    if sparse_note is not None:
+        applied.notes["sparse attention"] = sparse_note
     if (mlp := apply_mlp(spec, targets, denoisers)) is not None:
         applied.notes["mlp"] = mlp
     if (modulation := apply_modulation(spec, targets.modulation, denoisers)) is not None:
         applied.notes["modulation"] = modulation
     applied.cache = apply_cache(spec, components)
     steps: list[StepPolicy] = [applied.cache] if applied.cache is not None else []
+    if sparse is not None:
+        steps.append(sparse)
     if modulation is not None:
         steps.append(ModulationStep())
     applied.steps = StepPolicies(steps)

@@ -333,7 +333,9 @@ class AttentionPlan:
     training_notes: dict[str, str] = field(default_factory=dict)
 
 
-def _head_dim(module: torch.nn.Module) -> tuple[int, int]:
+def _head_dim(module: torch.nn.Module, target: AttentionTarget) -> tuple[int, int]:
+    if target.head_shape is not None:
+        return target.head_shape(module)
     heads = int(getattr(module, "heads", 1))
     inner = getattr(module, "inner_dim", None) or module.to_q.out_features
     return heads, int(inner) // heads
@@ -382,7 +384,7 @@ def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapp
             if hook_for is None:
                 continue
             if compiled:  # the spec rules let only flash4, named for every role, reach here
-                traced.add(_head_dim(modules[0][1])[1])
+                traced.add(_head_dim(modules[0][1], target)[1])
                 plan.notes[role] += "; compiled in, through one redirect around the denoiser's call"
                 continue
             for _, module in modules:
@@ -405,7 +407,7 @@ def _plan_role(spec: PipelineSpec, target: AttentionTarget, role: str, denoiser:
     policy = spec.policies.attention
     key = target.role_key(role, policy.per_role)
     wanted = policy.per_role[key] if key else policy.default
-    heads, head_dim = _head_dim(module)
+    heads, head_dim = _head_dim(module, target)
     compiled = spec.policies.compile.mode != "none"
     hook_for: Callable[[], ModelHook] | None = None
     if wanted == "auto" and (forced := auto_as_sdpa(spec)) is not None:

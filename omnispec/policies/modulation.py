@@ -238,7 +238,7 @@ class ModulationStep(StepPolicy):
     """The table installed around each step's forwards: the phase's table (``ModulationTables.for_phase``, kept for
     the request in the run's ``scratch``), built with the embeddings of the run's modulation target."""
 
-    def step_context(self, run: Any, walk: Any, phase_run: Any) -> AbstractContextManager:
+    def step_context(self, run: Any, walk: Any, phase_run: Any, step: int) -> AbstractContextManager:
         tables = tables_of(phase_run.denoiser)
         if tables is None or phase_run.passes is None:
             return contextlib.nullcontext()

@@ -13,7 +13,8 @@ from typing import Any
 class StepPolicy:
     """What a policy may do at each step of a request. ``run`` is the request's ``runtime.run.Run`` (its
     ``scratch`` dict keeps what a policy remembers for that request, keyed by the policy); ``walk`` and
-    ``phase_run`` are the plan's walk and the phase that owns the step."""
+    ``phase_run`` are the plan's walk and the phase that owns the step; ``step`` its index in the walk (its plan:
+    ``phase_run.plans[step]``)."""
 
     # Whether forwards run one per (pass, sample), each under ``pass_context``: a hooked cache's decisions then never
     # depend on batch-mates or other passes.
@@ -26,7 +27,7 @@ class StepPolicy:
         """Whether step ``step`` runs the denoiser (else it reuses the last prediction)."""
         return True
 
-    def step_context(self, run: Any, walk: Any, phase_run: Any) -> AbstractContextManager:
+    def step_context(self, run: Any, walk: Any, phase_run: Any, step: int) -> AbstractContextManager:
         """Entered around a step's forwards (and a replay's)."""
         return nullcontext()
 
@@ -53,8 +54,8 @@ class StepPolicies(StepPolicy):
     def computes(self, step: int) -> bool:
         return all(policy.computes(step) for policy in self.policies)
 
-    def step_context(self, run: Any, walk: Any, phase_run: Any) -> AbstractContextManager:
-        return _all(policy.step_context(run, walk, phase_run) for policy in self.policies)
+    def step_context(self, run: Any, walk: Any, phase_run: Any, step: int) -> AbstractContextManager:
+        return _all(policy.step_context(run, walk, phase_run, step) for policy in self.policies)
 
     def pass_context(self, denoiser: Any, name: str, **where: Any) -> AbstractContextManager:
         return _all(policy.pass_context(denoiser, name, **where) for policy in self.policies)

@@ -82,7 +82,7 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
         request=first.request.model_copy(update={"prompts": [p for part in parts for p in part.prompts],
                                                   "seeds": [s for part in parts for s in part.seeds]}),
         sampler=first.sampler, weight_version=first.weight_version,
-        extra={"shards": [len(p.prompts) for p in parts]},
+        extra={"shards": [len(p.prompts) for p in parts]}, policy_version=first.policy_version,
     )
 
 

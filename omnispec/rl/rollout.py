@@ -58,6 +58,9 @@ class Rollout:
     sampler: Any
     weight_version: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # the trainer's version of the weights it ran at, when a ``RolloutEngine`` made it (None otherwise): the number
+    # its last weight update carried, 0 before any
+    policy_version: int | None = None
 
     @property
     def window(self) -> int:
@@ -84,6 +87,7 @@ class Rollout:
             request=self.request.model_copy(update={"prompts": [self.prompts[i] for i in pick],
                                                     "seeds": [self.seeds[i] for i in pick]}),
             sampler=self.sampler, weight_version=self.weight_version, extra=dict(self.extra),
+            policy_version=self.policy_version,
         )
 
 
@@ -102,6 +106,21 @@ class Replay:
     std_t: dict[str, torch.Tensor]
     # how the forwards ran (``replay_memory``): micro-batch size, graphs kept or recomputed in the backward, and why
     batching: Batching | None = None
+
+    def select(self, rows: Sequence[int] | torch.Tensor | None = None,
+               steps: Sequence[int] | None = None) -> Replay:
+        """The replay restricted to some samples and replayed positions (``None``: all), to pair a whole-batch
+        replay with a later one of ``Rollout.select(rows)`` and ``steps`` (``omnispec.rl.guard_log_ratio``)."""
+        r = slice(None) if rows is None else torch.as_tensor(rows, dtype=torch.long).to(self.log_probs.device)
+        k = slice(None) if steps is None else torch.as_tensor(list(steps), dtype=torch.long).to(self.log_probs.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[r][:, k]
+
+        return Replay(pick(self.log_probs), {s: pick(v) for s, v in self.stream_log_probs.items()},
+                      {s: pick(v) for s, v in self.transition_means.items()},
+                      {s: pick(v) for s, v in self.transition_stds.items()},
+                      {s: pick(v) for s, v in self.std_t.items()}, batching=self.batching)
 
 
 def kl(policy: Replay, reference: Replay, *, normalize: bool = True) -> torch.Tensor:

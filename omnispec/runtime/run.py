@@ -138,7 +138,7 @@ class Run:
         plan = run.plans[i]
         if plan.zero:
             return {s: torch.zeros_like(v) for s, v in x.items()}
-        with self.policies.step_context(self, walk, run), training_forwards() if self.trains else nullcontext():
+        with self.policies.step_context(self, walk, run, i), training_forwards() if self.trains else nullcontext():
             preds = self._passes(walk, run, i, x, rows)
         images = walk.images if rows is None or walk.images is None else _rows(walk.images, rows)
         if self.family.prediction_space == "velocity":

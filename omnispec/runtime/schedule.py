@@ -17,6 +17,9 @@ from .samplers import EulerStepper, SchedulerStepper, Stepper
 # Schedulers whose ``step`` is the plain Euler step on their own sigmas, so a stochastic sampler can take
 # any of their steps in its place without desynchronising the scheduler (multistep solvers keep history).
 EULER_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
+# Schedulers whose ``step`` takes a model output that is not a velocity (PiFlow's several grid predictions per
+# channel, which its policy integrates): no Euler or SDE step can take one of their steps, whatever the sampler asks.
+POLICY_SCHEDULERS = ("PiflowScheduler",)
 
 
 @dataclass
@@ -52,6 +55,14 @@ class Steps:
         if self.scheduler is not None and self.stream_sigmas:
             raise SpecError.single(f"stream(s) {', '.join(self.stream_sigmas)} walk sigmas of their own, which "
                                    f"{type(self.scheduler).__name__}.step cannot take: use a flow_match schedule", where)
+
+    def check_velocity(self, where: str) -> None:
+        """Refuse replacing this walk's steps by Euler or SDE steps when its model output is no velocity."""
+        name = type(self.scheduler).__name__
+        if self.scheduler is not None and name in POLICY_SCHEDULERS:
+            raise SpecError.single(f"stochastic samplers step a velocity, but the model a {name} walks predicts "
+                                   "what only that scheduler's own step takes (a distilled policy's grid points); "
+                                   "rollouts need an undistilled checkpoint", where)
 
     def check_stochastic(self, where: str) -> None:
         """Stochastic samplers replace steps with SDE steps on these sigmas: fine for Euler walks only."""

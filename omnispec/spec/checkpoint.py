@@ -10,6 +10,8 @@ Reading these files loads no weights and imports no torch.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -163,7 +165,8 @@ def _read_json(root: str, name: str, revision: str | None) -> dict[str, Any] | N
 
 class _ModelIndex(BaseModel):
     """The keys of ``model_index.json`` omnispec reads: component entries ``[library, class]`` and the two-expert
-    boundary (finite). Other keys are the pipeline's and pass as they are."""
+    boundary (finite). Other keys are the pipeline's and pass as they are, lists of numbers among them (a
+    pipeline's sigma grid: Qwen-Image-2.1-Turbo's ``sample_sigmas``)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     class_name: str | None = Field(default=None, alias="_class_name")
@@ -172,7 +175,7 @@ class _ModelIndex(BaseModel):
     @model_validator(mode="after")
     def _entries(self) -> _ModelIndex:
         for key, entry in (self.model_extra or {}).items():
-            if key.startswith("_") or not isinstance(entry, list):
+            if key.startswith("_") or not isinstance(entry, list) or is_number_list(entry):
                 continue
             if len(entry) != 2 or not all(e is None or isinstance(e, str) for e in entry):
                 raise ValueError(f"{key}: a component entry is [library, class], got {entry!r:.80}")
@@ -202,6 +205,14 @@ class _SchedulerConfig(BaseModel):
     use_beta_sigmas: bool | None = None
     invert_sigmas: bool | None = None
     num_train_timesteps: Annotated[int, Field(ge=1, le=MAX_TRAIN_TIMESTEPS)] | None = None
+
+
+def is_number_list(entry: Any) -> bool:
+    """A non-empty list of finite numbers in ``model_index.json`` is a pipeline setting (Krea 2's
+    ``text_encoder_select_layers``, Qwen-Image-2.1-Turbo's ``sample_sigmas``), not a component entry
+    ``[library, class]``."""
+    return isinstance(entry, list) and bool(entry) and all(
+        isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e) for e in entry)
 
 
 def model_index_data(data: Any, file: str) -> dict[str, Any]:

@@ -54,6 +54,11 @@ class SpecError(ValueError):
     def single(cls, message: str, path: str = "", file: str | None = None) -> SpecError:
         return cls([Problem(path, message, file)])
 
+    def __reduce__(self):
+        # rebuilt from its problems: the default pickles ``args`` (the joined message) as if they were the problems,
+        # and an error raised in a Ray worker or a spawned process came back garbled
+        return type(self), (self.problems,)
+
 
 class LaunchError(SpecError):
     """The launch environment itself is wrong (torchrun's variables, a rendezvous nobody answers): every process says

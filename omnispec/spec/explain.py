@@ -218,6 +218,10 @@ def render_explain(info: Mapping[str, Any]) -> str:
     attention = pol["attention"]
     lines.append(f"  attention    default {attention['default']}, per role {attention['per_role'] or '-'}"
                  + (", q/k norms + RoPE in one kernel" if attention["fused_qk_norm_rope"] else ""))
+    if sparse := attention.get("sparse"):
+        lines.append(f"               sparse {sparse['kind']}, tiles {'x'.join(map(str, sparse['tile']))}, window "
+                     f"{'x'.join(map(str, sparse['window']))}, dense for the first {sparse['dense_fraction']:.0%} of "
+                     "each phase's steps [approximate]")
     mlp = [what for key, what in (("fused_gelu", "bias + GELU in the matmul"),
                                   ("precomputed_modulation", "modulation linears precomputed per request"))
            if pol["mlp"][key]]

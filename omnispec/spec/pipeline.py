@@ -245,6 +245,8 @@ def _policy_problems(spec: PipelineSpec):
     perturbing = [
         i for i, phase in enumerate(spec.recipe.phases) if phase.guidance.perturbs_attention
     ]
+    if policies.attention.sparse is not None:
+        yield from _sparse_problems(spec, perturbing)
     if perturbing:
         chosen = {("default",): policies.attention.default} | {
             ("per_role", role): backend for role, backend in policies.attention.per_role.items()
@@ -270,6 +272,22 @@ def _policy_problems(spec: PipelineSpec):
                     yield ("policies", "quantization", key), (
                         f"component {name!r} comes from a GGUF file, whose weights are already quantized (they stay "
                         "packed and dequantize in each forward): remove this entry")
+
+
+def _sparse_problems(spec: PipelineSpec, perturbing: list[int]):
+    """Where sparse video attention cannot run: it restricts the attention that guidance perturbs on its scores, the
+    tokens sequence parallelism splits, and its per-module hooks would recompile compiled blocks."""
+    where = ("policies", "attention", "sparse")
+    policies = spec.policies
+    if perturbing:
+        yield where, (f"the skip_layer term of recipe.phases.{perturbing[0]}.guidance perturbs attention scores, which "
+                      "a sparse mask would change under it; drop one of them")
+    if policies.parallel.sequence > 1:
+        yield where, ("sequence parallelism (policies.parallel.ulysses, ring) splits the video's tokens over the "
+                      "ranks, and the sparse mask is laid over the whole grid; use cfg or data parallelism")
+    if policies.compile.mode != "none":
+        yield where, (f"sparse attention puts hooks on the video's self-attention modules, which would make "
+                      f"policies.compile.mode {policies.compile.mode!r} recompile every block; use compile none")
 
 
 def _denoiser_quantized(spec: PipelineSpec) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from .base import SpecModel
 from .kinds import Axes, Kinds
@@ -23,6 +23,23 @@ AttentionBackend = Literal[
 PERTURBABLE_BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
 
 
+class SparseAttention(SpecModel):
+    """Approximate: the video's self-attention restricted to nearby tokens of the (frames, height, width) grid, in
+    tiles of ``tile`` tokens. ``sliding_tile``: a query tile sees the key tiles at most ``window`` tiles away along
+    each axis. ``radial``: a query tile sees every tile of the frames at most ``window[0]`` tiles away in time; farther
+    away, a spatial reach that halves each time the temporal distance doubles, never under ``window[1:]`` tiles. The
+    first ``dense_fraction`` of each phase's steps run dense, where the layout of the video forms."""
+
+    kind: Literal["sliding_tile", "radial"]
+    tile: tuple[PositiveInt, PositiveInt, PositiveInt] = Field(default=(2, 4, 4), description=(
+        "Tokens per tile along (frames, height, width) of the denoiser's token grid."))
+    window: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(default=(1, 2, 2), description=(
+        "Tiles each side a query tile sees along (frames, height, width) (radial: the frames seen whole, then the "
+        "least spatial reach)."))
+    dense_fraction: float = Field(default=0.25, ge=0, le=1, description=(
+        "The first fraction of each phase's steps that runs dense attention."))
+
+
 class AttentionPolicy(SpecModel):
     default: AttentionBackend = "auto"
     per_role: dict[str, AttentionBackend] = Field(
@@ -34,6 +51,9 @@ class AttentionPolicy(SpecModel):
         "Prepare each attention's queries and keys (per-head RMS norms, the text stream's first, the RoPE) in one "
         "kernel for both instead of the model's separate operations (families that have it: FLUX; a Triton "
         "kernel on CUDA, the model's own operations elsewhere)."))
+    sparse: SparseAttention | None = Field(default=None, description=(
+        "Approximate, opt-in: sparse self-attention over the video's tokens (families with video-only "
+        "self-attention: Wan, LTX-2), on FlexAttention block masks; None: dense."))
 
 
 class MlpPolicy(SpecModel):

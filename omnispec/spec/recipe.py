@@ -180,7 +180,31 @@ class RandomWindow(SpecModel):
         return self
 
 
-StochasticWindow = Annotated[Union[AllSteps, FixedWindow, RandomWindow], Field(discriminator="kind")]
+class SlidingWindow(SpecModel):
+    """MixGRPO's sliding window (Li et al., 2025, arXiv:2507.21802): ``length`` consecutive stochastic steps, the
+    same for every sample, that move over training: at the trainer's ``iteration`` the window starts at ``start +
+    stride * (iteration // every)``. Past the last start where the whole window fits the usable steps, it stays
+    there, or with ``wrap`` goes back to ``start`` (MixGRPO's ``roll_back``)."""
+
+    kind: Literal["sliding"]
+    length: int = Field(ge=1, le=MAX_STEPS)
+    start: int = Field(default=0, ge=0, le=MAX_STEPS)
+    stride: int | None = Field(default=None, ge=1, le=MAX_STEPS, description=(
+        "Steps the window moves each time; default its length (MixGRPO without prog_overlap)."))
+    every: int = Field(default=25, ge=1, description="Training iterations between moves (MixGRPO's iters_per_group).")
+    iteration: int = Field(default=0, ge=0, description="The trainer's iteration, which places the window.")
+    wrap: bool = False
+
+    def first_step(self, last: int) -> int:
+        """The window's first step at ``iteration``, given ``last``, the highest start where it still fits."""
+        stride = self.stride or self.length
+        moves = self.iteration // self.every
+        if self.wrap:
+            moves %= (max(last, self.start) - self.start) // stride + 1
+        return min(self.start + stride * moves, max(last, self.start))
+
+
+StochasticWindow = Annotated[Union[AllSteps, FixedWindow, RandomWindow, SlidingWindow], Field(discriminator="kind")]
 
 
 class OutsideWindow(SpecModel):
@@ -191,6 +215,18 @@ class OutsideWindow(SpecModel):
         "Compute the prediction on one outside step in every compute_every (the first of each run of outside "
         "steps, and of each phase, always computes) and reuse the last computed prediction on the others: "
         "an Euler step over several sigmas at once. 1 computes every step."))
+    solver: Literal["euler", "dpmsolver++"] = Field(default="euler", description=(
+        "The ODE steps after the window: Euler, or second-order multistep DPM-Solver++ on the clean-sample "
+        "estimates of the steps so far (MixGRPO-Flash's post-window solver; its last step is first order). Steps "
+        "before the window stay Euler."))
+    solver_type: Literal["heun", "midpoint"] = Field(default="heun", description=(
+        "DPM-Solver++'s second-order correction (MixGRPO's default: heun)."))
+
+    @model_validator(mode="after")
+    def _one_speed_up(self) -> OutsideWindow:
+        if self.solver != "euler" and self.compute_every != 1:
+            raise ValueError("a multistep solver after the window needs every step's prediction; use compute_every: 1")
+        return self
 
 
 class _Stochastic(SamplerSpec):

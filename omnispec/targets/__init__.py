@@ -1,9 +1,9 @@
 """What each technique needs from a model, as typed data: a family fills these in, policies read them.
 
 One frozen dataclass per technique (``attention``, ``blocks``, ``mlp``, ``modulation``, ``parallel``, ``guidance``,
-``caches``), gathered in ``Targets``. A family declares on its class what is known before any weight loads (module
-names, patterns, refusals); an instance binds what needs the instance (``Family.bind_targets``: its modulation
-embeddings). A policy or axis takes the one target it reads, never the family; a technique whose target the family
+``video_tokens``, ``caches``), gathered in ``Targets``. A family declares on its class what is known before any
+weight loads (module names, patterns, refusals); an instance binds what needs the instance
+(``Family.bind_targets``: its modulation embeddings). A policy or axis takes the one target it reads, never the family; a technique whose target the family
 lacks is refused in one way, naming the family and the technique (``Targets.missing``).
 
 Nothing here imports torch: the spec's checks (before any weight loads) read the guidance and parallel targets too.
@@ -20,6 +20,7 @@ from .guidance import GuidanceTarget
 from .mlp import MlpTarget
 from .modulation import ModulationTarget
 from .parallel import ParallelTarget, TensorPlan
+from .video import VideoTokensTarget
 
 # How a refusal names each technique a family may lack: "family 'sd3' has no <what>".
 TECHNIQUES = {
@@ -28,6 +29,7 @@ TECHNIQUES = {
     "mlp": "tanh-GELU feed-forwards for fused_gelu to fuse",
     "modulation": "modulation table",
     "qk_norm_rope": "fused q/k norm + RoPE processor",
+    "video_tokens": "video-only self-attention for sparse attention",
 }
 
 
@@ -42,6 +44,7 @@ class Targets:
     modulation: ModulationTarget | None = None
     parallel: ParallelTarget = field(default_factory=ParallelTarget)
     guidance: GuidanceTarget = field(default_factory=GuidanceTarget)
+    video_tokens: VideoTokensTarget | None = None
     # Cache kinds this family's denoiser cannot take, with the reason (checked before loading).
     cache_limits: dict[str, str] = field(default_factory=dict)
     # Targets of techniques a plugin adds (a kernel policy it registers), by technique name.
@@ -60,4 +63,4 @@ class Targets:
 
 
 __all__ = ["AttentionTarget", "BlocksTarget", "GuidanceTarget", "MlpTarget", "ModulationTarget", "ParallelTarget",
-           "TECHNIQUES", "Targets", "TensorPlan"]
+           "TECHNIQUES", "Targets", "TensorPlan", "VideoTokensTarget"]

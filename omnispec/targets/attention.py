@@ -15,11 +15,15 @@ class AttentionTarget:
     takes its category's entry there, then the default. ``qk_norm_rope_processor``: the processor
     ``policies.attention.fused_qk_norm_rope`` gives an attention, built from the one it replaces and the fused
     operator the policy hands over (None from it: that attention keeps its processor; None here: the family has none,
-    and the field is refused)."""
+    and the field is refused). ``head_shape``: how to read an attention module's head count and size where it does
+    not name them as diffusers' ``Attention`` does."""
 
     roles: Mapping[str, tuple[str, ...]]
     categories: Mapping[str, str] = field(default_factory=dict)
     qk_norm_rope_processor: Callable[[Any, Callable[..., Any]], Any] | None = None
+    # (heads, head_dim) of one attention module, for modules without diffusers' ``Attention`` attributes (``heads``,
+    # ``inner_dim`` or ``to_q``); None reads those.
+    head_shape: Callable[[Any], tuple[int, int]] | None = None
 
     def names(self) -> list[str]:
         """Every name ``per_role`` may use: the roles, then their categories."""

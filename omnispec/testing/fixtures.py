@@ -419,3 +419,10 @@ TINY_OVERRIDES["hunyuan_video15"] = ["model.dtype=float32", "recipe.defaults.hei
                                      "recipe.defaults.frames=9", "recipe.defaults.steps=2", "runtime.progress=false"]
 TINY_OVERRIDES["hunyuan_video15_i2v"] = ["model.dtype=float32", "recipe.defaults.frames=9", "recipe.defaults.steps=2",
                                          "runtime.progress=false"]
+TINY_OVERRIDES["kandinsky6"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=32",
+                                "recipe.defaults.frames=5", "recipe.defaults.steps=3",
+                                "recipe.defaults.max_sequence_length=16", "runtime.progress=false"]
+
+from .fixtures_qwen_image21 import TINY_OVERRIDES_QWEN21, tiny_qwen_image21  # noqa: E402
+
+TINY_OVERRIDES.update(TINY_OVERRIDES_QWEN21)

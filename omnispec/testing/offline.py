@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import SpecError, load_spec
-from . import fixtures
+from . import fixtures, fixtures_krea2  # noqa: F401 - its TINY_OVERRIDES entry
 
 # Per bundled spec with a real checkpoint: the builder, its keyword arguments, and the TINY_OVERRIDES key.
 _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
@@ -44,6 +44,17 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "z-image-turbo": ("tiny_z_image", {}, "z_image", ()),
     "hunyuanvideo-1.5-t2v": ("tiny_hunyuan_video15", {}, "hunyuan_video15", ()),
     "hunyuanvideo-1.5-i2v": ("tiny_hunyuan_video15", {"i2v": True}, "hunyuan_video15_i2v", ()),
+    "flux2-dev": ("tiny_flux2", {}, "flux2", ()),
+    "flux2-dev-edit": ("tiny_flux2", {}, "flux2", ()),
+    "kandinsky6-distill-t2v": ("tiny_kandinsky6", {}, "kandinsky6", ()),
+    "kandinsky6-distill-i2v": ("tiny_kandinsky6", {}, "kandinsky6", ()),
+    "ltx2.5-t2v": ("tiny_ltx25", {}, "ltx25", ()),
+    "ltx2.5-i2v": ("tiny_ltx25", {}, "ltx25", ()),
+    "krea2-raw": ("tiny_krea2", {}, "krea2", ()),
+    "qwen-image-2.1": ("tiny_qwen_image21", {}, "qwen_image21", ()),
+    "qwen-image-2.1-edit": ("tiny_qwen_image21", {}, "qwen_image21_edit", ()),
+    "qwen-image-2.1-turbo": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21", ()),
+    "qwen-image-2.1-turbo-edit": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21_edit", ()),
     "minimax-h3-t2v": ("tiny_minimax_h3", {}, "minimax_h3", ()),
     "minimax-h3-fl2va": ("tiny_minimax_h3", {}, "minimax_h3", ()),
 }

@@ -29,6 +29,12 @@ _BUILTIN = {
     "z_image": "omnispec.runtime.families.z_image:ZImageFamily",
     "hunyuan_video15": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15Family",
     "hunyuan_video15_i2v": "omnispec.runtime.families.hunyuan_video15:HunyuanVideo15ImageToVideoFamily",
+    "flux2": "omnispec.runtime.families.flux2:Flux2Family",
+    "kandinsky6": "omnispec.runtime.families.kandinsky6:Kandinsky6Family",
+    "ltx25": "omnispec.runtime.families.ltx25:LTX25Family",
+    "ltx25_condition": "omnispec.runtime.families.ltx25:LTX25ConditionFamily",
+    "krea2": "omnispec.runtime.families.krea2:Krea2Family",
+    "qwen_image21": "omnispec.runtime.families.qwen_image21:QwenImage21Family",
     "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"

@@ -138,16 +138,25 @@ class Flux2KleinFamily(Family):
             ids = torch.cat([ids, geometry.extra["reference_ids"]], dim=1)
         with layer_skip(denoiser, perturbation, self.targets):
             out = denoiser(hidden_states=hidden.to(denoiser.dtype), timestep=timestep.expand(b).to(x.dtype) / 1000,
-                           guidance=None, encoder_hidden_states=cond.batched["encoder_hidden_states"],
+                           guidance=self.guidance_input(denoiser, b, embedded, x.device), encoder_hidden_states=cond.batched["encoder_hidden_states"],
                            txt_ids=cond.batched["txt_ids"], img_ids=ids.expand(b, -1, -1), return_dict=False)[0]
         return {"latents": out[:, :n]}
 
+    def guidance_input(self, denoiser, rows: int, embedded: float | None, device: torch.device
+                       ) -> torch.Tensor | None:
+        """The transformer's ``guidance`` input for ``rows`` rows: klein embeds none (FLUX.2 [dev] does)."""
+        return None
+
+    def latent_grid(self, x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        """Packed tokens scattered back to their (C, H, W) grid by their position ids (the grid's size given, so no
+        device sync)."""
+        multiple = self.helper.vae_scale_factor * 2
+        return bridge.unpack_latents_with_ids(self.helper, x, geometry.extra["latent_ids"].expand(x.shape[0], -1, -1),
+                                              geometry.height // multiple, geometry.width // multiple)
+
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         helper, vae = self.helper, self.helper.vae
-        x = latents["latents"]
-        multiple = helper.vae_scale_factor * 2
-        grid = bridge.unpack_latents_with_ids(helper, x, geometry.extra["latent_ids"].expand(x.shape[0], -1, -1),
-                                              geometry.height // multiple, geometry.width // multiple)
+        grid = self.latent_grid(latents["latents"], geometry)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(grid.device, grid.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(grid.device, grid.dtype)
         spatial = bridge.unpatchify_latents(helper, grid * std + mean)

@@ -20,7 +20,8 @@ from ...spec import Modality, PipelineSpec, SkipLayer, SpecError
 from ...spec.recipe import PreviousInput
 from ...spec.request import Request
 from ...spec.videos import import_pyav
-from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets, TensorPlan
+from ...targets import (AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets, TensorPlan,
+                        VideoTokensTarget)
 from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -50,6 +51,11 @@ def ltx2_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
                       rope=tuple(attentions))
 
 
+def ltx2_token_grid(denoiser: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+    """The (frames, height, width) of a call's video tokens, which the pipeline passes as latent sizes (patch 1)."""
+    return kwargs["num_frames"], kwargs["height"], kwargs["width"]
+
+
 class LTX2Family(Family):
     name = "ltx2"
     pipeline_class = LTX2Pipeline
@@ -69,6 +75,7 @@ class LTX2Family(Family):
         blocks=BlocksTarget(("transformer_blocks",),
                             shared_inputs=("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")),
         mlp=MlpTarget(),  # tanh-GELU feed-forwards (video and audio)
+        video_tokens=VideoTokensTarget(("video_self",), ltx2_token_grid),
         parallel=ParallelTarget(
             sequence_refusal="diffusers' LTX-2 context-parallel plan splits the video tokens but not the 4-D "
                              "split-RoPE tables every LTX-2 checkpoint uses, so each rank would rotate its tokens with "
@@ -289,20 +296,24 @@ class LTX2Family(Family):
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         """Video through the video VAE (float32 frames in [0, 1]); audio latents through the audio VAE to a
         mel spectrogram and the vocoder to a waveform (B, channels, samples) at the vocoder's sample rate."""
-        helper, vae, audio_vae = self.helper, self.helper.vae, self.helper.audio_vae
+        helper, vae = self.helper, self.helper.vae
         video = self.unpack("video", latents["video"].to(self.latent_dtype(None)), geometry)
         timestep = None
         if vae.config.timestep_conditioning:  # decode_timestep 0: diffusers' default mixes in no decode noise
             timestep = torch.zeros(video.shape[0], device=video.device, dtype=video.dtype)
         frames = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
         frames = helper.video_processor.postprocess_video(frames, output_type="np")
-        audio = bridge.denormalize_audio_latents(helper, latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
+        return Decoded(np.asarray(frames, dtype=np.float32), self.decode_audio(latents["audio"], geometry),
+                       int(helper.vocoder.config.output_sampling_rate))
+
+    def decode_audio(self, latents: torch.Tensor, geometry: Geometry) -> np.ndarray:
+        """Packed audio latents through the audio VAE to a mel spectrogram, and the vocoder to a waveform."""
+        helper, audio_vae = self.helper, self.helper.audio_vae
+        audio = bridge.denormalize_audio_latents(helper, latents, audio_vae.latents_mean, audio_vae.latents_std)
         mel_bins = audio_vae.config.mel_bins // helper.audio_vae_mel_compression_ratio
         audio = bridge.unpack_audio_latents(helper, audio, self.audio_frames(geometry), num_mel_bins=mel_bins)
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
-        waveform = helper.vocoder(mel)
-        return Decoded(np.asarray(frames, dtype=np.float32), waveform.float().cpu().numpy(),
-                       int(helper.vocoder.config.output_sampling_rate))
+        return helper.vocoder(mel).float().cpu().numpy()
 
 
 class LTX2ConditionFamily(LTX2Family):

@@ -8,7 +8,8 @@ from diffusers import WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...spec.request import Request
-from ...targets import AttentionTarget, BlocksTarget, MlpTarget, ParallelTarget, Targets, TensorPlan
+from ...targets import (AttentionTarget, BlocksTarget, MlpTarget, ParallelTarget, Targets, TensorPlan,
+                        VideoTokensTarget)
 from .base import Family
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
@@ -31,6 +32,13 @@ def wan_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
                       norms=("blocks.*.attn1.norm_[qk]", "blocks.*.attn2.norm_[qk]", "blocks.*.attn2.norm_added_k"))
 
 
+def wan_token_grid(denoiser: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+    """The (frames, height, width) of a call's video tokens: the latents' grid over the transformer's patch."""
+    latents = args[0] if args else kwargs["hidden_states"]
+    patch = denoiser.config.patch_size
+    return tuple(n // p for n, p in zip(latents.shape[2:], patch))  # type: ignore[return-value]
+
+
 class WanFamily(Family):
     name = "wan"
     pipeline_class = WanPipeline
@@ -38,6 +46,7 @@ class WanFamily(Family):
         attention=AttentionTarget({"self": ("blocks.*.attn1",), "cross": ("blocks.*.attn2",)}),
         blocks=BlocksTarget(("blocks",), shared_inputs=("rope", "condition_embedder")),
         mlp=MlpTarget(),  # tanh-GELU feed-forwards
+        video_tokens=VideoTokensTarget(("self",), wan_token_grid),
         parallel=ParallelTarget(sequence_refusal=None, tensor_plan=wan_tensor_plan, tensor_refusal=None),
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}

@@ -146,6 +146,11 @@ class StochasticStepper:
         window = mask.any(0) if mask.numel() else torch.zeros(len(self.sigmas) - 1, dtype=torch.bool)
         self.reused = reused_steps(sampler, window, begin, phase_starts)
         self.x0_at = len(self.sigmas) - 2 if sampler.decode == "x0" else None
+        # MixGRPO-Flash: DPM-Solver++ after the last window step, on the clean-sample estimates of every step
+        self.solver = sampler.outside_window.solver
+        stochastic = torch.nonzero(window).flatten()
+        self.after = int(stochastic[-1]) if len(stochastic) else len(window)
+        self.history: list[Streams] = []
 
     def reuses(self, i: int) -> bool:
         """Whether step ``i`` (outside the window) may reuse the last computed prediction."""
@@ -155,9 +160,17 @@ class StochasticStepper:
         return self.stream_sigmas.get(stream, self.sigmas)
 
     def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
-        ode = {s: euler(x[s], pred[s], self.sigmas_of(s)[i + 1] - self.sigmas_of(s)[i]) for s in x}
         x0 = {s: x[s].float() - self.sigmas_of(s)[i].to(x[s].device) * pred[s].float() for s in x} \
             if i == self.x0_at else None
+        if self.solver == "dpmsolver++":
+            self.history = [*self.history[-1:], {s: x[s].float() - self.sigmas_of(s)[i].to(x[s].device)
+                                                 * pred[s].float() for s in x}]
+            if i > self.after:
+                final = i == len(self.sigmas) - 2
+                return StepResult({s: dpm_solver_pp(x[s], [h[s] for h in self.history], self.sigmas_of(s), i,
+                                                    self.spec.outside_window.solver_type, first_order=final)
+                                   for s in x}, x0=x0)
+        ode = {s: euler(x[s], pred[s], self.sigmas_of(s)[i + 1] - self.sigmas_of(s)[i]) for s in x}
         rows = self.mask[:, i]
         if not bool(rows.any()):
             return StepResult(ode, x0=x0)
@@ -199,10 +212,38 @@ class StochasticStepper:
         return result
 
 
+def dpm_solver_pp(x: torch.Tensor, x0s: Sequence[torch.Tensor], sigmas: torch.Tensor, i: int, solver_type: str,
+                  first_order: bool = False) -> torch.Tensor:
+    """One multistep DPM-Solver++ step (Lu et al., 2022, arXiv:2211.01095) of a flow model from ``sigmas[i]`` to
+    ``sigmas[i + 1]`` in float32: ``alpha = 1 - sigma``, ``lambda = log(alpha / sigma)``, ``h`` the step in
+    lambda; first order (DDIM) with one clean-sample estimate ``x0s[-1]`` or ``first_order``, second order with the
+    previous one too (``heun`` or ``midpoint`` correction). diffusers' DPMSolverMultistepScheduler computes the
+    same update but keeps its history and step index inside a scheduler walked from its first step; here it runs
+    after a window whose steps another stepper took, so the update is written out."""
+    x = x.float()
+    sigma_t, sigma_s0 = sigmas[i + 1].to(x.device), sigmas[i].to(x.device)
+    alpha_t, alpha_s0 = 1 - sigma_t, 1 - sigma_s0
+    lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
+    lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
+    h = lambda_t - lambda_s0
+    d0 = x0s[-1].float()
+    out = (sigma_t / sigma_s0) * x - (alpha_t * (torch.exp(-h) - 1.0)) * d0
+    if first_order or len(x0s) < 2:
+        return out
+    sigma_s1 = sigmas[i - 1].to(x.device)
+    lambda_s1 = torch.log(1 - sigma_s1) - torch.log(sigma_s1)
+    d1 = (1.0 / ((lambda_s0 - lambda_s1) / h)) * (d0 - x0s[-2].float())
+    if solver_type == "midpoint":
+        return out - 0.5 * (alpha_t * (torch.exp(-h) - 1.0)) * d1
+    return out + (alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)) * d1
+
+
 def stochastic_stepper(sampler: Any, steps: Any, mask: torch.Tensor, generators: list[torch.Generator], *,
                        where: str, begin: int = 0, phase_starts: Sequence[int] = ()) -> StochasticStepper:
     """The stochastic stepper of a walk over ``steps`` (a ``schedule.Steps``). A multistep solver's schedule is
-    refused unless the sampler asks for Euler steps on it (``multistep: euler``)."""
+    refused unless the sampler asks for Euler steps on it (``multistep: euler``); a scheduler whose model output is
+    no velocity is refused either way."""
+    steps.check_velocity(where)
     if sampler.multistep == "refuse":
         try:
             steps.check_stochastic(where)
@@ -273,8 +314,22 @@ def _fill_random(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: S
         mask[row, first:first + window.length] = True
 
 
+def _fill_sliding(mask: torch.Tensor, window: Any, usable: torch.Tensor, spans: Sequence[tuple[int, int]],
+                  group_ids: torch.Tensor, seed: int) -> None:
+    starts = [s for s in range(window.start, len(usable)) if _fits(window, s, usable, spans)]
+    if not starts:
+        raise SpecError.single(f"no room for a {window.length}-step window starting at or after {window.start} "
+                               f"within the usable steps {_ranges(usable)} of one walk", "sampler.window")
+    first = window.first_step(starts[-1])
+    if not _fits(window, first, usable, spans):
+        raise SpecError.single(f"at iteration {window.iteration} the window starts at step {first}, where "
+                               f"{window.length} steps do not fit the usable steps {_ranges(usable)} of one walk",
+                               "sampler.window")
+    mask[:, first:first + window.length] = True
+
+
 # One mask per window kind of ``omnispec.spec.recipe``; tests/test_architecture.py checks none is missing.
-_WINDOW_FILLS = {"all": _fill_all, "fixed": _fill_fixed, "random": _fill_random}
+_WINDOW_FILLS = {"all": _fill_all, "fixed": _fill_fixed, "random": _fill_random, "sliding": _fill_sliding}
 
 
 def _ranges(usable: torch.Tensor) -> str:

@@ -1,0 +1,19 @@
+"""``policies.attention.sparse``'s target: which attention roles attend over the video's tokens alone, and how a
+denoiser call lays those tokens out as a (frames, height, width) grid."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class VideoTokensTarget:
+    """``roles``: the attention roles whose calls attend from the video's tokens to the video's tokens only (a call
+    of those modules over another length, appended keyframe tokens for instance, runs dense). ``grid``:
+    ``(denoiser, args, kwargs) -> (frames, height, width)`` of a denoiser call's video tokens, in the order the
+    denoiser flattens them (frames outermost, then rows, then columns)."""
+
+    roles: tuple[str, ...]
+    grid: Callable[[Any, tuple, Mapping[str, Any]], tuple[int, int, int]]

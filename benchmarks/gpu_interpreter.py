@@ -43,15 +43,20 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
     mods = w["components"]()
     pipe = omnispec.build(harness.ROOT / "specs" / w["spec"], components=mods, device=harness.DEVICE,
                           overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])
-    ref = getattr(diffusers, w["pipeline"])(**mods, **w.get("diffusers_only", dict)())  # e.g. HunyuanVideo's guider
-    ref.set_progress_bar_config(disable=True)
+    if "reference" in w:  # a modular pipeline (no DiffusionPipeline): the workload's own runner, latents out
+        ref = w["reference"](mods)
+    else:
+        ref = getattr(diffusers, w["pipeline"])(**mods, **w.get("diffusers_only", dict)())  # e.g. HunyuanVideo's guider
+        ref.set_progress_bar_config(disable=True)
 
     def run_ours(n, pipe=pipe):
         pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **w["request"]), decode=False)
 
     def run_ref(n):
-        ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
-            output_type="latent", **w["diffusers_kwargs"])
+        if "reference" in w:
+            return ref(n, **w["diffusers_kwargs"])
+        return ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+                   output_type="latent", **w["diffusers_kwargs"])
 
     sides = {"diffusers": run_ref, "omnispec": run_ours}
     if also:
@@ -84,11 +89,14 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
     # not its loop's latents (FLUX.2 returns them unpacked and denormalised).
     images = w.get("compare") == "images"
     a = pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=lo, **w["request"]), decode=images)
-    a = torch.from_numpy(a.array) if images else a.latents["latents"]
-    b = ref(prompt="a photo of a cat", num_inference_steps=lo, generator=torch.Generator("cpu").manual_seed(0),
-            output_type="np" if images else "latent", **w["diffusers_kwargs"])
-    b = (b.images if hasattr(b, "images") else b.frames)
-    b = torch.from_numpy(b) if images else b
+    a = torch.from_numpy(a.array) if images else a.latents[w.get("stream", "latents")]
+    if "reference" in w:
+        b = run_ref(lo)
+    else:
+        b = ref(prompt="a photo of a cat", num_inference_steps=lo, generator=torch.Generator("cpu").manual_seed(0),
+                output_type="np" if images else "latent", **w["diffusers_kwargs"])
+        b = (b.images if hasattr(b, "images") else b.frames)
+        b = torch.from_numpy(b) if images else b
     cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],

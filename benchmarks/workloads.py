@@ -1031,3 +1031,79 @@ if harness.SMOKE:  # appended after the smoke hook resized the table: the same t
     WORKLOADS["qwen_image21"].update(steps=(1, 2), image_size=(64, 64))
     WORKLOADS["qwen_image21"]["request"] |= {"height": 64, "width": 64}
     WORKLOADS["qwen_image21"]["diffusers_kwargs"] |= {"height": 64, "width": 64}
+# ---- MiniMax-H3 (a modular pipeline only) ----------------------------------------------------------------------------
+
+def _keeping_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as ``from_pretrained(dtype=bfloat16)`` loads it: the modules its class keeps in float32 (MiniMax-H3's
+    patch projections, time embedder and heads; its VAEs' encoders and norms) back in float32."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    for name, module in model.named_modules():
+        if name and any(k in name.split(".") or name.endswith(k) for k in keep):
+            module.float()
+    return model
+
+
+def minimax_h3_components() -> dict:
+    """MiniMax-H3's transformer, video VAE and audio VAE at their real configs (the classes' defaults are the released
+    ones: 50 blocks of width 5376, 56 heads of 128); a Qwen3-VL text encoder of the real width (5120) with the 51
+    layers the model reads ``hidden_states[50]`` from, but narrow attention and feed-forwards (it runs once per
+    request). --smoke: the offline fixture's tiny modules."""
+    import transformers
+    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
+                           MiniMaxH3Transformer3DModel)
+
+    from omnispec.testing.fixtures_minimax_h3 import minimax_h3_components as tiny_minimax_h3_components
+    from omnispec.testing.fixtures_minimax_h3 import minimax_h3_processor
+    from omnispec.testing.tokenizers import qwen_tokenizer
+
+    if harness.SMOKE:
+        mods = tiny_minimax_h3_components()
+        return {k: (_keeping_fp32(m.to(torch.bfloat16)) if isinstance(m, torch.nn.Module) else m)
+                for k, m in mods.items()}
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    with torch.device(harness.DEVICE):
+        transformer = MiniMaxH3Transformer3DModel()
+        text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+            text_config={"hidden_size": 5120, "intermediate_size": 1024, "num_hidden_layers": 51,
+                         "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
+                         "rope_theta": 5000000.0,
+                         "rope_scaling": {"mrope_section": [24, 20, 20], "rope_type": "default",
+                                          "mrope_interleaved": True}},
+            vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
+                           "out_hidden_size": 5120, "deepstack_visual_indexes": [0]},
+            vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]))
+        vae, audio_vae = AutoencoderKLMiniMaxH3(), AutoencoderKLMiniMaxH3Audio()
+    mods = dict(transformer=transformer, text_encoder=text_encoder, vae=vae, audio_vae=audio_vae)
+    mods = {k: _keeping_fp32(m.to(harness.DEVICE, torch.bfloat16).eval()) for k, m in mods.items()}
+    return {**mods, "tokenizer": tokenizer, "processor": minimax_h3_processor(tokenizer),
+            "scheduler": MiniMaxH3Scheduler(shift=12.0), "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
+
+
+def minimax_h3_reference(mods: dict):
+    """diffusers' side of MiniMax-H3: the modular pipeline's blocks up to the denoised rows (no decode), as a function
+    of the step count returning the video rows in omnispec's layout. ``num_inference_steps`` counts the grid's
+    terminal 0, so ``n`` forwards are ``n + 1`` of it."""
+    from diffusers.modular_pipelines import MiniMaxH3Blocks, SequentialPipelineBlocks
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    blocks = MiniMaxH3Blocks()
+    denoise = SequentialPipelineBlocks.from_blocks_dict(
+        {name: blocks.sub_blocks[name] for name in ("before_encode", "text_encoder", "vae_encoder", "denoise")})
+    ref = denoise.init_pipeline()
+    ref.update_components(**mods)
+
+    def run(n: int, **kwargs):
+        out = ref(prompt="a photo of a cat", num_inference_steps=n + 1,
+                  generator=torch.Generator("cpu").manual_seed(0), output="latents", **kwargs)
+        return patchify_video_latents(out, ref.patch_size)[None]
+
+    return run
+
+
+# 124 frames (5.2 s, the shortest and the default) at the default 768x1344 canvas: 37 latent frames of 24x42
+# patches, 37,296 video rows and 414 audio rows in one packed sequence; one forward per step (guidance-distilled).
+WORKLOADS["minimax_h3"] = dict(spec="minimax-h3-t2v.yaml", components=minimax_h3_components,
+                               reference=minimax_h3_reference, stream="video",
+                               request=dict(height=768, width=1344), steps=(1, 3),
+                               diffusers_kwargs=dict(height=768, width=1344))  # num_frames: the blocks' 124

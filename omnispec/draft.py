@@ -214,6 +214,8 @@ def _draft(source: str, family: str, index: dict[str, Any] | None, template: dic
     components = data["model"]["components"]
     scheduler = next((n for n, c in components.items() if c["role"] == "scheduler"), None)
     scheduler_class = _class_tail(components[scheduler]["class"]) if scheduler else None
+    if scheduler_class in _family_flow_match_schedulers(family):
+        scheduler_class = FLOW_MATCH_SCHEDULER
     two_experts = index is not None and index.get("boundary_ratio") is not None
     recipe = data["recipe"]
     for phase in recipe["phases"]:
@@ -293,6 +295,13 @@ def _schedule(schedule: dict[str, Any], scheduler: str | None, scheduler_class: 
     if kind == "scheduler" and scheduler is not None:
         return {**schedule, "component": scheduler}
     return schedule
+
+
+def _family_flow_match_schedulers(family: str) -> tuple[str, ...]:
+    """The scheduler classes the family declares a flow_match schedule reproduces (``Family.flow_match_schedulers``)."""
+    from .runtime.families import family_class
+
+    return family_class(family).flow_match_schedulers
 
 
 def _pipeline_class(family: str, index: dict[str, Any] | None) -> type | None:

@@ -98,6 +98,13 @@ def _qwen_processor(qwen_edit_dir):
     return {"processor": qwen_vl_processor(qwen_edit_dir / "processor")}
 
 
+def _minimax_h3_processor(minimax_h3_dir):
+    from omnispec.testing import minimax_h3_processor
+
+    # transformers loads a Qwen3VLProcessor only with torchvision: handed in memory, as the family tests do.
+    return {"processor": minimax_h3_processor(minimax_h3_dir / "processor")}
+
+
 FEW = ["recipe.defaults.steps=2"]
 KONTEXT = [*TINY_OVERRIDES["flux"], "recipe.defaults.height=48", "model.options={max_area: 1536, auto_resize: false}"]
 # family -> (fixture, pipeline class to relabel to or None, --family or None, overrides, request, components)
@@ -136,6 +143,7 @@ INIT_CASES = {
     "krea2": ("krea2_dir", None, None, TINY_OVERRIDES["krea2"], {}, None),
     # the tiny processor loads without torchvision through the class its overrides name
     "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
+    "minimax_h3": ("minimax_h3_dir", None, None, TINY_OVERRIDES["minimax_h3"], {}, _minimax_h3_processor),
 }
 
 

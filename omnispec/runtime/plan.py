@@ -141,7 +141,8 @@ class RequestPlan:
 
     def scorer(self, walk: Walk, sampler: Any) -> StochasticStepper:
         """The stepper that scores stored transitions of ``walk`` (replay): the same step arithmetic, no draw."""
-        return StochasticStepper(sampler, walk.steps.sigmas, torch.zeros(0, 0, dtype=torch.bool), [])
+        return StochasticStepper(sampler, walk.steps.sigmas, torch.zeros(0, 0, dtype=torch.bool), [],
+                                 stream_sigmas=walk.steps.stream_sigmas)
 
 
 def request_spec(spec: PipelineSpec, request: Request) -> PipelineSpec:
@@ -183,6 +184,8 @@ def _walks(spec: PipelineSpec, family: Family, components: dict[str, Any], devic
         geometry = family.geometry(request, first.size_scale)
         tokens = family.tokens(geometry)
         steps, owned = group_steps(spec, group, request.steps, tokens, components, device)
+        steps.stream_sigmas = family.stream_sigmas(steps.sigmas)
+        steps.check_own_sigmas(f"recipe.phases.{group[0]}.schedule")
         begin = first_step(first, steps, request.strength)
         runs = []
         for k, idx in enumerate(group):

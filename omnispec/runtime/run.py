@@ -144,10 +144,10 @@ class Run:
         if self.family.prediction_space == "velocity":
             guided = combine(plan, preds, run.phase.guidance, run.state)
             return self.family.constrain(guided, x, images, walk.geometry)
-        sigma = walk.steps.sigmas[i]
-        x0 = {name: {s: x[s].float() - sigma * v.float() for s, v in p.items()} for name, p in preds.items()}
+        sigma = {s: walk.steps.stream_sigmas.get(s, walk.steps.sigmas)[i] for s in x}
+        x0 = {name: {s: x[s].float() - sigma[s] * v.float() for s, v in p.items()} for name, p in preds.items()}
         guided = self.family.constrain(combine(plan, x0, run.phase.guidance, run.state), x, images, walk.geometry)
-        return {s: (x[s].float() - guided[s]) / sigma for s in guided}
+        return {s: (x[s].float() - guided[s]) / sigma[s] for s in guided}
 
     def _passes(self, walk: Walk, run: PhaseRun, i: int, x: Streams, rows: Sequence[int] | None
                 ) -> dict[str, Streams]:

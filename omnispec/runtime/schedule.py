@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class Steps:
     sigmas: torch.Tensor
     num_train_timesteps: int
     scheduler: Any | None = None  # a fresh copy for this walk (kind ``scheduler``), else None
+    # Streams on sigmas of their own, one per entry of ``sigmas`` (``Family.stream_sigmas``); the others walk ``sigmas``.
+    stream_sigmas: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.timesteps)
@@ -43,10 +45,16 @@ class Steps:
     def stepper(self, streams: Sequence[str], begin: int) -> Stepper:
         """The deterministic stepper of this walk, positioned at step ``begin``."""
         if self.scheduler is None:
-            return EulerStepper(self.sigmas)
+            return EulerStepper(self.sigmas, self.stream_sigmas)
         stepper = SchedulerStepper(self.scheduler, self.timesteps, streams)
         stepper.start_at(begin)
         return stepper
+
+    def check_own_sigmas(self, where: str) -> None:
+        """A scheduler's own ``step`` walks its one schedule: streams on sigmas of their own need Euler steps."""
+        if self.scheduler is not None and self.stream_sigmas:
+            raise SpecError.single(f"stream(s) {', '.join(self.stream_sigmas)} walk sigmas of their own, which "
+                                   f"{type(self.scheduler).__name__}.step cannot take: use a flow_match schedule", where)
 
     def check_velocity(self, where: str) -> None:
         """Refuse replacing this walk's steps by Euler or SDE steps when its model output is no velocity."""

@@ -23,6 +23,9 @@ __all__ += ["qwen21_processor", "tiny_qwen_image21"]
 from .fixtures_krea2 import tiny_krea2
 
 __all__ += ["tiny_krea2"]
+from .fixtures_minimax_h3 import minimax_h3_processor, tiny_minimax_h3
+
+__all__ += ["minimax_h3_processor", "tiny_minimax_h3"]
 
 from .offline import TINY_SPECS, tiny_checkpoint
 

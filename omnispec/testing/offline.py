@@ -55,6 +55,8 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "qwen-image-2.1-edit": ("tiny_qwen_image21", {}, "qwen_image21_edit", ()),
     "qwen-image-2.1-turbo": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21", ()),
     "qwen-image-2.1-turbo-edit": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21_edit", ()),
+    "minimax-h3-t2v": ("tiny_minimax_h3", {}, "minimax_h3", ()),
+    "minimax-h3-fl2va": ("tiny_minimax_h3", {}, "minimax_h3", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

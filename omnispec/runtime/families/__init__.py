@@ -35,6 +35,7 @@ _BUILTIN = {
     "ltx25_condition": "omnispec.runtime.families.ltx25:LTX25ConditionFamily",
     "krea2": "omnispec.runtime.families.krea2:Krea2Family",
     "qwen_image21": "omnispec.runtime.families.qwen_image21:QwenImage21Family",
+    "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

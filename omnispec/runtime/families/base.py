@@ -81,6 +81,9 @@ class Family:
     # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
     # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
     model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+    # Scheduler classes besides FlowMatchEulerDiscreteScheduler whose schedule a ``flow_match`` schedule with the
+    # config's ``shift`` reproduces, so ``omnispec init`` drafts one (``shift: from_checkpoint``) for them.
+    flow_match_schedulers: ClassVar[tuple[str, ...]] = ()
 
     # ---- what techniques need from the denoiser -----------------------------------------------------------
     # Declared on the class (known before weights load); an instance's ``targets`` adds what needs the instance
@@ -265,6 +268,12 @@ class Family:
         where the model needs it: first-frame latents of image-to-video, the kept region of inpainting (re-noised
         to ``sigma``)."""
         return latents
+
+    def stream_sigmas(self, sigmas: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Streams that walk noise levels of their own while the walk walks ``sigmas`` (float32, terminal
+        included): stream -> its sigma at each of those steps (MiniMax-H3's audio, on its own shift). The steppers
+        step those streams on them; by default every stream walks the walk's sigmas."""
+        return {}
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         raise NotImplementedError

@@ -41,12 +41,16 @@ def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor
 class EulerStepper:
     """``x_next = x + (sigma_next - sigma) * v`` per stream, cast back to the stream's dtype (as diffusers)."""
 
-    def __init__(self, sigmas: torch.Tensor):
+    def __init__(self, sigmas: torch.Tensor, stream_sigmas: dict[str, torch.Tensor] | None = None):
         self.sigmas = sigmas.to(torch.float32)
+        self.stream_sigmas = {s: v.to(torch.float32) for s, v in (stream_sigmas or {}).items()}
 
     def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
-        dt = self.sigmas[i + 1] - self.sigmas[i]
-        return StepResult({s: euler(x[s], pred[s], dt).to(x[s].dtype) for s in x})
+        out = {}
+        for s in x:
+            sigmas = self.stream_sigmas.get(s, self.sigmas)
+            out[s] = euler(x[s], pred[s], sigmas[i + 1] - sigmas[i]).to(x[s].dtype)
+        return StepResult(out)
 
 
 class SchedulerStepper:

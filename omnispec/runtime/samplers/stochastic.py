@@ -136,8 +136,11 @@ class StochasticStepper:
     sampler decodes it."""
 
     def __init__(self, sampler: Any, sigmas: torch.Tensor, mask: torch.Tensor, generators: list[torch.Generator],
-                 *, begin: int = 0, phase_starts: Sequence[int] = ()):
+                 *, begin: int = 0, phase_starts: Sequence[int] = (),
+                 stream_sigmas: Mapping[str, torch.Tensor] | None = None):
         self.spec, self.sigmas, self.mask, self.generators = sampler, sigmas.to(torch.float32), mask, generators
+        # Streams on sigmas of their own (``Family.stream_sigmas``), each with its own guard.
+        self.stream_sigmas = {s: v.to(torch.float32) for s, v in (stream_sigmas or {}).items()}
         # Flow-GRPO's guard for sigma = 1: the schedule's second sigma (the terminal 0 for a one-step schedule).
         self.guard = self.sigmas[1]
         window = mask.any(0) if mask.numel() else torch.zeros(len(self.sigmas) - 1, dtype=torch.bool)
@@ -153,19 +156,21 @@ class StochasticStepper:
         """Whether step ``i`` (outside the window) may reuse the last computed prediction."""
         return i in self.reused
 
+    def sigmas_of(self, stream: str) -> torch.Tensor:
+        return self.stream_sigmas.get(stream, self.sigmas)
+
     def step(self, x: Streams, pred: Streams, i: int) -> StepResult:
-        dt = self.sigmas[i + 1] - self.sigmas[i]
-        x0 = {s: x[s].float() - self.sigmas[i].to(x[s].device) * pred[s].float() for s in x} \
+        x0 = {s: x[s].float() - self.sigmas_of(s)[i].to(x[s].device) * pred[s].float() for s in x} \
             if i == self.x0_at else None
         if self.solver == "dpmsolver++":
-            self.history = [*self.history[-1:], {s: x[s].float() - self.sigmas[i].to(x[s].device) * pred[s].float()
-                                                 for s in x}]
+            self.history = [*self.history[-1:], {s: x[s].float() - self.sigmas_of(s)[i].to(x[s].device)
+                                                 * pred[s].float() for s in x}]
             if i > self.after:
                 final = i == len(self.sigmas) - 2
-                return StepResult({s: dpm_solver_pp(x[s], [h[s] for h in self.history], self.sigmas, i,
+                return StepResult({s: dpm_solver_pp(x[s], [h[s] for h in self.history], self.sigmas_of(s), i,
                                                     self.spec.outside_window.solver_type, first_order=final)
                                    for s in x}, x0=x0)
-        ode = {s: euler(x[s], pred[s], dt) for s in x}
+        ode = {s: euler(x[s], pred[s], self.sigmas_of(s)[i + 1] - self.sigmas_of(s)[i]) for s in x}
         rows = self.mask[:, i]
         if not bool(rows.any()):
             return StepResult(ode, x0=x0)
@@ -194,9 +199,10 @@ class StochasticStepper:
         for s in x:
             shape = (-1, *[1] * (x[s].ndim - 1))
             device = x[s].device
-            sigma = self.sigmas[i].to(device).expand(x[s].shape[0]).reshape(shape)
-            sigma_next = self.sigmas[i + 1].to(device).expand(x[s].shape[0]).reshape(shape)
-            t = stochastic_step(self.spec, x[s], pred[s], sigma, sigma_next, self.guard.to(device),
+            sigmas = self.sigmas_of(s)
+            sigma = sigmas[i].to(device).expand(x[s].shape[0]).reshape(shape)
+            sigma_next = sigmas[i + 1].to(device).expand(x[s].shape[0]).reshape(shape)
+            t = stochastic_step(self.spec, x[s], pred[s], sigma, sigma_next, sigmas[1].to(device),
                                 noise=None if noise is None else noise[s].to(device),
                                 sample=None if sample is None else sample[s].to(device))
             result.next[s] = t.sample
@@ -244,7 +250,8 @@ def stochastic_stepper(sampler: Any, steps: Any, mask: torch.Tensor, generators:
         except SpecError as exc:
             raise SpecError.single(f"{exc.problems[0].message}; or set multistep: euler to take Euler and SDE steps "
                                    "on its sigmas, as Flow-GRPO's Wan pipeline does", where) from None
-    return StochasticStepper(sampler, steps.sigmas, mask, generators, begin=begin, phase_starts=phase_starts)
+    return StochasticStepper(sampler, steps.sigmas, mask, generators, begin=begin, phase_starts=phase_starts,
+                             stream_sigmas=steps.stream_sigmas)
 
 
 def window_mask(sampler: Any, steps: int, group_ids: torch.Tensor, seed: int, start: int = 0,

@@ -11,7 +11,9 @@ from omnispec.rl.buckets import Assembler, to_buckets
 
 from conftest import ROOT, SPECS
 
-OVERRIDES = ["runtime.progress=false", "recipe.defaults.steps=4"]
+# one thread in every process: a CPU matmul's sums follow the thread count, which a build otherwise takes from the free
+# cores of the moment, so the trainer and the workers could round differently
+OVERRIDES = ["runtime.progress=false", "recipe.defaults.steps=4", "runtime.threads=1"]
 # windows the same for every sample of a rollout, so its replay batches each step's rows as the rollout did (a
 # per-sample random window regroups them, and a CPU forward of another batch size can differ in the last bit)
 SDE = {"kind": "sde", "window": {"kind": "random", "length": 2, "high": 2, "scope": "batch"}}

@@ -48,22 +48,21 @@ class ImageOnlyQwen3VLProcessorLoader:
 def minimax_h3_processor(tokenizer_or_path):
     """A ``Qwen3VLProcessor`` from a tokenizer (or a saved ``processor/`` folder), without the video processor that
     transformers builds only with torchvision; MiniMax-H3's text workflows read only its token-type ids."""
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor
+    from .tokenizers import qwen_vl_parts
 
-    if isinstance(tokenizer_or_path, (str, bytes)) or hasattr(tokenizer_or_path, "__fspath__"):
-        images = Qwen2VLImageProcessor.from_pretrained(tokenizer_or_path)
-        tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_or_path)
-    else:
-        images = Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16})
-        tokenizer = tokenizer_or_path
+    images, tokenizer = qwen_vl_parts(tokenizer_or_path)
     return _processor_class()(image_processor=images, tokenizer=tokenizer)
 
 
 def minimax_h3_components(seed: int = 0) -> dict:
     """Tiny modules of ``MiniMaxH3ModularPipeline``'s t2va / fl2va workflows."""
     import transformers
-    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
-                           MiniMaxH3Transformer3DModel)
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3Scheduler,
+        MiniMaxH3Transformer3DModel,
+    )
 
     from .tokenizers import qwen_tokenizer
 

@@ -120,16 +120,20 @@ def qwen_vl_processor(tokenizer_or_path):
     """A ``Qwen2VLProcessor`` (image processor + tokenizer) from a tokenizer, or loaded from a saved ``processor/``
     folder. Built without a video processor, which transformers builds only with torchvision installed; small
     ``longest_edge`` keeps the vision sequence short."""
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers import Qwen2VLProcessor
 
     class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
         def check_argument_for_proper_class(self, name, arg):
             return None if arg is None else super().check_argument_for_proper_class(name, arg)
 
+    return ImageOnlyQwen2VLProcessor(*qwen_vl_parts(tokenizer_or_path))
+
+
+def qwen_vl_parts(tokenizer_or_path):
+    """The image processor and tokenizer of a Qwen-VL processor: loaded from a saved ``processor/`` folder, or a small
+    image processor (short vision sequences) beside the given tokenizer."""
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor
+
     if isinstance(tokenizer_or_path, (str, bytes)) or hasattr(tokenizer_or_path, "__fspath__"):
-        images = Qwen2VLImageProcessor.from_pretrained(tokenizer_or_path)
-        tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_or_path)
-    else:
-        images = Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16})
-        tokenizer = tokenizer_or_path
-    return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=tokenizer)
+        return Qwen2VLImageProcessor.from_pretrained(tokenizer_or_path), Qwen2Tokenizer.from_pretrained(tokenizer_or_path)
+    return Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16}), tokenizer_or_path

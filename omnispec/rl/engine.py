@@ -39,7 +39,7 @@ import torch
 from ..spec import SpecError, SpecTypeError
 from .buckets import Assembler, Piece, check_bucket_bytes, state_items, to_buckets
 from .checks import check_rollout_args
-from .pool import _require_ray
+from .pool import start_actors
 from .rollout import Rollout
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -290,19 +290,14 @@ class RolloutEngine:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise SpecError.single(f"expected an int >= 1, got {num_workers!r}", "num_workers")
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-        ray = _require_ray()
-        if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
-        if isinstance(spec, Path):
-            spec = str(spec)
-        actor = ray.remote(num_gpus=num_gpus_per_worker, num_cpus=num_cpus_per_worker)(_EngineWorker)
-        self._ray = ray
-        self.workers = [actor.remote(spec, build_kwargs, make_components) for _ in range(num_workers)]
+        self._ray, self.workers = start_actors(_EngineWorker, num_workers, num_gpus_per_worker, num_cpus_per_worker,
+                                               str(spec) if isinstance(spec, Path) else spec, build_kwargs,
+                                               make_components)
         self._load = [0] * num_workers  # samples given to each worker so far
         self._lock = threading.Lock()
         self.version = 0
         self.asleep = False
-        ray.get([w.state.remote() for w in self.workers])  # built (a build error raises here)
+        self._ray.get([w.state.remote() for w in self.workers])  # built (a build error raises here)
 
     # ---- rollouts -------------------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import SpecError, SpecTypeError
-from .rollout import Replay
+from ..spec import SpecError
+from .rollout import Replay, check_replay_pair
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor,
@@ -44,14 +44,9 @@ def guard_log_ratio(new: Replay, old: Replay) -> torch.Tensor:
     grows as ``s`` shrinks, so the ratios of low-noise steps sit below 1, and its spread scales with ``1 / s``.
     Per stream, this returns ``s (log p - log p_old) + mean((mean - mean_old)^2) / (2 s)`` = ``mean(eps d)``: the
     log-ratio with that shift removed (RatioNorm) and multiplied by ``s`` (the gradient reweighting that evens the
-    steps out), summed over streams; ``exp`` of it is the ratio to clip (``clipped_surrogate``). It needs Gaussian log-probs: ``sde``, ``dance_sde``, or ``cps`` with ``log_prob: gaussian``."""
-    for name, value in (("new", new), ("old", old)):
-        if not isinstance(value, Replay):
-            raise SpecTypeError.single(f"expected an omnispec.rl.Replay (what Pipeline.log_prob returns), got "
-                                       f"{type(value).__name__}", name)
-    if set(new.transition_means) != set(old.transition_means):
-        raise SpecError.single(f"streams {sorted(old.transition_means)} differ from the new replay's "
-                               f"{sorted(new.transition_means)}", "old")
+    steps out), summed over streams; ``exp`` of it is the ratio to clip (``clipped_surrogate``). It needs Gaussian
+    log-probs: ``sde``, ``dance_sde``, or ``cps`` with ``log_prob: gaussian``."""
+    check_replay_pair(("new", new), ("old", old))
     total = None
     for s, mean in new.transition_means.items():
         ref = old.transition_means[s].to(mean.device)

@@ -86,17 +86,20 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
     )
 
 
+def start_actors(worker: type, count: int, gpus: float, cpus: float, *args: Any) -> tuple[Any, list[Any]]:
+    """Ray (started here unless it runs already) and ``count`` actors of ``worker`` built with ``args``."""
+    ray = _require_ray()
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+    actor = ray.remote(num_gpus=gpus, num_cpus=cpus)(worker)
+    return ray, [actor.remote(*args) for _ in range(count)]
+
+
 class RolloutPool:
     def __init__(self, spec: Any, num_workers: int = 2, *, num_gpus_per_worker: float = 0.0,
                  num_cpus_per_worker: float = 1.0, **build_kwargs: Any):
-        ray = _require_ray()
-        if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
-        if isinstance(spec, Path):
-            spec = str(spec)
-        actor = ray.remote(num_gpus=num_gpus_per_worker, num_cpus=num_cpus_per_worker)(_Worker)
-        self._ray = ray
-        self.workers = [actor.remote(spec, build_kwargs) for _ in range(num_workers)]
+        self._ray, self.workers = start_actors(_Worker, num_workers, num_gpus_per_worker, num_cpus_per_worker,
+                                               str(spec) if isinstance(spec, Path) else spec, build_kwargs)
 
     def rollout(self, prompts: Sequence[str], group_size: int = 1, seed: int = 0, sampler: Any = None,
                 shared_noise: bool = False, **request: Any) -> Rollout:

@@ -123,6 +123,17 @@ class Replay:
                       {s: pick(v) for s, v in self.std_t.items()}, batching=self.batching)
 
 
+def check_replay_pair(first: tuple[str, Any], second: tuple[str, Any]) -> None:
+    """Two arguments (name, value) that must be replays of the same streams, as losses comparing them need."""
+    for name, value in (first, second):
+        if not isinstance(value, Replay):
+            raise SpecTypeError.single(f"expected an omnispec.rl.Replay (what Pipeline.log_prob returns), got "
+                                       f"{type(value).__name__}", name)
+    if set(first[1].transition_means) != set(second[1].transition_means):
+        raise SpecError.single(f"streams {sorted(second[1].transition_means)} differ from the {first[0]} replay's "
+                               f"{sorted(first[1].transition_means)}", second[0])
+
+
 def kl(policy: Replay, reference: Replay, *, normalize: bool = True) -> torch.Tensor:
     """Flow-GRPO's KL term per sample and replayed step, ``(B, K)``: for each stream the mean over its elements
     of ``(mean - mean_ref)^2``, divided by ``2 std_t^2`` (the policy's ``std_t``, without the ``sqrt(-dt)``
@@ -131,13 +142,7 @@ def kl(policy: Replay, reference: Replay, *, normalize: bool = True) -> torch.Te
 
     ``policy`` is a replay with the trained weights (``pipe.log_prob(ro, grad=True)``), ``reference`` the same
     transitions under the reference weights (inside ``omnispec.rl.reference(pipe)``)."""
-    for name, value in (("policy", policy), ("reference", reference)):
-        if not isinstance(value, Replay):
-            raise SpecTypeError.single(f"expected an omnispec.rl.Replay (what Pipeline.log_prob returns), got "
-                                       f"{type(value).__name__}", name)
-    if set(policy.transition_means) != set(reference.transition_means):
-        raise SpecError.single(f"streams {sorted(reference.transition_means)} differ from the policy's "
-                               f"{sorted(policy.transition_means)}", "reference")
+    check_replay_pair(("policy", policy), ("reference", reference))
     total = None
     for s, mean in policy.transition_means.items():
         ref = reference.transition_means[s]

@@ -75,29 +75,17 @@ def tiny_flux(root: str | Path, seed: int = 0, guidance_embeds: bool = True, fil
     return Path(root)
 
 
-def tiny_flux2_klein(root: str | Path, seed: int = 0, distilled: bool = False) -> Path:
-    """FLUX.2 [klein] layout: a 27-layer Qwen3 causal LM 16 wide (the prompt is its hidden states at layers 9, 18
-    and 27, stacked), a one-double one-single block transformer, FLUX.2's VAE at scale 2 with non-trivial batch-norm
-    statistics, and the real scheduler config (dynamic, exponential; the pipeline computes mu itself)."""
-    import transformers
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
+def flux2_image_modules(seed: int, guidance_embeds: bool) -> tuple:
+    """FLUX.2's tiny transformer (guidance embeddings for [dev], none for [klein]), VAE and scheduler, each module
+    seeded alike, as both FLUX.2 fixtures build them."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
-    from .tokenizers import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
-
-    _seeded(seed)
-    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        hidden_size=16, intermediate_size=16, num_hidden_layers=27, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=512, max_position_embeddings=512, head_dim=8)).eval()
     _seeded(seed)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=48, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
-        guidance_embeds=False).eval()
+        guidance_embeds=guidance_embeds).eval()
     _seeded(seed)
     vae = AutoencoderKLFlux2(
         sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
@@ -109,6 +97,23 @@ def tiny_flux2_klein(root: str | Path, seed: int = 0, distilled: bool = False) -
     scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
                                                 max_shift=1.15, shift=3.0, time_shift_type="exponential",
                                                 use_dynamic_shifting=True)
+    return transformer, vae, scheduler
+
+
+def tiny_flux2_klein(root: str | Path, seed: int = 0, distilled: bool = False) -> Path:
+    """FLUX.2 [klein] layout: a 27-layer Qwen3 causal LM 16 wide (the prompt is its hidden states at layers 9, 18
+    and 27, stacked), a one-double one-single block transformer, FLUX.2's VAE at scale 2 with non-trivial batch-norm
+    statistics, and the real scheduler config (dynamic, exponential; the pipeline computes mu itself)."""
+    import transformers
+    from diffusers import Flux2KleinPipeline
+
+    from .tokenizers import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
+
+    _seeded(seed)
+    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=27, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, head_dim=8)).eval()
+    transformer, vae, scheduler = flux2_image_modules(seed, guidance_embeds=False)
     Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=qwen_tokenizer(
         QWEN3_CHAT_TEMPLATE), transformer=transformer, is_distilled=distilled).save_pretrained(root)
     return Path(root)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from .fixtures import TINY_OVERRIDES, _seeded
+from .fixtures import TINY_OVERRIDES, _seeded, flux2_image_modules
 from .tokenizers import QWEN_SENTENCES
 
 # Mistral's control tokens as the chat template below writes them; [IMG]* are the Pixtral processor's image tokens.
@@ -61,7 +59,7 @@ def tiny_flux2(root: str | Path, seed: int = 0) -> Path:
     block transformer with guidance embeddings, FLUX.2's VAE at scale 2 with non-trivial batch-norm statistics, and
     the real scheduler config."""
     import transformers
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import Flux2Pipeline
 
     _seeded(seed)
     tokenizer = mistral_tokenizer()
@@ -73,22 +71,7 @@ def tiny_flux2(root: str | Path, seed: int = 0) -> Path:
                                                        num_attention_heads=2, head_dim=8, image_size=64,
                                                        patch_size=8),
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1)).eval()
-    _seeded(seed)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=48, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
-        guidance_embeds=True).eval()
-    _seeded(seed)
-    vae = AutoencoderKLFlux2(
-        sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1, latent_channels=4,
-        norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False).eval()
-    with torch.no_grad():  # 16 = 4 latent channels x a 2x2 patch
-        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, 16))
-        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 16))
-    scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
-                                                max_shift=1.15, shift=3.0, time_shift_type="exponential",
-                                                use_dynamic_shifting=True)
+    transformer, vae, scheduler = flux2_image_modules(seed, guidance_embeds=True)
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                   transformer=transformer).save_pretrained(root)
     return Path(root)

@@ -272,6 +272,23 @@ QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=
                       shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
 
 
+def qwen25_vl_encoder(ids: list[int], vision_depth: int):
+    """A tiny Qwen2.5-VL (2 text layers 16 wide, a ``vision_depth``-block vision tower); ``ids``: the tokenizer's
+    vision start, vision end, vision pad, image pad, video pad and end-of-text tokens."""
+    import transformers
+
+    return transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 2, "rope_theta": 1000000.0, "vocab_size": 512, "bos_token_id": ids[5],
+                     "eos_token_id": ids[5],
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": vision_depth, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": 16},
+        hidden_size=16, vocab_size=512, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+        vision_token_id=ids[2], image_token_id=ids[3], video_token_id=ids[4], bos_token_id=ids[5],
+        eos_token_id=ids[5])).eval()
+
+
 def qwen_image_components(seed: int = 0, edit: bool = False) -> dict:
     """Tiny ``QwenImagePipeline`` modules: a Qwen2.5-VL text encoder (with its vision tower, which editing feeds)
     and a 4-channel Qwen VAE at scale 16 (so an editing reference, always about 1024x1024 pixels, is 1024 tokens)
@@ -294,15 +311,7 @@ def qwen_image_components(seed: int = 0, edit: bool = False) -> dict:
                                  temperal_downsample=[False, False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
                                  latents_std=[1.5, 2.0, 0.5, 1.0]).eval()
     _seeded(seed)
-    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "num_key_value_heads": 2, "rope_theta": 1000000.0, "vocab_size": 512, "bos_token_id": ids[5],
-                     "eos_token_id": ids[5],
-                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
-        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
-        hidden_size=16, vocab_size=512, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
-        vision_token_id=ids[2], image_token_id=ids[3], video_token_id=ids[4], bos_token_id=ids[5],
-        eos_token_id=ids[5])).eval()
+    text_encoder = qwen25_vl_encoder(ids, vision_depth=2)
     modules = dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                    scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
     if edit:

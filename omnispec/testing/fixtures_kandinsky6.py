@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fixtures import _clip, _seeded
+from .fixtures import _clip, _seeded, qwen25_vl_encoder
 from .tokenizers import clip_tokenizer, qwen_tokenizer
 
 N_GRID = 2  # the distilled scheduler's predictions per channel (the real checkpoint's is its own config's)
@@ -27,9 +27,14 @@ AUDIO_CHANNELS = 4
 
 def kandinsky6_components(seed: int = 0, distilled: bool = True) -> dict:
     """Tiny ``Kandinsky6TI2VAPipeline`` modules."""
-    import transformers
-    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky6Transformer3DModel,
-                           MMAudioVAE, MMAudioVocoder, PiflowScheduler)
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        Kandinsky6Transformer3DModel,
+        MMAudioVAE,
+        MMAudioVocoder,
+        PiflowScheduler,
+    )
 
     grid = N_GRID if distilled else 1
     _seeded(seed)
@@ -57,15 +62,7 @@ def kandinsky6_components(seed: int = 0, distilled: bool = True) -> dict:
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                                            "<|video_pad|>", "<|endoftext|>"])
     _seeded(seed)
-    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "num_key_value_heads": 2, "rope_theta": 1000000.0, "vocab_size": 512, "bos_token_id": ids[5],
-                     "eos_token_id": ids[5],
-                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
-        hidden_size=16, vocab_size=512, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
-        vision_token_id=ids[2], image_token_id=ids[3], video_token_id=ids[4], bos_token_id=ids[5],
-        eos_token_id=ids[5])).eval()
+    text_encoder = qwen25_vl_encoder(ids, vision_depth=1)
     _seeded(seed)
     clip = _clip()
     scheduler = PiflowScheduler(shift=5.0, n_grid=N_GRID) if distilled else FlowMatchEulerDiscreteScheduler(shift=5.0)

@@ -146,8 +146,8 @@ def test_the_modulation_table_counts_in_the_denoise_stage(flux_dir, flux_estimat
 
 
 def test_time_per_step_comes_from_a_device_kinds_published_peaks(flux_dir, flux_estimate):
-    """Nothing is timed live: the same count gives each kind's time from its peak for the dtype, its bandwidth and
-    its launch cost; a compiled forward reaches a larger share of the peak and has no launches to pay."""
+    """A GPU kind is timed from its published figures: the same count gives each kind's time from its peak for the
+    dtype, its bandwidth and its launch cost; a compiled forward reaches a larger share of the peak and has no launches to pay."""
     from omnispec.estimate import devices
 
     e = flux_estimate  # on this machine's CPU, whose thread that dispatches an op also runs it: the two add up
@@ -211,3 +211,19 @@ def test_cli_explain_estimate_prints_and_dumps_json(flux_dir, capsys):
 def test_estimate_needs_a_checkpoint_on_disk(capsys):
     assert main(["explain", "flux1-dev", "--estimate"]) == 2
     assert "--source" in capsys.readouterr().err
+
+
+def test_the_cpu_kind_is_measured_once_per_thread_count():
+    """A CPU's cost of an op and matmul rate are measured here (no published figure predicts eager torch on it), once
+    for each thread count torch runs with."""
+    import torch
+
+    from omnispec.estimate import calibrate
+
+    threads = torch.get_num_threads()
+    first = calibrate.cpu_kind(1)
+    assert first is calibrate.cpu_kind(1)  # measured once
+    assert 1e-7 < first.launch_seconds < 1e-3 and 1e-4 < first.tflops["float32"] < 100
+    assert not first.overlaps and first.host_link is None and "at 1 torch thread(s)" in first.basis
+    assert calibrate.cpu_kind(2) is not first and "at 2 torch thread(s)" in calibrate.cpu_kind(2).basis
+    assert torch.get_num_threads() == threads  # measured at the count asked for, then put back

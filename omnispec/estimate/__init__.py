@@ -46,7 +46,7 @@ def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = N
     (``devices.NAMES``: h200, h100, a100, l40s, 4090, cpu; default: this machine's) from the checkpoint at
     ``source`` (else ``model.source``; a local folder or the Hub cache), loading no weights and timing nothing.
     ``trust_code`` lets the components' configs name code for their loaders (``--trust-code``), as ``build``'s."""
-    target = device_kind(kind)
+    target = device_kind(kind, spec.runtime.threads)
     root = _checkpoint_root(spec, source)
     from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
 
@@ -257,7 +257,8 @@ def _time(result: Estimate, kind: DeviceKind, spec: PipelineSpec) -> None:
         per_forward = (max(per_forward, result.transfer_seconds) if offload.prefetch
                        else per_forward + result.transfer_seconds)
     result.step_seconds = per_forward * result.forwards_per_step
-    result.timed_for = f"{kind.name}: {kind.tflops[dtype]:g} TFLOP/s {dtype} peak x {dtype_share(kind, compiled):.0%}"
+    result.timed_for = (f"{kind.name} ({kind.basis}): {kind.tflops[dtype]:.3g} TFLOP/s {dtype} peak x "
+                        f"{dtype_share(kind, compiled):.0%}")
 
 
 def dtype_share(kind: DeviceKind, compiled: bool) -> float:

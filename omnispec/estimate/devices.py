@@ -1,8 +1,8 @@
 """Devices an estimate is for, by their published figures: dense matmul peaks per dtype, memory bandwidth, the
 host-to-device link, and what share of the peak an eager or compiled denoiser forward reaches.
 
-An estimate times nothing live: a per-step time measured on a busy machine swung 150x with its load, and one
-measured at 1024x1024 on a CPU took minutes. Time is FLOPs over the device's peak for the model's dtype times the
+An estimate times no run of the model: a per-step time measured on a busy machine swung 150x with its load, and one
+measured at 1024x1024 on a CPU took minutes. Only the CPU kind is measured, on small fixed stacks (``calibrate``). Time is FLOPs over the device's peak for the model's dtype times the
 share a denoiser reaches, plus the other ops' bytes over its bandwidth, or the ops' launch cost where that is
 larger. The shares come from FLUX.1-dev's eager and compiled steps recorded in BENCHMARKS.md ("Interpreter overhead
 and per-family parity", "Compile: regional, full, CUDA graphs, autotune").
@@ -10,7 +10,6 @@ and per-family parity", "Compile: regional, full, CUDA graphs, autotune").
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 EAGER_SHARE = 0.43
@@ -29,19 +28,19 @@ class DeviceKind:
     # Whether an op's dispatch overlaps the device's work on earlier ops (a GPU's queue); on a CPU the thread that
     # dispatches an op also runs it, so the two add up.
     overlaps: bool = True
+    basis: str = "published figures"  # where the figures come from (the CPU's: measured here)
 
     def seconds(self, flops: float, dtype: str, compiled: bool) -> float:
         share = self.share or (COMPILED_SHARE if compiled else EAGER_SHARE)
         return flops / (self.tflops[dtype] * 1e12 * share)
 
 
-def _cpu() -> DeviceKind:
-    """This machine's CPU, at the rate a core of the development machine reached on the FLOP-counted float32 matmuls
-    of a tiny FLUX forward, and the time eager torch takes to dispatch one op from a module's forward there (the
-    digits model's step: BENCHMARKS.md, "Everyday use: answers and estimates")."""
-    rate = 0.043 * (os.cpu_count() or 1)
-    return DeviceKind("cpu", {"float32": rate, "bfloat16": rate / 2, "float16": rate / 2, "float8": rate / 2},
-                      20e9, None, 7e-6, share=1.0, overlaps=False)
+def _cpu(threads: int | None) -> DeviceKind:
+    """This machine's CPU at ``threads`` (``runtime.threads``; unset: what a run here would choose), measured
+    (``calibrate``): CPUs publish no figure that predicts eager torch on them."""
+    from .calibrate import cpu_kind
+
+    return cpu_kind(threads)
 
 
 # Published dense (no sparsity) tensor-core peaks; float32 is the plain (non-TF32) rate, as torch runs float32
@@ -61,17 +60,17 @@ KINDS = {
 NAMES = (*KINDS, "cpu")
 
 
-def device_kind(name: str | None) -> DeviceKind:
-    """The named kind, or this machine's (its GPU when torch names one of the kinds, else its CPU)."""
+def device_kind(name: str | None, threads: int | None = None) -> DeviceKind:
+    """The named kind, or this machine's (its GPU when torch names one of the kinds, else its CPU at ``threads``)."""
     if name == "cpu":
-        return _cpu()
+        return _cpu(threads)
     if name is not None:
         if name not in KINDS:
             from ..spec import SpecError
 
             raise SpecError.single(f"unknown device kind {name!r}; known: {', '.join(NAMES)}", "--device-kind")
         return KINDS[name]
-    return local_kind() or _cpu()
+    return local_kind() or _cpu(threads)
 
 
 def local_kind() -> DeviceKind | None:

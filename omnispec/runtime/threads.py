@@ -28,6 +28,18 @@ def free_cores() -> int:
     return max(1, min(cores, round(cores - max(0.0, load - 1.0))))
 
 
+def cpu_threads(wanted: int | None) -> int:
+    """The torch threads a CPU run of this process uses: ``wanted``; else, unset, the count a first build chose (or
+    torch's, where ``OMP_NUM_THREADS`` is set); else torch's lowered to ``free_cores``."""
+    if wanted is not None:
+        return wanted
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    if _CHOSEN:
+        return _CHOSEN[0]
+    return min(torch.get_num_threads(), free_cores())
+
+
 def set_cpu_threads(wanted: int | None) -> None:
     """Torch's intra-op threads for a CPU run: ``wanted``, or (unset) torch's count lowered to ``free_cores``."""
     if wanted is not None:
@@ -36,7 +48,7 @@ def set_cpu_threads(wanted: int | None) -> None:
     if "OMP_NUM_THREADS" in os.environ or _CHOSEN:
         return
     current = torch.get_num_threads()
-    chosen = min(current, free_cores())
+    chosen = cpu_threads(None)
     _CHOSEN.append(chosen)
     if chosen < current:
         torch.set_num_threads(chosen)

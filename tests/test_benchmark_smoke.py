@@ -8,13 +8,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_parallel import free_port
 
+import preloaded
 from conftest import cpu_env
 
 # (module, extra arguments, processes): the parallel benchmark runs under torchrun on gloo.
@@ -78,14 +76,13 @@ def _rows(stdout: str) -> list[dict]:
 def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp_path):
     if module in NEEDS:
         pytest.importorskip(NEEDS[module])
-    if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-                   "--master-port", str(free_port()), "-m", f"benchmarks.{module}", "--smoke", *extra]
-    else:
-        command = [sys.executable, "-m", f"benchmarks.{module}", "--smoke", *extra]
-    env = cpu_env(OMP_NUM_THREADS="1")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # forks of a process that imported torch, diffusers and omnispec once (``preloaded``), each in its own folder
+    env, argv = cpu_env(OMP_NUM_THREADS="1"), ["--smoke", *extra]
+    ranks = preloaded.run_ranks(processes, f"benchmarks.{module}", argv, env, tmp_path) if processes > 1 else [
+        preloaded.run(f"benchmarks.{module}", argv, env, tmp_path)]
+    for rank in ranks:
+        assert rank.returncode == 0, rank.stderr[-3000:]
+    done = ranks[0]
     rows = _rows(done.stdout)
     assert rows, f"{module} --smoke printed no result row:\n{done.stdout[-2000:]}"
     failed = [row for row in rows if "error" in row and not any(b in str(row.get("config")) for b in CUDA_ONLY)]
@@ -150,9 +147,7 @@ def test_the_profile_idle_summary_counts_only_time_no_kernel_covers():
 def test_inductor_kernels_smoke_compiles_every_kernel_for_hopper(tmp_path):
     # the norms made persistent by the policy (its default): every kernel of the block pair written, compiled for
     # sm_90, reported
-    command = [sys.executable, "-m", "benchmarks.inductor_kernels", "--smoke"]
-    done = subprocess.run(command, cwd=tmp_path, env=cpu_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=900)
+    done = preloaded.run("benchmarks.inductor_kernels", ["--smoke"], cpu_env(OMP_NUM_THREADS="1"), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(done.stdout)
     norms = [row for row in rows if "layer_norm" in row["kernel"]]
@@ -164,9 +159,7 @@ def test_inductor_kernels_smoke_compiles_every_kernel_for_hopper(tmp_path):
 def test_inductor_kernels_reads_norm_rows_once_up_to_the_default_bound(tmp_path):
     """The other families' norms at SD3.5's width and Wan 14B's: read once by default up to 4,096 elements, looped
     past it, in 16-byte loads with nothing spilled where read once."""
-    command = [sys.executable, "-m", "benchmarks.inductor_kernels", "--norms", "1536,5120"]
-    done = subprocess.run(command, cwd=tmp_path, env=cpu_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=900)
+    done = preloaded.run("benchmarks.inductor_kernels", ["--norms", "1536,5120"], cpu_env(OMP_NUM_THREADS="1"), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["shape"]: row for row in _rows(done.stdout)}
     assert set(rows) == {f"{norm}_modulated {width}" for norm in ("rms_norm", "layer_norm") for width in (1536, 5120)}

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_parallel import free_port
+from preloaded import free_port
 from test_untrusted_inputs import DIGITS, record_of, write_record_png
 
 import omnispec

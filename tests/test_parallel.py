@@ -2,9 +2,9 @@
 
 import contextlib
 import io
-import socket
 import subprocess
-import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,35 +12,16 @@ import pytest
 from omnispec.cli import main
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import SPECS, cpu_env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, args: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Start ``nproc`` ranks of ``python -m omnispec run ...`` with torchrun's environment."""
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = cpu_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(nproc), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "omnispec", "run", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:  # a rank left waiting (for one that died) is stopped with the test, not left running after it
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return out
+    """``nproc`` ranks of ``python -m omnispec run ...`` with torchrun's environment, forked from a process that has
+    imported the libraries once (``preloaded``)."""
+    with tempfile.TemporaryDirectory() as folder:
+        return preloaded.run_ranks(nproc, "omnispec", ["run", *args], cpu_env(OMP_NUM_THREADS="1"), Path(folder),
+                                   timeout)
 
 
 def single(args: list[str]) -> subprocess.CompletedProcess:

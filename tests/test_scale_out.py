@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_parallel import free_port
+from preloaded import free_port
 
 import omnispec
 from omnispec.spec import SpecError, load_spec

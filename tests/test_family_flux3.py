@@ -177,19 +177,22 @@ def test_rollouts_replay_exactly(pipes, kind):
 # ---- policies -------------------------------------------------------------------------------------------------------
 
 def test_policies_run_or_are_refused_with_the_reason(checkpoints, processor, pipes):
-    """Model offload, an attention backend per role and regional compile give the plain output; TaylorSeer and
-    step_mask caches run; block-hook caches, skip-layer guidance and a sequence split are refused, naming why."""
+    """Model and layerwise offload, an attention backend per role and regional compile give the plain output;
+    TaylorSeer and step_mask caches and int8 weights run; block-hook caches, skip-layer guidance and a sequence split
+    are refused, naming why."""
     root = checkpoints["flux3-klein"]
     plain = pipes["distilled"](PROMPT, seed=0).array
     roles = pipes["distilled"].family.targets.attention.modules(
         pipes["distilled"].components["transformer"].named_modules())
     assert set(roles) == {"mode", "single"} and all(roles.values())
-    for exact in ("policies.offload={strategy: model}", "policies.attention={per_role: {single: sdpa_math}}",
+    for exact in ("policies.offload={strategy: model}", "policies.offload={strategy: layerwise}",
+                  "policies.attention={per_role: {single: sdpa_math}}",
                   "policies.compile={mode: regional, backend: eager}"):
         out = _build("flux3-klein", root, processor, exact)(PROMPT, seed=0).array
         assert np.abs(out - plain).max() <= 1e-5, exact
     for approximate in ("policies.cache={kind: taylorseer, interval: 2, warmup_steps: 1}",
-                        "policies.cache={kind: step_mask, mask: [true, false]}"):
+                        "policies.cache={kind: step_mask, mask: [true, false]}",
+                        "policies.quantization={transformer: {method: int8_weight_only}}"):
         out = _build("flux3-klein", root, processor, approximate)(PROMPT, seed=0).array
         assert out.shape == plain.shape and np.isfinite(out).all()
     for refused, reason in (("policies.cache={kind: first_block, threshold: 0.05}", "no FLUX.3 transformer block"),

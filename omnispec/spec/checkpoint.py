@@ -428,4 +428,5 @@ def unresolved(spec: PipelineSpec) -> bool:
         s.unresolved for s in spec.recipe.schedules.values())
 
 
-__all__ = ["INDEX_FILES", "CheckpointConfigs", "checkpoint_problems", "index_data", "follow_checkpoint", "read_configs", "same_class", "unresolved"]
+__all__ = ["INDEX_FILES", "CheckpointConfigs", "checkpoint_problems", "follow_checkpoint", "index_data", "read_configs",
+           "same_class", "unresolved"]

@@ -5,8 +5,8 @@ A Qwen3-VL text encoder 16 wide and deep enough for the hidden states the blocks
 wide), FLUX.3's transformer with one per-mode and one joint block (a flow map for the distilled checkpoint), FLUX.2's
 tiny VAE (scale 2, non-trivial batch-norm statistics) and a Qwen tokenizer trained here. The ``tokenizer`` component
 is a ``Qwen3VLProcessor``, which transformers builds only with torchvision: it is saved as its image processor and
-tokenizer, and ``flux3_processor`` loads it without the video processor (``Flux3ProcessorLoader`` is the class a spec
-names for it)."""
+tokenizer; ``flux3_processor`` loads it without the video processor (``AutoProcessor`` loads its tokenizer alone
+without torchvision, which the family takes too)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,6 @@ def flux3_processor(tokenizer_or_path):
     processor = minimax_h3_processor(tokenizer_or_path)
     processor.chat_template = processor.tokenizer.chat_template
     return processor
-
-
-class Flux3ProcessorLoader:
-    """Loads a saved ``tokenizer/`` folder as ``flux3_processor`` builds it: the class a spec names to run FLUX.3
-    without torchvision (``--set model.components.tokenizer.class=omnispec.testing.fixtures_flux3:
-    Flux3ProcessorLoader``)."""
-
-    @classmethod
-    def from_pretrained(cls, path, subfolder: str | None = None, **_: object):
-        return flux3_processor(Path(path) / (subfolder or ""))
 
 
 def flux3_components(seed: int = 0, distilled: bool = False) -> dict:

@@ -25,13 +25,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers.modular_pipelines import (Flux3AutoBlocks, Flux3DistilledAutoBlocks, Flux3DistilledModularPipeline,
-                                         Flux3ModularPipeline, SequentialPipelineBlocks)
+from diffusers.modular_pipelines import (
+    Flux3AutoBlocks,
+    Flux3DistilledAutoBlocks,
+    Flux3DistilledModularPipeline,
+    Flux3ModularPipeline,
+    SequentialPipelineBlocks,
+)
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 from PIL import Image
 
 from ... import bridge
-from ...spec import PipelineSpec, SpecError
+from ...spec import BUILTIN_FAMILIES, PipelineSpec, SpecError
 from ...spec.guidance import term_of
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
@@ -114,8 +119,10 @@ class Flux3Family(Family):
         """Each prompt alone in its own window (module docstring), padded to the longest with zeros that ``predict``
         cuts off again; the window lengths stay on the host."""
         step = self.text_step
+        tokenizer = self.helper.tokenizer
+        tokenizer = tokenizer if hasattr(tokenizer, "tokenizer") else TextOnlyProcessor(tokenizer)
         embeds = [bridge.qwen3_vl_prompt_embeds(
-            step, self.helper.text_encoder, self.helper.tokenizer, prompt, device=self.device,
+            step, self.helper.text_encoder, tokenizer, prompt, device=self.device,
             max_sequence_length=request.max_sequence_length or self.spec.recipe.defaults.max_sequence_length or 8192,
             pad_multiple=step.pad_multiple, hidden_states_layers=_default(step, "text_encoder_out_layers"))
             for prompt in prompts]
@@ -149,7 +156,7 @@ class Flux3Family(Family):
         multiple = self.helper.vae_scale_factor * 2
         height = request.height or first.shape[-2] // multiple * multiple
         width = request.width or first.shape[-1] // multiple * multiple
-        geometry = Geometry(int(round(height * size_scale)), int(round(width * size_scale)))
+        geometry = Geometry(round(height * size_scale), round(width * size_scale))
         if not request.height and not request.width and size_scale == 1:
             geometry.extra["reference_crop"] = prepared["reference_crop"]
         return geometry
@@ -239,6 +246,15 @@ class Flux3DistilledFamily(Flux3Family):
                                        f"recipe.phases.{i}.guidance.terms")
 
 
+class TextOnlyProcessor:
+    """A bare tokenizer in the processor's place (what ``AutoProcessor`` loads from the tokenizer folder without
+    torchvision): the prompt path uses only the chat template and the tokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.apply_chat_template = tokenizer.apply_chat_template
+
+
 def text_ids(length: int, device: torch.device) -> torch.Tensor:
     """Position ids (t, h, w, l) of ``length`` text tokens: the text advances along ``l`` only (the blocks'
     ``Flux3TextRoPEInputsStep``)."""
@@ -253,7 +269,6 @@ def _default(block: Any, name: str) -> Any:
 
 
 def _families_running(pipeline: str) -> list[str]:
-    from . import family_class
-    from ...spec import BUILTIN_FAMILIES
+    from . import family_class  # the registry imports this module
 
     return [name for name in BUILTIN_FAMILIES if pipeline in family_class(name).checkpoint_pipelines()]

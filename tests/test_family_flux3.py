@@ -244,3 +244,19 @@ def test_omnispec_init_drafts_each_family_from_its_modular_index(checkpoints, sp
     data = yaml.safe_load(draft_spec(str(checkpoints[spec])))
     assert data["model"]["family"] == family
     assert set(data["model"]["components"]) == {"transformer", "text_encoder", "tokenizer", "vae"}
+
+
+def test_a_malformed_modular_index_is_refused_naming_the_file(checkpoints, tmp_path):
+    import json
+    import os
+
+    root = checkpoints["flux3-klein"]
+    view = tmp_path / "view"
+    view.mkdir()
+    for entry in root.iterdir():
+        if entry.name != "modular_model_index.json":
+            os.symlink(entry, view / entry.name)
+    index = json.loads((root / "modular_model_index.json").read_text())
+    (view / "modular_model_index.json").write_text(json.dumps({**index, "vae": ["diffusers", 5, {}]}))
+    with pytest.raises(SpecError, match="modular_model_index.json.*a component entry is \\[library, class\\]"):
+        omnispec.build(SPECS / "flux3-klein.yaml", source=str(view), overrides=TINY_OVERRIDES["flux3"])

@@ -75,6 +75,9 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("diffusers.QwenImage21Pipeline", "_pack_latents", "Qwen-Image-2.1's token flatten of its unpatched latents"),
     ("diffusers.QwenImage21Pipeline", "_unpack_latents", "the inverse"),
     ("diffusers.QwenImage21Pipeline", "_encode_vae_image", "Qwen-Image-2.1's normalised reference-image latents"),
+    ("diffusers.modular_pipelines.flux3.encoders.Flux3TextEncoderStep", "_get_qwen3_vl_prompt_embeds", "FLUX.3's "
+     "encoding of one prompt (chat template, window padded to its multiple, explicit position ids, stacked layers); "
+     "the block itself encodes the negative prompt too, by its guider"),
 )
 
 HOOK_REGISTRY_ATTRIBUTE = "_diffusers_hook"
@@ -103,6 +106,10 @@ def encode_vae_image(pipeline: Any, image: Any, generator: Any) -> Any:
 
 def unpack_latents_with_ids(pipeline: Any, *args: Any) -> Any:
     return type(pipeline)._unpack_latents_with_ids(*args)
+
+
+def qwen3_vl_prompt_embeds(block: Any, *args: Any, **kwargs: Any) -> Any:
+    return block._get_qwen3_vl_prompt_embeds(*args, **kwargs)
 
 
 def unpatchify_latents(pipeline: Any, latents: Any) -> Any:

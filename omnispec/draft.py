@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -111,26 +110,27 @@ def draft_from_file(file: str, family: str | None = None, name: str | None = Non
 
 
 def read_model_index(source: str) -> dict[str, Any] | None:
-    """The checkpoint's ``model_index.json`` (a local folder, or a Hub id through the cache or the Hub), read within
-    bounds and type-checked like every checkpoint config file."""
-    from .spec.checkpoint import model_index_data
+    """The checkpoint's ``model_index.json`` (a local folder, or a Hub id through the cache or the Hub), or the
+    ``modular_model_index.json`` a modular pipeline saves, read within bounds and type-checked like every checkpoint
+    config file."""
+    from .spec.checkpoint import INDEX_FILES, index_data
     from .spec.files import read_json_file
     from .spec.hub import check_reachable, hub_file, is_hub_id
 
     local = user_path(source)
     if path_kind(local) == "dir":
-        path: Path | None = local / "model_index.json"
-        if path_kind(path) is None:
+        path = next((local / f for f in INDEX_FILES if path_kind(local / f) is not None), None)
+        if path is None:
             return None
     elif not is_hub_id(source):
         raise SpecError.single(f"{source!r} is neither a checkpoint folder nor a Hub id (owner/name)", "SOURCE")
     else:
         check_reachable(source, "SOURCE")
-        path = hub_file(source, "model_index.json", None)
+        path = next((found for f in INDEX_FILES if (found := hub_file(source, f, None)) is not None), None)
         if path is None:
-            raise SpecError.single(f"Hub checkpoint {source!r} has no model_index.json (or it is not in the cache)",
-                                   "SOURCE")
-    return model_index_data(read_json_file(path, where="SOURCE"), str(path))
+            raise SpecError.single(f"Hub checkpoint {source!r} has no {' or '.join(INDEX_FILES)} (or it is not in "
+                                   "the cache)", "SOURCE")
+    return index_data(read_json_file(path, where="SOURCE"), str(path))
 
 
 def _family_of(source: str, index: dict[str, Any] | None) -> str:

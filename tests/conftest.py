@@ -201,3 +201,5 @@ def marker(tmp_path, monkeypatch):
 qwen_image21_dir = _checkpoint("tiny_qwen_image21", "qwen_image21")
 qwen_image21_turbo_dir = _checkpoint("tiny_qwen_image21", "qwen_image21_turbo", turbo=True)
 minimax_h3_dir = _checkpoint("tiny_minimax_h3", "minimax_h3")
+flux3_dir = _checkpoint("tiny_flux3", "flux3")
+flux3_distilled_dir = _checkpoint("tiny_flux3", "flux3_distilled", distilled=True)

@@ -105,6 +105,13 @@ def _minimax_h3_processor(minimax_h3_dir):
     return {"processor": minimax_h3_processor(minimax_h3_dir / "processor")}
 
 
+def _flux3_processor(flux3_dir):
+    from omnispec.testing import flux3_processor
+
+    # the tokenizer folder holds a Qwen3VLProcessor, which transformers loads only with torchvision: handed in memory
+    return {"tokenizer": flux3_processor(flux3_dir / "tokenizer")}
+
+
 FEW = ["recipe.defaults.steps=2"]
 KONTEXT = [*TINY_OVERRIDES["flux"], "recipe.defaults.height=48", "model.options={max_area: 1536, auto_resize: false}"]
 # family -> (fixture, pipeline class to relabel to or None, --family or None, overrides, request, components)
@@ -144,6 +151,9 @@ INIT_CASES = {
     # the tiny processor loads without torchvision through the class its overrides name
     "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
     "minimax_h3": ("minimax_h3_dir", None, None, TINY_OVERRIDES["minimax_h3"], {}, _minimax_h3_processor),
+    # checkpoints saved by the modular pipelines (modular_model_index.json), told apart by their pipeline class
+    "flux3": ("flux3_dir", None, None, TINY_OVERRIDES["flux3"], {}, _flux3_processor),
+    "flux3_distilled": ("flux3_distilled_dir", None, None, TINY_OVERRIDES["flux3"], {}, _flux3_processor),
 }
 
 

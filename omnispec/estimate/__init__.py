@@ -175,7 +175,9 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
             cond = Conditioning.cat([passes.conditions[n] for n in names[:rows]])
             x = {s: torch.cat([v] * rows) for s, v in latents.items()}
             t = torch.full((), 500.0, device=meta)
-            family.predict(modules[first.phase.denoiser], x, t, cond, geometry, embedded=step_plan.embedded)
+            landing = {"target": walk.steps.target(0).to(meta)} if family.flow_map else {}
+            family.predict(modules[first.phase.denoiser], x, t, cond, geometry, embedded=step_plan.embedded,
+                           **landing)
         result.forward_flops = sum(g.flops * g.calls for g in counter.groups.values())
         result.step_flops = result.forward_flops * len(names) / rows
         result.activation_bytes["denoise"] = counter.peak + _modulation_table(spec, family.targets.modulation, modules[

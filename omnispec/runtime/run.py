@@ -195,7 +195,8 @@ class Run:
                 perturbation: Perturbation | list[Perturbation | None] | None = (
                     mixed[0] if all(p is mixed[0] for p in mixed) else mixed)
                 outs.append(self.family.predict(run.denoiser, {s: v[sl] for s, v in xs.items()}, t, cond.rows(sl),
-                                                walk.geometry, embedded=plan.embedded, perturbation=perturbation))
+                                                walk.geometry, embedded=plan.embedded, perturbation=perturbation,
+                                                **self._landing(walk, i)))
             out = cat_streams(outs)
             for k, name in enumerate(group):
                 preds[name] = {s: v[k * b:(k + 1) * b] for s, v in out.items()}
@@ -220,9 +221,13 @@ class Run:
                 with self.policies.pass_context(run.denoiser, f"{name}:{sample}", **where):
                     outs.append(self.family.predict(
                         run.denoiser, {s: v[row:row + 1] for s, v in x.items()}, t, cond.rows(slice(row, row + 1)),
-                        walk.geometry, embedded=plan.embedded, perturbation=perturbation))
+                        walk.geometry, embedded=plan.embedded, perturbation=perturbation, **self._landing(walk, i)))
             preds[name] = cat_streams(outs)
         return preds
+
+    def _landing(self, walk: Walk, i: int) -> dict[str, torch.Tensor]:
+        """What a flow-map family's ``predict`` takes besides the step's timestep: the one the step lands on."""
+        return {"target": walk.steps.target(i)} if self.family.flow_map else {}
 
 
 

@@ -37,6 +37,10 @@ class Steps:
     def __len__(self) -> int:
         return len(self.timesteps)
 
+    def target(self, i: int) -> torch.Tensor:
+        """The timestep step ``i`` lands on: the next step's, 0 after the last (what a flow map takes)."""
+        return self.timesteps[i + 1] if i + 1 < len(self.timesteps) else torch.zeros_like(self.timesteps[i])
+
     @property
     def step_sigmas(self) -> list[float]:
         """The sigma each step starts from."""

@@ -29,6 +29,8 @@ from .recipe import PreviousInput
 from .schedule import FROM_CHECKPOINT
 
 ESCAPE = "set model.check_checkpoint: false to run it anyway"
+# A checkpoint's pipeline index: diffusers' pipelines save the first, its modular pipelines the second.
+INDEX_FILES = ("model_index.json", "modular_model_index.json")
 # transformers' Auto classes a spec may name, with what each loads (class names end so, after a Fast/Pil suffix).
 # Pipeline components that are denoisers, by the names diffusers gives them.
 DENOISER_NAMES = ("transformer", "unet")
@@ -58,8 +60,11 @@ def read_configs(spec: PipelineSpec, root: str, trusted: bool = False) -> Checkp
     ``config.json`` is refused where its ``quantization_config`` is malformed, and, unless ``trusted``, where it
     names code for its loader to fetch or import (``loader_fields``)."""
     configs = CheckpointConfigs(root)
-    index = _read_json(root, "model_index.json", spec.model.revision)
-    configs.model_index = None if index is None else model_index_data(index, str(Path(root) / "model_index.json"))
+    for file in INDEX_FILES:  # a modular pipeline saves only the second
+        index = _read_json(root, file, spec.model.revision)
+        if index is not None:
+            configs.model_index = index_data(index, str(Path(root) / file))
+            break
     for name, component in spec.model.components.items():
         if component.role == "scheduler" and component.subfolder:
             file = f"{component.subfolder}/scheduler_config.json"
@@ -172,6 +177,16 @@ def model_index_data(data: Any, file: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SpecError.single(f"expected a JSON object, got {type(data).__name__}", "model.source", file)
     return _typed(data, _ModelIndex, str(Path(file).parent), Path(file).name)
+
+
+def index_data(data: Any, file: str) -> dict[str, Any]:
+    """A parsed pipeline index (``INDEX_FILES``), checked as ``model_index_data``. A modular pipeline's entries
+    ``[library, class, loading spec]`` are read as ``[library, class]``: omnispec loads each component from the spec's
+    own source and subfolder."""
+    if Path(file).name == INDEX_FILES[1] and isinstance(data, dict):
+        data = {k: v[:2] if not k.startswith("_") and isinstance(v, list) and len(v) == 3 and isinstance(v[2], dict)
+                else v for k, v in data.items()}
+    return model_index_data(data, file)
 
 
 def _typed(data: dict[str, Any], model: type[BaseModel], root: str, file: str) -> dict[str, Any]:
@@ -413,4 +428,5 @@ def unresolved(spec: PipelineSpec) -> bool:
         s.unresolved for s in spec.recipe.schedules.values())
 
 
-__all__ = ["CheckpointConfigs", "checkpoint_problems", "follow_checkpoint", "read_configs", "same_class", "unresolved"]
+__all__ = ["INDEX_FILES", "CheckpointConfigs", "checkpoint_problems", "follow_checkpoint", "index_data", "read_configs",
+           "same_class", "unresolved"]

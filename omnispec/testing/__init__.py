@@ -37,3 +37,6 @@ __all__ += ["kandinsky6_tokenizer", "tiny_kandinsky6"]
 from .fixtures_ltx25 import tiny_ltx25
 
 __all__ += ["tiny_ltx25"]
+from .fixtures_flux3 import flux3_processor, tiny_flux3
+
+__all__ += ["flux3_processor", "tiny_flux3"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import SpecError, load_spec
-from . import fixtures, fixtures_krea2  # noqa: F401 - its TINY_OVERRIDES entry
+from . import fixtures, fixtures_flux3, fixtures_krea2  # noqa: F401 - their TINY_OVERRIDES entries
 
 # Per bundled spec with a real checkpoint: the builder, its keyword arguments, and the TINY_OVERRIDES key.
 _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
@@ -57,6 +57,9 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "qwen-image-2.1-turbo-edit": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21_edit", ()),
     "minimax-h3-t2v": ("tiny_minimax_h3", {}, "minimax_h3", ()),
     "minimax-h3-fl2va": ("tiny_minimax_h3", {}, "minimax_h3", ()),
+    "flux3-klein": ("tiny_flux3", {"distilled": True}, "flux3", ()),
+    "flux3-klein-edit": ("tiny_flux3", {"distilled": True}, "flux3_edit", ()),
+    "flux3-klein-base": ("tiny_flux3", {}, "flux3", ()),
 }
 TINY_SPECS = tuple(_TINY)
 
@@ -70,7 +73,7 @@ def tiny_checkpoint(spec: str | os.PathLike[str], folder: str | os.PathLike[str]
     builder, kwargs, key, extra = _TINY[name]
     label = builder.removeprefix("tiny_") + "".join(f"-{k}-{v}" for k, v in sorted(kwargs.items()))
     root = Path(folder) / label
-    if not (root / "model_index.json").exists():
+    if not any((root / index).exists() for index in ("model_index.json", "modular_model_index.json")):
         from .. import testing  # every builder, whichever fixtures module holds it
 
         getattr(testing, builder)(root, **kwargs)

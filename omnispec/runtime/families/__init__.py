@@ -36,6 +36,8 @@ _BUILTIN = {
     "krea2": "omnispec.runtime.families.krea2:Krea2Family",
     "qwen_image21": "omnispec.runtime.families.qwen_image21:QwenImage21Family",
     "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",
+    "flux3": "omnispec.runtime.families.flux3:Flux3Family",
+    "flux3_distilled": "omnispec.runtime.families.flux3:Flux3DistilledFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

@@ -38,7 +38,7 @@ class Family:
     """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks.
 
     In groups: identity (``name``, ``pipeline_class``, ``required``, ``options``); layout (``streams``,
-    ``spatial_streams``, ``prediction_space``, ``row_perturbations``, ``ragged_passes_apart``); inputs
+    ``spatial_streams``, ``prediction_space``, ``row_perturbations``, ``ragged_passes_apart``, ``flow_map``); inputs
     (``max_images``, ``max_references``, ``inpaints``, ``takes_video``, ``model_index_values``); what each technique
     needs from the denoiser (``targets``: ``omnispec.targets``); the checks before any weight loads; and the run
     hooks (encode, latents, predict, conditioning, decode). Every hook works on ``Streams``; a single-stream family
@@ -69,6 +69,10 @@ class Family:
     # with a mask. A mask moves attention off its fastest kernels (flash, cuDNN), which costs more than the batch
     # saves on a GPU; the family's diffusers pipeline runs them apart too.
     ragged_passes_apart: ClassVar[bool] = False
+    # Whether the denoiser is a flow map: a model distilled to jump from one noise level to a chosen later one, so
+    # besides the timestep a step starts from it takes the one the step lands on. ``predict`` then gets ``target``:
+    # the next step's timestep in the same units (0 after the last), for every forward, replays included.
+    flow_map: ClassVar[bool] = False
 
     # ---- inputs -----------------------------------------------------------------------------------------
     # How many request images the family conditions on (0: text only), and how many reference images.
@@ -236,9 +240,11 @@ class Family:
         *,
         embedded: float | None = None,
         perturbation: Perturbation | Sequence[Perturbation | None] | None = None,
+        target: torch.Tensor | None = None,
     ) -> Streams:
         """The denoiser's prediction for a batch of rows (passes x samples). ``perturbation`` applies to every
-        row, or (for kinds in ``row_perturbations``) is a list with one entry per row."""
+        row, or (for kinds in ``row_perturbations``) is a list with one entry per row. ``target``: the timestep the
+        step lands on, given to ``flow_map`` families only."""
         raise NotImplementedError
 
     def modulation_embeddings(self, denoiser: torch.nn.Module, timesteps: Sequence[torch.Tensor],

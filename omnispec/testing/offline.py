@@ -57,6 +57,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "qwen-image-2.1-turbo-edit": ("tiny_qwen_image21", {"turbo": True}, "qwen_image21_edit", ()),
     "minimax-h3-t2v": ("tiny_minimax_h3", {}, "minimax_h3", ()),
     "minimax-h3-fl2va": ("tiny_minimax_h3", {}, "minimax_h3", ()),
+    "minimax-h3-ref2va": ("tiny_minimax_h3", {}, "minimax_h3_ref2va", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

@@ -36,6 +36,7 @@ _BUILTIN = {
     "krea2": "omnispec.runtime.families.krea2:Krea2Family",
     "qwen_image21": "omnispec.runtime.families.qwen_image21:QwenImage21Family",
     "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",
+    "minimax_h3_ref2va": "omnispec.runtime.families.minimax_h3_ref2va:MiniMaxH3Ref2VAFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

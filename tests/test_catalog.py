@@ -144,6 +144,9 @@ INIT_CASES = {
     # the tiny processor loads without torchvision through the class its overrides name
     "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
     "minimax_h3": ("minimax_h3_dir", None, None, TINY_OVERRIDES["minimax_h3"], {}, _minimax_h3_processor),
+    # the same checkpoint (both partitions): init drafts its t2va spec unless told
+    "minimax_h3_ref2va": ("minimax_h3_dir", None, "minimax_h3_ref2va", TINY_OVERRIDES["minimax_h3_ref2va"],
+                          {"references": "photo"}, _minimax_h3_processor),
 }
 
 

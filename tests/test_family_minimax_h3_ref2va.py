@@ -193,6 +193,16 @@ def test_requests_the_blocks_refuse_are_refused_with_the_reason(pipe, references
         pipe(PROMPT, seed=0, references=references)
 
 
+def test_a_sound_at_another_rate_without_torchaudio_names_it(pipe, media):
+    try:
+        import torchaudio  # noqa: F401
+    except ImportError:
+        with pytest.raises(SpecError, match="needs `torchaudio`.*pip install torchaudio"):
+            pipe(PROMPT, seed=0, references=[media["image"], {"audio": media["voice"], "sample_rate": 2 * RATE}])
+    else:
+        pytest.skip("torchaudio is installed: the sound is resampled")
+
+
 def test_keyframes_and_the_other_partition_are_refused_and_init_drafts_each_partition(tiny, files, tmp_path,
                                                                                        capsys):
     root, overrides = tiny

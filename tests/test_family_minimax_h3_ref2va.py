@@ -14,8 +14,11 @@ import pytest
 import torch
 import transformers
 from diffusers.modular_pipelines import MiniMaxH3Blocks
-from diffusers.modular_pipelines.minimax_h3 import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
-                                                    MiniMaxH3VideoReference)
+from diffusers.modular_pipelines.minimax_h3 import (
+    MiniMaxH3AudioReference,
+    MiniMaxH3ImageReference,
+    MiniMaxH3VideoReference,
+)
 from PIL import Image
 
 import omnispec
@@ -212,8 +215,8 @@ def test_keyframes_and_the_other_partition_are_refused_and_init_drafts_each_part
     for spec, other, why in ((SPEC, "transformer", "t2va / fl2va partition"),
                              (SPECS / "minimax-h3-t2v.yaml", "transformer_ref", "ref2va partition")):
         with pytest.raises(SpecError, match=why):
-            omnispec.build(spec, overrides=[f"model.components.{other}={{role: denoiser, class: "
-                                            f"diffusers.MiniMaxH3Transformer3DModel, subfolder: {other}}}",
+            component = f"{{role: denoiser, class: diffusers.MiniMaxH3Transformer3DModel, subfolder: {other}}}"
+            omnispec.build(spec, overrides=[f"model.components.{other}={component}",
                                             f"recipe.phases.0.denoiser={other}"])
     for family, left_out in (("minimax_h3", "transformer_ref"), ("minimax_h3_ref2va", "transformer")):
         assert main(["init", str(root), "--family", family]) == 0

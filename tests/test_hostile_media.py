@@ -3,8 +3,8 @@
 headers before a decoder allocates what they claim. Every hostile file is built here, in the test."""
 
 import io
-import re
 import os
+import re
 import resource
 import struct
 import threading

@@ -159,7 +159,8 @@ class Family:
                                    f"{len(request.images)}", "request.image")
         if len(request.references) > cls.max_references:
             takes = f"at most {cls.max_references}" if cls.max_references else "no"
-            raise SpecError.single(f"family {cls.name!r} takes {takes} reference(s), got "
+            noun = "reference image(s)" if cls.reference_kinds == ("image",) else "reference(s)"
+            raise SpecError.single(f"family {cls.name!r} takes {takes} {noun}, got "
                                    f"{len(request.references)}", "request.references")
         for k, reference in enumerate(request.references):
             if (kind := reference_kind(reference)) not in cls.reference_kinds:

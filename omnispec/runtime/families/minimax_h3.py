@@ -19,6 +19,9 @@ text encoder (a label and a vision block each, whose rows are tagged as video) a
 sampled under the model's own fixed seed); each keyframe's latents, noised to ``t = 0.999`` with the sample's first
 draws, are conditioning rows before the video rows, held there at ``max(t, 0.999)`` and never stepped.
 
+References (the blocks' ref2va workflow, on the checkpoint's other partition ``transformer_ref``) are
+``MiniMaxH3Ref2VAFamily``'s (``minimax_h3_ref2va``): the same loop, other conditioning rows and layout.
+
 Prompt encoding, keyframe preparation, layout, timesteps, noise order (keyframe noise, then video drawn 5D and
 patchified, then audio drawn in rows) and decode are the modular blocks' own, so they equal diffusers' by
 construction.

@@ -17,8 +17,8 @@ from typing import NoReturn
 
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
 from .spec.base import MAX_LORA_SCALE
-from .spec.errors import LaunchError, printable
 from .spec.catalog import bundled_path
+from .spec.errors import LaunchError, printable
 from .spec.files import path_kind
 from .version import __version__
 
@@ -120,7 +120,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="conditioning image (image-to-image, image-to-video, editing); repeat with @FRAME to place "
                         "images at frames of a video (e.g. --image first.png --image last.png@-1)")
     p.add_argument("--reference", action="append", metavar="PATH",
-                   help="a reference image the output should show (a subject, a style; Wan VACE), repeatable")
+                   help="a reference image the output should show (a subject, a style; Wan VACE, MiniMax-H3 ref2va), "
+                        "repeatable; references are read in the order given, with --reference-video/-audio")
+    p.add_argument("--reference-video", action="append", dest="reference", type=lambda path: {"video": path},
+                   metavar="PATH", help="a reference video (a motion; MiniMax-H3 ref2va) with its frame rate and its "
+                                        "sound: MP4/MOV/WebM with the video extra, or an animated GIF/WebP/PNG "
+                                        "(no sound; its rate is the model's own), repeatable")
+    p.add_argument("--reference-audio", action="append", dest="reference", type=lambda path: {"audio": path},
+                   metavar="PATH", help="a reference sound (a voice, music; MiniMax-H3 ref2va): a PCM WAV file, or "
+                                        "the sound of an MP4/MOV/WebM file with the video extra, repeatable")
     p.add_argument("--video", metavar="PATH",
                    help="video-to-video: the video the output follows frame by frame (a control video such as poses "
                         "or depth, or one to repaint): an animated GIF/WebP/PNG, or MP4/MOV/WebM with the video extra; "
@@ -239,7 +247,9 @@ def _explain(args: argparse.Namespace) -> int:
 
         check_reachable(args.source, "--source")
         configs = read_configs(spec, args.source, trusted=args.trust_code)
-        problems = checkpoint_problems(spec, configs)
+        from .runtime.families import family_class
+
+        problems = checkpoint_problems(spec, configs, family_class(spec.model.family).foreign_components)
         if problems:
             raise SpecError(problems)
         spec = follow_checkpoint(spec, configs)

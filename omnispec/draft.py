@@ -211,6 +211,11 @@ def _draft(source: str, family: str, index: dict[str, Any] | None, template: dic
     data["model"]["components"], dropped = _components(index, template["model"]["components"], source)
     if dropped:
         notes.append(f"left out (no role omnispec gives them): {', '.join(dropped)}")
+    from .runtime.families import family_class
+
+    for component, what in family_class(family).foreign_components.items():
+        if data["model"]["components"].pop(component, None) is not None:
+            notes.append(f"left out: {component}, {what}")
     components = data["model"]["components"]
     scheduler = next((n for n, c in components.items() if c["role"] == "scheduler"), None)
     scheduler_class = _class_tail(components[scheduler]["class"]) if scheduler else None

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import records
-from .records.schema import Record, RecordedImage, RecordedVideo
+from .records.schema import Record, RecordedImage, RecordedSound, RecordedVideo
 from .spec import PipelineSpec, Problem, SpecError, SpecTypeError, load_spec
 from .spec.files import path_kind
 from .spec.request import resolve_request
@@ -62,9 +62,40 @@ def request_arguments(record: Record, spec: PipelineSpec, images: bool = True, m
     if record.request.mask is not None and mask:
         fields["mask"] = recorded_file(record.request.mask, "request.mask", "mask", "--mask / mask=")
     if record.request.references and references:
-        fields["references"] = [placed["image"] for placed in _recorded_files(
-            record.request.references, "request.references", "--reference / references=")]
+        fields["references"] = _recorded_references(record.request.references)
     return list(record.request.prompts), list(record.request.seeds), fields
+
+
+def _recorded_references(entries: list[Any]) -> list[Any]:
+    """The recorded references, in order, each still at its path with its recorded digest: an image's path, a
+    video's ``{video, fps, audio}`` (its soundtrack its own file's, or another file), a sound's ``{audio}``."""
+    from .spec.audio import audio_condition
+    from .spec.images import image_condition
+    from .spec.videos import video_condition
+
+    option = "--reference, --reference-video, --reference-audio / references="
+    problems, out = [], []
+    for i, entry in enumerate(entries):
+        where = f"request.references.{i}"
+        if isinstance(entry, RecordedImage):
+            problems.append(_changed(entry, where, "image", option, lambda path, at: image_condition(path, 0, at)))
+            out.append(entry.path)
+        elif isinstance(entry, RecordedSound):
+            problems.append(_changed(entry, where, "sound", option, lambda path, at: audio_condition(path, None, at)))
+            out.append({"audio": entry.path})
+        else:
+            problems.append(_changed(entry, where, "video", option, video_condition))
+            sound = entry.audio
+            given: dict[str, Any] = {"video": entry.path, "fps": entry.fps}
+            if sound is None or sound.path != entry.path:
+                if sound is not None:
+                    problems.append(_changed(sound, f"{where}.audio", "sound", option,
+                                             lambda path, at: audio_condition(path, None, at)))
+                given["audio"] = None if sound is None else sound.path
+            out.append(given)
+    if any(problems):
+        raise SpecError([p for p in problems if p is not None])
+    return out
 
 
 def image_arguments(images: list[RecordedImage]) -> dict[str, Any]:
@@ -101,7 +132,7 @@ def recorded_file(entry: RecordedImage | RecordedVideo, where: str, what: str, o
     return str(entry.path)
 
 
-def _changed(entry: RecordedImage | RecordedVideo, where: str, what: str, option: str, read: Any) -> Problem | None:
+def _changed(entry: Any, where: str, what: str, option: str, read: Any) -> Problem | None:
     """Why a recorded file cannot be passed again as it is (given in memory, gone, or its pixels changed: ``read``
     opens it as the request did), or None."""
     if not entry.path:

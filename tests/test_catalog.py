@@ -154,6 +154,9 @@ INIT_CASES = {
     # checkpoints saved by the modular pipelines (modular_model_index.json), told apart by their pipeline class
     "flux3": ("flux3_dir", None, None, TINY_OVERRIDES["flux3"], {}, _flux3_processor),
     "flux3_distilled": ("flux3_distilled_dir", None, None, TINY_OVERRIDES["flux3"], {}, _flux3_processor),
+    # the same checkpoint (both partitions): init drafts its t2va spec unless told
+    "minimax_h3_ref2va": ("minimax_h3_dir", None, "minimax_h3_ref2va", TINY_OVERRIDES["minimax_h3_ref2va"],
+                          {"references": "photo"}, _minimax_h3_processor),
 }
 
 

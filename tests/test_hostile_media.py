@@ -4,6 +4,7 @@ headers before a decoder allocates what they claim. Every hostile file is built 
 
 import io
 import os
+import re
 import resource
 import struct
 import threading
@@ -354,3 +355,113 @@ def test_frames_stay_stacks_where_they_are_no_single_picture():
     assert len(video_condition(grey).frames) == 5
     assert len(video_condition(torch.from_numpy(grey)).frames) == 5
     assert video_condition(np.zeros((5, 16, 24, 3), np.uint8)).size == (16, 24)  # (F, H, W, C)
+
+
+# ---- references: sounds and videos with their sound (--reference-audio, --reference-video, references=) ----------
+
+REF2VA = str(SPECS / "minimax-h3-ref2va.yaml")
+
+
+def wav_bytes(channels: int = 1, width: int = 2, frames: int = 8, rate: int = 320) -> bytes:
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as track:
+        track.setnchannels(channels)
+        track.setsampwidth(width)
+        track.setframerate(rate)
+        track.writeframes(bytes(channels * width * frames))
+    return out.getvalue()
+
+
+def with_data_size(data: bytes, size: int) -> bytes:
+    at = data.index(b"data") + 4
+    return data[:at] + struct.pack("<I", size) + data[at + 4:]
+
+
+def mkv_bytes(audio: bool) -> bytes:
+    out = io.BytesIO()
+    with av.open(out, "w", format="matroska") as container:
+        video = container.add_stream("ffv1", rate=8)
+        video.width = video.height = 16
+        video.pix_fmt = "yuv444p"
+        sound = container.add_stream("pcm_s16le", rate=320, layout="mono") if audio else None
+        for k in range(3):
+            container.mux(video.encode(av.VideoFrame.from_ndarray(np.full((16, 16, 3), k * 40, np.uint8), "rgb24")))
+        container.mux(video.encode())
+        if sound is not None:
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 64), np.int16), format="s16", layout="mono")
+            samples.sample_rate = 320
+            container.mux(sound.encode(samples))
+            container.mux(sound.encode())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: with_data_size(wav_bytes(), 0xFFFFFFF0), "pass the limit of 67,108,864 samples"),
+    (lambda: wav_bytes(channels=6), "6 audio channels; omnispec takes mono or stereo"),
+    (lambda: with_data_size(wav_bytes(), 0), "holds no samples"),
+    (lambda: wav_bytes()[:30], "not a readable PCM WAV file"),
+    (lambda: wav_bytes().replace(b"\x01\x00\x01\x00", b"\x03\x00\x01\x00", 1), "not a readable PCM WAV file"),
+    (lambda: b"just some text, no sound", "not a sound file omnispec reads"),
+    (lambda: mkv_bytes(audio=False), "has no audio stream"),
+    (lambda: mkv_bytes(audio=True)[:200], "voice.wav: not a readable sound"),
+], ids=["huge header", "six channels", "empty", "cut header", "float wav", "text", "silent mkv", "cut mkv"])
+def test_a_bad_sound_file_is_one_error_line(tmp_path, capsys, make, fragment):
+    path = written(tmp_path / "voice.wav", make())
+    before = peak_rss()
+    refused(["run", REF2VA, "--prompt", "x", "--reference-audio", path, "--output", str(tmp_path / "o.mp4")],
+            "request.references.0", fragment.replace("voice.wav", path), capsys=capsys)
+    assert peak_rss() - before < MEMORY_HEADROOM
+
+
+def test_missing_and_fifo_references_are_refused_unopened(tmp_path, capsys):
+    refused(["run", REF2VA, "--prompt", "x", "--reference-audio", str(tmp_path / "gone.wav"), "--output",
+             str(tmp_path / "o.mp4")], "no such audio file", capsys=capsys)
+    fifo = tmp_path / "pipe.mkv"
+    os.mkfifo(fifo)
+    refused(["run", REF2VA, "--prompt", "x", "--reference-video", str(fifo), "--output", str(tmp_path / "o.mp4")],
+            "request.references.0.video", "is a FIFO", capsys=capsys)
+
+
+def test_a_reference_videos_sound_and_rate_come_with_it_and_a_cut_one_is_one_error(tmp_path, capsys):
+    from omnispec.spec.references import references
+
+    clip = written(tmp_path / "clip.mkv", mkv_bytes(audio=True))
+    (video,) = references([{"video": clip}])
+    assert len(video.frames) == 3 and video.fps == 8.0
+    assert video.audio.sample_rate == 320 and video.audio.waveform.shape == (1, 64)
+    (silent,) = references([{"video": clip, "audio": None, "fps": 24}])
+    assert silent.audio is None and silent.fps == 24.0
+    cut = written(tmp_path / "cut.mkv", mkv_bytes(audio=True)[:300])
+    refused(["run", REF2VA, "--prompt", "x", "--reference-video", cut, "--output", str(tmp_path / "o.mp4")],
+            "request.references.0.video", "cut.mkv", capsys=capsys)
+
+
+@pytest.mark.parametrize("given, fragment", [
+    ({"audio": np.zeros((1, 8), np.int16), "sample_rate": 320}, "floating point"),
+    ({"audio": np.full((1, 8), np.nan, np.float32), "sample_rate": 320}, "must be finite"),
+    ({"audio": np.zeros((3, 8), np.float32), "sample_rate": 320}, "1 or 2 channels"),
+    ({"audio": np.zeros((1, 8), np.float32)}, "need their sample_rate"),
+    ({"audio": np.zeros((1, 8), np.float32), "sample_rate": 10**9}, "outside 1 to 384,000 Hz"),
+    ({"audio": torch.zeros(1, 8, device="meta"), "sample_rate": 320}, "dense tensor"),
+    ({"video": np.zeros((4, 16, 16, 3), np.uint8), "fps": 0}, "frame rate 0 is outside"),
+    ({"video": np.zeros((4, 16, 16, 3), np.uint8), "sample_rate": 320}, "none is given"),
+    ({"sound": "x.wav"}, "got keys ['sound']"),
+], ids=["int", "nan", "three channels", "no rate", "rate", "meta", "fps", "rate without sound", "unknown key"])
+def test_references_from_python_are_checked(given, fragment):
+    from omnispec.spec.references import references
+
+    with pytest.raises(SpecError, match=re.escape(fragment)):
+        references([given])
+
+
+def test_the_sound_of_a_container_without_pyav_names_the_extra(tmp_path, monkeypatch):
+    from omnispec.spec.references import references
+
+    clip = written(tmp_path / "clip.mkv", mkv_bytes(audio=True))
+    wav = written(tmp_path / "voice.wav", wav_bytes())
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # import av fails
+    with pytest.raises(SpecError, match=re.escape("needs PyAV: pip install 'omnispec-diffusion[video]'")):
+        references([{"audio": clip}])
+    assert references([{"audio": wav}])[0].waveform.shape == (1, 8)  # a WAV file needs nothing

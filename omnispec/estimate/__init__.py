@@ -48,10 +48,11 @@ def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = N
     ``trust_code`` lets the components' configs name code for their loaders (``--trust-code``), as ``build``'s."""
     target = device_kind(kind, spec.runtime.threads)
     root = _checkpoint_root(spec, source)
+    from ..runtime.families import family_class
     from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
 
     configs = read_configs(spec, str(root), trusted=trust_code)
-    problems = checkpoint_problems(spec, configs)
+    problems = checkpoint_problems(spec, configs, family_class(spec.model.family).foreign_components)
     if problems:
         raise SpecError(problems)
     from ..runtime.components import check_source

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..spec.audio import AudioCondition
 from ..spec.files import path_kind, regular_file, user_path
 from ..spec.videos import VideoCondition
 from ..version import library_versions
@@ -112,7 +113,7 @@ def request_data(request: Request) -> dict[str, Any]:
     data = request.model_dump(mode="json", exclude={"images", "video", "mask", "references"}, exclude_none=True)
     data["images"] = [_image_data(c) for c in request.images]
     if request.references:
-        data["references"] = [_image_data(c) for c in request.references]
+        data["references"] = [_reference_data(c) for c in request.references]
     if request.video is not None:
         data["video"] = _video_data(request.video)
     if request.mask is not None:
@@ -123,6 +124,16 @@ def request_data(request: Request) -> dict[str, Any]:
 
 def _image_data(condition: ImageCondition) -> dict[str, Any]:
     return {"frame": condition.frame, "digest": condition.digest, **_path_data(condition.path)}
+
+
+def _reference_data(condition: Any) -> dict[str, Any]:
+    if isinstance(condition, AudioCondition):
+        return {"kind": "audio", "samples": int(condition.waveform.shape[1]), "sample_rate": condition.sample_rate,
+                "digest": condition.digest, **_path_data(condition.path)}
+    if isinstance(condition, VideoCondition):
+        sound = None if condition.audio is None else _reference_data(condition.audio)
+        return {"kind": "video", **_video_data(condition), "fps": condition.fps, "audio": sound}
+    return _image_data(condition)
 
 
 def _video_data(condition: VideoCondition) -> dict[str, Any]:

@@ -45,6 +45,27 @@ class RecordedVideo(RecordModel):
     path: str | None = None
 
 
+class RecordedSound(RecordModel):
+    """A sound of the request (an audio reference, a reference video's soundtrack): its length, rate, digest, file."""
+
+    kind: Literal["audio"] = "audio"
+    samples: Annotated[int, Field(ge=1)]
+    sample_rate: Annotated[int, Field(ge=1)]
+    digest: Annotated[str, Field(pattern=_DIGEST)]
+    path: str | None = None
+
+
+class RecordedReferenceVideo(RecordModel):
+    """A reference video of the request: its frames as a conditioning video's, its frame rate and soundtrack."""
+
+    kind: Literal["video"] = "video"
+    frames: Frames
+    digest: Annotated[str, Field(pattern=_DIGEST)]
+    path: str | None = None
+    fps: Annotated[float, Field(gt=0)] | None = None
+    audio: RecordedSound | None = None
+
+
 class RequestedSize(RecordModel):
     """The size the caller asked for where the family generated another."""
 
@@ -72,7 +93,8 @@ class RecordedRequest(RecordModel):
     mask: RecordedImage | RecordedVideo | None = Field(
         default=None, description="The mask: one image (its frame is 0), or a mask per frame of the video.")
     mask_blur: MaskBlur | None = None
-    references: list[RecordedImage] = Field(default_factory=list, description="Reference images (frame 0).")
+    references: list[RecordedImage | RecordedReferenceVideo | RecordedSound] = Field(
+        default_factory=list, description="References, in order: images (frame 0), videos, sounds.")
     requested: RequestedSize | None = Field(default=None, description=(
         "Sizes the caller asked for where the family generated others (image-to-image at the image's size, "
         "Kontext's area rule): requested vs. generated."))

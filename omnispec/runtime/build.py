@@ -28,11 +28,11 @@ from ..spec.errors import Problem
 from ..spec.explain import describe_weights
 from .components import check_source, load_components
 from .families import family_class
-from .threads import set_cpu_threads
 from .lora import adapter_files, load_adapter_slots
 from .parallel import check_axes, distribute_axes, enable_axes
 from .parallel import setup as setup_parallel
 from .pipeline import Pipeline
+from .threads import set_cpu_threads
 
 
 def build(
@@ -180,7 +180,8 @@ def _against_checkpoint(spec: PipelineSpec, root: str | None,
                                    "model.source")
         return spec, None
     configs = read_configs(spec, root, trusted)
-    problems = checkpoint_problems(spec, configs) + _model_index_problems(spec, configs)
+    foreign = family_class(spec.model.family).foreign_components
+    problems = checkpoint_problems(spec, configs, foreign) + _model_index_problems(spec, configs)
     if problems:
         raise SpecError(problems)
     return follow_checkpoint(spec, configs), configs

@@ -36,7 +36,11 @@ MAX_VIDEO_PIXELS = 1 << 27
 # an hour of AAC audio lists about 180,000.
 MAX_MEDIA_SAMPLES = 2_000_000
 MAX_PROMPTS = 1_024  # prompts of one request (each one is a sample a replay makes again)
-MAX_REFERENCES = 16  # reference images of one request
+MAX_REFERENCES = 16  # references (images, videos, sounds) of one request
+# A sound (an audio reference, a reference video's soundtrack): all its channels' samples, float32 within 256 MB
+# (17 minutes of stereo at 32 kHz); and the highest sample rate a sound may claim.
+MAX_AUDIO_SAMPLES = 1 << 26
+MAX_SAMPLE_RATE = 384_000
 MAX_LORA_SCALE = 1_000.0  # |scale| of a LoRA slot (real ones lie within a few units; 1e308 overflows to NaN)
 # Modules registered while one component is built from its config: FLUX.1's transformer has 1,275, Wan 14B's 1,138,
 # LTX-2's 3,674. A config describing a million layers (a few bytes of JSON) is refused at this count instead of

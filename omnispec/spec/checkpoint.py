@@ -11,6 +11,7 @@ Reading these files loads no weights and imports no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -213,13 +214,15 @@ _DYNAMIC_KEYS = {"base_shift": "base_shift", "max_shift": "max_shift", "base_seq
 _UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")
 
 
-def checkpoint_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
-    """Every disagreement between the spec and the checkpoint's config files, each naming both values."""
+def checkpoint_problems(spec: PipelineSpec, configs: CheckpointConfigs, foreign: Collection[str] = ()
+                        ) -> list[Problem]:
+    """Every disagreement between the spec and the checkpoint's config files, each naming both values. ``foreign``:
+    components of the checkpoint another family runs (its family's ``foreign_components``), left unloaded."""
     problems = _config_key_problems(spec, configs) + _prequantized_problems(spec, configs)
     if not spec.model.check_checkpoint:
         return problems
     problems += _class_problems(spec, configs)
-    problems += _denoiser_problems(spec, configs)
+    problems += _denoiser_problems(spec, configs, foreign)
     problems += _boundary_problems(spec, configs)
     problems += _schedule_problems(spec, configs)
     return problems
@@ -279,11 +282,11 @@ def _class_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Prob
     return problems
 
 
-def _denoiser_problems(spec: PipelineSpec, configs: CheckpointConfigs) -> list[Problem]:
+def _denoiser_problems(spec: PipelineSpec, configs: CheckpointConfigs, foreign: Collection[str]) -> list[Problem]:
     """A checkpoint's denoisers that the spec never loads (a one-expert spec on Wan2.2's two experts would run
     the whole schedule on one of them)."""
     index = configs.model_index or {}
-    loaded = {c.subfolder or name for name, c in spec.model.components.items()}
+    loaded = {c.subfolder or name for name, c in spec.model.components.items()} | set(foreign)
     unused = [f"{name} ({entry[1]})" for name, entry in index.items()
               if name.startswith(DENOISER_NAMES) and isinstance(entry, list) and len(entry) == 2 and entry[1]
               and name not in loaded]

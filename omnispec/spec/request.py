@@ -28,6 +28,8 @@ from .errors import Problem, SpecError, SpecTypeError, from_validation_error
 from .images import ImageCondition, image_condition, mask_condition, pixel_size
 from .pipeline import PipelineSpec
 from .recipe import IMAGE_TASKS, VIDEO_TASKS
+from .references import Reference, reference_key
+from .references import references as read_references
 from .schedule import ScheduleSpec
 from .videos import VideoCondition, holds_mask_frames, video_condition
 
@@ -66,8 +68,9 @@ class Request(SpecModel):
     # With a video: one image for every frame, or a mask per frame (a ``VideoCondition`` of greyscale frames).
     mask: ImageCondition | VideoCondition | None = None
     mask_blur: Annotated[MaskBlur, Number] | None = None
-    # Images the output should show (a subject, a style), not placed at frames: Wan VACE's reference images.
-    references: list[ImageCondition] = Field(default_factory=list, max_length=MAX_REFERENCES)
+    # What the output should show or sound like, in the order the model reads them (``spec.references``): images
+    # (Wan VACE's reference images, a subject, a style), videos with their frame rate and sound, sounds.
+    references: list[Reference] = Field(default_factory=list, max_length=MAX_REFERENCES)
 
     @field_validator("sigmas")
     @classmethod
@@ -82,7 +85,7 @@ class Request(SpecModel):
         cache key)."""
         mask = ((self.mask.digest, -1, self.mask_blur or 0),) if self.mask is not None else ()
         video = ((self.video.digest, "video"),) if self.video is not None else ()
-        references = tuple((c.digest, "reference") for c in self.references)
+        references = tuple((*reference_key(c), "reference") for c in self.references)
         return tuple((c.digest, c.frame) for c in self.images) + video + mask + references
 
 
@@ -139,7 +142,7 @@ def resolve_request(
     video = fields.pop("video", None)
     video = video_condition(video, "request.video") if video is not None else None
     mask = _mask(fields.pop("mask", None), recipe.task in VIDEO_TASKS)
-    references = _references(fields.pop("references", None))
+    references = read_references(fields.pop("references", None))
     if fields.get("sigmas") is not None:
         fields["steps"] = _steps_of_sigmas(spec, fields.get("sigmas"), fields.get("steps"))
 
@@ -290,17 +293,6 @@ def _image_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
             problems.append(Problem(f"request.conditions.{k}.frame", f"an image task places images at frame 0, "
                                                                       f"not {condition.frame}"))
     return problems
-
-
-def _references(given: Any) -> list[ImageCondition]:
-    """Reference images: one image or a list of at most ``MAX_REFERENCES``, each checked as a conditioning image."""
-    if given is None:
-        return []
-    items = list(given) if isinstance(given, (list, tuple)) else [given]
-    if len(items) > MAX_REFERENCES:
-        raise SpecError.single(f"{len(items)} reference images, above the limit of {MAX_REFERENCES}",
-                               "request.references")
-    return [image_condition(item, 0, f"request.references.{k}") for k, item in enumerate(items)]
 
 
 def _mask(given: Any, video_task: bool) -> ImageCondition | VideoCondition | None:

@@ -55,11 +55,14 @@ class VideoCondition(SpecModel):
     """A video the request conditions on: its frames as PIL images (RGB; mode L for a mask), all of one size.
 
     ``digest`` identifies the frames' pixels in order (prompt-encoding cache keys, provenance); ``path`` is the file
-    they came from, if any."""
+    they came from, if any. A reference video (``spec.references``) also carries its frame rate, where known, and
+    its soundtrack."""
 
     frames: list[Any]
     digest: str
     path: str | None = None
+    fps: float | None = None
+    audio: Any = None  # an ``AudioCondition``
 
     @property
     def size(self) -> tuple[int, int]:

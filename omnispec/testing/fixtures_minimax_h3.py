@@ -30,9 +30,40 @@ def _processor_class():
         """A ``Qwen3VLProcessor`` without the video processor that transformers builds only with torchvision."""
 
         def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+            if arg is None or isinstance(arg, FrameVideoProcessor):
+                return None
+            return super().check_argument_for_proper_class(name, arg)
 
     return ImageOnlyQwen3VLProcessor
+
+
+class FrameVideoProcessor:
+    """Qwen3-VL's video processing without torchvision (what a ref2va video reference's sampled frames go through in
+    the tiny fixture): each frame resized (PIL bicubic) to multiples of 28 within a small pixel budget, normalised,
+    frames in pairs (the last repeated), and patches laid out as ``Qwen3VLVideoProcessor`` lays them out."""
+
+    patch_size, temporal_patch_size, merge_size, max_pixels = 14, 2, 2, 56 * 56
+
+    def __call__(self, videos, do_sample_frames: bool = False, return_tensors: str = "pt", **_: object) -> dict:
+        import numpy as np
+        from PIL import Image
+
+        pixels, grids = [], []
+        p, tp, m = self.patch_size, self.temporal_patch_size, self.merge_size
+        for video in videos:
+            frames = np.asarray(video)
+            height, width = frames.shape[1:3]
+            scale = min(1.0, (self.max_pixels / (height * width)) ** 0.5)
+            h, w = (max(p * m, round(n * scale / (p * m)) * p * m) for n in (height, width))
+            resized = np.stack([np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC)) for f in frames])
+            x = (torch.from_numpy(resized).float().permute(0, 3, 1, 2) / 255.0 - 0.5) / 0.5
+            if pad := -x.shape[0] % tp:
+                x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+            gt, gh, gw = x.shape[0] // tp, h // p, w // p
+            x = x.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            pixels.append(x.reshape(gt * gh * gw, 3 * tp * p * p))
+            grids.append([gt, gh, gw])
+        return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
 
 
 class ImageOnlyQwen3VLProcessorLoader:
@@ -51,11 +82,11 @@ def minimax_h3_processor(tokenizer_or_path):
     from .tokenizers import qwen_vl_parts
 
     images, tokenizer = qwen_vl_parts(tokenizer_or_path)
-    return _processor_class()(image_processor=images, tokenizer=tokenizer)
+    return _processor_class()(image_processor=images, tokenizer=tokenizer, video_processor=FrameVideoProcessor())
 
 
 def minimax_h3_components(seed: int = 0) -> dict:
-    """Tiny modules of ``MiniMaxH3ModularPipeline``'s t2va / fl2va workflows."""
+    """Tiny modules of ``MiniMaxH3ModularPipeline``'s workflows (``transformer_ref``: ref2va's partition)."""
     import transformers
     from diffusers import (
         AutoencoderKLMiniMaxH3,
@@ -74,6 +105,8 @@ def minimax_h3_components(seed: int = 0) -> dict:
         num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1, ffn_dim=32,
         in_channels=LATENT_CHANNELS, audio_in_channels=AUDIO_CHANNELS, text_dim=TEXT_DIM, freq_dim=16,
         time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2).eval()
+    _seeded(seed + 1)  # the ref2va partition: the same architecture, other weights
+    transformer_ref = MiniMaxH3Transformer3DModel.from_config(transformer.config).eval()
     _seeded(seed)
     vae = AutoencoderKLMiniMaxH3(
         latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
@@ -96,7 +129,7 @@ def minimax_h3_components(seed: int = 0) -> dict:
                        "out_hidden_size": TEXT_DIM, "deepstack_visual_indexes": [0], "patch_size": 14,
                        "spatial_merge_size": 2, "temporal_patch_size": 2},
         vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])).eval()
-    return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
+    return dict(transformer=transformer, transformer_ref=transformer_ref, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 processor=minimax_h3_processor(tokenizer), scheduler=MiniMaxH3Scheduler(shift=VIDEO_SHIFT),
                 audio_scheduler=MiniMaxH3Scheduler(shift=AUDIO_SHIFT))
 
@@ -124,3 +157,7 @@ def tiny_minimax_h3(root: str | Path, seed: int = 0) -> Path:
 # Float32, a 32-pixel square (one token per latent frame), the shortest clip (124 frames: 5.17 s at 24 fps), 3 steps.
 TINY_OVERRIDES["minimax_h3"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=32",
                                 "recipe.defaults.steps=3", "runtime.progress=false"]
+# ref2va: references on 32-pixel canvases too (an image at a 32-pixel short edge, a video on the 32x32 canvas).
+REF2VA_CONFIGS = {"canvas_short_edge": 32, "canvas_max_pixels": 32 * 32, "reference_image_short_edge": 32}
+TINY_OVERRIDES["minimax_h3_ref2va"] = [*TINY_OVERRIDES["minimax_h3"], "model.options={canvas_short_edge: 32, "
+                                       "canvas_max_pixels: 1024, reference_image_short_edge: 32}"]

@@ -60,6 +60,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "flux3-klein": ("tiny_flux3", {"distilled": True}, "flux3", ()),
     "flux3-klein-edit": ("tiny_flux3", {"distilled": True}, "flux3_edit", ()),
     "flux3-klein-base": ("tiny_flux3", {}, "flux3", ()),
+    "minimax-h3-ref2va": ("tiny_minimax_h3", {}, "minimax_h3_ref2va", ()),
 }
 TINY_SPECS = tuple(_TINY)
 

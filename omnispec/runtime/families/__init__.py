@@ -38,6 +38,7 @@ _BUILTIN = {
     "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",
     "flux3": "omnispec.runtime.families.flux3:Flux3Family",
     "flux3_distilled": "omnispec.runtime.families.flux3:Flux3DistilledFamily",
+    "minimax_h3_ref2va": "omnispec.runtime.families.minimax_h3_ref2va:MiniMaxH3Ref2VAFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

@@ -22,6 +22,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.base import MAX_SIZE
 from ...spec.guidance import term_of
 from ...spec.images import pixel_size
+from ...spec.references import reference_kind
 from ...spec.request import Request
 from ...targets import Targets, TensorPlan
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
@@ -78,6 +79,8 @@ class Family:
     # How many request images the family conditions on (0: text only), and how many reference images.
     max_images: ClassVar[int] = 0
     max_references: ClassVar[int] = 0
+    # Which kinds of reference it takes (``spec.references``: image, video, audio).
+    reference_kinds: ClassVar[tuple[str, ...]] = ("image",)
     # Whether the family inpaints (reads the request's mask): it runs the task ``inpainting`` and only that one.
     inpaints: ClassVar[bool] = False
     # Whether the family follows a request's video (and its mask): the task ``video-to-video``.
@@ -85,6 +88,9 @@ class Family:
     # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
     # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
     model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+    # Components of the checkpoint that another family runs (one checkpoint, one partition per workflow), each with
+    # what it is: ``omnispec init`` leaves them out of its draft, and a phase may not denoise with one.
+    foreign_components: ClassVar[Mapping[str, str]] = {}
     # Scheduler classes besides FlowMatchEulerDiscreteScheduler whose schedule a ``flow_match`` schedule with the
     # config's ``shift`` reproduces, so ``omnispec init`` drafts one (``shift: from_checkpoint``) for them.
     flow_match_schedulers: ClassVar[tuple[str, ...]] = ()
@@ -157,8 +163,13 @@ class Family:
                                    f"{len(request.images)}", "request.image")
         if len(request.references) > cls.max_references:
             takes = f"at most {cls.max_references}" if cls.max_references else "no"
-            raise SpecError.single(f"family {cls.name!r} takes {takes} reference image(s), got "
+            noun = "reference image(s)" if cls.reference_kinds == ("image",) else "reference(s)"
+            raise SpecError.single(f"family {cls.name!r} takes {takes} {noun}, got "
                                    f"{len(request.references)}", "request.references")
+        for k, reference in enumerate(request.references):
+            if (kind := reference_kind(reference)) not in cls.reference_kinds:
+                raise SpecError.single(f"family {cls.name!r} takes {' and '.join(cls.reference_kinds)} references, "
+                                       f"not a {kind}", f"request.references.{k}")
 
     @classmethod
     def checkpoint_pipelines(cls) -> tuple[str, ...]:

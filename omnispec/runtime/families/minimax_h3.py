@@ -19,6 +19,9 @@ text encoder (a label and a vision block each, whose rows are tagged as video) a
 sampled under the model's own fixed seed); each keyframe's latents, noised to ``t = 0.999`` with the sample's first
 draws, are conditioning rows before the video rows, held there at ``max(t, 0.999)`` and never stepped.
 
+References (the blocks' ref2va workflow, on the checkpoint's other partition ``transformer_ref``) are
+``MiniMaxH3Ref2VAFamily``'s (``minimax_h3_ref2va``): the same loop, other conditioning rows and layout.
+
 Prompt encoding, keyframe preparation, layout, timesteps, noise order (keyframe noise, then video drawn 5D and
 patchified, then audio drawn in rows) and decode are the modular blocks' own, so they equal diffusers' by
 construction.
@@ -29,10 +32,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ModularPipeline
-from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
-                                                                   MiniMaxH3SetTimestepsStep, patchify_video_latents)
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (align_num_frames, audio_latent_num_frames,
-                                                                     resolve_canvas_size, video_latent_num_frames)
+from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+    MiniMaxH3PrepareLayoutStep,
+    MiniMaxH3SetTimestepsStep,
+    patchify_video_latents,
+)
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    align_num_frames,
+    audio_latent_num_frames,
+    resolve_canvas_size,
+    video_latent_num_frames,
+)
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
@@ -78,13 +88,19 @@ class MiniMaxH3Family(Family):
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "processor": "processor", "vae": "vae",
                 "audio_vae": "vae", "audio_scheduler": "scheduler"}
 
+    # The checkpoint's other partition, which the other workflow's family runs: ``omnispec init`` leaves it out.
+    foreign_components = {"transformer_ref": "the ref2va partition, which family minimax_h3_ref2va runs"}
+
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
         super().check_spec(spec)
-        for phase in spec.recipe.phases:
+        for k, phase in enumerate(spec.recipe.phases):
             if phase.guidance.terms:
                 raise SpecError.single(f"{NO_GUIDANCE}; phase {phase.name!r} has guidance terms",
                                        "recipe.phases.guidance")
+            if phase.denoiser in cls.foreign_components:
+                raise SpecError.single(f"{phase.denoiser!r} is {cls.foreign_components[phase.denoiser]}; family "
+                                       f"{cls.name!r} runs the other", f"recipe.phases.{k}.denoiser")
 
     @classmethod
     def check_request(cls, request: Request, spec: PipelineSpec) -> None:
@@ -141,11 +157,9 @@ class MiniMaxH3Family(Family):
         """Each prompt through the blocks' text encoding (with the keyframes, each labelled and shown to the
         Qwen3-VL conditioner): its hidden state and per-row modality tags, rows padded to the longest, with their
         lengths."""
-        size = {"height": request.height, "width": request.width} if request.height and request.width else {}
         embeds, tags = [], []
         for prompt in prompts:
-            out = self.prepare(prompt=prompt, **size, **self.keyframes(request),
-                               output=["prompt_embeds", "text_token_tags"])
+            out = self._encode_prompt(prompt, request)
             embeds.append(out["prompt_embeds"].to(self.device))
             tags.append(out["text_token_tags"][None])
         longest = max(e.shape[1] for e in embeds)
@@ -155,6 +169,11 @@ class MiniMaxH3Family(Family):
         lengths = torch.tensor([[e.shape[1]] for e in embeds])
         return Conditioning({"encoder_hidden_states": padded, "text_tags": tags, "text_length": lengths},
                             ragged=PROMPT_KEYS)
+
+    def _encode_prompt(self, prompt: str, request: Request) -> dict[str, torch.Tensor]:
+        size = {"height": request.height, "width": request.width} if request.height and request.width else {}
+        return self.prepare(prompt=prompt, **size, **self.keyframes(request), output=["prompt_embeds",
+                                                                                        "text_token_tags"])
 
     # ---- geometry and latents --------------------------------------------------------------------------
 
@@ -253,18 +272,21 @@ class MiniMaxH3Family(Family):
 
     def _layout(self, geometry: Geometry, tags: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """The packed layout's structural tensors for text rows tagged ``tags``, built once per walk."""
-        anchors = geometry.extra["keyframe_anchors"]
-        key = ("minimax_h3_layout", tags, anchors)
+        key = ("minimax_h3_layout", tags)
         if key not in geometry.extra:
-            h = self.helper
-            f, lh, lw = self.latent_shape(geometry)
-            position_ids, token_tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                torch.tensor(tags, dtype=torch.long), f, lh, lw, self.audio_latents(geometry), h.patch_size,
-                h.audio_channels, h.audio_tag, h.video_tag, anchors)
+            position_ids, token_tags, video, audio, text = self._packed_sequence(geometry, tags)
             geometry.extra[key] = {"position_ids": position_ids.to(self.device), "token_tags": token_tags.to(self.device),
                                    "video_indices": video.to(self.device), "audio_indices": audio.to(self.device),
                                    "text_indices": text.to(self.device)}
         return geometry.extra[key]
+
+    def _packed_sequence(self, geometry: Geometry, tags: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The blocks' layout ``[text | keyframes | audio | video]``: positions, tags and the rows of each part."""
+        h = self.helper
+        f, lh, lw = self.latent_shape(geometry)
+        return MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            torch.tensor(tags, dtype=torch.long), f, lh, lw, self.audio_latents(geometry), h.patch_size,
+            h.audio_channels, h.audio_tag, h.video_tag, geometry.extra["keyframe_anchors"])[:5]
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
@@ -273,25 +295,29 @@ class MiniMaxH3Family(Family):
         t, audio_t = float(1 - sigma), float(1 - self.stream_sigmas(sigma)["audio"])
         lengths = cond.batched["text_length"].reshape(-1).tolist()
         tags = [tuple(row[:n].tolist()) for row, n in zip(cond.batched["text_tags"], lengths)]
-        conditions = cond.batched.get("condition_rows")
+        # Conditioning rows ahead of the generated ones, never stepped: video held at max(t, 0.999), sound clean.
+        conditions, sounds = cond.batched.get("condition_rows"), cond.batched.get("audio_condition_rows")
         held = 0 if conditions is None else conditions.shape[1]
+        heard = 0 if sounds is None else sounds.shape[1]
         video_out, audio_out = [], []
         for text in dict.fromkeys(tags):  # rows with one text layout share one forward
             rows = [k for k, row in enumerate(tags) if row == text]
             layout = self._layout(geometry, text)
             unique, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), held, 0, len(text), t, audio_t,
+                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), held, heard, len(text), t, audio_t,
                 max(t, helper.keyframe_noise_aug), 1.0)
-            video = latents["video"][rows]
+            video, audio = latents["video"][rows], latents["audio"][rows]
             if held:
                 video = torch.cat([conditions[rows].to(video), video], dim=1)
+            if heard:
+                audio = torch.cat([sounds[rows].to(audio), audio], dim=1)
             v, a = denoiser(
-                hidden_states=video, audio_hidden_states=latents["audio"][rows],
+                hidden_states=video, audio_hidden_states=audio,
                 encoder_hidden_states=cond.batched["encoder_hidden_states"][rows, :len(text)],
                 timestep=unique.to(self.device), timestep_indices=indices.to(self.device), return_dict=False,
                 **layout)
             video_out.append((rows, v[:, held:]))
-            audio_out.append((rows, a))
+            audio_out.append((rows, a[:, heard:]))
         return {"video": -self._gather(video_out, len(tags)), "audio": -self._gather(audio_out, len(tags))}
 
     @staticmethod

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import omnispec
+from omnispec.runtime.families.digits import DigitsFamily
 from omnispec.spec import SpecError
 from omnispec.spec.guidance import GUIDANCE, Term, TermSpec
 from omnispec.spec.guidance.base import StreamScale
-from omnispec.runtime.families.digits import DigitsFamily
 from omnispec.spec.policies import CACHES, KERNEL_POLICIES, OFFLOADS, CacheSpec, KernelPolicySpec
 from omnispec.spec.recipe import SAMPLERS, StochasticWindow
 from omnispec.spec.schedule import SCHEDULES, SHARED_SCHEDULES

@@ -10,8 +10,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from omnispec.policies.compile import _torch_compile_options
 from omnispec.kernels.inductor_passes import NarrowQuantizedInputs, narrow_quantized_inputs
+from omnispec.policies.compile import _torch_compile_options
 from omnispec.spec.policies import CompilePolicy
 
 

@@ -17,8 +17,8 @@ from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
 from benchmarks.gpu_adaln_norm import DoubleNorm2, SingleNorm
-from omnispec.policies.compile import _torch_compile_options
 from omnispec.kernels.inductor_rows import PersistentRows, RowChoices
+from omnispec.policies.compile import _torch_compile_options
 from omnispec.spec import SpecError
 from omnispec.spec.policies import CompilePolicy
 

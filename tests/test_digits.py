@@ -6,6 +6,7 @@ import torch
 
 import omnispec
 
+import preloaded
 from conftest import ROOT, SPECS
 
 
@@ -54,15 +55,14 @@ def test_trainer_runs_a_few_iterations(tmp_path):
 
 
 def test_cli_writes_a_recognisable_seven(tmp_path):
-    import subprocess
     import sys
 
     from PIL import Image
 
     from benchmarks.digits_quality import to_8x8, train_classifier
 
-    res = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "digits.yaml"), "--prompt", "seven",
-                          "--output", str(tmp_path / "seven.png")], capture_output=True, text=True)
+    res = preloaded.python_m([sys.executable, "-m", "omnispec", "run", str(SPECS / "digits.yaml"), "--prompt", "seven",
+                              "--output", str(tmp_path / "seven.png")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     image = np.asarray(Image.open(tmp_path / "seven.png"), dtype=np.float32)[None, ..., None] / 255.0
     assert train_classifier().predict(to_8x8(image))[0] == 7

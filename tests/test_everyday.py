@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SPECS, cpu_env, refused
+from conftest import SPECS, cpu_env, refused
 
 DIGITS = str(SPECS / "digits.yaml")
 

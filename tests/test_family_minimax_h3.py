@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from PIL import Image
 from diffusers.modular_pipelines import MiniMaxH3Blocks
+from PIL import Image
 
 import omnispec
 from omnispec.cli import main

@@ -2,7 +2,6 @@
 equal to diffusers' Flux2KleinPipeline on the same tiny checkpoint and seeds; FLUX.2's empirical shift; the
 distilled checkpoint refuses a CFG recipe; rollouts replay exactly."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ import omnispec
 from omnispec.spec import SpecError, load_spec
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import ROOT, SPECS, generators, reference
 
 TOL = 1e-4
@@ -71,10 +71,10 @@ def test_editing_from_two_references_equals_diffusers(flux2_klein_dir, pictures)
 def test_editing_through_the_cli(flux2_klein_dir, pictures, tmp_path):
     first, out = tmp_path / "ref.png", tmp_path / "blue.png"
     pictures[0].save(first)
-    done = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "flux2-klein-4b-edit.yaml"),
-                           "--source", str(flux2_klein_dir), *[a for o in EDIT for a in ("--set", o)],
-                           "--prompt", "make it blue", "--image", str(first), "--seed", "2", "--output", str(out),
-                           "-q"], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "run", str(SPECS / "flux2-klein-4b-edit.yaml"),
+                               "--source", str(flux2_klein_dir), *[a for o in EDIT for a in ("--set", o)],
+                               "--prompt", "make it blue", "--image", str(first), "--seed", "2", "--output", str(out),
+                               "-q"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     record = omnispec.records.read(out)
     assert record.spec["model"]["family"] == "flux2_klein" and Image.open(out).size == (80, 64)

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from preloaded import free_port
 from test_untrusted_inputs import DIGITS, record_of, write_record_png
 
 import omnispec
@@ -22,6 +21,7 @@ from omnispec.spec import SpecError, load_spec
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import MARKER_CODE, ROOT, SPECS, refused
+from preloaded import free_port
 
 FLUX = [a for o in TINY_OVERRIDES["flux"] for a in ("--set", o)]
 WAN = [a for o in [*TINY_OVERRIDES["wan"], "recipe.defaults.steps=2"] for a in ("--set", o)]

@@ -4,7 +4,6 @@ checkpoints, inputs and seeds (one diffusers call per seed: diffusers draws a ba
 first generator); the mask's rules (white repaints, size of the image, modes) as one clear error each; the mask in
 the record, the replay and the encoding-cache key; rollouts replay exactly."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import ROOT, SPECS, reference
 
 TOL = 1e-4
@@ -125,9 +125,9 @@ def test_the_mask_is_in_the_encoding_key_the_record_and_the_replay(flux_fill_dir
     mask.save(held)
     sets = [a for o in FILL for a in ("--set", o)]
     run = [sys.executable, "-m", "omnispec", "run"]
-    done = subprocess.run([*run, str(SPECS / "flux1-fill-dev.yaml"), "--source", str(flux_fill_dir), *sets,
-                           "--prompt", "a red door", "--image", str(image), "--mask", str(held), "--mask-blur", "2",
-                           "--seed", "3", "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, str(SPECS / "flux1-fill-dev.yaml"), "--source", str(flux_fill_dir), *sets,
+                               "--prompt", "a red door", "--image", str(image), "--mask", str(held), "--mask-blur", "2",
+                               "--seed", "3", "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     record = omnispec.records.read(out)
     assert record.request.mask.path == str(held.resolve()) and record.request.mask_blur == 2
@@ -137,13 +137,13 @@ def test_the_mask_is_in_the_encoding_key_the_record_and_the_replay(flux_fill_dir
     assert request_arguments(record, spec)[2]["mask"] == str(held.resolve())
     assert "mask" not in request_arguments(record, spec, mask=False)[2]  # the caller gives another
     again = tmp_path / "again.png"
-    done = subprocess.run([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
-                          cwd=ROOT)
+    done = preloaded.python_m([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
+                              cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert np.array_equal(np.asarray(Image.open(out)), np.asarray(Image.open(again)))
     mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(held)  # the mask file changed since
-    done = subprocess.run([*run, "--from", str(out), "--output", str(tmp_path / "x.png"), "-q"], capture_output=True,
-                          text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, "--from", str(out), "--output", str(tmp_path / "x.png"), "-q"],
+                              capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "error: request.mask" in done.stderr and "has changed since" in done.stderr
     assert "Traceback" not in done.stderr
 

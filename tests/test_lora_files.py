@@ -1,7 +1,5 @@
 """LoRA files as users have them (diffusers-saved, kohya/ComfyUI, XLabs) load into an adapter slot and into
 ``omnispec run --lora``, and the output equals diffusers' ``load_lora_weights`` on the tiny FLUX checkpoint."""
-
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +9,7 @@ import torch
 import omnispec
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import ROOT, SPECS
 
 TOL = 1e-4
@@ -120,7 +119,7 @@ def test_cli_lora_option_loads_a_file_with_weight_name_and_scale(flux_dir, tmp_p
             "--lora", f"{folder}:{weight_name}@0.8"]
     for override in TINY_OVERRIDES["flux"]:
         args += ["--set", override]
-    res = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    res = preloaded.python_m(args, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     ref = reference(flux_dir, folder, weight_name, 0.8, 4)
     ours = np.asarray(Image.open(out), dtype=np.float32) / 255

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from diffusers.models.activations import GELU
 
 import omnispec
-from omnispec.policies import mlp
 from omnispec.kernels.gemm_epilogue import by_halves, linear_gelu, linear_of_pair, plain_linear
+from omnispec.policies import mlp
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import SPECS

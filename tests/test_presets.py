@@ -13,6 +13,8 @@ from omnispec.policies.presets import DeviceFacts, resolve_preset
 from omnispec.spec import load_spec
 from omnispec.spec.explain import explain_spec, render_explain
 
+import preloaded
+
 HOPPER = DeviceFacts(cuda=True, capability=(9, 0), flash4_refusal=None, torchao=True)
 AMPERE = DeviceFacts(cuda=True, capability=(8, 0), flash4_refusal="FA4 needs Hopper or Blackwell", torchao=True)
 
@@ -147,12 +149,12 @@ def test_a_cpu_build_says_what_the_preset_left_out_and_the_record_says_so(tmp_pa
 
 def test_the_cli_run_writes_the_preset_into_the_record(tmp_path):
     out = tmp_path / "seven.png"
-    res = subprocess.run([sys.executable, "-m", "omnispec", "run", "digits", "--prompt", "seven", "--steps", "2",
-                          "--set", "policies.preset=fast", "--output", str(out)], capture_output=True, text=True,
-                         timeout=300)
+    res = preloaded.python_m([sys.executable, "-m", "omnispec", "run", "digits", "--prompt", "seven", "--steps", "2",
+                              "--set", "policies.preset=fast", "--output", str(out)], capture_output=True, text=True,
+                             timeout=300)
     assert res.returncode == 0, res.stderr
-    shown = subprocess.run([sys.executable, "-m", "omnispec", "explain", str(out)], capture_output=True, text=True,
-                           timeout=120)
+    shown = preloaded.python_m([sys.executable, "-m", "omnispec", "explain", str(out)], capture_output=True, text=True,
+                               timeout=120)
     assert "preset fast: turned on nothing" in shown.stdout, shown.stdout + shown.stderr
 
 

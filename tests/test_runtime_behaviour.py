@@ -1,6 +1,4 @@
 """Interpreter behaviour beyond parity: batching, phases, windows, requests, the run CLI."""
-
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +9,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import SPECS
 
 
@@ -138,8 +137,8 @@ def test_missing_component_folder_is_reported_before_loading(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "omnispec", "run", *args], capture_output=True, text=True,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    return preloaded.python_m([sys.executable, "-m", "omnispec", "run", *args], capture_output=True, text=True,
+                              env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_cli_run_writes_pngs_and_npy(flux_dir, tmp_path):

@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from preloaded import free_port
 
 import omnispec
 from omnispec.spec import SpecError, load_spec
 from omnispec.testing import TINY_OVERRIDES
 
 from conftest import ROOT, SPECS, cpu_env
+from preloaded import free_port
 
 TOL = 1e-4
 REGIONAL = "policies.compile.mode=regional"

@@ -6,7 +6,6 @@ compared with diffusers loading the same file the same way."""
 import json
 import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from omnispec.testing.single_files import (
     z_image_original,
 )
 
+import preloaded
 from conftest import ROOT, SPECS, int8_weight
 
 TOL = 1e-4
@@ -109,10 +109,10 @@ def test_wan_original_layout_equals_diffusers_loading_the_same_file(wan32, wan_f
 def test_wan_single_file_through_the_cli(wan32, wan_files, tmp_path):
     """``omnispec run`` with the file set on the command line: the same output as ``build``."""
     out = tmp_path / "cat.mp4"
-    done = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-t2v-1.3b.yaml"), "--source",
-                           str(wan32), *[a for o in WAN for a in ("--set", o)], "--set",
-                           f"model.components.transformer.file={wan_files['original']}", "--prompt", "a cat",
-                           "--seed", "0", "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-t2v-1.3b.yaml"), "--source",
+                               str(wan32), *[a for o in WAN for a in ("--set", o)], "--set",
+                               f"model.components.transformer.file={wan_files['original']}", "--prompt", "a cat",
+                               "--seed", "0", "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     record = omnispec.records.read(out)
     assert record.spec["model"]["components"]["transformer"]["file"] == str(wan_files["original"])
@@ -248,9 +248,9 @@ def test_a_forged_gguf_file_is_one_clear_error(tmp_path, data, problem):
 
 def test_a_forged_gguf_through_the_cli_is_one_error_line(wan32, tmp_path):
     bad = _forged(tmp_path / "bad.gguf", b"GGUF" + struct.pack("<IQQ", 3, 1 << 62, 0))
-    done = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-t2v-1.3b.yaml"), "--source",
-                           str(wan32), "--set", f"model.components.transformer.file={bad}", "--prompt", "x",
-                           "--output", str(tmp_path / "x.mp4")], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-t2v-1.3b.yaml"), "--source",
+                               str(wan32), "--set", f"model.components.transformer.file={bad}", "--prompt", "x",
+                               "--output", str(tmp_path / "x.mp4")], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error:") and "not a valid GGUF file" in lines[-1]
@@ -347,8 +347,8 @@ def test_a_hub_file_reference_offline_and_uncached_is_one_clear_error(wan32):
 
 def test_init_drafts_a_spec_from_one_file_that_runs(wan32, wan_files, tmp_path):
     out = tmp_path / "drafted.yaml"
-    done = subprocess.run([sys.executable, "-m", "omnispec", "init", str(wan_files["Q4_0"]), "--source", str(wan32),
-                           "-o", str(out)], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "init", str(wan_files["Q4_0"]), "--source", str(wan32),
+                               "-o", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     assert "from the bundled spec 'wan2.1-t2v-1.3b'" in text and "Q4_0" in text
@@ -361,8 +361,8 @@ def test_init_drafts_a_spec_from_one_file_that_runs(wan32, wan_files, tmp_path):
 
 def test_init_names_what_a_file_it_cannot_place_is(tmp_path):
     file = write_safetensors({"some.weight": torch.zeros(2, 2)}, tmp_path / "other.safetensors")
-    done = subprocess.run([sys.executable, "-m", "omnispec", "init", str(file)], capture_output=True, text=True,
-                          cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "init", str(file)], capture_output=True, text=True,
+                              cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error:") and "no model diffusers recognises" in done.stderr
 
@@ -404,8 +404,8 @@ def test_a_pre_quantized_component_refuses_quantizing_again_and_says_what_it_is(
     with pytest.raises(SpecError, match=r"already quantized by its checkpoint \(torchao Int8WeightOnlyConfig"):
         omnispec.build(SPECS / "wan2.1-t2v-1.3b.yaml", source=str(wan_torchao),
                        overrides=[*WAN, "policies.quantization.denoiser.method=int8_weight_only"])
-    done = subprocess.run([sys.executable, "-m", "omnispec", "explain", str(SPECS / "wan2.1-t2v-1.3b.yaml"),
-                           "--source", str(wan_torchao)], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "explain", str(SPECS / "wan2.1-t2v-1.3b.yaml"),
+                               "--source", str(wan_torchao)], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "transformer: pre-quantized by its checkpoint: torchao Int8WeightOnlyConfig (PerRow)" in done.stdout
 

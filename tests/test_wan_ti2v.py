@@ -2,7 +2,6 @@
 WanPipeline / WanImageToVideoPipeline with ``expand_timesteps`` on the same tiny checkpoint and seeds; the checkpoint
 check tells it from Wan2.1/2.2's other models; rollouts replay exactly."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import ROOT, SPECS, reference
 
 TOL = 1e-4
@@ -57,10 +57,10 @@ def test_image_to_video_equals_diffusers(wan_ti2v_dir, picture):
 def test_image_to_video_through_the_cli(wan_ti2v_dir, picture, tmp_path):
     image, out = tmp_path / "first.png", tmp_path / "cat.mp4"
     picture.save(image)
-    done = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.2-ti2v-5b-i2v.yaml"),
-                           "--source", str(wan_ti2v_dir), *[a for o in OVERRIDES for a in ("--set", o)],
-                           "--prompt", "a cat", "--image", str(image), "--seed", "3", "--output", str(out), "-q"],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.2-ti2v-5b-i2v.yaml"),
+                               "--source", str(wan_ti2v_dir), *[a for o in OVERRIDES for a in ("--set", o)],
+                               "--prompt", "a cat", "--image", str(image), "--seed", "3", "--output", str(out), "-q"],
+                              capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert omnispec.records.read(out).spec["model"]["family"] == "wan_ti2v"
 

@@ -2,7 +2,6 @@
 mask as diffusers' VACE example builds them, equal to WanVACEPipeline on the same tiny checkpoint and seed (one call
 per seed: the pipeline takes one prompt and one generator); conditioning scales; rollouts replay exactly."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ import omnispec
 from omnispec.spec import SpecError
 from omnispec.testing import TINY_OVERRIDES
 
+import preloaded
 from conftest import ROOT, SPECS, reference
 
 TOL = 1e-4
@@ -83,20 +83,20 @@ def test_references_are_refused_by_families_without_them_and_recorded(flux_dir, 
     frames[1].save(ref)
     sets = [a for o in OVERRIDES for a in ("--set", o)]
     run = [sys.executable, "-m", "omnispec", "run"]
-    done = subprocess.run([*run, str(SPECS / "wan2.1-vace-1.3b-r2v.yaml"), "--source", str(wan_vace_dir), *sets,
-                           "--prompt", "a bird", "--reference", str(ref), "--output", str(out), "-q"],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, str(SPECS / "wan2.1-vace-1.3b-r2v.yaml"), "--source", str(wan_vace_dir), *sets,
+                               "--prompt", "a bird", "--reference", str(ref), "--output", str(out), "-q"],
+                              capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     record = omnispec.records.read(out)
     assert [r.path for r in record.request.references] == [str(ref.resolve())]
     again = tmp_path / "again.npy"
-    done = subprocess.run([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
-                          cwd=ROOT)
+    done = preloaded.python_m([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
+                              cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert np.array_equal(np.load(out), np.load(again))
     frames[0].save(ref)  # the reference changed since
-    done = subprocess.run([*run, "--from", str(out), "--output", str(tmp_path / "x.npy"), "-q"], capture_output=True,
-                          text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, "--from", str(out), "--output", str(tmp_path / "x.npy"), "-q"],
+                              capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "error: request.references.0" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -104,10 +104,10 @@ def test_through_the_cli_and_refusals(wan_vace_dir, frames, tmp_path):
     first, out = tmp_path / "first.png", tmp_path / "clip.npy"
     frames[0].save(first)
     sets = [a for o in OVERRIDES for a in ("--set", o)]
-    done = subprocess.run([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-vace-1.3b.yaml"),
-                           "--source", str(wan_vace_dir), *sets, "--prompt", "a bird", "--image", f"{first}@0",
-                           "--image", f"{first}@-1", "--output", str(out), "-q"], capture_output=True, text=True,
-                          cwd=ROOT)
+    done = preloaded.python_m([sys.executable, "-m", "omnispec", "run", str(SPECS / "wan2.1-vace-1.3b.yaml"),
+                               "--source", str(wan_vace_dir), *sets, "--prompt", "a bird", "--image", f"{first}@0",
+                               "--image", f"{first}@-1", "--output", str(out), "-q"], capture_output=True, text=True,
+                              cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert np.load(out).shape == (1, 9, 32, 32, 3)
     with pytest.raises(SpecError, match="conditioning_scale is a number"):
@@ -170,9 +170,9 @@ def test_video_through_the_cli_records_and_replays(wan_vace_dir, clip, tmp_path)
     masks[0].save(mask_file, save_all=True, append_images=masks[1:])  # an APNG: a mask per frame
     sets = [a for o in OVERRIDES for a in ("--set", o)]
     run = [sys.executable, "-m", "omnispec", "run"]
-    done = subprocess.run([*run, str(SPECS / "wan2.1-vace-1.3b-v2v.yaml"), "--source", str(wan_vace_dir), *sets,
-                           "--prompt", "a bird", "--video", str(clip_file), "--mask", str(mask_file),
-                           "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, str(SPECS / "wan2.1-vace-1.3b-v2v.yaml"), "--source", str(wan_vace_dir), *sets,
+                               "--prompt", "a bird", "--video", str(clip_file), "--mask", str(mask_file),
+                               "--output", str(out), "-q"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     pipe = omnispec.build(SPECS / "wan2.1-vace-1.3b-v2v.yaml", source=str(wan_vace_dir), overrides=OVERRIDES)
     same = pipe("a bird", seed=0, video=video, mask=masks)  # the files hold these very frames (lossless)
@@ -180,23 +180,23 @@ def test_video_through_the_cli_records_and_replays(wan_vace_dir, clip, tmp_path)
     record = omnispec.records.read(out)
     assert record.request.video.frames == 9 and record.request.video.path == str(clip_file.resolve())
     assert record.request.mask.frames == 9 and record.request.frames == 9
-    shown = subprocess.run([sys.executable, "-m", "omnispec", "explain", str(out)], capture_output=True,
-                           text=True, cwd=ROOT)
+    shown = preloaded.python_m([sys.executable, "-m", "omnispec", "explain", str(out)], capture_output=True,
+                               text=True, cwd=ROOT)
     assert "video: " in shown.stdout and "9 frames" in shown.stdout, shown.stdout + shown.stderr
     again = tmp_path / "again.npy"
-    done = subprocess.run([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
-                          cwd=ROOT)
+    done = preloaded.python_m([*run, "--from", str(out), "--output", str(again), "-q"], capture_output=True, text=True,
+                              cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert np.array_equal(np.load(out), np.load(again))
     masks[1].save(mask_file, save_all=True, append_images=masks[2:] + masks[:1])  # the mask changed since
-    done = subprocess.run([*run, "--from", str(out), "--output", str(tmp_path / "x.npy"), "-q"], capture_output=True,
-                          text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, "--from", str(out), "--output", str(tmp_path / "x.npy"), "-q"],
+                              capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "error: request.mask" in done.stderr and "has changed" in done.stderr
     assert "Traceback" not in done.stderr
     (tmp_path / "broken.mp4").write_bytes(b"\0\0\0\x18ftypisom" + bytes(64))
-    done = subprocess.run([*run, str(SPECS / "wan2.1-vace-1.3b-v2v.yaml"), "--source", str(wan_vace_dir), *sets,
-                           "--prompt", "a bird", "--video", str(tmp_path / "broken.mp4"), "--output",
-                           str(tmp_path / "y.npy"), "-q"], capture_output=True, text=True, cwd=ROOT)
+    done = preloaded.python_m([*run, str(SPECS / "wan2.1-vace-1.3b-v2v.yaml"), "--source", str(wan_vace_dir), *sets,
+                               "--prompt", "a bird", "--video", str(tmp_path / "broken.mp4"), "--output",
+                               str(tmp_path / "y.npy"), "-q"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and done.stderr.startswith("error: request.video:"), done.stderr
     assert "Traceback" not in done.stderr
 

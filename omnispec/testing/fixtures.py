@@ -289,12 +289,27 @@ def qwen25_vl_encoder(ids: list[int], vision_depth: int):
         eos_token_id=ids[5])).eval()
 
 
+def qwen3_vl_encoder(ids: list[int], width: int, layers: int):
+    """A tiny Qwen3-VL (``layers`` text layers ``width`` wide, one vision block); ``ids``: the tokenizer's vision
+    start, vision end, image pad and video pad tokens."""
+    import transformers
+
+    return transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        text_config={"hidden_size": width, "intermediate_size": 16, "num_hidden_layers": layers,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 512,
+                     "rope_theta": 1000000.0,
+                     "rope_scaling": {"mrope_section": [2, 1, 1], "rope_type": "default", "mrope_interleaved": True}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": width, "deepstack_visual_indexes": [0], "patch_size": 14,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2},
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])).eval()
+
+
 def qwen_image_components(seed: int = 0, edit: bool = False) -> dict:
     """Tiny ``QwenImagePipeline`` modules: a Qwen2.5-VL text encoder (with its vision tower, which editing feeds)
     and a 4-channel Qwen VAE at scale 16 (so an editing reference, always about 1024x1024 pixels, is 1024 tokens)
     with non-trivial latent mean/std; ``edit`` adds the ``Qwen2VLProcessor`` (``QwenImageEditPipeline`` and
     ``QwenImageEditPlusPipeline`` take the same modules)."""
-    import transformers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     from .tokenizers import qwen_tokenizer, qwen_vl_processor

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fixtures import TINY_OVERRIDES, _seeded, flux2_image_modules
+from .fixtures import TINY_OVERRIDES, _seeded, flux2_image_modules, qwen3_vl_encoder
 from .fixtures_minimax_h3 import minimax_h3_processor
 
 TEXT_DIM, TEXT_LAYERS = 16, 32
@@ -28,7 +28,6 @@ def flux3_processor(tokenizer_or_path):
 
 
 def flux3_components(seed: int = 0, distilled: bool = False) -> dict:
-    import transformers
     from diffusers import Flux3Transformer2DModel
 
     from .tokenizers import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
@@ -36,15 +35,7 @@ def flux3_components(seed: int = 0, distilled: bool = False) -> dict:
     tokenizer = qwen_tokenizer(QWEN3_CHAT_TEMPLATE)
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     _seeded(seed)
-    text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
-        text_config={"hidden_size": TEXT_DIM, "intermediate_size": 16, "num_hidden_layers": TEXT_LAYERS,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 512,
-                     "rope_theta": 1000000.0,
-                     "rope_scaling": {"mrope_section": [2, 1, 1], "rope_type": "default", "mrope_interleaved": True}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": TEXT_DIM, "deepstack_visual_indexes": [0], "patch_size": 14,
-                       "spatial_merge_size": 2, "temporal_patch_size": 2},
-        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])).eval()
+    text_encoder = qwen3_vl_encoder(ids, TEXT_DIM, TEXT_LAYERS)
     _, vae, _ = flux2_image_modules(seed, guidance_embeds=False)
     _seeded(seed)
     transformer = Flux3Transformer2DModel(

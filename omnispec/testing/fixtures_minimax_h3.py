@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .fixtures import TINY_OVERRIDES
+from .fixtures import TINY_OVERRIDES, qwen3_vl_encoder
 
 # The stereo audio and video schedules' shifts of the released scheduler configs (video 12, audio 3).
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
@@ -87,7 +87,6 @@ def minimax_h3_processor(tokenizer_or_path):
 
 def minimax_h3_components(seed: int = 0) -> dict:
     """Tiny modules of ``MiniMaxH3ModularPipeline``'s workflows (``transformer_ref``: ref2va's partition)."""
-    import transformers
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -120,15 +119,7 @@ def minimax_h3_components(seed: int = 0) -> dict:
         resblock_dilation_sizes=((1,),), sampling_rate=320, latents_mean=[0.2, 0.0, -0.1, 0.0],
         latents_std=[1.0, 0.5, 2.0, 1.0]).eval()
     _seeded(seed)
-    text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
-        text_config={"hidden_size": TEXT_DIM, "intermediate_size": 16, "num_hidden_layers": 51,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 512,
-                     "rope_theta": 1000000.0,
-                     "rope_scaling": {"mrope_section": [2, 1, 1], "rope_type": "default", "mrope_interleaved": True}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": TEXT_DIM, "deepstack_visual_indexes": [0], "patch_size": 14,
-                       "spatial_merge_size": 2, "temporal_patch_size": 2},
-        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])).eval()
+    text_encoder = qwen3_vl_encoder(ids, TEXT_DIM, 51)
     return dict(transformer=transformer, transformer_ref=transformer_ref, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 processor=minimax_h3_processor(tokenizer), scheduler=MiniMaxH3Scheduler(shift=VIDEO_SHIFT),
                 audio_scheduler=MiniMaxH3Scheduler(shift=AUDIO_SHIFT))

@@ -1,14 +1,15 @@
 """Every code block of README.md and docs/*.md runs as written (docs/testing.md, "The docs run"), so no snippet can
 drift from the code.
 
-Per file, in a fresh folder outside the repository that is the working directory, blocks run in order: each ``python``
-block alone, as a user copies it, unless the line right before it, ``_(continues the block above)_``, says it goes on from
-the block before (then it shares that block's names); a block that writes files runs a second time in a row, in the same
-folder, and must run again; ``bash`` blocks line by line (``omnispec`` through the CLI in this process, ``torchrun`` as a subprocess; the
-quick start's ``pip install`` lines are the ones ``.ci/run`` runs), ``yaml`` blocks validated as specs (a fragment
-onto the spec an ``<!-- fragment of NAME -->`` comment names), ``json`` parsed. ``text`` blocks are figures and
-printed output, not code. The one substitution: a bundled spec of a real model (and a ``/models/...`` checkpoint
-path) runs on its family's tiny checkpoint from ``omnispec.testing.tiny_checkpoint``, with its overrides first.
+Per file, in a fresh folder outside the repository that is the working directory, blocks run in order: each
+``python`` block alone, as a user copies it, unless the line right before it, ``_(continues the block above)_``,
+says it goes on from the block before (then it shares that block's names); a block that writes files runs a second
+time in a row, in the same folder, and must run again; ``bash`` blocks line by line (``omnispec`` through the CLI in
+this process, ``torchrun`` as its ranks, forked with torchrun's environment by ``preloaded``; the quick start's
+``pip install`` lines are the ones ``.ci/run`` runs), ``yaml`` blocks validated as specs (a fragment onto the spec
+an ``<!-- fragment of NAME -->`` comment names), ``json`` parsed. ``text`` blocks are figures and printed output,
+not code. The one substitution: a bundled spec of a real model (and a ``/models/...`` checkpoint path) runs on its
+family's tiny checkpoint from ``omnispec.testing.tiny_checkpoint``, with its overrides first.
 """
 
 import json
@@ -17,6 +18,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from omnispec.spec.catalog import bundled_path
 from omnispec.spec.loader import deep_merge, resolve_spec_data
 from omnispec.testing import TINY_SPECS, tiny_checkpoint
 
+import preloaded
 from conftest import ROOT, cpu_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -174,11 +177,13 @@ def run_command(command: str, expected: int, tiny, where: str) -> None:
         return
     if argv[0] == "torchrun":
         at = argv.index("omnispec")
-        args = [*argv[:at + 1], *cli_argv(argv[at + 1:], tiny)]
-        env = cpu_env(OMP_NUM_THREADS="1")  # the page's ranks on gloo, as on a machine without CUDA
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args[1:]], capture_output=True,
-                              text=True, env=env, timeout=600)
-        assert done.returncode == expected, f"{where}: {command}\n{done.stderr[-3000:]}"
+        assert argv[at - 1] == "-m" and argv[1] == "--nproc-per-node", f"{where}: torchrun --nproc-per-node N -m omnispec"
+        # the page's ranks on gloo, as on a machine without CUDA, with torchrun's environment (``preloaded``)
+        with tempfile.TemporaryDirectory() as folder:
+            ranks = preloaded.run_ranks(int(argv[2]), "omnispec", cli_argv(argv[at + 1:], tiny),
+                                        cpu_env(OMP_NUM_THREADS="1"), Path(folder), timeout=600)
+        code = 0 if all(rank.returncode == 0 for rank in ranks) else 1  # torchrun's, when a worker failed
+        assert code == expected, f"{where}: {command}\n" + "\n".join(rank.stderr[-3000:] for rank in ranks)
         return
     raise AssertionError(f"{where}: the docs test runs omnispec, torchrun and the quick start's pip, not {argv[0]!r}")
 

@@ -73,6 +73,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
     elif w.get("inputs"):  # an image (and a mask of its size), the same for both sides
         size = w.get("image_size") or (w["request"]["height"], w["request"]["width"])
         given = dict(zip(("image", "mask"), conditioning_inputs(*size)))
+        given["references"] = [given["image"]]  # the image as the one reference (the runner wraps it for diffusers)
         ours = {k: given[k] for k in w["inputs"]}
         theirs = {{"mask": "mask_image"}.get(k, k): v for k, v in ours.items()}
         w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}

@@ -579,7 +579,6 @@ def _ltx2_step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: di
     """Per-step time of omnispec's pipeline against ``pipeline_class`` on the same modules (one round of each per
     repeat, interleaved), MFU, and the cosine of the two 2-step runs' video latents (unpacked, keyframes dropped)."""
     ref = pipeline_class(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
-    ref.set_progress_bar_config(disable=True)
 
     def ours(n):
         return pipe.generate(pipe.request(LTX2_PROMPT, 0, steps=n, **LTX2_SIZE, **ours_kwargs), decode=False)
@@ -1043,11 +1042,14 @@ def _keeping_fp32(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def minimax_h3_components() -> dict:
+def minimax_h3_components(denoiser: str = "transformer") -> dict:
     """MiniMax-H3's transformer, video VAE and audio VAE at their real configs (the classes' defaults are the released
     ones: 50 blocks of width 5376, 56 heads of 128); a Qwen3-VL text encoder of the real width (5120) with the 51
     layers the model reads ``hidden_states[50]`` from, but narrow attention and feed-forwards (it runs once per
-    request). --smoke: the offline fixture's tiny modules."""
+    request), and a one-block vision tower with the 14-pixel patches of the fixture's image processor (ref2va shows it
+    its image references). ``denoiser``: the checkpoint partition built, ``transformer`` (t2va, fl2va) or
+    ``transformer_ref`` (ref2va), of the same architecture. --smoke: the offline fixture's tiny modules (ref2va's
+    without the other partition, which its family calls foreign)."""
     import transformers
     from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
                            MiniMaxH3Transformer3DModel)
@@ -1058,6 +1060,8 @@ def minimax_h3_components() -> dict:
 
     if harness.SMOKE:
         mods = tiny_minimax_h3_components()
+        if denoiser == "transformer_ref":
+            mods.pop("transformer")
         return {k: (_keeping_fp32(m.to(torch.bfloat16)) if isinstance(m, torch.nn.Module) else m)
                 for k, m in mods.items()}
     tokenizer = qwen_tokenizer()
@@ -1071,19 +1075,21 @@ def minimax_h3_components() -> dict:
                          "rope_scaling": {"mrope_section": [24, 20, 20], "rope_type": "default",
                                           "mrope_interleaved": True}},
             vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
-                           "out_hidden_size": 5120, "deepstack_visual_indexes": [0]},
+                           "out_hidden_size": 5120, "deepstack_visual_indexes": [0], "patch_size": 14,
+                           "spatial_merge_size": 2, "temporal_patch_size": 2},
             vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]))
         vae, audio_vae = AutoencoderKLMiniMaxH3(), AutoencoderKLMiniMaxH3Audio()
-    mods = dict(transformer=transformer, text_encoder=text_encoder, vae=vae, audio_vae=audio_vae)
+    mods = {denoiser: transformer, "text_encoder": text_encoder, "vae": vae, "audio_vae": audio_vae}
     mods = {k: _keeping_fp32(m.to(harness.DEVICE, torch.bfloat16).eval()) for k, m in mods.items()}
     return {**mods, "tokenizer": tokenizer, "processor": minimax_h3_processor(tokenizer),
             "scheduler": MiniMaxH3Scheduler(shift=12.0), "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 
 
-def minimax_h3_reference(mods: dict):
+def minimax_h3_reference(mods: dict, configs: dict | None = None):
     """diffusers' side of MiniMax-H3: the modular pipeline's blocks up to the denoised rows (no decode), as a function
     of the step count returning the video rows in omnispec's layout. ``num_inference_steps`` counts the grid's
-    terminal 0, so ``n`` forwards are ``n + 1`` of it."""
+    terminal 0, so ``n`` forwards are ``n + 1`` of it. ``configs``: the blocks' configs to set (ref2va's canvas and
+    reference sizes under smoke); the workflow is the one the call's inputs select (``references``: ref2va)."""
     from diffusers.modular_pipelines import MiniMaxH3Blocks, SequentialPipelineBlocks
     from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
@@ -1092,6 +1098,8 @@ def minimax_h3_reference(mods: dict):
         {name: blocks.sub_blocks[name] for name in ("before_encode", "text_encoder", "vae_encoder", "denoise")})
     ref = denoise.init_pipeline()
     ref.update_components(**mods)
+    if configs:
+        ref.register_to_config(**configs)
 
     def run(n: int, **kwargs):
         out = ref(prompt="a photo of a cat", num_inference_steps=n + 1,
@@ -1107,3 +1115,124 @@ WORKLOADS["minimax_h3"] = dict(spec="minimax-h3-t2v.yaml", components=minimax_h3
                                reference=minimax_h3_reference, stream="video",
                                request=dict(height=768, width=1344), steps=(1, 3),
                                diffusers_kwargs=dict(height=768, width=1344))  # num_frames: the blocks' 124
+
+
+# ---- MiniMax-H3 ref2va: one image reference ahead of the generated rows, against the blocks' ref2va workflow ---------
+
+# --smoke: the blocks' canvas and reference sizes at the tiny request's (an image reference at its real 2048-pixel
+# short edge would dwarf a 64-pixel clip)
+SMOKE_REF2VA_OPTIONS = {"canvas_short_edge": 64, "canvas_max_pixels": 64 * 64, "reference_image_short_edge": 64}
+
+
+def minimax_h3_ref2va_reference(mods: dict):
+    """diffusers' side of ref2va: ``minimax_h3_reference`` with the request's images as the blocks' image references
+    (their ``references`` input selects the workflow and its ``transformer_ref``)."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ImageReference
+
+    run = minimax_h3_reference(mods, SMOKE_REF2VA_OPTIONS if harness.SMOKE else None)
+
+    def run_ref2va(n: int, *, references: list, **kwargs):
+        return run(n, references=[MiniMaxH3ImageReference(image=image) for image in references], **kwargs)
+
+    return run_ref2va
+
+
+# The default 768x1344 canvas and 124 frames (37,296 video rows, 414 audio rows) with one 16:9 image reference of the
+# canvas' size, which the blocks encode at its 2048-pixel short edge (2048x3584: 7,168 more rows in every forward,
+# held at t = 0.999); one forward a step, against transformer_ref. gpu_interpreter gives both sides the same picture
+# (``inputs``); diffusers' ref2va takes num_frames, which the request sets too.
+WORKLOADS["minimax_h3_ref2va"] = dict(
+    spec="minimax-h3-ref2va.yaml", components=functools.partial(minimax_h3_components, denoiser="transformer_ref"),
+    reference=minimax_h3_ref2va_reference, stream="video", inputs=("references",),
+    request=dict(height=768, width=1344, frames=124), steps=(1, 3),
+    diffusers_kwargs=dict(height=768, width=1344, num_frames=124))
+
+
+# ---- FLUX.3 [klein] (modular pipelines only) -------------------------------------------------------------------------
+
+def flux3_components(distilled: bool = False) -> dict:
+    """FLUX.3 [klein]'s transformer at its released shape (diffusers' Flux3Transformer2DModel defaults: 5 per-mode and
+    28 joint blocks of 24 heads of 128, 128 latent channels, prompts 8 x 2560 wide: 5.5B; ``distilled``: the
+    step-distilled flow map, which embeds the target timestep too), FLUX.2's VAE at its default config; a Qwen3-VL
+    text model of Qwen3-VL-4B's width (2560) with the 32 layers whose hidden states the blocks stack (4, 8, ..., 32)
+    but a narrow feed-forward (it runs once per request), and a one-block vision tower (text-to-image: never run). The
+    ``tokenizer`` component is the fixture's torchvision-free Qwen3-VL processor. --smoke: the offline fixture's
+    tiny modules."""
+    import transformers
+    from diffusers import AutoencoderKLFlux2, Flux3Transformer2DModel
+
+    from omnispec.testing.fixtures_flux3 import flux3_components as tiny_flux3_components
+    from omnispec.testing.fixtures_flux3 import flux3_processor
+    from omnispec.testing.tokenizers import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
+
+    if harness.SMOKE:
+        mods = tiny_flux3_components(distilled=distilled)
+        return {k: (m.to(torch.bfloat16) if isinstance(m, torch.nn.Module) else m) for k, m in mods.items()}
+    tokenizer = qwen_tokenizer(QWEN3_CHAT_TEMPLATE)
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    with torch.device(harness.DEVICE):
+        transformer = Flux3Transformer2DModel(flow_map=distilled)
+        text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+            text_config={"hidden_size": 2560, "intermediate_size": 1024, "num_hidden_layers": 32,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
+                         "rope_theta": 5000000.0,
+                         "rope_scaling": {"mrope_section": [24, 20, 20], "rope_type": "default",
+                                          "mrope_interleaved": True}},
+            vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
+                           "out_hidden_size": 2560, "deepstack_visual_indexes": [0], "patch_size": 14,
+                           "spatial_merge_size": 2, "temporal_patch_size": 2},
+            vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]))
+        vae = AutoencoderKLFlux2()
+    mods = {k: m.to(harness.DEVICE, torch.bfloat16).eval()
+            for k, m in dict(transformer=transformer, text_encoder=text_encoder, vae=vae).items()}
+    return {**mods, "tokenizer": flux3_processor(tokenizer)}
+
+
+def flux3_reference(mods: dict, distilled: bool = False):
+    """diffusers' side of FLUX.3 [klein]: ``Flux3ModularPipeline``'s blocks (``Flux3DistilledModularPipeline``'s for
+    the distilled model) without the prompt upsampler (omnispec encodes the prompt as given) and without the decode,
+    as a function of the step count returning the denoised latents as omnispec's tokens (the blocks unpack them onto
+    their (C, H/16, W/16) grid; omnispec keeps the (H/16 x W/16, C) rows)."""
+    from diffusers.modular_pipelines import Flux3AutoBlocks, Flux3DistilledAutoBlocks
+
+    blocks = (Flux3DistilledAutoBlocks if distilled else Flux3AutoBlocks)()
+    for name in ("prompt_upsampler", "decode"):
+        blocks.sub_blocks.pop(name)
+    ref = blocks.init_pipeline()
+    ref.update_components(**mods)
+
+    def run(n: int, **kwargs):
+        out = ref(prompt="a photo of a cat", num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+                  output="latents", **kwargs)
+        return out.flatten(2).transpose(1, 2)
+
+    return run
+
+
+# 1024² (4,096 image tokens beside the prompt's 80-token window): the base model with CFG 3.5 against the empty
+# prompt on both sides (the blocks' guider and omnispec's spec; two forwards a step), the distilled flow map with one
+# forward a step.
+WORKLOADS["flux3"] = dict(spec="flux3-klein-base.yaml", components=flux3_components, reference=flux3_reference,
+                          request=dict(height=1024, width=1024), steps=(2, 6),
+                          diffusers_kwargs=dict(height=1024, width=1024))
+WORKLOADS["flux3_distilled"] = dict(spec="flux3-klein.yaml",
+                                    components=functools.partial(flux3_components, distilled=True),
+                                    reference=functools.partial(flux3_reference, distilled=True),
+                                    request=dict(height=1024, width=1024), steps=(2, 6),
+                                    diffusers_kwargs=dict(height=1024, width=1024))
+
+
+@harness.on_smoke
+def _tiny_modular() -> None:
+    """Under smoke (at once, when this module is imported after the switch): ``_tiny_workloads``' sizes for the
+    workloads above (64 px, 1 and 2 steps), ref2va at its shortest clip (124 frames, not ``_tiny_workloads``' 5) with
+    its references on 64-pixel canvases."""
+    for name in ("minimax_h3_ref2va", "flux3", "flux3_distilled"):
+        w = WORKLOADS[name]
+        w.update(steps=(1, 2), image_size=(64, 64))
+        w["request"] |= {"height": 64, "width": 64}
+        w["diffusers_kwargs"] |= {"height": 64, "width": 64}
+    ref2va = WORKLOADS["minimax_h3_ref2va"]
+    ref2va["request"]["frames"] = ref2va["diffusers_kwargs"]["num_frames"] = 124
+    options = ", ".join(f"{k}: {v}" for k, v in SMOKE_REF2VA_OPTIONS.items())
+    ref2va["overrides"] = [f"model.options={{{options}}}"]

@@ -145,6 +145,17 @@ def test_the_cli_equals_diffusers(checkpoints, references, pictures, spec, tmp_p
     assert ours.shape == ref.shape and np.abs(ours - ref).max() <= TOL
 
 
+def test_the_estimate_counts_both_families_and_prints_no_error_of_their_decode_on_meta(checkpoints, capfd):
+    """The modular decode block fails on the meta device when it converts pixels on the host (the estimate expects
+    it) and would log that as an error with its traceback."""
+    for spec in ("flux3-klein", "flux3-klein-base"):
+        code = main(["explain", str(SPECS / f"{spec}.yaml"), "--source", str(checkpoints[spec]), "--estimate",
+                     *[a for o in TINY_OVERRIDES["flux3"] for a in ("--set", o)]])
+        out, err = capfd.readouterr()
+        assert code == 0 and "time per step" in out, err
+        assert "Error in block" not in out + err and "Traceback" not in out + err, err
+
+
 # ---- the flow map ---------------------------------------------------------------------------------------------------
 
 def test_the_distilled_transformer_gets_the_timestep_each_step_lands_on(pipes):

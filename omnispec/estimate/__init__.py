@@ -21,7 +21,10 @@ Encoding and decoding time are not estimated; ``render_estimate`` says what each
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,12 +194,25 @@ def _count_run(spec: PipelineSpec, modules: dict[str, Any], result: Estimate, fi
         logger.debug("estimate: the meta forward failed", exc_info=True)
         result.notes.append(f"FLOPs not counted: the denoiser forward did not run on the meta device ({exc})")
         return
-    with counting(shadow) as counter:  # the VAE runs; converting its pixels on the host then fails on meta
+    # The VAE runs; converting its pixels on the host then fails on meta, which a modular pipeline's decode block
+    # would also log as an error with its traceback: expected here, so its logger is quiet for the call.
+    with counting(shadow) as counter, _logger_quiet("diffusers.modular_pipelines.modular_pipeline"):
         try:
             family.decode(latents, geometry)
         except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
             pass
     result.activation_bytes["decode"] = counter.peak
+
+
+@contextmanager
+def _logger_quiet(name: str) -> Iterator[None]:
+    """The named logger says nothing for the block."""
+    quiet = logging.getLogger(name)
+    disabled, quiet.disabled = quiet.disabled, True
+    try:
+        yield
+    finally:
+        quiet.disabled = disabled
 
 
 def _modulation_table(spec: PipelineSpec, target: ModulationTarget | None, denoiser: Any, rows: int,

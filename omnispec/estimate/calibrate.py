@@ -35,22 +35,18 @@ def _measured(threads: int) -> DeviceKind:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        launch = _per_op(*_timed(width=16, tokens=4))
+        narrow_kernels, _, _, narrow_seconds = _timed(width=16, tokens=4)  # its matmuls and bytes: nanoseconds
+        launch = narrow_seconds / narrow_kernels
         kernels, flops, moved, seconds = _timed(width=128, tokens=64)
     finally:
         torch.set_num_threads(before)
     matmul_seconds = seconds - kernels * launch - moved / (CPU_BANDWIDTH * BANDWIDTH_SHARE)
-    # Never faster than the matmuls alone at twice the time they took with everything else: a floor for machines
-    # whose dispatch varies more between the two stacks than the matmuls take.
+    # The matmuls are given at least half the wide stack's time: where an op's dispatch costs more there than in the
+    # narrow stack, the subtraction would leave almost nothing, and an absurd rate.
     rate = flops / max(matmul_seconds, seconds / 2) / 1e12
     return DeviceKind("cpu", {"float32": rate, "bfloat16": rate / 2, "float16": rate / 2, "float8": rate / 2},
                       CPU_BANDWIDTH, None, launch, share=1.0, overlaps=False,
                       basis=f"measured here at {threads} torch thread(s): {launch * 1e6:.3g} µs an op")
-
-
-def _per_op(kernels: int, flops: float, moved: int, seconds: float) -> float:
-    del flops, moved  # the narrow stack's matmuls and bytes take a few nanoseconds of its time
-    return seconds / kernels
 
 
 def _blocks(width: int):

@@ -33,6 +33,7 @@ _BUILTIN = {
     "kandinsky6": "omnispec.runtime.families.kandinsky6:Kandinsky6Family",
     "ltx25": "omnispec.runtime.families.ltx25:LTX25Family",
     "ltx25_condition": "omnispec.runtime.families.ltx25:LTX25ConditionFamily",
+    "ltx25_ic": "omnispec.runtime.families.ltx25:LTX25InContextFamily",
     "krea2": "omnispec.runtime.families.krea2:Krea2Family",
     "qwen_image21": "omnispec.runtime.families.qwen_image21:QwenImage21Family",
     "minimax_h3": "omnispec.runtime.families.minimax_h3:MiniMaxH3Family",

@@ -26,6 +26,7 @@ from .base import Family
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 MODALITY = "audio_video"  # the pass that switches off the audio-to-video and video-to-audio cross-attention
+APPENDED_COORDS = "appended_coords"  # Conditioning.shared: positions of the tokens appended after the video's
 
 
 def ltx2_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
@@ -246,8 +247,8 @@ class LTX2Family(Family):
         mask = cond.batched.get("conditioning_mask")
         video_t = t if mask is None else t[:, None] * (1 - mask.to(t))
         video_coords, audio_coords = self._coords(denoiser, geometry, video.device)
-        if "keyframe_coords" in cond.shared:  # appended keyframe tokens sit at their own frames
-            video_coords = torch.cat([video_coords, cond.shared["keyframe_coords"].to(video_coords)], dim=2)
+        if APPENDED_COORDS in cond.shared:  # appended keyframe (and reference) tokens sit at their own positions
+            video_coords = torch.cat([video_coords, cond.shared[APPENDED_COORDS].to(video_coords)], dim=2)
         f, h, w = self.latent_shape(geometry)
         stg_blocks, stg_mask = self._stg(perturbation, b, video)
         out_video, out_audio = denoiser(
@@ -380,7 +381,7 @@ class LTX2ConditionFamily(LTX2Family):
             conditions, 1, helper.transformer.config.in_channels, geometry.height, geometry.width,
             geometry.frames or 1, float(geometry.fps), 1.0, torch.float32, self.device, throwaway)
         b = len(generators)
-        shared = {} if keyframe_coords is None else {"keyframe_coords": keyframe_coords}
+        shared = {} if keyframe_coords is None else {APPENDED_COORDS: keyframe_coords}
         return Conditioning({"clean": clean.repeat(b, 1, 1), "conditioning_mask": mask.squeeze(-1).repeat(b, 1)},
                             shared)
 

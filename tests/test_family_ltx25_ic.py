@@ -1,0 +1,172 @@
+"""LTX-2.5 in-context generation with an IC-LoRA (family ltx25_ic, ltx2.5-ic-lora.yaml): equal to diffusers'
+LTX25ModularPipeline's in_context workflow (LTX25AutoBlocks) on the tiny checkpoint with a tiny LoRA loaded by
+diffusers' own loader, the same reference video and seed, video and audio compared, through omnispec.build and the
+CLI; the reference downscale factor against the blocks' reference encoder; rollouts replay exactly; what cannot be
+encoded is one error line."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import omnispec
+from omnispec.spec import SpecError
+from omnispec.testing import TINY_OVERRIDES
+
+from conftest import SPECS, refused
+
+TOL = 1e-4
+SPEC = SPECS / "ltx2.5-ic-lora.yaml"
+TINY = TINY_OVERRIDES["ltx25"]
+PROMPT = "a robot dancing"
+SIZE = dict(height=32, width=32, num_frames=5, frame_rate=25.0, num_inference_steps=3, max_sequence_length=16)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    """A 5-frame reference video of another size and aspect (40x48), as an animated PNG (lossless), and its frames."""
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(5)]
+    path = tmp_path_factory.mktemp("ic") / "guide.png"
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    return path, frames
+
+
+@pytest.fixture(scope="module")
+def ic_lora(ltx25_dir, tmp_path_factory):
+    """A tiny IC-LoRA on the attentions, saved by diffusers' LTX-2 LoRA writer (``transformer.``-prefixed keys)."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    donor = LTX2VideoTransformer3DModel.from_pretrained(str(ltx25_dir), subfolder="transformer")
+    torch.manual_seed(7)
+    donor.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                 init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("ic_lora")
+    LTX2Pipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(donor))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(ltx25_dir, ic_lora):
+    return omnispec.build(SPEC, source=str(ltx25_dir), overrides=[*TINY, f"model.adapters.ic={{path: '{ic_lora}', always: true}}"])
+
+
+def modular(ltx25_dir, ic_lora):
+    """The in_context workflow over modules loaded apart from omnispec's, the LoRA loaded by diffusers
+    (``LTX2InContextPipeline.load_lora_weights``), the guiders as the bundled spec's (STG on block 1)."""
+    from diffusers.guiders import LTX2Guidance
+    from diffusers.modular_pipelines import LTX25AutoBlocks
+    from diffusers import LTX2VideoDiffusionDecoderModel
+    from diffusers.pipelines.ltx2 import LTX2InContextPipeline
+
+    loaded = LTX2InContextPipeline.from_pretrained(str(ltx25_dir), dtype=torch.float32)
+    loaded.load_lora_weights(str(ic_lora), adapter_name="ic")
+    decoder = LTX2VideoDiffusionDecoderModel.from_pretrained(str(ltx25_dir), subfolder="diffusion_decoder")
+    ref = LTX25AutoBlocks().init_pipeline()
+    names = ("transformer", "text_encoder", "tokenizer", "connectors", "vae", "audio_vae", "vocoder", "scheduler")
+    ref.update_components(
+        **{n: getattr(loaded, n) for n in names}, diffusion_decoder=decoder,
+        guider=LTX2Guidance(guidance_scale=3.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7,
+                            spatio_temporal_guidance_blocks=[1]),
+        audio_guider=LTX2Guidance(guidance_scale=7.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7))
+    ref.set_progress_bar_config(disable=True)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def expected(ltx25_dir, ic_lora, clip):
+    from diffusers.pipelines.ltx2 import LTX2ReferenceCondition
+
+    out = modular(ltx25_dir, ic_lora)(
+        prompt=PROMPT, negative_prompt="blurry", generator=torch.Generator("cpu").manual_seed(3), output_type="np",
+        output=["videos", "audio"], reference_conditions=[LTX2ReferenceCondition(frames=clip[1])], **SIZE)
+    return out["videos"], out["audio"].float().numpy()
+
+
+def differences(array, audio, expected) -> tuple[float, float]:
+    video, sound = expected
+    assert array.shape == video.shape and audio.shape == sound.shape
+    return float(np.abs(array - video).max()), float(np.abs(audio - sound).max())
+
+
+def test_an_ic_lora_with_a_reference_video_matches_the_modular_in_context_workflow(pipe, clip, expected):
+    ours = pipe(PROMPT, seed=3, negative_prompt="blurry", references=[{"video": clip[1]}])
+    assert max(differences(ours.array, ours.audio, expected)) <= TOL
+
+
+def test_the_cli_run_with_lora_and_reference_video_matches_the_modular_workflow(ltx25_dir, ic_lora, clip, expected,
+                                                                              tmp_path):
+    from omnispec.cli import main
+
+    out = tmp_path / "clip.npy"
+    sets = [a for o in TINY for a in ("--set", o)]
+    assert main(["run", str(SPEC), "--source", str(ltx25_dir), *sets, "--lora", str(ic_lora), "--prompt", PROMPT,
+                 "--negative-prompt", "blurry", "--seed", "3", "--reference-video", str(clip[0]),
+                 "--output", str(out)]) == 0
+    video_diff = float(np.abs(np.load(out) - expected[0]).max())
+    assert video_diff <= TOL
+
+
+def test_the_reference_downscale_factor_makes_the_blocks_reference_tokens(ltx25_dir, clip):
+    """Factor 2 at 64x64: the reference is encoded at 32x32 and its positions are doubled in space, as the blocks'
+    reference encoder (``LTX2ReferenceEncoderStep``) makes them; the denoised latents equal the workflow's."""
+    from diffusers.pipelines.ltx2 import LTX2ReferenceCondition
+
+    pipe = omnispec.build(SPEC, source=str(ltx25_dir), overrides=[
+        *TINY, "model.options.reference_downscale_factor=2"])
+    request = pipe.request(PROMPT, seed=4, height=64, width=64, references=[{"video": clip[1]}])
+    ours = pipe.generate(request, decode=False)
+    geometry = pipe.family.geometry(request, 1.0)
+    from diffusers.guiders import LTX2Guidance
+    from diffusers.modular_pipelines import LTX25AutoBlocks
+
+    blocks = LTX25AutoBlocks().init_pipeline()
+    blocks.update_components(
+        **{n: pipe.components[n] for n in ("transformer", "text_encoder", "tokenizer", "connectors", "vae",
+                                           "diffusion_decoder", "audio_vae", "vocoder", "scheduler")},
+        guider=LTX2Guidance(guidance_scale=3.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7,
+                            spatio_temporal_guidance_blocks=[1]),
+        audio_guider=LTX2Guidance(guidance_scale=7.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7))
+    blocks.set_progress_bar_config(disable=True)
+    state = blocks(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(4), output_type="latent",
+                   output=["videos", "audio", "reference_latents", "reference_coords"],
+                   reference_conditions=[LTX2ReferenceCondition(frames=clip[1])], reference_downscale_factor=2,
+                   **{**SIZE, "height": 64, "width": 64})
+    tokens, coords = geometry.extra["reference_tokens"], geometry.extra["reference_coords"]
+    assert tokens.shape == state["reference_latents"].shape == (1, 5 * 16 * 16, 4)
+    assert torch.equal(coords, state["reference_coords"])
+    assert torch.equal(tokens, state["reference_latents"])
+    video = pipe.family.unpack("video", ours.latents["video"], geometry)
+    assert (video - state["videos"]).abs().max().item() <= TOL
+
+
+def test_an_ic_rollout_scores_both_streams_and_replays_exactly(pipe, clip):
+    ro = pipe.rollout(PROMPT, group_size=2, seed=1, references=[{"video": clip[1]}],
+                      sampler={"kind": "sde", "window": {"kind": "fixed", "start": 0, "length": 2}})
+    assert set(ro.states) == set(ro.stream_log_probs) == {"video", "audio"}
+    assert torch.allclose(ro.log_probs, ro.stream_log_probs["video"] + ro.stream_log_probs["audio"])
+    replayed = pipe.log_prob(ro, grad=False).log_probs.cpu()
+    assert torch.equal((replayed - ro.log_probs).exp(), torch.ones_like(ro.log_probs))
+
+
+# ---- what cannot be used ----------------------------------------------------------------------------------------
+
+def test_a_reference_the_vae_cannot_encode_is_one_error_line(clip, tmp_path, capsys):
+    short = tmp_path / "short.png"
+    clip[1][0].save(short, save_all=True, append_images=clip[1][1:4])  # 4 frames: off the VAE's 4k+1 grid
+    base = ["run", str(SPEC), *[a for o in TINY for a in ("--set", o)], "--prompt", "x",
+            "--output", str(tmp_path / "o.mp4")]
+    refused([*base, "--reference-video", str(short)], "request.references.0", "4 frames", "k*4+1", capsys=capsys)
+    refused([*base, "--reference-video", str(clip[0]), "--set", "model.options.reference_downscale_factor=2"],
+            "request.height", "multiple of 64", capsys=capsys)
+    refused([*base, "--reference-video", str(clip[0]), "--set", "model.options.reference_downscale_factor=0"],
+            "model.options.reference_downscale_factor", capsys=capsys)
+    refused(base, "request.references", "reference videos", capsys=capsys)
+    refused([*base, "--reference", str(clip[0])], "request.references.0", capsys=capsys)
+
+
+def test_without_a_reference_video_the_family_says_which_spec_runs_the_lora(pipe):
+    with pytest.raises(SpecError, match="ltx2.5-keyframes or ltx2.5-t2v with --lora"):
+        pipe(PROMPT, seed=0)

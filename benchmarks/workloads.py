@@ -938,12 +938,30 @@ def ltx25_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: li
                            mods, ours, theirs, repeats, ceiling)
 
 
+def ltx25_ic_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+    """The ltx25_ic family: ltx2.5-ic-lora with one 25-frame reference video at the output's size (its clean tokens
+    appended to the video's), against the modular pipeline's in_context workflow; no LoRA on either side (its
+    weights change no shape)."""
+    import numpy as np
+    from diffusers.pipelines.ltx2 import LTX2ReferenceCondition
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, (LTX2_SIZE["height"], LTX2_SIZE["width"], 3), dtype=np.uint8))
+              for _ in range(25)]
+    return _ltx2_step_rows("ltx25_ic", ltx2_build("ltx2.5-ic-lora.yaml", mods, overrides), LTX25Modular, mods,
+                           {"references": [{"video": frames}]},
+                           {"reference_conditions": [LTX2ReferenceCondition(frames=frames)]}, repeats, ceiling)
+
+
 # ``ltx2_row``'s parts: the comparison and the modules it runs on.
 LTX2_PARTS = {"step": (ltx2_step_part, ltx2_components), "keyframes": (ltx2_keyframes_part, ltx2_components),
-              "ltx25": (ltx25_step_part, ltx25_components), "ltx25_keyframes": (ltx25_keyframes_part, ltx25_components)}
+              "ltx25": (ltx25_step_part, ltx25_components), "ltx25_keyframes": (ltx25_keyframes_part, ltx25_components),
+              "ltx25_ic": (ltx25_ic_part, ltx25_components)}
 # LTX-2.5 at LTX-2's size (LTX2_SIZE; the bundled spec's 704 width differs by one latent column).
 WORKLOADS["ltx25"] = dict(ltx2_part="ltx25")
 WORKLOADS["ltx25_condition"] = dict(ltx2_part="ltx25_keyframes")
+WORKLOADS["ltx25_ic"] = dict(ltx2_part="ltx25_ic")
 def krea2_components() -> dict:
     """Krea 2's transformer at its real config; a Qwen3-VL text model of Qwen3-VL-4B's width with the 36 layers the
     pipeline taps (small feed-forwards). Under smoke the text width is small on both sides."""

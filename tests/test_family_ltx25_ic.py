@@ -50,29 +50,40 @@ def ic_lora(ltx25_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(ltx25_dir, ic_lora):
-    return omnispec.build(SPEC, source=str(ltx25_dir), overrides=[*TINY, f"model.adapters.ic={{path: '{ic_lora}', always: true}}"])
+    return omnispec.build(SPEC, source=str(ltx25_dir),
+                          overrides=[*TINY, f"model.adapters.ic={{path: '{ic_lora}', always: true}}"])
+
+
+MODULES = ("transformer", "text_encoder", "tokenizer", "connectors", "vae", "diffusion_decoder", "audio_vae", "vocoder",
+           "scheduler")
+
+
+def workflow(modules: dict):
+    """diffusers' LTX-2.5 modular pipeline over ``modules``, its guiders as the bundled spec's guidance (STG on the
+    tiny transformer's block 1)."""
+    from diffusers.guiders import LTX2Guidance
+    from diffusers.modular_pipelines import LTX25AutoBlocks
+
+    blocks = LTX25AutoBlocks().init_pipeline()
+    blocks.update_components(
+        **{n: modules[n] for n in MODULES},
+        guider=LTX2Guidance(guidance_scale=3.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7,
+                            spatio_temporal_guidance_blocks=[1]),
+        audio_guider=LTX2Guidance(guidance_scale=7.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7))
+    blocks.set_progress_bar_config(disable=True)
+    return blocks
 
 
 def modular(ltx25_dir, ic_lora):
-    """The in_context workflow over modules loaded apart from omnispec's, the LoRA loaded by diffusers
-    (``LTX2InContextPipeline.load_lora_weights``), the guiders as the bundled spec's (STG on block 1)."""
-    from diffusers.guiders import LTX2Guidance
-    from diffusers.modular_pipelines import LTX25AutoBlocks
+    """The workflow over modules loaded apart from omnispec's, the LoRA loaded by diffusers
+    (``LTX2InContextPipeline.load_lora_weights``)."""
     from diffusers import LTX2VideoDiffusionDecoderModel
     from diffusers.pipelines.ltx2 import LTX2InContextPipeline
 
     loaded = LTX2InContextPipeline.from_pretrained(str(ltx25_dir), dtype=torch.float32)
     loaded.load_lora_weights(str(ic_lora), adapter_name="ic")
     decoder = LTX2VideoDiffusionDecoderModel.from_pretrained(str(ltx25_dir), subfolder="diffusion_decoder")
-    ref = LTX25AutoBlocks().init_pipeline()
-    names = ("transformer", "text_encoder", "tokenizer", "connectors", "vae", "audio_vae", "vocoder", "scheduler")
-    ref.update_components(
-        **{n: getattr(loaded, n) for n in names}, diffusion_decoder=decoder,
-        guider=LTX2Guidance(guidance_scale=3.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7,
-                            spatio_temporal_guidance_blocks=[1]),
-        audio_guider=LTX2Guidance(guidance_scale=7.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7))
-    ref.set_progress_bar_config(disable=True)
-    return ref
+    return workflow({**loaded.components, "diffusion_decoder": decoder})
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +116,7 @@ def test_the_cli_run_with_lora_and_reference_video_matches_the_modular_workflow(
     assert main(["run", str(SPEC), "--source", str(ltx25_dir), *sets, "--lora", str(ic_lora), "--prompt", PROMPT,
                  "--negative-prompt", "blurry", "--seed", "3", "--reference-video", str(clip[0]),
                  "--output", str(out)]) == 0
-    video_diff = float(np.abs(np.load(out) - expected[0]).max())
-    assert video_diff <= TOL
+    assert np.abs(np.load(out) - expected[0]).max() <= TOL
 
 
 def test_the_reference_downscale_factor_makes_the_blocks_reference_tokens(ltx25_dir, clip):
@@ -114,32 +124,36 @@ def test_the_reference_downscale_factor_makes_the_blocks_reference_tokens(ltx25_
     reference encoder (``LTX2ReferenceEncoderStep``) makes them; the denoised latents equal the workflow's."""
     from diffusers.pipelines.ltx2 import LTX2ReferenceCondition
 
-    pipe = omnispec.build(SPEC, source=str(ltx25_dir), overrides=[
-        *TINY, "model.options.reference_downscale_factor=2"])
+    pipe = omnispec.build(SPEC, source=str(ltx25_dir), overrides=[*TINY, "model.options.reference_downscale_factor=2"])
     request = pipe.request(PROMPT, seed=4, height=64, width=64, references=[{"video": clip[1]}])
     ours = pipe.generate(request, decode=False)
+    state = workflow(pipe.components)(
+        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(4), output_type="latent",
+        output=["videos", "reference_latents", "reference_coords"], reference_downscale_factor=2,
+        reference_conditions=[LTX2ReferenceCondition(frames=clip[1])], **{**SIZE, "height": 64, "width": 64})
     geometry = pipe.family.geometry(request, 1.0)
-    from diffusers.guiders import LTX2Guidance
-    from diffusers.modular_pipelines import LTX25AutoBlocks
-
-    blocks = LTX25AutoBlocks().init_pipeline()
-    blocks.update_components(
-        **{n: pipe.components[n] for n in ("transformer", "text_encoder", "tokenizer", "connectors", "vae",
-                                           "diffusion_decoder", "audio_vae", "vocoder", "scheduler")},
-        guider=LTX2Guidance(guidance_scale=3.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7,
-                            spatio_temporal_guidance_blocks=[1]),
-        audio_guider=LTX2Guidance(guidance_scale=7.0, stg_scale=1.0, modality_scale=3.0, guidance_rescale=0.7))
-    blocks.set_progress_bar_config(disable=True)
-    state = blocks(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(4), output_type="latent",
-                   output=["videos", "audio", "reference_latents", "reference_coords"],
-                   reference_conditions=[LTX2ReferenceCondition(frames=clip[1])], reference_downscale_factor=2,
-                   **{**SIZE, "height": 64, "width": 64})
     tokens, coords = geometry.extra["reference_tokens"], geometry.extra["reference_coords"]
     assert tokens.shape == state["reference_latents"].shape == (1, 5 * 16 * 16, 4)
-    assert torch.equal(coords, state["reference_coords"])
-    assert torch.equal(tokens, state["reference_latents"])
+    assert torch.equal(coords, state["reference_coords"]) and torch.equal(tokens, state["reference_latents"])
     video = pipe.family.unpack("video", ours.latents["video"], geometry)
     assert (video - state["videos"]).abs().max().item() <= TOL
+
+
+def test_first_and_last_frame_with_two_references_of_other_lengths_match_the_workflow(ltx25_dir, clip, photo):
+    """Keyframe tokens, then each reference's (5 frames and 1), in the blocks' order; no LoRA (the base model)."""
+    from diffusers.pipelines.ltx2 import LTX2ReferenceCondition, LTX2VideoCondition
+
+    pipe = omnispec.build(SPEC, source=str(ltx25_dir), overrides=[*TINY, "recipe.task=image-to-video"])
+    first = Image.open(photo)
+    last = first.transpose(Image.Transpose.ROTATE_90)
+    ours = pipe(PROMPT, seed=6, conditions=[{"image": first, "frame": 0}, {"image": last, "frame": -1}],
+                references=[{"video": clip[1]}, {"video": clip[1][:1]}])
+    out = workflow(pipe.components)(
+        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(6), output_type="np", output=["videos", "audio"],
+        conditions=[LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)],
+        reference_conditions=[LTX2ReferenceCondition(frames=clip[1]), LTX2ReferenceCondition(frames=clip[1][:1])],
+        **SIZE)
+    assert max(differences(ours.array, ours.audio, (out["videos"], out["audio"].float().numpy()))) <= TOL
 
 
 def test_an_ic_rollout_scores_both_streams_and_replays_exactly(pipe, clip):

@@ -152,7 +152,11 @@ class LTX25InContextFamily(LTX25ConditionFamily):
 
     def _references(self, request: Request, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
         """The references' packed clean tokens (1, N, C) and their positions (1, 3, N, 2), as the blocks' reference
-        encoder makes them (the VAE's mode: no generator draw); the last request's are kept."""
+        encoder makes them (the VAE's mode: no generator draw); the last request's are kept. A request
+        without references (``explain --estimate`` plans one; a run refuses it) has none: N is 0."""
+        if not request.references:
+            channels = self.helper.transformer.config.in_channels
+            return torch.zeros(1, 0, channels, device=self.device), torch.zeros(1, 3, 0, 2, device=self.device)
         factor = int(self.settings["reference_downscale_factor"])
         key = (tuple(reference_key(r) for r in request.references), geometry.height, geometry.width, geometry.frames,
                geometry.fps, factor, self.device)

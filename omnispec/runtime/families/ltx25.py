@@ -94,6 +94,7 @@ class LTX25InContextFamily(LTX25ConditionFamily):
     max_references = MAX_REFERENCES
     reference_kinds = ("video",)
     options = {**LTX25ConditionFamily.options, "reference_downscale_factor": 1}
+    _held_references: tuple | None = None  # the last request's encoded references, under their key
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
@@ -160,7 +161,7 @@ class LTX25InContextFamily(LTX25ConditionFamily):
         factor = int(self.settings["reference_downscale_factor"])
         key = (tuple(reference_key(r) for r in request.references), geometry.height, geometry.width, geometry.frames,
                geometry.fps, factor, self.device)
-        held = getattr(self, "_held_references", None)
+        held = self._held_references
         if held is None or held[0] != key:
             conditions = [LTX2ReferenceCondition(frames=list(r.frames)) for r in request.references]
             latents, coords, _, _ = self.reference_helper.prepare_reference_latents(

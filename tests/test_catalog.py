@@ -157,6 +157,7 @@ INIT_CASES = {
     # the same checkpoint (both partitions): init drafts its t2va spec unless told
     "minimax_h3_ref2va": ("minimax_h3_dir", None, "minimax_h3_ref2va", TINY_OVERRIDES["minimax_h3_ref2va"],
                           {"references": "photo"}, _minimax_h3_processor),
+    "kandinsky6_sr": ("kandinsky6_sr_dir", None, None, TINY_OVERRIDES["kandinsky6_sr"], {"video": "clip"}, None),
 }
 
 
@@ -177,6 +178,7 @@ def test_init_drafts_a_spec_that_validates_and_runs(family, request, tmp_path, p
     assert spec.model.source == str(source.resolve())
     made = {"photo": Image.open(photo)}
     made["mask"] = Image.new("L", made["photo"].size, 255)  # repaint everything
+    made["clip"] = [made["photo"].convert("RGB")] * 5  # a still video
     pipe = omnispec.build(spec, components=components(source) if components else None)
     result = pipe("a cat", seed=0, **{k: made[v] for k, v in fields.items()})
     assert result.array.size and np.isfinite(result.array).all()

@@ -23,6 +23,8 @@ UNDISTILLED = [*TINY, "recipe.defaults.steps=4", (
     "transformer}, vae: {role: vae, class: diffusers.Kandinsky6SRVAE, subfolder: vae}, scheduler: {role: scheduler, "
     "class: diffusers.FlowMatchEulerDiscreteScheduler, subfolder: scheduler}}")]
 WINDOW = {"kind": "sde", "window": {"kind": "fixed", "start": 1, "length": 2}}
+# the transformer's flex attention runs eagerly on the CPU, which torch warns about (the tiles here are tiny)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
 @pytest.fixture(scope="module")

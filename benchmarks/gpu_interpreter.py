@@ -74,6 +74,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
         size = w.get("image_size") or (w["request"]["height"], w["request"]["width"])
         given = dict(zip(("image", "mask"), conditioning_inputs(*size)))
         given["references"] = [given["image"]]  # the image as the one reference (the runner wraps it for diffusers)
+        given["video"] = [given["image"]] * w["request"].get("frames", 1)  # a still video of the picture
         ours = {k: given[k] for k in w["inputs"]}
         theirs = {{"mask": "mask_image"}.get(k, k): v for k, v in ours.items()}
         w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
@@ -81,7 +82,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
     if not harness.SMOKE:  # --smoke: no timing worth warming up for
         for run in sides.values():  # warm-up
             run(lo)
-    flops = harness.flops_per_step(run_ours)
+    flops = w["flops"](pipe, w["request"]) if "flops" in w else harness.flops_per_step(run_ours)
     with torch.no_grad():
         timed = harness.per_step_sides(sides, lo, hi, repeats)
     results = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling}

@@ -855,6 +855,72 @@ def _tiny_kandinsky6() -> None:
     w.update(steps=(1, 2), image_size=(64, 64))
     w["request"] |= {"height": 64, "width": 64, "frames": 5}
     w["diffusers_kwargs"] |= {"height": 64, "width": 64, "num_frames": 5}
+# ---- Kandinsky 6 super-resolution (a video in, 2.25x larger out, refined tile by tile) -------------------------------
+
+def kandinsky6_sr_components() -> dict:
+    """The SR release at its class defaults, which are its architecture: the 1.4B transformer (32 blocks of width
+    1792, NABLA sparse attention) with a PiflowScheduler's widened outputs (10 grid points per channel), the K-VAE (64
+    channels, 16x / 4x) and the x2 / x4 latent upscaler bank. The transformer's blocks are compiled on both sides'
+    shared modules (``compile_repeated_blocks``, as the pipeline's docstring does): its flex attention, eager,
+    materialises the whole score matrix. Under smoke, the offline fixture's tiny modules."""
+    if harness.SMOKE:
+        from omnispec.testing.fixtures_kandinsky6_sr import kandinsky6_sr_components as tiny
+
+        return tiny()
+    from diffusers import (Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE,
+                           PiflowScheduler)
+
+    with torch.device(harness.DEVICE):
+        transformer = Kandinsky6SRTransformer3DModel().to(torch.bfloat16)
+        mods = dict(transformer=transformer, vae=Kandinsky6SRVAE(), latent_upscaler=Kandinsky6SRLatentUpscalerBank(),
+                    scheduler=PiflowScheduler())
+    transformer.compile_repeated_blocks(fullgraph=True)
+    return _on_device(mods, ("vae", "latent_upscaler"))
+
+
+def kandinsky6_sr_reference(mods: dict):
+    """diffusers' side: ``Kandinsky6SRPipeline`` on the request's video, as a function of the step count returning
+    the decoded frames (the pipeline decodes every tile inside its loop; per-step times cancel that out)."""
+    from diffusers import Kandinsky6SRPipeline
+
+    pipe = Kandinsky6SRPipeline(**mods)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(n: int, *, video: list, **kwargs):
+        return torch.from_numpy(pipe(video=video, num_inference_steps=n, generator=torch.Generator("cpu").manual_seed(0),
+                                     output_type="np", **kwargs).frames)
+
+    return run
+
+
+def kandinsky6_sr_flops(pipe, request: dict) -> float:
+    """One step's matmul FLOPs, 2 x tokens (every tile's) x the transformer's per-token linear weights: torch's
+    FlopCounterMode has no count for flex attention's operator, so the sparse attention is left out and the MFU is a
+    lower bound."""
+    from omnispec.spec.request import resolve_request
+
+    geometry = pipe.family.geometry(resolve_request(pipe.spec, "", 0, planning=True, **request), 1.0)
+    weights = sum(m.weight.numel() for name, m in pipe.components["transformer"].named_modules()
+                  if isinstance(m, torch.nn.Linear) and "modulation" not in name and "time_embeddings" not in name)
+    return 2.0 * pipe.family.tokens(geometry) * weights
+
+
+# kandinsky6-distill-t2v's 480x864 output, 33 frames (the kandinsky6 workload's), to 1080x1944 (2.25x): 9 tiles of
+# 512x768 (9 latent frames of 32x48, 13,824 tokens each), one tile a forward, 9 forwards a step on both sides.
+WORKLOADS["kandinsky6_sr"] = dict(
+    spec="kandinsky6-sr.yaml", components=kandinsky6_sr_components, reference=kandinsky6_sr_reference,
+    flops=kandinsky6_sr_flops, compare="images", inputs=("video",), image_size=(480, 864),
+    request=dict(height=480, width=864, frames=33), steps=(1, 2), diffusers_kwargs=dict())
+
+
+@harness.on_smoke
+def _tiny_kandinsky6_sr() -> None:
+    """Under smoke: a 32x48 video of 5 frames (the fixture's K-VAE compresses 4x), 1 and 2 steps."""
+    w = WORKLOADS["kandinsky6_sr"]
+    w.update(steps=(1, 2), image_size=(32, 48))
+    w["request"] |= {"height": 32, "width": 48, "frames": 5}
+
+
 # ---- LTX-2.5: LTX-2's step comparison on its modules, against LTX25ModularPipeline -----------------------------------
 
 def ltx25_components() -> dict:

@@ -98,6 +98,7 @@ hunyuan_video15_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15")
 hunyuan_video15_i2v_dir = _checkpoint("tiny_hunyuan_video15", "hunyuan_video15_i2v", i2v=True)
 flux2_dir = _checkpoint("tiny_flux2", "flux2")
 kandinsky6_dir = _checkpoint("tiny_kandinsky6", "kandinsky6")
+kandinsky6_sr_dir = _checkpoint("tiny_kandinsky6_sr", "kandinsky6_sr")
 ltx25_dir = _checkpoint("tiny_ltx25", "ltx25")
 krea2_dir = _checkpoint("tiny_krea2", "krea2")
 

@@ -147,7 +147,7 @@ INIT_CASES = {
     # the same LTX2Pipeline as LTX-2's checkpoints: told apart by model_index.json's diffusion_decoder
     "ltx25": ("ltx25_dir", None, None, TINY_OVERRIDES["ltx2"], {}, None),
     "ltx25_condition": ("ltx25_dir", None, "ltx25_condition", TINY_OVERRIDES["ltx2"], {"image": "photo"}, None),
-    "ltx25_ic": ("ltx25_dir", None, "ltx25_ic", TINY_OVERRIDES["ltx2"], {"references": "clip"}, None),
+    "ltx25_ic": ("ltx25_dir", None, "ltx25_ic", TINY_OVERRIDES["ltx2"], {"references": "reference_clip"}, None),
     "krea2": ("krea2_dir", None, None, TINY_OVERRIDES["krea2"], {}, None),
     # the tiny processor loads without torchvision through the class its overrides name
     "qwen_image21": ("qwen_image21_dir", None, None, TINY_OVERRIDES["qwen_image21"], {}, None),
@@ -158,6 +158,7 @@ INIT_CASES = {
     # the same checkpoint (both partitions): init drafts its t2va spec unless told
     "minimax_h3_ref2va": ("minimax_h3_dir", None, "minimax_h3_ref2va", TINY_OVERRIDES["minimax_h3_ref2va"],
                           {"references": "photo"}, _minimax_h3_processor),
+    "kandinsky6_sr": ("kandinsky6_sr_dir", None, None, TINY_OVERRIDES["kandinsky6_sr"], {"video": "clip"}, None),
 }
 
 
@@ -178,7 +179,8 @@ def test_init_drafts_a_spec_that_validates_and_runs(family, request, tmp_path, p
     assert spec.model.source == str(source.resolve())
     made = {"photo": Image.open(photo)}
     made["mask"] = Image.new("L", made["photo"].size, 255)  # repaint everything
-    made["clip"] = [{"video": [made["photo"]] * 5}]  # a reference video of the request's length
+    made["clip"] = [made["photo"].convert("RGB")] * 5  # a still video
+    made["reference_clip"] = [{"video": made["clip"]}]  # a reference video of the request's length
     pipe = omnispec.build(spec, components=components(source) if components else None)
     result = pipe("a cat", seed=0, **{k: made[v] for k, v in fields.items()})
     assert result.array.size and np.isfinite(result.array).all()

@@ -18,14 +18,18 @@ from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
 from ..spec.base import DEVICE_PATTERN
 from ..spec.checkpoint import (
     ESCAPE,
+    INDEX_FILES,
     CheckpointConfigs,
     checkpoint_problems,
     follow_checkpoint,
+    index_data,
     read_configs,
     unresolved,
 )
 from ..spec.errors import Problem
 from ..spec.explain import describe_weights
+from ..spec.files import path_kind, read_json_file, user_path
+from ..spec.model import BUILTIN_FAMILIES
 from .components import check_source, load_components
 from .families import family_class
 from .lora import adapter_files, load_adapter_slots
@@ -100,7 +104,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     if unknown:
         raise SpecError.single(f"components {unknown} are not in the spec's profile", "components")
     missing = {n: c for n, c in spec.model.components.items() if n not in given}
-    root = check_source(spec, source, missing, trusted=trust_code) if missing else None
+    root = _checked_source(spec, source, missing, trust_code) if missing else None
     spec, configs = _against_checkpoint(spec, root, trust_code)
     loras = adapter_files(spec, trusted=trust_code)  # found and header-checked before any weight loads
     loaded = load_components(spec, root, only=missing, trusted=trust_code) if root is not None else {}
@@ -167,6 +171,35 @@ def check_device(device: Any, where: str = "device") -> None:
                                    f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}", where)
     if device == "mps" and not torch.backends.mps.is_available():
         raise SpecError.single("device 'mps' requested but MPS is not available here", where)
+
+
+def _checked_source(spec: PipelineSpec, source: str | None, missing: Mapping[str, Any], trusted: bool) -> str:
+    """``check_source``; where a local checkpoint fails it (a component folder the spec names is not there) and its
+    pipeline index names a pipeline that another family runs, the refusal names that family."""
+    try:
+        return check_source(spec, source, missing, trusted=trusted)
+    except SpecError as exc:
+        hint = _other_family(spec, source or spec.model.source)
+        if hint is None:
+            raise
+        raise SpecError([Problem(p.path, f"{p.message}; {hint}", p.file) for p in exc.problems]) from None
+
+
+def _other_family(spec: PipelineSpec, root: str | None) -> str | None:
+    """"its model_index.json names P, which family F runs", where P is no pipeline of the spec's family."""
+    local = user_path(root) if root else None
+    path = next((local / f for f in INDEX_FILES if path_kind(local / f) == "file"), None) if local else None
+    if path is None:
+        return None
+    try:
+        pipeline = index_data(read_json_file(path, where="model.source"), str(path)).get("_class_name")
+    except SpecError:
+        return None  # the checks that follow say what is wrong with it
+    runs = [name for name in BUILTIN_FAMILIES if pipeline in family_class(name).checkpoint_pipelines()]
+    if not runs or spec.model.family in runs:
+        return None
+    return (f"its {path.name} names {pipeline}, which family {runs[0]!r} runs, not {spec.model.family!r} (omnispec "
+            "init drafts a spec for it)")
 
 
 def _against_checkpoint(spec: PipelineSpec, root: str | None,

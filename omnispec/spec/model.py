@@ -23,7 +23,7 @@ BUILTIN_FAMILIES = ("flux", "flux_kontext", "flux_fill", "flux2_klein", "sd3", "
                     "wan_vace", "ltx2", "ltx2_condition", "digits", "qwen_image", "qwen_image_edit",
                     "qwen_image_edit_plus", "qwen_image_inpaint", "z_image", "hunyuan_video15", "hunyuan_video15_i2v",
                     "flux2", "kandinsky6", "ltx25", "ltx25_condition", "ltx25_ic", "krea2", "qwen_image21",
-                    "minimax_h3", "flux3", "flux3_distilled", "minimax_h3_ref2va")
+                    "minimax_h3", "flux3", "flux3_distilled", "minimax_h3_ref2va", "kandinsky6_sr")
 # Packages whose classes a spec may name without --trust-code: importing them runs only their own code. The
 # embedded model is omnispec.src_models, so no other distribution's top-level package is trusted by name.
 TRUSTED_PACKAGES = ("diffusers", "transformers", "omnispec")

@@ -32,8 +32,9 @@ from .offline import TINY_SPECS, tiny_checkpoint
 __all__ += ["TINY_SPECS", "tiny_checkpoint"]
 
 from .fixtures_kandinsky6 import kandinsky6_tokenizer, tiny_kandinsky6
+from .fixtures_kandinsky6_sr import tiny_kandinsky6_sr
 
-__all__ += ["kandinsky6_tokenizer", "tiny_kandinsky6"]
+__all__ += ["kandinsky6_tokenizer", "tiny_kandinsky6", "tiny_kandinsky6_sr"]
 from .fixtures_ltx25 import tiny_ltx25
 
 __all__ += ["tiny_ltx25"]

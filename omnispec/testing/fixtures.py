@@ -451,6 +451,10 @@ TINY_OVERRIDES["hunyuan_video15_i2v"] = ["model.dtype=float32", "recipe.defaults
 TINY_OVERRIDES["kandinsky6"] = ["model.dtype=float32", "recipe.defaults.height=32", "recipe.defaults.width=32",
                                 "recipe.defaults.frames=5", "recipe.defaults.steps=3",
                                 "recipe.defaults.max_sequence_length=16", "runtime.progress=false"]
+# a 24x40 video of 5 frames (the K-VAE of the fixture compresses 4x in space)
+TINY_OVERRIDES["kandinsky6_sr"] = ["model.dtype=float32", "recipe.defaults.height=24", "recipe.defaults.width=40",
+                                   "recipe.defaults.frames=5", "recipe.constraints.size_multiple_of=4",
+                                   "runtime.progress=false"]
 
 from .fixtures_qwen_image21 import TINY_OVERRIDES_QWEN21, tiny_qwen_image21  # noqa: E402
 

@@ -48,6 +48,7 @@ _TINY: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "flux2-dev-edit": ("tiny_flux2", {}, "flux2", ()),
     "kandinsky6-distill-t2v": ("tiny_kandinsky6", {}, "kandinsky6", ()),
     "kandinsky6-distill-i2v": ("tiny_kandinsky6", {}, "kandinsky6", ()),
+    "kandinsky6-sr": ("tiny_kandinsky6_sr", {}, "kandinsky6_sr", ()),
     "ltx2.5-t2v": ("tiny_ltx25", {}, "ltx25", ()),
     "ltx2.5-i2v": ("tiny_ltx25", {}, "ltx25", ()),
     "krea2-raw": ("tiny_krea2", {}, "krea2", ()),

@@ -40,6 +40,7 @@ _BUILTIN = {
     "flux3": "omnispec.runtime.families.flux3:Flux3Family",
     "flux3_distilled": "omnispec.runtime.families.flux3:Flux3DistilledFamily",
     "minimax_h3_ref2va": "omnispec.runtime.families.minimax_h3_ref2va:MiniMaxH3Ref2VAFamily",
+    "kandinsky6_sr": "omnispec.runtime.families.kandinsky6_sr:Kandinsky6SRFamily",
 }
 assert tuple(_BUILTIN) == BUILTIN_FAMILIES, "spec.model.BUILTIN_FAMILIES must list the registered families"
 

@@ -33,6 +33,19 @@ UNREGISTERED = ("diffusers' block hooks do not know Kandinsky 6's fused video/au
 # geometry.extra: the generators a walk started with, and the reference latents they drew first
 FIRST_FRAME = "kandinsky6_first_frame"
 IMAGE = "kandinsky6_image"  # geometry.extra: the request's reference image (its draw precedes the noise)
+# The release's two pipelines, each with the family that runs it and a bundled spec of that family.
+KANDINSKY6_PIPELINES = {"Kandinsky6TI2VAPipeline": ("kandinsky6", "kandinsky6-distill-t2v"),
+                        "Kandinsky6SRPipeline": ("kandinsky6_sr", "kandinsky6-sr")}
+
+
+def other_kandinsky6_pipeline(family: str, index) -> list[tuple[str, str]]:
+    """A checkpoint of the release's other pipeline, named with the family and spec that run it."""
+    pipeline = str(index.get("_class_name", ""))
+    runs = KANDINSKY6_PIPELINES.get(pipeline)
+    if runs is None or runs[0] == family:
+        return []
+    return [("model.family", f"the checkpoint is a {pipeline} checkpoint, which family {runs[0]!r} runs (the "
+                             f"bundled spec {runs[1]!r}), not family {family!r}")]
 
 
 class Kandinsky6Family(Family):
@@ -64,6 +77,10 @@ class Kandinsky6Family(Family):
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
                 "tokenizer_2": "tokenizer", "vae": "vae", "audio_vae": "vae", "vocoder": "vae"}
+
+    @classmethod
+    def index_problems(cls, spec: PipelineSpec, index) -> list[tuple[str, str]]:
+        return [*super().index_problems(spec, index), *other_kandinsky6_pipeline(cls.name, index)]
 
     def __init__(self, spec: PipelineSpec, components, device: torch.device):
         super().__init__(spec, components, device)

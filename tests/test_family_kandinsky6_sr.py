@@ -157,3 +157,16 @@ def test_unsupported_policies_are_refused_with_the_reason(policy):
     override, reason = REFUSED[policy]
     with pytest.raises(SpecError, match=reason):
         omnispec.build(SR, overrides=[override])
+
+
+def test_the_fast_preset_on_a_hopper_leaves_the_attention_backend_alone():
+    from omnispec.policies.presets import DeviceFacts, resolve_preset
+    from omnispec.runtime.families import family_class
+    from omnispec.spec import load_spec
+
+    spec = load_spec(SR, ["policies.preset=fast"])
+    hopper = DeviceFacts(cuda=True, capability=(9, 0), flash4_refusal=None, torchao=True)
+    resolved, outcome = resolve_preset(spec, family_class("kandinsky6_sr").targets, hopper, lambda _: [])
+    assert resolved.policies.attention.default == "auto" and resolved.policies.compile.mode == "regional"
+    assert "left out FlashAttention-4 for every attention (family 'kandinsky6_sr' has no attention roles)" in \
+        outcome.note()

@@ -81,7 +81,7 @@ def _conditions(targets: Targets, facts: DeviceFacts) -> dict[str, str | None]:
     return {
         "cuda": cuda,
         "flash4": cuda or (f"FlashAttention-4 cannot run here ({facts.flash4_refusal})" if facts.flash4_refusal
-                           else None),
+                           else None if targets.attention.roles else targets.missing("attention")),
         "qk_norm_rope": cuda or (None if targets.attention.qk_norm_rope_processor is not None
                                  else targets.missing("qk_norm_rope")),
         "fused_gelu": cuda or (None if targets.mlp is not None else targets.missing("mlp")),

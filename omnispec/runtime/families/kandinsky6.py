@@ -48,6 +48,21 @@ def other_kandinsky6_pipeline(family: str, index) -> list[tuple[str, str]]:
                              f"bundled spec {runs[1]!r}), not family {family!r}")]
 
 
+def piflow_grid(config, spec: PipelineSpec) -> int:
+    """PiFlow grid points a Kandinsky 6 transformer predicts per latent channel (1: plain velocities); a distilled
+    one's only its PiflowScheduler steps, so every phase must take the scheduler's schedule."""
+    grid = config.out_visual_dim // config.in_visual_dim
+    if grid > 1:
+        for i, phase in enumerate(spec.recipe.phases):
+            schedule = spec.recipe.schedules.get(phase.schedule.segment_of or "", phase.schedule)
+            if not isinstance(schedule, SchedulerSchedule):
+                raise SpecError.single(
+                    f"this distilled transformer predicts {grid} PiFlow grid points per latent channel, which only "
+                    "its PiflowScheduler steps: use schedule kind scheduler (a flow_match walk needs an undistilled "
+                    "checkpoint)", f"recipe.phases.{i}.schedule")
+    return grid
+
+
 class Kandinsky6Family(Family):
     name = "kandinsky6"
     pipeline_class = Kandinsky6TI2VAPipeline
@@ -90,15 +105,7 @@ class Kandinsky6Family(Family):
             raise SpecError.single("image-to-video needs a transformer with visual_cond and two visual token types "
                                    "(the reference frame's); this checkpoint's lacks them, so it runs text-to-video "
                                    "only", "recipe.task")
-        self.grid = config.out_visual_dim // config.in_visual_dim
-        if self.grid > 1:
-            for i, phase in enumerate(spec.recipe.phases):
-                schedule = spec.recipe.schedules.get(phase.schedule.segment_of or "", phase.schedule)
-                if not isinstance(schedule, SchedulerSchedule):
-                    raise SpecError.single(
-                        f"this distilled transformer predicts {self.grid} PiFlow grid points per latent channel, "
-                        "which only its PiflowScheduler steps: use schedule kind scheduler (a flow_match walk needs "
-                        "an undistilled checkpoint)", f"recipe.phases.{i}.schedule")
+        self.grid = piflow_grid(config, spec)
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from diffusers import Kandinsky6SRPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...spec import PipelineSpec, SchedulerSchedule, SpecError
+from ...spec import PipelineSpec, SpecError
 from ...spec.errors import Problem
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
-from .kandinsky6 import other_kandinsky6_pipeline
+from .kandinsky6 import other_kandinsky6_pipeline, piflow_grid
 from .types import Conditioning, Decoded, Geometry, Streams
 
 SCALES = (2, 2.25, 4)
@@ -129,15 +129,7 @@ class Kandinsky6SRFamily(Family):
     def __init__(self, spec: PipelineSpec, components, device: torch.device):
         super().__init__(spec, components, device)
         config = self.helper.transformer.config
-        self.grid = config.out_visual_dim // config.in_visual_dim
-        if self.grid > 1:
-            for i, phase in enumerate(spec.recipe.phases):
-                schedule = spec.recipe.schedules.get(phase.schedule.segment_of or "", phase.schedule)
-                if not isinstance(schedule, SchedulerSchedule):
-                    raise SpecError.single(
-                        f"this distilled transformer predicts {self.grid} PiFlow grid points per latent channel, "
-                        "which only its PiflowScheduler steps: use schedule kind scheduler (a flow_match walk needs "
-                        "an undistilled checkpoint)", f"recipe.phases.{i}.schedule")
+        self.grid = piflow_grid(config, spec)
 
     def helper_components(self):
         return ("transformer", "vae", "scheduler", "latent_upscaler")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fixtures import TINY_OVERRIDES, _seeded, flux2_image_modules, qwen3_vl_encoder
+from .fixtures import TINY_OVERRIDES, _seeded, flux2_image_modules
 from .fixtures_minimax_h3 import minimax_h3_processor
+from .vl_encoders import qwen3_vl_encoder
 
 TEXT_DIM, TEXT_LAYERS = 16, 32
 

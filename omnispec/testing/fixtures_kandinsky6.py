@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fixtures import _clip, _seeded, qwen25_vl_encoder
+from .fixtures import _clip, _seeded
 from .tokenizers import clip_tokenizer, qwen_tokenizer
+from .vl_encoders import qwen25_vl_encoder
 
 N_GRID = 2  # the distilled scheduler's predictions per channel (the real checkpoint's is its own config's)
 LATENT_CHANNELS = 4

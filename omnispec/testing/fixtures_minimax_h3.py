@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .fixtures import TINY_OVERRIDES, qwen3_vl_encoder
+from .fixtures import TINY_OVERRIDES
+from .vl_encoders import qwen3_vl_encoder
 
 # The stereo audio and video schedules' shifts of the released scheduler configs (video 12, audio 3).
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0

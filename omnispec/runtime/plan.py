@@ -14,13 +14,14 @@ A walk is a group of phases stepping one schedule: one phase, or the consecutive
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..spec import Phase, PipelineSpec, SpecError, StepPlan, compile_plan
 from ..spec.request import Request, with_request_sigmas
+from ..spec.schedule import SHARED_SCHEDULES
 from .families import Conditioning, Family, Geometry
 from .guidance import GuidanceState
 from .phases import first_step, group_steps, phase_groups
@@ -129,9 +130,13 @@ class RequestPlan:
         sampler = walk.first.sampler
         if not sampler.stochastic:
             return walk.steps.stepper(self.streams, walk.begin)
+        where = f"recipe.phases.{self.spec.recipe.phases.index(walk.first)}.sampler"
+        if sampler.outside_window.compress != 1:
+            raise SpecError.single("compress shortens the walk after a rollout's window (Pipeline.rollout, whose "
+                                   "replays score the steps up to it); generation takes every step of the "
+                                   "schedule: use compress: 1 here, or roll out", f"{where}.outside_window.compress")
         seeds = list(self.request.seeds)
         mask = window_mask(sampler, len(walk.steps), torch.arange(len(seeds)), seeds[0], start=walk.begin)
-        where = f"recipe.phases.{self.spec.recipe.phases.index(walk.first)}.sampler"
         return self._stochastic(walk, sampler, mask, seeds, device, where)
 
     def _stochastic(self, walk: Walk, sampler: Any, mask: torch.Tensor, seeds: Sequence[int], device: torch.device,
@@ -172,7 +177,9 @@ def plan_request(spec: PipelineSpec, family: Family, components: dict[str, Any],
     if rollout is not None:
         spans = [(w.offset + w.begin, w.offset + len(w.steps)) for w in walks]
         mask = window_mask(rollout["sampler"], plan.total_steps, rollout["ids"], rollout["seed"], walks=spans)
-        plan.stochastic = Stochastic(rollout["sampler"], mask, _window_walk(walks, mask), rollout["noise_seeds"])
+        plan.walks, mask, walk = _compress_after_window(spec, family, request.steps, walks, _window_walk(walks, mask),
+                                                        mask, rollout["sampler"], device)
+        plan.stochastic = Stochastic(rollout["sampler"], mask, walk, rollout["noise_seeds"])
     return plan
 
 
@@ -205,6 +212,38 @@ def max_rows(spec: PipelineSpec, tokens: int) -> int | None:
     if runtime.max_tokens_per_forward:
         limits.append(max(1, runtime.max_tokens_per_forward // max(1, tokens)))
     return min(limits) if limits else None
+
+
+def _compress_after_window(spec: PipelineSpec, family: Family, request_steps: int, walks: list[Walk], walk: Walk,
+                           mask: torch.Tensor, sampler: Any, device: torch.device
+                           ) -> tuple[list[Walk], torch.Tensor, Walk]:
+    """The walks, the mask over their steps and the window's walk, with that walk's steps after the window's last
+    step taken on ``sampler.outside_window.compress``'s fewer points of the schedule's own time warp (MixGRPO-Flash);
+    the walks after it move up. The window's steps and all before them keep their sigmas, timesteps and step plans,
+    so a replay, which plans the request without the window, scores them as the rollout stepped them."""
+    last = int(torch.nonzero(mask[:, walk.offset:walk.offset + len(walk.steps)].any(0)).flatten()[-1])
+    points = len(walk.steps) - last  # the sigmas after the last window step, the terminal 0 included
+    count = sampler.outside_window.points_after(points)
+    if count == points:
+        return walks, mask, walk
+    if len(walk.phases) > 1:
+        raise SpecError.single(f"the window's walk runs phases {', '.join(r.phase.name for r in walk.phases)} on "
+                               "segments of one shared schedule, whose bounds a compressed walk would move: use "
+                               "compress: 1", "sampler.outside_window.compress")
+    schedule = walk.first.schedule.walked(spec.recipe.schedules)
+    steps = SHARED_SCHEDULES.implementation(schedule).compressed(schedule, request_steps, family.tokens(walk.geometry),
+                                                                 last + 1, count, device)
+    steps.stream_sigmas = family.stream_sigmas(steps.sigmas)
+    run = walk.phases[0]
+    indices = [i for i in run.indices if i <= last] + list(range(last + 1, len(steps)))
+    compiled = compile_plan(run.phase.guidance, len(indices), [steps.step_sigmas[i] for i in indices])
+    plans = {i: run.plans[i] if i <= last else plan for i, plan in zip(indices, compiled)}
+    shorter = replace(walk, phases=[replace(run, indices=indices, plans=plans)], steps=steps)
+    removed = len(walk.steps) - len(steps)
+    moved = [shorter if w is walk else replace(w, offset=w.offset - removed) if w.offset > walk.offset else w
+             for w in walks]
+    cut = walk.offset + last + 1  # the removed steps select no sample: the window ends before them
+    return moved, torch.cat([mask[:, :cut], mask[:, cut + removed:]], dim=1), shorter
 
 
 def _window_walk(walks: list[Walk], mask: torch.Tensor) -> Walk:

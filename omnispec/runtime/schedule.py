@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..spec import FlowMatchSchedule, SchedulerSchedule, SpecError, flow_match_sigmas
-from ..spec.schedule import SHARED_SCHEDULES, dynamic_mu
+from ..spec.schedule import SHARED_SCHEDULES, dynamic_mu, flow_match_compressed
 from .samplers import EulerStepper, SchedulerStepper, Stepper
 
 # Schedulers whose ``step`` is the plain Euler step on their own sigmas, so a stochastic sampler can take
@@ -94,9 +94,23 @@ class FlowMatchWalk:
 
     def steps(self, schedule: FlowMatchSchedule, steps: int, seq_len: int, components: dict[str, Any],
               device: torch.device) -> Steps:
-        n = len(schedule.sigmas) if schedule.sigmas is not None else (schedule.steps or steps)
-        sigmas = torch.tensor(flow_match_sigmas(schedule, n, seq_len), dtype=torch.float32, device=device)
-        return Steps(sigmas[:-1] * 1000.0, sigmas, 1000)
+        return self._steps(flow_match_sigmas(schedule, self._count(schedule, steps), seq_len), device)
+
+    def compressed(self, schedule: FlowMatchSchedule, steps: int, seq_len: int, point: int, count: int,
+                   device: torch.device) -> Steps:
+        """The walk ``steps`` makes, up to its point ``point``, then ``count`` points to 0 on the schedule's own time
+        warp (``flow_match_compressed``): the same sigmas and timesteps up to there."""
+        n = self._count(schedule, steps)
+        return self._steps(flow_match_compressed(schedule, n, seq_len, point, count), device)
+
+    @staticmethod
+    def _count(schedule: FlowMatchSchedule, steps: int) -> int:
+        return len(schedule.sigmas) if schedule.sigmas is not None else (schedule.steps or steps)
+
+    @staticmethod
+    def _steps(sigmas: list[float], device: torch.device) -> Steps:
+        tensor = torch.tensor(sigmas, dtype=torch.float32, device=device)
+        return Steps(tensor[:-1] * 1000.0, tensor, 1000)
 
 
 class SchedulerWalk:
@@ -105,6 +119,13 @@ class SchedulerWalk:
     def steps(self, schedule: SchedulerSchedule, steps: int, seq_len: int, components: dict[str, Any],
               device: torch.device) -> Steps:
         return _scheduler_steps(schedule, schedule.steps or steps, seq_len, components, device)
+
+    def compressed(self, schedule: SchedulerSchedule, steps: int, seq_len: int, point: int, count: int,
+                   device: torch.device) -> Steps:
+        raise SpecError.single("compressing the steps after the window needs the schedule's time warp, which "
+                               f"omnispec knows for flow_match schedules, not for scheduler component "
+                               f"{schedule.component!r}'s own set_timesteps: use a flow_match schedule, or compress: 1",
+                               "sampler.outside_window.compress")
 
 
 class SegmentWalk:

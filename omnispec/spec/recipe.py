@@ -221,12 +221,25 @@ class OutsideWindow(SpecModel):
         "before the window stay Euler."))
     solver_type: Literal["heun", "midpoint"] = Field(default="heun", description=(
         "DPM-Solver++'s second-order correction (MixGRPO's default: heun)."))
+    compress: float = Field(default=1.0, gt=0, le=1, description=(
+        "Walk the schedule after the window's last step on fewer, larger steps (MixGRPO-Flash's "
+        "dpm_post_compress_ratio): of the n points after it (the terminal 0 included), max(int(n * compress), 2) "
+        "remain, evenly spaced in the schedule's time before its shift and shifted as the schedule is. 1 keeps "
+        "every step; the window's steps and all before them never change. Needs a flow_match schedule."))
 
     @model_validator(mode="after")
     def _one_speed_up(self) -> OutsideWindow:
         if self.solver != "euler" and self.compute_every != 1:
             raise ValueError("a multistep solver after the window needs every step's prediction; use compute_every: 1")
+        if self.compress != 1 and self.compute_every != 1:
+            raise ValueError(f"compress: {self.compress} already takes fewer steps after the window; reusing "
+                             "predictions on top of it is not offered, use compute_every: 1")
         return self
+
+    def points_after(self, points: int) -> int:
+        """How many of the ``points`` sigmas after the window's last step (the terminal included) a compressed walk
+        keeps: ``int(points * compress)``, at least 2 so the walk still ends at sigma 0, at most ``points``."""
+        return min(points, max(int(points * self.compress), 2))
 
 
 class _Stochastic(SamplerSpec):

@@ -7,6 +7,7 @@ the runtime uses the same function, so what ``explain`` prints is what runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
@@ -243,24 +244,55 @@ def empirical_mu(seq_len: int, steps: int) -> float:
     return slope * steps + m_200 - 200.0 * slope
 
 
-def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | None = None) -> list[float]:
-    """Sigmas of each step followed by the terminal 0 (length ``steps + 1``)."""
+def flow_match_times(schedule: FlowMatchSchedule, steps: int) -> list[float]:
+    """The schedule's points before its shift, one per step: explicit ``sigmas``, or ``linspace(1, 1/steps, steps)``
+    (evenly spaced, so with the terminal 0 the grid is ``linspace(1, 0, steps + 1)`` without its last point)."""
     if schedule.sigmas is not None:
-        base = [float(s) for s in schedule.sigmas]
-    else:
-        base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
+        return [float(s) for s in schedule.sigmas]
+    return [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
+
+
+def flow_match_warp(schedule: FlowMatchSchedule, steps: int, seq_len: int | None = None) -> Callable[[float], float]:
+    """The time warp of a walk of ``steps`` steps: a point of ``flow_match_times`` to its sigma (the static or
+    time shift, then the terminal stretch, whose factor the walk's last point fixes)."""
     if schedule.shift == FROM_CHECKPOINT:
         raise ValueError("shift: from_checkpoint is resolved from the checkpoint's scheduler config at build")
     if schedule.shift in ("dynamic", "empirical"):
         if seq_len is None:
             raise ValueError(f"a {schedule.shift} shift needs the image sequence length")
         mu = dynamic_mu(schedule, seq_len) if schedule.shift == "dynamic" else empirical_mu(seq_len, steps)
-        shifted = [math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) if s > 0 else 0.0 for s in base]
+
+        def shift(s: float) -> float:
+            return math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) if s > 0 else 0.0
     else:
-        k = float(schedule.shift)
-        shifted = [k * s / (1.0 + (k - 1.0) * s) for s in base]
-    if schedule.shift_terminal is not None and shifted[-1] < 1.0:  # a lone sigma of 1 has nothing to stretch
-        one_minus = [1.0 - s for s in shifted]
-        factor = one_minus[-1] / (1.0 - schedule.shift_terminal)
-        shifted = [1.0 - z / factor for z in one_minus]
-    return shifted + [0.0]
+        k = float(schedule.shift)  # type: ignore[arg-type]
+
+        def shift(s: float) -> float:
+            return k * s / (1.0 + (k - 1.0) * s)
+    last = shift(flow_match_times(schedule, steps)[-1])
+    if schedule.shift_terminal is None or last >= 1.0:  # a lone sigma of 1 has nothing to stretch
+        return shift
+    factor = (1.0 - last) / (1.0 - schedule.shift_terminal)
+    return lambda t: 1.0 - (1.0 - shift(t)) / factor
+
+
+def flow_match_sigmas(schedule: FlowMatchSchedule, steps: int, seq_len: int | None = None) -> list[float]:
+    """Sigmas of each step followed by the terminal 0 (length ``steps + 1``)."""
+    warp = flow_match_warp(schedule, steps, seq_len)
+    return [warp(t) for t in flow_match_times(schedule, steps)] + [0.0]
+
+
+def flow_match_compressed(schedule: FlowMatchSchedule, steps: int, seq_len: int | None, point: int,
+                          count: int) -> list[float]:
+    """The walk's sigmas up to its point ``point``, then ``count`` points from there to the terminal 0 evenly spaced
+    in the schedule's time before its warp (``flow_match_times`` with 0 after the last) and warped as the walk's own
+    points are: MixGRPO-Flash's fewer, larger ODE steps after its window. The points up to ``point`` are the walk's
+    own, so the steps before it don't change."""
+    if count < 2 or not 0 <= point < steps:
+        raise ValueError(f"compressing needs 2 or more points from a point before the terminal, got {count} from "
+                         f"{point} of {steps} steps")
+    warp = flow_match_warp(schedule, steps, seq_len)
+    sigmas = flow_match_sigmas(schedule, steps, seq_len)
+    start = flow_match_times(schedule, steps)[point]
+    tail = [warp(start * (count - 1 - j) / (count - 1)) for j in range(1, count - 1)]
+    return sigmas[:point + 1] + tail + [0.0]

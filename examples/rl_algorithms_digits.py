@@ -9,8 +9,9 @@ normalised within each prompt's group.
 
 - ``mixgrpo``: MixGRPO's sliding window. Flow-GRPO's SDE runs on a window of ``--window`` steps that moves by its
   length every ``--every`` iterations (``window: {kind: sliding, ...}``, the iteration passed in the sampler);
-  the other steps are ODE steps (``--flash``: DPM-Solver++ after the window, MixGRPO-Flash's), and only the window's
-  steps are replayed and trained (clipped ratios).
+  the other steps are ODE steps (``--flash``: DPM-Solver++ after the window, MixGRPO-Flash's; ``--compress 0.5``:
+  half the steps after the window, each larger, as MixGRPO-Flash compresses them), and only the window's steps are
+  replayed and trained (clipped ratios).
 - ``grpo_guard``: Flow-GRPO's SDE on the first ``--window`` steps, two optimizer steps per rollout batch, and
   GRPO-Guard's regulated ratio (``omnispec.rl.guard_log_ratio``) in the clipped objective; the old transition
   means come from one replay without gradients right after the rollout.
@@ -46,13 +47,13 @@ def missing_packages() -> list[str]:
 
 
 def sampler(algorithm: str, iteration: int, steps: int, window: int, every: int, noise_level: float,
-            flash: bool = False) -> dict:
+            flash: bool = False, compress: float = 1.0) -> dict:
     """The rollout's sampler at this training iteration."""
     if algorithm == "mixgrpo":
         return {"kind": "sde", "noise_level": noise_level,
                 "window": {"kind": "sliding", "length": window, "every": every, "iteration": iteration,
                            "wrap": True},
-                "outside_window": {"solver": "dpmsolver++" if flash else "euler"}}
+                "outside_window": {"solver": "dpmsolver++" if flash else "euler", "compress": compress}}
     if algorithm == "grpo_guard":
         return {"kind": "sde", "noise_level": noise_level, "window": {"kind": "fixed", "start": 0, "length": window}}
     return {"kind": "cps", "include_last": True, "window": {"kind": "fixed", "start": steps - 1, "length": 1}}
@@ -66,7 +67,7 @@ def group_advantages(reward: torch.Tensor, prompts: int) -> torch.Tensor:
 def train(algorithm: str = "mixgrpo", iterations: int = 40, prompts_per_iter: int = 4, group: int = 6,
           steps: int = 8, lr: float | None = None, clip: float = 0.2, window: int = 2, every: int = 10,
           noise_level: float = 0.7, nft_steps: int = 2, beta: float = 1.0, seed: int = 0, flash: bool = False,
-          log=print) -> list[dict]:
+          compress: float = 1.0, log=print) -> list[dict]:
     """Train and return one row per iteration (its mean reward and the algorithm's own numbers)."""
     from peft import LoraConfig
 
@@ -92,7 +93,7 @@ def train(algorithm: str = "mixgrpo", iterations: int = 40, prompts_per_iter: in
         start = time.time()
         digits = rng.sample(range(10), prompts_per_iter)
         ro = pipe.rollout([WORDS[d] for d in digits], group_size=group, seed=seed * 100_000 + it * 1000,
-                          sampler=sampler(algorithm, it, steps, window, every, noise_level, flash))
+                          sampler=sampler(algorithm, it, steps, window, every, noise_level, flash, compress))
         r = reward(ro.array, [digits[int(g)] for g in ro.group_ids])
         adv = group_advantages(r, prompts_per_iter)
         row = {"iteration": it, "reward": r.mean().item()}
@@ -186,6 +187,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="mixgrpo: iterations between window moves")
     parser.add_argument("--lr", type=float, help=f"default {DEFAULT_LR}")
     parser.add_argument("--flash", action="store_true", help="mixgrpo: DPM-Solver++ after the window (MixGRPO-Flash)")
+    parser.add_argument("--compress", type=float, default=1.0,
+                        help="mixgrpo: the fraction of the points after the window kept (MixGRPO-Flash), in (0, 1]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="the history as JSON")
     args = parser.parse_args()
@@ -197,8 +200,12 @@ def main() -> None:
         if getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1", file=sys.stderr)
             raise SystemExit(2)
+    if not 0 < args.compress <= 1:
+        print("error: --compress must be in (0, 1]", file=sys.stderr)
+        raise SystemExit(2)
     history = train(args.algorithm, args.iterations, args.prompts, args.group, args.steps, args.lr,
-                    window=args.window, every=args.every, seed=args.seed, flash=args.flash)
+                    window=args.window, every=args.every, seed=args.seed, flash=args.flash,
+                    compress=args.compress)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "history": history},
                                        indent=1))

@@ -1,6 +1,6 @@
 """MixGRPO's sliding window, GRPO-Guard's regulated ratio and DiffusionNFT's loss, each against a reference written
 here from the official trainer's arithmetic, on the same inputs (MixGRPO: the progressive training states of
-Tulvgengenr/MixGRPO; DiffusionNFT: NVlabs/DiffusionNFT's SD3 trainer; GRPO-Guard: the paper's RatioNorm and
+Tulvgengenr/MixGRPO, and MixGRPO-Flash's post-window DPM-Solver++ and compressed schedule of Tencent-Hunyuan/MixGRPO; DiffusionNFT: NVlabs/DiffusionNFT's SD3 trainer; GRPO-Guard: the paper's RatioNorm and
 gradient reweighting as the public Flow-Factory trainer computes them, the authors' code not being reachable
 here); the denoiser at trainer-made states; and each algorithm's digits example for a few iterations."""
 
@@ -256,7 +256,8 @@ def test_each_algorithm_trains_a_few_iterations_of_the_digits_example(algorithm)
     import rl_algorithms_digits
 
     history = rl_algorithms_digits.train(algorithm, iterations=2, prompts_per_iter=1, group=2, steps=3, window=1,
-                                         every=1, nft_steps=1, flash=algorithm == "mixgrpo", log=lambda s: None)
+                                         every=1, nft_steps=1, flash=algorithm == "mixgrpo",
+                                         compress=0.5 if algorithm == "mixgrpo" else 1.0, log=lambda s: None)
     assert len(history) == 2 and all(0 <= row["reward"] <= 1 for row in history)
     if algorithm == "nft":
         assert all(math.isfinite(row["nft_loss"]) for row in history)
@@ -320,3 +321,168 @@ def test_dpm_solver_pp_after_the_window_keeps_the_window_and_its_replay(pipe):
     assert torch.equal(pipe.log_prob(flash, grad=False).log_probs.cpu(), flash.log_probs)
     with pytest.raises(SpecError, match="compute_every: 1"):
         pipe.rollout(["seven"], sampler={**base, "outside_window": {"solver": "dpmsolver++", "compute_every": 2}})
+
+
+# ---- MixGRPO-Flash: fewer, larger ODE steps after the window ------------------------------------------------
+
+def reference_compressed_sigmas(steps, last, shift, ratio):
+    """MixGRPO-Flash's schedule after its window, written again from its arithmetic: its grid is the SD3 shift of
+    ``linspace(1, 0, steps + 1)``; after the last stochastic step ``last`` it keeps ``int(max(n * ratio, 1))`` of the
+    ``n`` points from there, evenly spaced in the unshifted time and shifted again (float32 throughout)."""
+    def time_shift(t):
+        return shift * t / (1 + (shift - 1) * t)
+
+    grid = time_shift(torch.linspace(1, 0, steps + 1))
+    kept = int(max((grid.size(0) - 1 - last) * ratio, 1))
+    start = torch.linspace(1, 0, grid.size(0))[last + 1].item()
+    return torch.cat([grid[:last + 1], time_shift(torch.linspace(start, 0, kept))])
+
+
+def flash_schedule(steps, shift):
+    """omnispec's flow_match schedule on MixGRPO's grid: explicit unshifted points ``linspace(1, 0, steps + 1)``
+    without the terminal, the same static shift."""
+    from omnispec.spec import FlowMatchSchedule
+
+    times = [float(t) for t in torch.linspace(1, 0, steps + 1)[:-1]]
+    return FlowMatchSchedule(kind="flow_match", sigmas=times, shift=shift)
+
+
+def compressed_steps(schedule, steps, last, ratio, seq_len=0):
+    from omnispec.runtime.schedule import FLOW_MATCH
+    from omnispec.spec.recipe import OutsideWindow
+
+    count = OutsideWindow(compress=ratio).points_after(steps - last)
+    return FLOW_MATCH.compressed(schedule, steps, seq_len, last + 1, count, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("steps, last, shift, ratio", [
+    (25, 3, 3.0, 0.4), (25, 12, 3.0, 0.2), (16, 5, 1.0, 0.4), (10, 2, 5.0, 0.5), (25, 0, 3.0, 0.2)])
+def test_compressed_schedule_equals_mixgrpo_flash(steps, last, shift, ratio):
+    ours = compressed_steps(flash_schedule(steps, shift), steps, last, ratio)
+    expected = reference_compressed_sigmas(steps, last, shift, ratio)
+    assert ours.sigmas.shape == expected.shape
+    assert (ours.sigmas - expected).abs().max().item() < 1e-6  # 1 float32 ulp at most: omnispec shifts in float64
+    uncompressed = flash_schedule(steps, shift)
+    from omnispec.spec import flow_match_sigmas
+    full = torch.tensor(flow_match_sigmas(uncompressed, steps), dtype=torch.float32)
+    assert torch.equal(ours.sigmas[:last + 2], full[:last + 2])  # up to where the window lands: the walk's own
+    assert torch.equal(ours.timesteps, ours.sigmas[:-1] * 1000)
+
+
+def test_a_compressed_schedule_still_ends_at_zero_where_mixgrpo_flash_stops_short():
+    """With one point kept (the window near the end), MixGRPO-Flash's schedule ends at the noise level the window
+    reached; omnispec keeps two points, so the walk still lands on sigma 0."""
+    expected = reference_compressed_sigmas(25, 20, 3.0, 0.2)
+    assert len(expected) == 22 and expected[-1] > 0.1
+    ours = compressed_steps(flash_schedule(25, 3.0), 25, 20, 0.2).sigmas
+    assert len(ours) == 23 and ours[-1] == 0 and (ours[:22] - expected).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("schedule", [
+    {"shift": 3.0}, {"shift": "dynamic"}, {"shift": "empirical"},
+    {"shift": "dynamic", "base_shift": 0.95, "max_shift": 2.05, "base_seq_len": 1024, "shift_terminal": 0.1}])
+def test_each_schedules_time_warp_walks_its_own_grid(schedule):
+    """Kept whole (every point), a compressed walk is the schedule's own: the warp is the schedule's shift and
+    terminal stretch on its evenly spaced grid."""
+    from omnispec.spec import FlowMatchSchedule, flow_match_sigmas
+    from omnispec.spec.schedule import flow_match_compressed
+
+    flow = FlowMatchSchedule(kind="flow_match", **schedule)
+    own = flow_match_sigmas(flow, 12, 2048)
+    for point in (1, 4, 9):
+        whole = flow_match_compressed(flow, 12, 2048, point, 13 - point)
+        assert whole[:point + 1] == own[:point + 1] and max(abs(a - b) for a, b in zip(whole, own)) < 1e-12
+        shorter = flow_match_compressed(flow, 12, 2048, point, 3)
+        assert shorter[:point + 1] == own[:point + 1] and shorter[-1] == 0.0 and len(shorter) == point + 3
+        assert own[point] > shorter[point + 1] > 0.0
+
+
+def reference_flash_walk(velocity, z, sigmas, stochastic, eta, noises, solver_type):
+    """MixGRPO-Flash's rollout loop, written again from its arithmetic: Flow-GRPO's SDE at the stochastic steps and
+    Euler at the others up to the window's last step, each feeding the solver's history of clean-sample estimates;
+    then multistep DPM-Solver++ (``reference_dpm_pp``) on the compressed schedule ``sigmas``."""
+    last = max(i for i, s in enumerate(stochastic) if s)
+    history, lower = [], 0
+    for i in range(len(sigmas) - 1):
+        sigma, v = sigmas[i], velocity(z, sigmas[i])
+        history = (history + [z - sigma * v])[-2:]
+        if i > last:
+            z = reference_dpm_pp(z, history, sigmas, i, lower, solver_type, i == len(sigmas) - 2)
+        elif stochastic[i]:
+            dt = sigmas[i + 1] - sigma
+            std_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma))) * eta
+            mean = z * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+            z = mean + std_t * torch.sqrt(-dt) * noises.pop(0)
+        else:
+            z = z + (sigmas[i + 1] - sigma) * v
+        lower = min(lower + 1, 2)
+    return z
+
+
+@pytest.mark.parametrize("solver_type", ["heun", "midpoint"])
+def test_a_flash_walk_equals_mixgrpo_flash_on_the_same_inputs(solver_type):
+    from omnispec.runtime.samplers import StochasticStepper
+    from omnispec.spec.recipe import SDESampler
+
+    steps, last, shift = 12, 4, 3.0
+    walk = compressed_steps(flash_schedule(steps, shift), steps, last, 0.4)
+    sampler = SDESampler(kind="sde", noise_level=0.7, outside_window={"solver": "dpmsolver++",
+                                                                      "solver_type": solver_type, "compress": 0.4})
+    mask = torch.zeros(2, len(walk), dtype=torch.bool)
+    mask[:, 2:last + 1] = True
+    weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)) / 4
+
+    def velocity(x, sigma):  # a fixed smooth field, the same for both walks
+        return torch.tanh(torch.einsum("bchw,cd->bdhw", x, weight)) * (1 + sigma) - x
+
+    x0 = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(2))
+    draws = [torch.Generator().manual_seed(7 + b) for b in range(2)]
+    noises = [torch.stack([torch.randn(4, 6, 6, generator=g) for g in draws]) for _ in range(2, last + 1)]
+    stepper = StochasticStepper(sampler, walk.sigmas, mask, [torch.Generator().manual_seed(7 + b) for b in range(2)])
+    x = {"latents": x0}
+    for i in range(len(walk)):
+        x = stepper.step(x, {"latents": velocity(x["latents"], walk.sigmas[i])}, i).next
+    expected = reference_flash_walk(velocity, x0, walk.sigmas, mask[0].tolist(), 0.7, noises, solver_type)
+    assert (x["latents"] - expected).abs().max().item() < 1e-5  # measured 0.0 (states of magnitude up to 7)
+
+
+@pytest.mark.parametrize("solver", ["euler", "dpmsolver++"])
+def test_a_compressed_rollout_keeps_its_window_and_replays_it_exactly(pipe, solver):
+    base = {"kind": "sde", "window": {"kind": "fixed", "start": 1, "length": 2}}
+    calls = []
+    hook = pipe.components["transformer"].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        full = pipe.rollout(["seven"], group_size=2, seed=0, sampler={**base, "outside_window": {"solver": solver}})
+        forwards = len(calls)
+        flash = pipe.rollout(["seven"], group_size=2, seed=0,
+                             sampler={**base, "outside_window": {"solver": solver, "compress": 0.5}})
+    finally:
+        hook.remove()
+    assert (forwards, len(calls) - forwards) == (6, 4)  # 6 steps; after the window (steps 1-2) 3 become 1
+    assert torch.equal(full.latents, flash.latents) and torch.equal(full.log_probs, flash.log_probs)
+    assert abs(full.array - flash.array).max() > 1e-3
+    replay = pipe.log_prob(flash, grad=False)
+    assert torch.equal((replay.log_probs.cpu() - flash.log_probs).exp(), torch.ones_like(flash.log_probs))
+
+
+@pytest.mark.parametrize("outside, message", [
+    ({"compress": 0}, "compress"), ({"compress": 1.5}, "compress"), ({"compress": "half"}, "compress"),
+    ({"compress": 0.5, "compute_every": 2}, "compute_every: 1")])
+def test_a_bad_compression_is_one_spec_error(pipe, outside, message):
+    with pytest.raises(SpecError, match=message):
+        pipe.rollout(["seven"], sampler={"kind": "sde", "window": {"kind": "fixed", "length": 1},
+                                         "outside_window": outside})
+
+
+def test_compression_is_refused_where_nothing_honours_it(pipe):
+    from omnispec.runtime.plan import plan_request
+    from omnispec.runtime.schedule import SCHEDULER
+    from omnispec.spec import SchedulerSchedule
+
+    with pytest.raises(SpecError, match="flow_match schedules"):
+        SCHEDULER.compressed(SchedulerSchedule(kind="scheduler"), 6, 0, 2, 2, torch.device("cpu"))
+    phase_sampler = "recipe.phases.0.sampler={kind: sde, outside_window: {compress: 0.5}}"
+    spec = omnispec.load_spec(SPECS / "digits.yaml", [*OVERRIDES, phase_sampler])
+    plan = plan_request(spec, pipe.family, pipe.components, pipe.device, pipe.request(["seven"], [0]))
+    with pytest.raises(SpecError, match="recipe.phases.0.sampler.outside_window.compress: .*roll out"):
+        plan.stepper(plan.walks[0], pipe.device)

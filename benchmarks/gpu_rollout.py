@@ -2,7 +2,9 @@
 Peer: a Flow-GRPO-style sampling loop around the diffusers pipeline (its trainer's pattern), in the same call.
 
 ``python -m benchmarks.gpu_rollout [--prompts 16 --group 8 --steps 10 --size 512 --window 3 --window-start 0
---outside-every 2] [--json FILE]`` (``--smoke``: tiny models on the CPU, to check the script only.)
+--outside-every 2 --compress 0.4] [--json FILE]`` (``--smoke``: tiny models on the CPU, to check the script only.)
+``--compress R`` below 1 adds a MixGRPO-Flash side: DPM-Solver++ after the window on R of its points, on a
+flow_match schedule of shift 3 (the scheduler's sigmas), since a compressed walk needs the schedule's time warp.
 
 Random bf16 weights at SD3.5-medium's sizes (MMDiT-X 24 blocks, CLIP-L, CLIP-G, T5-XXL encoders, the
 16-channel VAE), a rank-32 LoRA on the attention projections as in Flow-GRPO's SD3 runs, CFG 4.5, prompts up
@@ -199,6 +201,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--window-start", type=int, default=0)
     parser.add_argument("--outside-every", type=int, default=2,
                         help="window-aware rows: compute one step in K outside the window (1: no such rows)")
+    parser.add_argument("--compress", type=float, default=1.0,
+                        help="below 1: a side with DPM-Solver++ after the window on this fraction of its points")
     parser.add_argument("--baseline-batch", type=int, default=8)
     parser.add_argument("--replay-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -288,6 +292,11 @@ def benchmark(args, results: harness.Results) -> None:
     sides = {"flow-grpo loop (diffusers)": run_base, "omnispec rollout": run_ours}
     if args.outside_every > 1:
         sides[f"omnispec rollout, window-aware (every {args.outside_every})"] = lambda tag: run_ours(tag, s=fast_sampler)
+    if args.compress < 1:  # MixGRPO-Flash: on omnispec's flow_match schedule (shift 3, the scheduler's sigmas)
+        flash = _build(mods, [*overrides, "recipe.phases.0.schedule={kind: flow_match, shift: 3.0}"])
+        flash_sampler = sampler | {"outside_window": {"solver": "dpmsolver++", "compress": args.compress}}
+        sides[f"omnispec rollout, MixGRPO-Flash (compress {args.compress})"] = lambda tag: run_ours(tag, flash,
+                                                                                                   flash_sampler)
     if args.sdpa_variant:
         sdpa = _build(mods, [*overrides, "policies.attention.default=sdpa"])
         sides["omnispec rollout, attention sdpa"] = lambda tag: run_ours(tag, sdpa)

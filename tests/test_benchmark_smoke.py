@@ -35,7 +35,7 @@ SMOKES = [
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)
     ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae",
-                     "--profile-rollout"], 1),
+                     "--profile-rollout", "--compress", "0.5"], 1),
     ("gpu_activation_quant", ["--iters", "2"], 1),
     ("gpu_norm_rope", [], 1),
     ("gpu_adaln_norm", [], 1),  # every default variant: each heuristic's scope entered around a compile

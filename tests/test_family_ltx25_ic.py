@@ -265,6 +265,9 @@ def test_options_and_masks_it_cannot_use_are_one_error_line(clip, tmp_path, caps
     refused(["run", str(SPECS / "ltx2.5-t2v.yaml"), *[a for o in TINY for a in ("--set", o)], "--prompt", "x", "--mask",
              str(tmp_path / "m.png"), "--output", str(tmp_path / "o.mp4")], "request.mask", "takes no mask",
             capsys=capsys)
+    refused(["run", str(SPECS / "minimax-h3-ref2va.yaml"), "--prompt", "x", "--reference-video", str(clip[0]),
+             "--mask", str(tmp_path / "m.png"), "--output", str(tmp_path / "o.mp4")], "request.mask",
+            "reads no mask with its references", capsys=capsys)
 
 
 def test_a_mask_whose_frames_do_not_divide_the_reference_latent_frames_is_refused(clip):

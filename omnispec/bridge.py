@@ -75,6 +75,9 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("diffusers.QwenImage21Pipeline", "_pack_latents", "Qwen-Image-2.1's token flatten of its unpatched latents"),
     ("diffusers.QwenImage21Pipeline", "_unpack_latents", "the inverse"),
     ("diffusers.QwenImage21Pipeline", "_encode_vae_image", "Qwen-Image-2.1's normalised reference-image latents"),
+    ("diffusers.LTX2InContextPipeline", "_build_video_self_attention_mask", "the IC-LoRA's video self-attention "
+     "weights over [video | keyframes | references] (the blocks' LTX2BuildVideoSelfAttentionMaskStep builds the same "
+     "inside a pipeline state); no public form"),
     ("diffusers.modular_pipelines.flux3.encoders.Flux3TextEncoderStep", "_get_qwen3_vl_prompt_embeds", "FLUX.3's "
      "encoding of one prompt (chat template, window padded to its multiple, explicit position ids, stacked layers); "
      "the block itself encodes the negative prompt too, by its guider"),
@@ -138,6 +141,14 @@ def denormalize_latents(pipeline: Any, *args: Any) -> Any:
 
 def denormalize_audio_latents(pipeline: Any, *args: Any) -> Any:
     return pipeline._denormalize_audio_latents(*args)
+
+
+def ltx2_video_self_attention_mask(pipeline: Any, video_tokens: int, prefix_tokens: int, cross: list,
+                                   device: Any) -> Any:
+    """``_build_video_self_attention_mask``: (1, S, S) weights, 1 among the first ``prefix_tokens`` (video and
+    keyframe tokens), each reference group's ``cross`` weights between it and the ``video_tokens``, 1 within a
+    group, 0 elsewhere."""
+    return pipeline._build_video_self_attention_mask(video_tokens, prefix_tokens, cross, device)
 
 
 def processor_settings(processor: Any) -> tuple[Any, Any]:

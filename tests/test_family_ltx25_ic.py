@@ -1,8 +1,9 @@
 """LTX-2.5 in-context generation with an IC-LoRA (family ltx25_ic, ltx2.5-ic-lora.yaml): equal to diffusers'
 LTX25ModularPipeline's in_context workflow (LTX25AutoBlocks) on the tiny checkpoint with a tiny LoRA loaded by
 diffusers' own loader, the same reference video and seed, video and audio compared, through omnispec.build and the
-CLI; the reference downscale factor against the blocks' reference encoder; rollouts replay exactly; what cannot be
-encoded is one error line."""
+CLI; the reference downscale factor against the blocks' reference encoder; the conditioning attention strength, its
+mask and the motion speed against the blocks' own inputs; rollouts replay exactly; what cannot be encoded is one
+error line."""
 
 import numpy as np
 import pytest
@@ -165,6 +166,73 @@ def test_an_ic_rollout_scores_both_streams_and_replays_exactly(pipe, clip):
     assert torch.equal((replayed - ro.log_probs).exp(), torch.ones_like(ro.log_probs))
 
 
+WEIGHTED = "model.options={conditioning_attention_strength: 0.6, motion_speed: 0.5}"
+
+
+@pytest.fixture(scope="module")
+def weighted(ltx25_dir):
+    """The base model (no LoRA) with the reference tokens' attention at 0.6, motion at half speed, keyframes."""
+    return omnispec.build(SPEC, source=str(ltx25_dir), overrides=[*TINY, WEIGHTED, "recipe.task=image-to-video"])
+
+
+def attention_mask(frames: int) -> list[np.ndarray]:
+    """A mask per frame over the reference's pixels: a ramp across its width, darker each frame."""
+    ramp = np.linspace(0, 255, 48, dtype=np.float32)[None, :].repeat(40, axis=0)
+    return [(ramp * (1 - 0.15 * k)).astype(np.uint8) for k in range(frames)]
+
+
+def test_a_weighted_masked_slower_request_with_a_keyframe_matches_the_workflow(weighted, clip, photo):
+    """conditioning_attention_strength and motion_speed (model.options) and a mask per frame (request mask) with a
+    last-frame keyframe between the video's and the reference's tokens: the denoised video and audio latents equal
+    the blocks' (given the same values as conditioning_attention_strength, conditioning_attention_mask, motion_speed);
+    a rollout of that request replays with ratio exactly 1."""
+    from diffusers.pipelines.ltx2 import LTX2ReferenceCondition, LTX2VideoCondition
+
+    last = Image.open(photo)
+    mask = attention_mask(5)
+    request = weighted.request(PROMPT, seed=5, conditions=[{"image": last, "frame": -1}], mask=mask,
+                               references=[{"video": clip[1]}], steps=2)
+    ours = weighted.generate(request, decode=False)
+    state = workflow(weighted.components)(
+        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(5), output_type="latent",
+        output=["videos", "audio_latents"], conditions=[LTX2VideoCondition(frames=last, index=-1)],
+        reference_conditions=[LTX2ReferenceCondition(frames=clip[1])], conditioning_attention_strength=0.6,
+        conditioning_attention_mask=torch.from_numpy(np.stack(mask).astype(np.float32) / 255)[None, None],
+        motion_speed=0.5, **{**SIZE, "num_inference_steps": 2})
+    geometry = weighted.family.geometry(request, 1.0)
+    video = weighted.family.unpack("video", ours.latents["video"], geometry)
+    assert (video - state["videos"]).abs().max().item() <= TOL
+    assert (ours.latents["audio"] - state["audio_latents"]).abs().max().item() <= TOL
+    ro = weighted.rollout(PROMPT, group_size=1, seed=5, conditions=[{"image": last, "frame": -1}], mask=mask,
+                          references=[{"video": clip[1]}], steps=2,
+                          sampler={"kind": "sde", "window": {"kind": "fixed", "start": 0, "length": 1}})
+    replayed = weighted.log_prob(ro, grad=False).log_probs.cpu()
+    assert torch.equal((replayed - ro.log_probs).exp(), torch.ones_like(ro.log_probs))
+
+
+def test_the_cli_run_with_a_strength_a_speed_and_a_mask_image_matches_the_workflow(ltx25_dir, weighted, clip,
+                                                                                   tmp_path):
+    """--set the two options and --mask one image (for every frame of the reference): the video equals the blocks'
+    given that image repeated over the reference's frames."""
+    from diffusers.pipelines.ltx2 import LTX2ReferenceCondition
+
+    from omnispec.cli import main
+
+    picture = attention_mask(1)[0]
+    Image.fromarray(picture).save(tmp_path / "mask.png")
+    sets = [a for o in [*TINY, "model.options.conditioning_attention_strength=0.3", "model.options.motion_speed=2"]
+            for a in ("--set", o)]
+    assert main(["run", str(SPEC), "--source", str(ltx25_dir), *sets, "--prompt", PROMPT, "--seed", "2",
+                 "--reference-video", str(clip[0]), "--mask", str(tmp_path / "mask.png"), "--steps", "2",
+                 "--output", str(tmp_path / "clip.npy")]) == 0
+    out = workflow(weighted.components)(
+        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(2), output_type="np", output=["videos"],
+        reference_conditions=[LTX2ReferenceCondition(frames=clip[1])], conditioning_attention_strength=0.3,
+        conditioning_attention_mask=torch.from_numpy(picture.astype(np.float32) / 255)[None, None, None].repeat(
+            1, 1, 5, 1, 1), motion_speed=2.0, **{**SIZE, "num_inference_steps": 2})
+    assert np.abs(np.load(tmp_path / "clip.npy") - out["videos"]).max() <= TOL
+
+
 # ---- what cannot be used ----------------------------------------------------------------------------------------
 
 def test_a_reference_the_vae_cannot_encode_is_one_error_line(clip, tmp_path, capsys):
@@ -179,6 +247,41 @@ def test_a_reference_the_vae_cannot_encode_is_one_error_line(clip, tmp_path, cap
             "model.options.reference_downscale_factor", capsys=capsys)
     refused(base, "request.references", "reference videos", capsys=capsys)
     refused([*base, "--reference", str(clip[0])], "request.references.0", capsys=capsys)
+
+
+def test_options_and_masks_it_cannot_use_are_one_error_line(clip, tmp_path, capsys):
+    base = ["run", str(SPEC), *[a for o in TINY for a in ("--set", o)], "--prompt", "x", "--reference-video",
+            str(clip[0]), "--output", str(tmp_path / "o.mp4")]
+    for value in ("1.5", "-0.1", "true"):
+        refused([*base, "--set", f"model.options.conditioning_attention_strength={value}"],
+                "model.options.conditioning_attention_strength", "from 0", capsys=capsys)
+    for value in ("0", "-1", "1000"):
+        refused([*base, "--set", f"model.options.motion_speed={value}"], "model.options.motion_speed", capsys=capsys)
+    four = tmp_path / "four.png"  # 4 mask frames over a 5-frame reference (2 latent frames): 1 + n*1 holds
+    frames = [Image.fromarray(f) for f in attention_mask(4)]
+    frames[0].save(four, save_all=True, append_images=frames[1:])
+    Image.fromarray(attention_mask(1)[0]).save(tmp_path / "m.png")
+    refused([*base, "--mask", str(tmp_path / "m.png"), "--mask-blur", "2"], "request.mask_blur", capsys=capsys)
+    refused(["run", str(SPECS / "ltx2.5-t2v.yaml"), *[a for o in TINY for a in ("--set", o)], "--prompt", "x", "--mask",
+             str(tmp_path / "m.png"), "--output", str(tmp_path / "o.mp4")], "request.mask", "takes no mask",
+            capsys=capsys)
+    refused(["run", str(SPECS / "minimax-h3-ref2va.yaml"), "--prompt", "x", "--reference-video", str(clip[0]),
+             "--mask", str(tmp_path / "m.png"), "--output", str(tmp_path / "o.mp4")], "request.mask",
+            "reads no mask with its references", capsys=capsys)
+
+
+def test_a_mask_whose_frames_do_not_divide_the_reference_latent_frames_is_refused(clip):
+    from omnispec.runtime.families.ltx25 import LTX25InContextFamily
+    from omnispec.spec import load_spec
+    from omnispec.spec.request import resolve_request
+
+    spec = load_spec(SPEC, overrides=[*TINY, "recipe.defaults.frames=17"])
+    reference = [Image.fromarray(f).convert("RGB") for f in attention_mask(1)] * 17  # 5 latent frames (4k+1 grid)
+    request = resolve_request(spec, PROMPT, references=[{"video": reference}], mask=attention_mask(4))
+    with pytest.raises(SpecError, match=r"1 \+ n\*4 frames"):
+        LTX25InContextFamily.check_request(request, spec)
+    LTX25InContextFamily.check_request(resolve_request(spec, PROMPT, references=[{"video": reference}],
+                                                       mask=attention_mask(5)), spec)
 
 
 def test_without_a_reference_video_the_family_says_which_spec_runs_the_lora(pipe):

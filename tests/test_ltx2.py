@@ -198,17 +198,19 @@ def test_component_config_overrides_reach_the_loaded_module(ltx20_dir):
 
 
 def test_keyframe_conditions_at_the_first_and_last_frame_match_the_condition_pipeline(ltx2_dir, photo):
+    """At motion speed 0.5 (model.options.motion_speed): the video's and the last keyframe's positions are taken at
+    twice the frame rate, as the pipeline's motion_speed takes them."""
     from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2VideoCondition
 
     first = Image.open(photo)
     last = first.transpose(Image.Transpose.ROTATE_90)
     pipe = omnispec.build(SPECS / "ltx2-keyframes.yaml", source=str(ltx2_dir),
-                          overrides=[*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1])
+                          overrides=[*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1, "model.options.motion_speed=0.5"])
     ours = pipe("a robot dancing", seed=6, conditions=[{"image": first, "frame": 0}, {"image": last, "frame": -1}])
     video, audio = reference(LTX2ConditionPipeline, ltx2_dir)(
         conditions=[LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)],
         prompt="a robot dancing", height=32, width=32, num_frames=5, frame_rate=25.0, num_inference_steps=3,
-        max_sequence_length=16, generator=gen(6), output_type="np", return_dict=False, **GUIDED)
+        max_sequence_length=16, generator=gen(6), output_type="np", return_dict=False, motion_speed=0.5, **GUIDED)
     assert_same(ours, video, audio)
 
 

@@ -141,7 +141,7 @@ def resolve_request(
     images = _conditions(fields.pop("image", None), fields.pop("conditions", None))
     video = fields.pop("video", None)
     video = video_condition(video, "request.video") if video is not None else None
-    mask = _mask(fields.pop("mask", None), recipe.task in VIDEO_TASKS)
+    mask = _mask(fields.pop("mask", None), recipe.task.endswith("video"))
     references = read_references(fields.pop("references", None))
     if fields.get("sigmas") is not None:
         fields["steps"] = _steps_of_sigmas(spec, fields.get("sigmas"), fields.get("steps"))
@@ -340,9 +340,12 @@ def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
         if request.mask_blur is not None:
             return [Problem("request.mask_blur", "mask_blur blurs a mask, and the request has none")]
         return []
+    if task != "inpainting" and request.references and task.endswith("video"):
+        return _reference_mask_problems(request)
     if task != "inpainting":
         return [Problem("request.mask", f"recipe {spec.name!r} ({task}) takes no mask (an inpainting or a "
-                                        "video-to-video recipe does)")]
+                                        "video-to-video recipe does, or a video recipe with references whose family "
+                                        "weighs its attention to them by one)")]
     problems = []
     if request.images:
         image, held = pixel_size(request.images[0].image), pixel_size(mask.image)
@@ -355,6 +358,15 @@ def _mask_problems(spec: PipelineSpec, request: Request) -> list[Problem]:
                                                      "8-bit array) with diffusers' Gaussian blur; blur a float array "
                                                      "or tensor yourself"))
     return problems
+
+
+def _reference_mask_problems(request: Request) -> list[Problem]:
+    """A mask with a video's references weighs the attention between the video and each reference's pixels (the
+    family says whether it reads one); its values are used as given, so nothing blurs it."""
+    if request.mask_blur is not None:
+        return [Problem("request.mask_blur", "mask_blur is for inpainting masks: a mask over the references is used "
+                                             "as given")]
+    return []
 
 
 def _video_mask_problems(request: Request) -> list[Problem]:

@@ -22,6 +22,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.base import MAX_SIZE
 from ...spec.guidance import term_of
 from ...spec.images import pixel_size
+from ...spec.recipe import VIDEO_TASKS
 from ...spec.references import reference_kind
 from ...spec.request import Request
 from ...targets import Targets, TensorPlan
@@ -85,6 +86,9 @@ class Family:
     inpaints: ClassVar[bool] = False
     # Whether the family follows a request's video (and its mask): the task ``video-to-video``.
     takes_video: ClassVar[bool] = False
+    # Whether the family reads a mask given with its references (on a video task other than video-to-video) as the
+    # weight of the attention between the video and the references' pixels (LTX-2.5's IC-LoRA).
+    masks_references: ClassVar[bool] = False
     # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
     # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
     model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
@@ -170,6 +174,10 @@ class Family:
             if (kind := reference_kind(reference)) not in cls.reference_kinds:
                 raise SpecError.single(f"family {cls.name!r} takes {' and '.join(cls.reference_kinds)} references, "
                                        f"not a {kind}", f"request.references.{k}")
+        if (request.mask is not None and request.references and not cls.masks_references
+                and spec.recipe.task not in ("inpainting", *VIDEO_TASKS)):
+            raise SpecError.single(f"family {cls.name!r} reads no mask with its references (a mask over references "
+                                   "weighs an IC-LoRA's attention to them: ltx2.5-ic-lora)", "request.mask")
 
     @classmethod
     def checkpoint_pipelines(cls) -> tuple[str, ...]:

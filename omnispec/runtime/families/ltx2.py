@@ -27,6 +27,8 @@ from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 MODALITY = "audio_video"  # the pass that switches off the audio-to-video and video-to-audio cross-attention
 APPENDED_COORDS = "appended_coords"  # Conditioning.shared: positions of the tokens appended after the video's
+SELF_ATTENTION_MASK = "video_self_attention_mask"  # Conditioning.shared: (1, S, S) weights of the video tokens' pairs
+MAX_MOTION_SPEED = 100.0
 
 
 def ltx2_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan:
@@ -91,12 +93,19 @@ class LTX2Family(Family):
 
     # image_crf: the H.264 CRF the conditioning image is re-compressed with before encoding, as the model was
     # trained (None: the text encoder generation's default, 33 for Gemma 3; 0 skips it); use_cross_timestep:
-    # the audio/video cross-attention modulation takes the other stream's timestep (LTX2Pipeline's default).
-    options = {"image_crf": None, "use_cross_timestep": True}
+    # the audio/video cross-attention modulation takes the other stream's timestep (LTX2Pipeline's default);
+    # motion_speed: the video's positions are those of a video at fps / motion_speed (below 1, slower motion: 0.2 for
+    # a 5x slow-motion LoRA), while the output keeps its fps and the audio its length.
+    options = {"image_crf": None, "use_cross_timestep": True, "motion_speed": 1.0}
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
         super().check_spec(spec)
+        speed = spec.model.options.get("motion_speed", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed <= MAX_MOTION_SPEED:
+            raise SpecError.single(f"the motion speed is a number in (0, {MAX_MOTION_SPEED}] (the video's positions are "
+                                   f"those of its frame rate over it: 0.2 plays motion 5x slower), got {speed!r}",
+                                   "model.options.motion_speed")
         for i, phase in enumerate(spec.recipe.phases):
             for term in phase.guidance.terms:
                 if isinstance(term, SkipLayer) and (term.skip != "attention_scores" or term.blocks not in
@@ -140,6 +149,13 @@ class LTX2Family(Family):
         geometry = super().geometry(request, size_scale)
         geometry.fps = request.fps or 24
         return geometry
+
+    def conditioning_fps(self, geometry: Geometry) -> float:
+        """The frame rate the video's positions are taken at: the output's over ``model.options.motion_speed``, as
+        diffusers' ``conditioning_frame_rate`` gives it."""
+        from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
+
+        return conditioning_frame_rate(float(geometry.fps), float(self.settings["motion_speed"]))
 
     def latent_shape(self, geometry: Geometry) -> tuple[int, int, int]:
         h = self.helper
@@ -251,6 +267,9 @@ class LTX2Family(Family):
             video_coords = torch.cat([video_coords, cond.shared[APPENDED_COORDS].to(video_coords)], dim=2)
         f, h, w = self.latent_shape(geometry)
         stg_blocks, stg_mask = self._stg(perturbation, b, video)
+        attention_mask = cond.shared.get(SELF_ATTENTION_MASK)
+        if attention_mask is not None:  # the reference tokens' attention weights (ltx25_ic), the same for every row
+            attention_mask = attention_mask.to(video.device).expand(b, -1, -1)
         out_video, out_audio = denoiser(
             hidden_states=video, audio_hidden_states=audio,
             encoder_hidden_states=cond.batched["encoder_hidden_states"],
@@ -258,7 +277,8 @@ class LTX2Family(Family):
             timestep=video_t, audio_timestep=t, sigma=t,
             encoder_attention_mask=cond.batched["encoder_attention_mask"],
             audio_encoder_attention_mask=cond.batched["encoder_attention_mask"],
-            num_frames=f, height=h, width=w, fps=geometry.fps, audio_num_frames=self.audio_frames(geometry),
+            num_frames=f, height=h, width=w, fps=self.conditioning_fps(geometry),
+            audio_num_frames=self.audio_frames(geometry), video_self_attention_mask=attention_mask,
             video_coords=video_coords.expand(b, *video_coords.shape[1:]),
             audio_coords=audio_coords.expand(b, *audio_coords.shape[1:]),
             isolate_modalities=isinstance(perturbation, Modality),
@@ -287,7 +307,7 @@ class LTX2Family(Family):
         key = ("ltx2_coords", device)
         if key not in geometry.extra:
             f, h, w = self.latent_shape(geometry)
-            video = denoiser.rope.prepare_video_coords(1, f, h, w, device, fps=geometry.fps)
+            video = denoiser.rope.prepare_video_coords(1, f, h, w, device, fps=self.conditioning_fps(geometry))
             audio = denoiser.audio_rope.prepare_audio_coords(1, self.audio_frames(geometry), device)
             geometry.extra[key] = (video, audio)
         return geometry.extra[key]
@@ -379,7 +399,7 @@ class LTX2ConditionFamily(LTX2Family):
         throwaway = torch.Generator("cpu").manual_seed(0)  # the VAE's mode draws nothing; noise comes separately
         _, mask, clean, keyframe_coords = helper.prepare_latents(
             conditions, 1, helper.transformer.config.in_channels, geometry.height, geometry.width,
-            geometry.frames or 1, float(geometry.fps), 1.0, torch.float32, self.device, throwaway)
+            geometry.frames or 1, self.conditioning_fps(geometry), 1.0, torch.float32, self.device, throwaway)
         b = len(generators)
         shared = {} if keyframe_coords is None else {APPENDED_COORDS: keyframe_coords}
         return Conditioning({"clean": clean.repeat(b, 1, 1), "conditioning_mask": mask.squeeze(-1).repeat(b, 1)},

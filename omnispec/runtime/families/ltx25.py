@@ -13,12 +13,14 @@ import torch
 from diffusers.pipelines.ltx2 import LTX2InContextPipeline, LTX2ReferenceCondition
 from diffusers.video_processor import VideoProcessor
 
+from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.base import MAX_REFERENCES
 from ...spec.recipe import InitialInput
 from ...spec.references import reference_key
 from ...spec.request import Request
-from .ltx2 import APPENDED_COORDS, LTX2ConditionFamily, LTX2Family
+from ...spec.videos import VideoCondition
+from .ltx2 import APPENDED_COORDS, SELF_ATTENTION_MASK, LTX2ConditionFamily, LTX2Family
 from .types import Conditioning, Decoded, Geometry, Streams
 
 _GENERATORS = "ltx25_generators"  # geometry.extra: the request's generators, for the decoder's noise
@@ -88,18 +90,34 @@ class LTX25InContextFamily(LTX25ConditionFamily):
     in space by the factor into the output's coordinates; the factor must be the one the LoRA was trained with. The
     IC-LoRA itself is a LoRA slot (``--lora``). Images at frames work as in ``ltx25_condition``; a reference's frame
     rate and sound are not read (its frames take the output's rate). Noise is drawn over every token, as the blocks
-    draw it."""
+    draw it. How much the video's tokens and each reference's attend to each other is
+    ``model.options.conditioning_attention_strength`` times the request's mask (its grey values over the
+    reference's pixels, white 1), which the blocks give as a video self-attention mask; at strength 1 without a
+    mask attention is left unmasked, as the blocks leave it."""
 
     name = "ltx25_ic"
     max_references = MAX_REFERENCES
     reference_kinds = ("video",)
-    options = {**LTX25ConditionFamily.options, "reference_downscale_factor": 1}
+    masks_references = True
+    options = {**LTX25ConditionFamily.options, "reference_downscale_factor": 1, "conditioning_attention_strength": 1.0}
     _held_references: tuple | None = None  # the last request's encoded references, under their key
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
         super().check_spec(spec)
         cls.downscale_factor(spec)
+        cls.attention_strength(spec)
+
+    @classmethod
+    def attention_strength(cls, spec: PipelineSpec) -> float:
+        """``model.options.conditioning_attention_strength``, a number from 0 to 1."""
+        value = spec.model.options.get("conditioning_attention_strength",
+                                       cls.options["conditioning_attention_strength"])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise SpecError.single(f"the conditioning attention strength is a number from 0 (the video and the "
+                                   f"references ignore each other) to 1 (unmasked attention), got {value!r}",
+                                   "model.options.conditioning_attention_strength")
+        return float(value)
 
     @classmethod
     def downscale_factor(cls, spec: PipelineSpec) -> int:
@@ -129,6 +147,7 @@ class LTX25InContextFamily(LTX25ConditionFamily):
                     f"downscale factor {factor}, in multiples of {step}; use a multiple of {factor * step}",
                     f"request.{name}")
         constraints = spec.recipe.constraints
+        mask_frames = len(request.mask.frames) if isinstance(request.mask, VideoCondition) else 1
         for k, reference in enumerate(request.references):
             used = min(len(reference.frames), request.frames or len(reference.frames))
             if constraints.frames_problems(used):
@@ -137,6 +156,13 @@ class LTX25InContextFamily(LTX25ConditionFamily):
                     f"a reference video of {len(reference.frames)} frames gives {used} frames to encode, and the VAE "
                     f"encodes {grid} frames: trim it to such a length, or give at least the output's {request.frames}",
                     f"request.references.{k}")
+            latent = (used - 1) // constraints.frames_multiple_of + 1
+            if mask_frames > 1 and latent > 1 and (mask_frames - 1) % (latent - 1):
+                raise SpecError.single(
+                    f"a mask of {mask_frames} frames over reference {k}, whose {used} frames encode to {latent} latent "
+                    f"frames: the mask's first frame weighs the first latent frame and each later one the mean of an "
+                    f"equal share of the rest, so give one image (for every frame) or 1 + n*{latent - 1} frames, "
+                    f"e.g. {used}", "request.mask")
 
     @property
     def reference_helper(self) -> LTX2InContextPipeline:
@@ -147,29 +173,62 @@ class LTX25InContextFamily(LTX25ConditionFamily):
 
     def geometry(self, request: Request, size_scale: float) -> Geometry:
         geometry = super().geometry(request, size_scale)
-        tokens, coords = self._references(request, geometry)
+        tokens, coords, cross = self._references(request, geometry)
         geometry.extra["reference_tokens"], geometry.extra["reference_coords"] = tokens, coords
+        geometry.extra["reference_cross"] = cross
         return geometry
 
-    def _references(self, request: Request, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-        """The references' packed clean tokens (1, N, C) and their positions (1, 3, N, 2), as the blocks' reference
-        encoder makes them (the VAE's mode: no generator draw); the last request's are kept. A request
-        without references (``explain --estimate`` plans one; a run refuses it) has none: N is 0."""
+    def _references(self, request: Request, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """The references' packed clean tokens (1, N, C), their positions (1, 3, N, 2) and, where attention is
+        weighted, each reference's per-token weights (1, N_k), as the blocks' reference encoder makes them (the VAE's
+        mode: no generator draw); the last request's are kept. A request without references (``explain
+        --estimate`` plans one; a run refuses it) has none: N is 0."""
         if not request.references:
             channels = self.helper.transformer.config.in_channels
-            return torch.zeros(1, 0, channels, device=self.device), torch.zeros(1, 3, 0, 2, device=self.device)
-        factor = int(self.settings["reference_downscale_factor"])
+            return torch.zeros(1, 0, channels, device=self.device), torch.zeros(1, 3, 0, 2, device=self.device), None
+        factor, strength = int(self.settings["reference_downscale_factor"]), self.attention_strength(self.spec)
+        mask = request.mask.digest if request.mask is not None else None
         key = (tuple(reference_key(r) for r in request.references), geometry.height, geometry.width, geometry.frames,
-               geometry.fps, factor, self.device)
+               self.conditioning_fps(geometry), factor, strength, mask, self.device)
         held = self._held_references
         if held is None or held[0] != key:
-            conditions = [LTX2ReferenceCondition(frames=list(r.frames)) for r in request.references]
-            latents, coords, _, _ = self.reference_helper.prepare_reference_latents(
-                conditions, geometry.height, geometry.width, geometry.frames or 1, reference_downscale_factor=factor,
-                frame_rate=float(geometry.fps), dtype=torch.float32, device=self.device,
-                generator=torch.Generator("cpu").manual_seed(0))
-            self._held_references = held = (key, (latents, coords))
+            self._held_references = held = (key, self._encoded_references(request, geometry, factor, strength))
         return held[1]
+
+    def _encoded_references(self, request: Request, geometry: Geometry, factor: int, strength: float
+                            ) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """Each reference through ``LTX2InContextPipeline.prepare_reference_latents`` (which encodes references one
+        by one), with the request's mask over its frames: a mask image stands for every frame."""
+        helper, frames = self.reference_helper, geometry.frames or 1
+        parts = []
+        for reference in request.references:
+            used = min(len(reference.frames), frames)  # the frames the encoder keeps
+            parts.append(helper.prepare_reference_latents(
+                [LTX2ReferenceCondition(frames=list(reference.frames))], geometry.height, geometry.width, frames,
+                reference_downscale_factor=factor, frame_rate=self.conditioning_fps(geometry),
+                conditioning_attention_strength=strength,
+                conditioning_attention_mask=self._attention_mask(request, used), dtype=torch.float32,
+                device=self.device, generator=torch.Generator("cpu").manual_seed(0)))
+        cross = None if parts[0][3] is None else [p[3] for p in parts]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=2), cross
+
+    def _attention_mask(self, request: Request, count: int) -> torch.Tensor | None:
+        """The request's mask as the blocks take it, (1, 1, F, H, W) values in [0, 1]: its frames' grey values
+        (8-bit over 255, floats as given), one image repeated over the reference's ``count`` frames."""
+        if request.mask is None:
+            return None
+        frames = request.mask.frames if isinstance(request.mask, VideoCondition) else [request.mask.image]
+        planes = []
+        for frame in frames:
+            if isinstance(frame, torch.Tensor):
+                planes.append(frame.detach().float().cpu().reshape(frame.shape[-2:]))
+            else:
+                array = np.asarray(frame)
+                plane = torch.from_numpy(array.reshape(array.shape[:2]).astype(np.float32))
+                planes.append(plane / 255.0 if array.dtype == np.uint8 else plane)
+        if len(planes) == 1:
+            planes = planes * count
+        return torch.stack(planes)[None, None].to(self.device)
 
     def tokens(self, geometry: Geometry) -> int:
         return super().tokens(geometry) + geometry.extra["reference_tokens"].shape[1]
@@ -191,4 +250,10 @@ class LTX25InContextFamily(LTX25ConditionFamily):
                           torch.ones(b, tokens.shape[1]).to(frames.batched["conditioning_mask"])], dim=1)
         appended = frames.shared.get(APPENDED_COORDS)
         coords = coords if appended is None else torch.cat([appended, coords.to(appended)], dim=2)
-        return Conditioning({"clean": clean, "conditioning_mask": mask}, {**frames.shared, APPENDED_COORDS: coords})
+        shared = {**frames.shared, APPENDED_COORDS: coords}
+        cross = geometry.extra["reference_cross"]
+        if cross is not None:  # weighted attention: the blocks' mask over [video | keyframes | references]
+            shared[SELF_ATTENTION_MASK] = bridge.ltx2_video_self_attention_mask(
+                LTX2InContextPipeline, LTX2Family.tokens(self, geometry), frames.batched["clean"].shape[1], cross,
+                self.device)
+        return Conditioning({"clean": clean, "conditioning_mask": mask}, shared)

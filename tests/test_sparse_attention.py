@@ -82,10 +82,18 @@ def dense_video(wan_dir):
     return _wan(wan_dir)("a cat", seed=3).array
 
 
-def test_on_wan_the_sparse_steps_change_the_video_and_dense_only_steps_do_not(wan_dir, dense_video):
+@pytest.fixture(scope="module")
+def eager_sparse(wan_dir):
+    """The eager sparse run's explain text and output."""
     pipe = _wan(wan_dir, SPARSE)
-    assert "approximate: sliding_tile sparse attention on 2 self attention modules" in pipe.explain()
-    sparse = pipe("a cat", seed=3).array
+    return pipe.explain(), pipe("a cat", seed=3)
+
+
+def test_on_wan_the_sparse_steps_change_the_video_and_dense_only_steps_do_not(wan_dir, dense_video, eager_sparse):
+    explained, out = eager_sparse
+    assert "approximate: sliding_tile sparse attention on 2 self attention modules" in explained
+    assert "(FlexAttention; a hook on each attention module)" in explained
+    sparse = out.array
     assert sparse.shape == dense_video.shape and not np.array_equal(sparse, dense_video)
     a, b = sparse.ravel().astype(np.float64), dense_video.ravel().astype(np.float64)
     assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.5
@@ -119,13 +127,14 @@ def fresh_dynamo():
 SDE = {"kind": "sde", "multistep": "euler", "window": {"kind": "fixed", "start": 0, "length": 3}}
 
 
-def test_under_regional_compile_sparse_attention_is_the_eager_one_in_one_more_graph(wan_dir, fresh_dynamo):
+def test_under_regional_compile_sparse_attention_is_the_eager_one_in_one_more_graph(wan_dir, eager_sparse,
+                                                                                     fresh_dynamo):
     """One redirect around the denoiser's call, traced into the compiled blocks: the video is the eager sparse run's,
     and the blocks compile once for the dense steps and once for the sparse ones, however many steps follow."""
     from torch._dynamo.utils import counters
 
-    eager = _wan(wan_dir, SPARSE)("a cat", seed=3).latents["latents"]
-    counters.clear()  # eager FlexAttention runs through a graph of its own (torch's, backend eager)
+    eager = eager_sparse[1].latents["latents"]
+    counters.clear()  # where eager FlexAttention ran after the reset, it did through a graph of its own
     pipe = _wan(wan_dir, SPARSE, COMPILED)
     assert "compiled in, through one redirect around the denoiser's call" in pipe.explain()
     compiled = pipe("a cat", seed=3).latents["latents"]
@@ -167,6 +176,7 @@ def test_sparse_attention_is_not_refused_under_regional_compile_with_or_without_
     ("sd3.5-medium.yaml", [], "family 'sd3' has no video-only self-attention for sparse attention"),
     ("wan2.1-t2v-1.3b.yaml", ["policies.compile.mode=full"], "builds its layout .* outside the compiled code; use "
                                                                "compile mode regional"),
+    ("wan2.1-vace-1.3b.yaml", ["policies.compile.mode=regional"], "the VACE blocks' self-attention"),
     ("wan2.1-t2v-1.3b.yaml", ["policies.parallel.ulysses=2"], "sequence parallelism"),
     ("ltx2-t2v.yaml", [], "perturbs attention scores"),
 ])

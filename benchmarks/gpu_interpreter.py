@@ -9,7 +9,8 @@ same prompt, size and seed, with latents returned undecoded. Per-step time is th
 a long and a short run divided by the step difference, so prompt encoding and set-up cancel out. MFU
 is FLOPs per step (counted by torch's FlopCounterMode on one denoiser forward) over the measured
 bf16 matmul ceiling of this GPU. Rounds alternate between the two sides (``per_step_sides``); ``--also OVERRIDE``
-adds a third, omnispec with that override too over its own copy of the denoisers (an in-process A/B of a policy).
+adds a third, omnispec with that override too over its own copy of the denoisers (an in-process A/B of a policy),
+whose latents after the short run are compared with omnispec's (``latent_cosine (omnispec + ...)``).
 
 The workloads (``benchmarks/workloads.py``) cover every family with a diffusers pipeline (all but the embedded
 digits model, which has none); ``ltx2`` and ``ltx2_condition`` are timed by LTX-2's step comparison there, which
@@ -59,11 +60,13 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
                    output_type="latent", **w["diffusers_kwargs"])
 
     sides = {"diffusers": run_ref, "omnispec": run_ours}
+    others = {}  # the third side's pipeline by its label
     if also:
         denoisers = {k: copy.deepcopy(v) for k, v in mods.items() if k.startswith("transformer")}
         other = omnispec.build(harness.ROOT / "specs" / w["spec"], components={**mods, **denoisers},
                                device=harness.DEVICE,
                                overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides, *also])
+        others[f"omnispec + {' + '.join(also)}"] = other
         sides[f"omnispec + {' + '.join(also)}"] = functools.partial(run_ours, pipe=other)
 
     if w.get("inputs") == ("keyframes",):  # VACE: omnispec's conditions, diffusers' video and mask of them
@@ -100,12 +103,19 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
         b = (b.images if hasattr(b, "images") else b.frames)
         b = torch.from_numpy(b) if images else b
     cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+    # the third side's latents against omnispec's (the quality of an approximate policy against the same run without)
+    also_cos = {}
+    for label, other in others.items():
+        c = other.generate(resolve_request(other.spec, "a photo of a cat", 0, steps=lo, **w["request"]), decode=images)
+        c = torch.from_numpy(c.array) if images else c.latents[w.get("stream", "latents")]
+        also_cos[f"latent_cosine ({label})"] = torch.nn.functional.cosine_similarity(
+            c.float().flatten(), a.float().flatten(), dim=0).item()
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
            **{f"ratio ({label})": r["ms_per_step"] / results["diffusers"]["ms_per_step"]
               for label, r in results.items() if label not in ("diffusers", "omnispec")},
-           "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item()}
-    pipe = ref = mods = sides = None  # free the GPU memory before the next workload
+           "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item(), **also_cos}
+    pipe = ref = mods = sides = others = None  # free the GPU memory before the next workload
     harness.free_device_memory()
     return out
 
@@ -136,7 +146,8 @@ def table(rows: list[dict]) -> None:
               f"{r['ratio']:.3f} | {r['latent_cosine']:.5f} |")
         for label in (k for k in r if k.startswith("omnispec + ")):
             print(f"| {r['workload']}, {label[len('omnispec + '):]} | | | {r[label]['ms_per_step']:.1f} "
-                  f"({r[label]['mfu']:.0%}) | {r[f'ratio ({label})']:.3f} | |")
+                  f"({r[label]['mfu']:.0%}) | {r[f'ratio ({label})']:.3f} | "
+                  f"{r[f'latent_cosine ({label})']:.5f} against omnispec |")
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """``policies.attention.sparse``: the layouts against a plain mask, the policy on a tiny Wan (dense steps first, exact
-where the window covers the grid, rollouts replayed exactly) and its refusals."""
+where the window covers the grid, rollouts replayed exactly), eager and under regional compile, and its refusals."""
 
 from __future__ import annotations
 
@@ -82,10 +82,18 @@ def dense_video(wan_dir):
     return _wan(wan_dir)("a cat", seed=3).array
 
 
-def test_on_wan_the_sparse_steps_change_the_video_and_dense_only_steps_do_not(wan_dir, dense_video):
+@pytest.fixture(scope="module")
+def eager_sparse(wan_dir):
+    """The eager sparse run's explain text and output."""
     pipe = _wan(wan_dir, SPARSE)
-    assert "approximate: sliding_tile sparse attention on 2 self attention modules" in pipe.explain()
-    sparse = pipe("a cat", seed=3).array
+    return pipe.explain(), pipe("a cat", seed=3)
+
+
+def test_on_wan_the_sparse_steps_change_the_video_and_dense_only_steps_do_not(wan_dir, dense_video, eager_sparse):
+    explained, out = eager_sparse
+    assert "approximate: sliding_tile sparse attention on 2 self attention modules" in explained
+    assert "(FlexAttention; a hook on each attention module)" in explained
+    sparse = out.array
     assert sparse.shape == dense_video.shape and not np.array_equal(sparse, dense_video)
     a, b = sparse.ravel().astype(np.float64), dense_video.ravel().astype(np.float64)
     assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.5
@@ -104,21 +112,76 @@ def test_on_wan_rollouts_with_sparse_steps_replay_exactly(wan_dir):
     assert (ratio - 1).abs().max().item() <= 1e-5
 
 
+COMPILED = "policies.compile={mode: regional, backend: aot_eager}"  # the CPU's compile tests' backend
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before and after: graphs are counted from this test's compiles alone."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+SDE = {"kind": "sde", "multistep": "euler", "window": {"kind": "fixed", "start": 0, "length": 3}}
+
+
+def test_under_regional_compile_sparse_attention_is_the_eager_one_in_one_more_graph(wan_dir, eager_sparse,
+                                                                                     fresh_dynamo):
+    """One redirect around the denoiser's call, traced into the compiled blocks: the video is the eager sparse run's,
+    and the blocks compile once for the dense steps and once for the sparse ones, however many steps follow."""
+    from torch._dynamo.utils import counters
+
+    eager = eager_sparse[1].latents["latents"]
+    counters.clear()  # where eager FlexAttention ran after the reset, it did through a graph of its own
+    pipe = _wan(wan_dir, SPARSE, COMPILED)
+    assert "compiled in, through one redirect around the denoiser's call" in pipe.explain()
+    compiled = pipe("a cat", seed=3).latents["latents"]
+    assert torch.allclose(compiled, eager, atol=1e-6), (compiled - eager).abs().max()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2, dict(counters)  # the block's dense graph and its sparse one
+    pipe("a dog", seed=4, steps=6)  # three dense steps, three sparse: the same two graphs
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters)
+
+
+def test_under_regional_compile_the_dense_steps_are_dense_attention_and_replays_are_exact(wan_dir, fresh_dynamo):
+    """A compiled rollout's states (4 steps, the first half dense): the dense steps' are the dense run's, the first
+    sparse step's differ; the replay computes the rollout's log-probs."""
+    dense = _wan(wan_dir).rollout(["a cat"], seed=1, sampler=SDE)
+    pipe = _wan(wan_dir, SPARSE, COMPILED)
+    ro = pipe.rollout(["a cat"], seed=1, sampler=SDE)
+    got, want = ro.states["latents"], dense.states["latents"]
+    assert torch.allclose(got[:, :3], want[:, :3], atol=1e-6)  # the first input, then steps 0 and 1: dense
+    assert (got[:, 3] - want[:, 3]).abs().max() > 1e-4  # step 2: sparse
+    assert torch.equal(pipe.log_prob(ro, grad=False).log_probs.cpu(), ro.log_probs)
+
+
+def _checked(spec: str, overrides: list[str]) -> None:
+    """The spec's checks and the policies' checks against the family's targets, as a build makes them."""
+    from omnispec.policies.apply import check_policies
+    from omnispec.runtime.families import family_class
+    from omnispec.spec import load_spec
+
+    spec_obj = load_spec(SPECS / spec, overrides)
+    check_policies(spec_obj, family_class(spec_obj.model.family).targets, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_sparse_attention_is_not_refused_under_regional_compile_with_or_without_cuda_graphs(cudagraphs):
+    _checked("wan2.1-t2v-1.3b.yaml", [SPARSE, f"policies.compile={{mode: regional, cudagraphs: {str(cudagraphs).lower()}}}"])
+
+
 @pytest.mark.parametrize("spec, extra, message", [
     ("sd3.5-medium.yaml", [], "family 'sd3' has no video-only self-attention for sparse attention"),
-    ("wan2.1-t2v-1.3b.yaml", ["policies.compile.mode=regional"], "recompile every block; use compile none"),
+    ("wan2.1-t2v-1.3b.yaml", ["policies.compile.mode=full"], "outside the compiled code; use compile mode regional"),
+    ("wan2.1-vace-1.3b.yaml", ["policies.compile.mode=regional"], "the VACE blocks' self-attention"),
     ("wan2.1-t2v-1.3b.yaml", ["policies.parallel.ulysses=2"], "sequence parallelism"),
     ("ltx2-t2v.yaml", [], "perturbs attention scores"),
 ])
 def test_where_sparse_attention_cannot_run_it_is_refused_with_the_reason(spec, extra, message):
-    from omnispec.spec import load_spec
-
     with pytest.raises(SpecError, match=message):
-        spec_obj = load_spec(SPECS / spec, [SPARSE, *extra])
-        from omnispec.policies.apply import check_policies
-        from omnispec.runtime.families import family_class
-
-        check_policies(spec_obj, family_class(spec_obj.model.family).targets, torch.device("cpu"))
+        _checked(spec, [SPARSE, *extra])
 
 
 def test_explain_marks_sparse_attention_approximate_without_a_build():

@@ -31,7 +31,10 @@ class VideoLayout:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Attention of (batch, heads, tokens, head_dim) queries, keys and values under the layout."""
         q, k, v = (x.index_select(-2, self.order) for x in (q, k, v))
-        out = _flex(q.device.type)(q, k, v, block_mask=self.mask, scale=scale)
+        # inside compiled code (a compiled block the redirect is traced into) the compiler takes flex_attention as
+        # its operator and, under inductor, makes its fused kernel; elsewhere ``_flex`` decides
+        flex = flex_attention if torch.compiler.is_compiling() else _flex(q.device.type)
+        out = flex(q, k, v, block_mask=self.mask, scale=scale)
         return out.index_select(-2, self.restore)
 
 

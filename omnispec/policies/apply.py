@@ -87,6 +87,10 @@ def policy_problems(spec: PipelineSpec, targets: Targets, device: torch.device) 
                                     "forward); set this false or shard 1"))
     if p.attention.sparse is not None and targets.video_tokens is None:
         problems.append(Problem("policies.attention.sparse", targets.missing("video_tokens")))
+    elif p.attention.sparse is not None and p.compile.mode != "none" and targets.video_tokens.compiled_refusal:
+        problems.append(Problem("policies.attention.sparse", f"under policies.compile.mode {p.compile.mode!r} on "
+                                f"family {targets.family!r}: {targets.video_tokens.compiled_refusal}; use compile "
+                                "none"))
     for i, kernel in enumerate(p.kernels):
         if (refusal := KERNEL_POLICIES.implementation(kernel).refusal(kernel, targets)) is not None:
             problems.append(Problem(f"policies.kernels.{i}", refusal))

@@ -333,7 +333,8 @@ class AttentionPlan:
     training_notes: dict[str, str] = field(default_factory=dict)
 
 
-def _head_dim(module: torch.nn.Module, target: AttentionTarget) -> tuple[int, int]:
+def head_shape(module: torch.nn.Module, target: AttentionTarget) -> tuple[int, int]:
+    """An attention module's (heads, head size): the family's reading where it gives one, else diffusers' fields."""
     if target.head_shape is not None:
         return target.head_shape(module)
     heads = int(getattr(module, "heads", 1))
@@ -384,7 +385,7 @@ def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapp
             if hook_for is None:
                 continue
             if compiled:  # the spec rules let only flash4, named for every role, reach here
-                traced.add(_head_dim(modules[0][1], target)[1])
+                traced.add(head_shape(modules[0][1], target)[1])
                 plan.notes[role] += "; compiled in, through one redirect around the denoiser's call"
                 continue
             for _, module in modules:
@@ -407,7 +408,7 @@ def _plan_role(spec: PipelineSpec, target: AttentionTarget, role: str, denoiser:
     policy = spec.policies.attention
     key = target.role_key(role, policy.per_role)
     wanted = policy.per_role[key] if key else policy.default
-    heads, head_dim = _head_dim(module, target)
+    heads, head_dim = head_shape(module, target)
     compiled = spec.policies.compile.mode != "none"
     hook_for: Callable[[], ModelHook] | None = None
     if wanted == "auto" and (forced := auto_as_sdpa(spec)) is not None:

@@ -276,7 +276,9 @@ def _policy_problems(spec: PipelineSpec):
 
 def _sparse_problems(spec: PipelineSpec, perturbing: list[int]):
     """Where sparse video attention cannot run: it restricts the attention that guidance perturbs on its scores, the
-    tokens sequence parallelism splits, and its per-module hooks would recompile compiled blocks."""
+    tokens sequence parallelism splits, and a whole compiled denoiser call would build each call's layout inside the
+    compiled code (regional compile traces the layout's redirect into the blocks, which compile once for dense steps
+    and once for sparse ones)."""
     where = ("policies", "attention", "sparse")
     policies = spec.policies
     if perturbing:
@@ -285,9 +287,10 @@ def _sparse_problems(spec: PipelineSpec, perturbing: list[int]):
     if policies.parallel.sequence > 1:
         yield where, ("sequence parallelism (policies.parallel.ulysses, ring) splits the video's tokens over the "
                       "ranks, and the sparse mask is laid over the whole grid; use cfg or data parallelism")
-    if policies.compile.mode != "none":
-        yield where, (f"sparse attention puts hooks on the video's self-attention modules, which would make "
-                      f"policies.compile.mode {policies.compile.mode!r} recompile every block; use compile none")
+    if policies.compile.mode == "full":
+        yield where, ("policies.compile.mode 'full' compiles the denoiser's whole call, where sparse attention reads "
+                      "each call's token grid and builds its layout (a block mask) outside the compiled code; use "
+                      "compile mode regional, which compiles the blocks and traces the layout into them")
 
 
 def _denoiser_quantized(spec: PipelineSpec) -> str | None:

@@ -44,6 +44,9 @@ class WanVACEFamily(WanFamily):
         parallel=ParallelTarget(
             sequence_refusal="WanVACETransformer3DModel has no context-parallel plan in diffusers 0.42",
             tensor_refusal="no tensor-parallel plan is written for the VACE blocks yet"),
+        video_tokens=replace(WanFamily.targets.video_tokens, compiled_refusal=(
+            "the VACE blocks' self-attention attends over the video's tokens at the main blocks' head size, and the "
+            "compiled redirect cannot tell their calls from the main blocks' (eager, they stay dense)")),
         # the VACE hints are added between the main blocks, outside what the block hooks skip or reuse
         cache_limits={kind: "not checked against the VACE hints added between the blocks; use step_mask"
                       for kind in ("first_block", "magcache", "taylorseer")},

@@ -8,8 +8,9 @@ log-probs a replay with gradients must reproduce bit for bit), runs the rule of 
 torch's dispatcher would be free to send to cuDNN attention runs with cuDNN attention off (``GradientSafeSDPA``):
 flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
 are the ones torch trains with everywhere; cuDNN attention's backward can fail with a sticky CUDA error that no
-fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``. ``sage``'s forward is quantized and its backward exact
-attention's at the same inputs (``kernels.sage``), so a rollout and its replays with gradients share its forward."""
+fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``.
+``sage``'s forward is quantized and its backward exact attention's at the same inputs (``kernels.sage``), so a rollout
+and its replays with gradients share its forward."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def test_sage_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
     cuda = torch.device("cuda")
     assert "not installed" in usable("sage", cuda, torch.bfloat16, 128)  # its package is absent here
     monkeypatch.setattr(sage.importlib.util, "find_spec", lambda name: object())
-    assert "float16 or bfloat16, not float32" in sage.refusal(cuda, torch.float32, 128)
+    assert "on float16 or bfloat16 inputs, not float32" in sage.refusal(cuda, torch.float32, 128)
     assert "head sizes 64, 96, 128, not 80" in sage.refusal(cuda, torch.bfloat16, 80)
     assert sage.refusal(cuda, torch.bfloat16, 128) is None
     assert "not on mps" in sage.refusal(torch.device("mps"), torch.float16, 64)
@@ -116,3 +116,26 @@ def test_explain_says_sage_is_approximate_and_what_its_backward_is(capsys):
     trained = out["attention_with_gradients"]["default"]
     assert "backward is exact attention's at the same q, k and v (straight-through)" in trained
     assert "never cuDNN's" in trained
+
+
+def test_the_cuda_kernel_gets_k_smoothed_here_and_leaves_the_callers_k_as_it_was(monkeypatch):
+    """sageattention smooths K in place where K is contiguous in its dtype; omnispec hands it a smoothed copy and
+    turns its own smoothing off, so a K that autograd saved stays as it was."""
+    import sys
+    import types
+
+    seen = {}
+
+    def fake_sageattn(q, k, v, tensor_layout, is_causal, smooth_k=True, **kwargs):
+        seen.update(smooth_k=smooth_k, k=k.clone(), layout=tensor_layout)
+        if smooth_k:
+            k -= k.mean(dim=-2, keepdim=True)
+        return sage.sage_reference(q, k, v, scale=kwargs.get("sm_scale"))
+
+    monkeypatch.setitem(sys.modules, "sageattention", types.SimpleNamespace(sageattn=fake_sageattn))
+    q, k, v = _inputs((1, 2, 64, 16))
+    k = k + 3.0
+    before = k.clone()
+    sage._gpu_kernel(q, k, v, None)
+    assert torch.equal(k, before) and seen["smooth_k"] is False and seen["layout"] == "HND"
+    assert torch.allclose(seen["k"].mean(dim=-2), torch.zeros(1, 2, 16), atol=1e-5)

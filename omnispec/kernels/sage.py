@@ -45,7 +45,7 @@ FP8_MAX = 448.0
 BACKWARD_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Scores computed at once by the reference (query rows times key tokens, over batch and heads): bounds its memory.
 _SCORES_AT_ONCE = 1 << 24
-# Head sizes and dtypes ``sageattn`` (sageattention 1.0.6) has kernels for.
+# Head sizes ``sageattn`` (sageattention 1.0.6) has kernels for, and the dtypes omnispec hands it.
 GPU_HEAD_SIZES = (64, 96, 128)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -74,8 +74,7 @@ def sage_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if pv not in ("input", "fp8"):
         raise ValueError(f"pv must be 'input' or 'fp8', got {pv!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k_smooth = k.float() - k.float().mean(dim=-2, keepdim=True)
-    k_values, k_scales = quantize_blocks(k_smooth, BLOCK_K)
+    k_values, k_scales = quantize_blocks(smoothed(k), BLOCK_K)
     k_t, k_scales_t = k_values.transpose(-2, -1), k_scales.transpose(-2, -1)
     v_scales = v.float().abs().amax(dim=-2, keepdim=True).clamp_min(1e-12) / FP8_MAX if pv == "fp8" else None
     v_used = _fp8(v.float() / v_scales) if v_scales is not None else v.float()
@@ -94,11 +93,18 @@ def sage_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return torch.cat(out, dim=-2).to(q.dtype)
 
 
+def smoothed(k: torch.Tensor) -> torch.Tensor:
+    """K less its mean over tokens (in float32), in K's dtype: a new tensor, K itself untouched."""
+    return (k.float() - k.float().mean(dim=-2, keepdim=True)).to(k.dtype)
+
+
 def _gpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``sageattn`` on K smoothed here: its own smoothing subtracts the mean from K in place where K is contiguous in
+    its dtype, which would change the caller's tensor (one autograd may have saved)."""
     from sageattention import sageattn
 
     kwargs = {"sm_scale": scale} if scale is not None else {}
-    return sageattn(q, k, v, tensor_layout="HND", is_causal=False, smooth_k=True, **kwargs)
+    return sageattn(q, smoothed(k), v, tensor_layout="HND", is_causal=False, smooth_k=False, **kwargs)
 
 
 def forward_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
@@ -116,7 +122,8 @@ def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | No
         return ("sageattention is not installed (pip install sageattention); on CUDA omnispec does not run its "
                 "plain-torch reference, which holds the whole score matrix of a query block")
     if dtype not in GPU_DTYPES:
-        return f"sageattention's kernels take float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+        return (f"omnispec runs sageattention on float16 or bfloat16 inputs, not {str(dtype).removeprefix('torch.')} "
+                "(its kernels would compute them in float16)")
     if head_dim not in GPU_HEAD_SIZES:
         return f"sageattention's kernels take head sizes {', '.join(map(str, GPU_HEAD_SIZES))}, not {head_dim}"
     return None

@@ -42,6 +42,7 @@ SMOKES = [
     ("gpu_gemm_epilogue", [], 1),
     ("gpu_attention_kernels", [], 1),
     ("gpu_sparse_attention", [], 1),
+    ("gpu_sage_attention", [], 1),
     ("gpu_gemm_kernels", [], 1),
     ("gpu_joint_gemm", [], 1),
     # the whole block and one LoRA linear: every code path; the feed-forward as policies.mlp.fused_gelu makes it

@@ -86,7 +86,7 @@ def test_a_kernel_probe_keeps_torchs_warnings_for_its_reason(monkeypatch):
 
 
 def test_unusable_backend_falls_back_when_allowed(flux_dir, plain_flux):
-    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention={default: sage, allow_fallback: true}")
+    pipe, out = run(flux_dir, "flux1-dev.yaml", "flux", "policies.attention={default: flash4, allow_fallback: true}")
     assert np.abs(out - plain_flux).max() <= 1e-6
     assert "fallback" in pipe.explain(as_dict=True)["attention"]["joint"]
 

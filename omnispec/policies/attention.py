@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from ..bridge import remove_hook
 from ..kernels.sdpa import may_train, remember_failure, safe_sdpa
 from ..spec import PipelineSpec, SpecError
-from ..spec.attention_plan import SAFE_SDPA, auto_as_sdpa, training_backend
+from ..spec.attention_plan import SAFE_SDPA, approximation, auto_as_sdpa, training_backend
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
 from ..targets import AttentionTarget
@@ -444,7 +444,7 @@ def _plan_role(spec: PipelineSpec, target: AttentionTarget, role: str, denoiser:
         elif wanted == "sdpa":
             plain, note = wanted, "sdpa: torch's dispatcher picks the kernel"
         else:
-            plain, note = wanted, f"{wanted} (explicit, checked by a test call on {device})"
+            plain, note = wanted, f"{wanted} (explicit, {approximation(wanted)}checked by a test call on {device})"
         trained = plain
         if plain != "sdpa":
             hook_for = lambda: FixedBackendHook(role, plain, heads, head_dim)

@@ -8,7 +8,9 @@ log-probs a replay with gradients must reproduce bit for bit), runs the rule of 
 torch's dispatcher would be free to send to cuDNN attention runs with cuDNN attention off (``GradientSafeSDPA``):
 flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
 are the ones torch trains with everywhere; cuDNN attention's backward can fail with a sticky CUDA error that no
-fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``."""
+fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``.
+``sage``'s forward is quantized and its backward exact attention's at the same inputs (``kernels.sage``), so a rollout
+and its replays with gradients share its forward."""
 
 from __future__ import annotations
 
@@ -89,10 +91,11 @@ def _xformers_attention(q, k, v, scale):
 
 
 def _sage_attention(q, k, v, scale):
-    from sageattention import sageattn
+    """Sage-style int8 attention (``kernels/sage.py``): ``sageattn`` on CUDA, omnispec's plain-torch reference on the
+    CPU; where gradients flow, its backward is exact attention's at the same q, k and v."""
+    from ..kernels.sage import sage_attention
 
-    kwargs = {"sm_scale": scale} if scale is not None else {}
-    return sageattn(q, k, v, tensor_layout="HND", is_causal=False, **kwargs)
+    return sage_attention(q, k, v, scale)
 
 
 def _flash4_attention(q, k, v, scale):
@@ -147,13 +150,18 @@ def backend_context(backend: str) -> Iterator[None]:
 
 # ---- detection ------------------------------------------------------------------------------------
 
-# The replacement kernels' packages: backend -> (module to import, package name, runs only on CUDA).
-_PACKAGES = {"xformers": ("xformers.ops", "xformers", False), "sage": ("sageattention", "sageattention", True),
-             "flash4": ("flash_attn.cute", "flash-attn-4", True)}
+# The replacement kernels' packages: backend -> (module to import, package name, runs only on CUDA). ``sage`` runs on
+# the CPU too (its plain-torch reference) and says where it cannot run itself (``kernels.sage.refusal``).
+_PACKAGES = {"xformers": ("xformers.ops", "xformers", False), "flash4": ("flash_attn.cute", "flash-attn-4", True)}
 
 
 def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when the backend runs here for this dtype and head size, else the reason it does not."""
+    if backend == "sage":
+        from ..kernels.sage import refusal
+
+        if (why := refusal(device, dtype, head_dim)) is not None:
+            return why
     if backend in _PACKAGES:
         module, package, cuda_only = _PACKAGES[backend]
         try:

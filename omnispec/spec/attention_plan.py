@@ -30,6 +30,17 @@ def auto_as_sdpa(spec: PipelineSpec) -> str | None:
 
 
 ALSO = "; rollouts and their replays run it too, so a replay computes its rollout's forward"
+# What ``sage`` computes, and what its backward is (``kernels/sage.py``).
+SAGE_FORWARD = ("approximate: Q and K (K less its mean over tokens) quantized to int8 per block of tokens, softmax in "
+                "float32, P·V in the input's dtype; sageattention's kernel on CUDA, omnispec's plain-torch reference "
+                "on the CPU; calls with a mask, causal or with dropout run on sdpa")
+SAGE_BACKWARD = ("its backward is exact attention's at the same q, k and v (straight-through), on torch's flash or "
+                 "memory-efficient attention, never cuDNN's")
+
+
+def approximation(backend: str) -> str:
+    """What an approximate backend computes, as a clause ending in "; " (nothing for an exact one)."""
+    return f"{SAGE_FORWARD}; " if backend == "sage" else ""
 
 
 def training_backend(backend: str, compiled: bool) -> str:
@@ -38,6 +49,9 @@ def training_backend(backend: str, compiled: bool) -> str:
         return SAFE_SDPA + ALSO
     if backend in SAFE_NAMED:
         return f"{backend} (named; its backward is torch's own){ALSO}"
+    if backend == "sage":
+        return (f"sage (named; {SAGE_FORWARD}; {SAGE_BACKWARD}), each call shape first checked by a trial forward and "
+                f"backward; a shape that fails it runs on sdpa with cuDNN attention off{ALSO}")
     if backend == "flash4" and compiled:
         return ("flash4 (its operators run a call shape FA4 refuses, forward or backward, on sdpa with cuDNN "
                 f"attention off){ALSO}")
@@ -64,7 +78,7 @@ def planned_attention(spec: PipelineSpec) -> tuple[dict[str, str], dict[str, str
             trained = ("auto over the backends whose trial forward and backward pass, timed that way per shape on "
                        f"first use (sdpa_cudnn left out; sdpa is {SAFE_SDPA}){ALSO}")
         else:
-            plain = f"{backend} ({source}; checked by a test call at build"
+            plain = f"{backend} ({source}; {approximation(backend)}checked by a test call at build"
             plain += ", falls back to sdpa if unusable)" if policy.allow_fallback else ")"
             trained = training_backend(backend, compiled)
         plain_notes[role], training_notes[role] = plain, trained

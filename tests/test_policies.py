@@ -947,3 +947,33 @@ def test_fused_gelu_runs_under_a_block_cache_as_the_cache_alone(flux_dir):
 def test_fused_gelu_is_refused_where_the_denoiser_has_no_tanh_gelu(z_image_dir):
     with pytest.raises(SpecError, match=r"policies.mlp.fused_gelu: transformer has no tanh-GELU feed-forward"):
         run(z_image_dir, "z-image-turbo.yaml", "z_image", "policies.mlp.fused_gelu=true")
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_a_mix_of_request_shapes_keeps_a_bounded_number_of_block_graphs(dynamic):
+    """A server's or a trainer's mix of requests under regional compile: batch sizes, generation, rollouts and
+    replays with gradients. With ``dynamic: false`` every batch size is a graph of each block's code of its own, and
+    a mix of more shapes than dynamo's recompile limit stops a fullgraph block (``FailOnRecompileLimitHit``, the
+    H100 soak's failure, BENCHMARKS.md, "Soak"); the default, torch's automatic dynamic shapes, makes a size that
+    changes symbolic, so more batch sizes add no graph."""
+    from peft import LoraConfig
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = omnispec.build(SPECS / "digits.yaml", overrides=[
+        "runtime.progress=false", "recipe.defaults.steps=2", "policies.compile={mode: regional, backend: eager}",
+        *([] if dynamic is None else [f"policies.compile.dynamic={str(dynamic).lower()}"])])
+    torch.manual_seed(0)
+    pipe.components["transformer"].add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]))
+    graphs = []
+    for batch in (1, 2, 3, 4, 5):
+        pipe(["seven"] * batch, seed=0)
+        ro = pipe.rollout(["two"] * batch, group_size=1, seed=0, sampler={"kind": "sde", "noise_level": 0.7})
+        pipe.log_prob(ro, grad=True)
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    if dynamic is None:
+        assert graphs[-1] == graphs[2], f"graphs after each batch size: {graphs}"
+    else:  # the case the default is for: a graph per batch size
+        assert graphs[-1] > graphs[2], f"graphs after each batch size: {graphs}"

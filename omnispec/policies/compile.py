@@ -100,7 +100,8 @@ def apply_compile(spec: PipelineSpec, blocks: BlocksTarget, components: dict[str
         rows = policy.rows_read_once
         options += f", norms read once up to {rows} elements" if rows else ", inductor's own norm kernels"
     decoders = _compile_vae_decoders(spec, components, policy) if policy.vae else ""
-    return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {policy.dynamic}{options})"
+    dynamic = "automatic" if policy.dynamic is None else policy.dynamic
+    return (f"{policy.mode} (backend {policy.backend}, fullgraph {policy.fullgraph}, dynamic {dynamic}{options})"
             + decoders)
 
 

@@ -224,7 +224,12 @@ class CompilePolicy(SpecModel):
     backend: str = Field(default="inductor", pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$", description=(
         "torch.compile's backend by its registered name (torch.compiler.list_backends); checked against torch's "
         "registry before any weight loads."))
-    dynamic: bool = False
+    dynamic: bool | None = Field(default=None, description=(
+        "torch.compile's dynamic: null, torch's automatic dynamic shapes (a graph compiles for its first call's "
+        "shapes; a size that then changes, such as a batch, token or frame count, makes the next graph symbolic in "
+        "it, so a mix of request sizes keeps a bounded number of graphs per block); false: a graph per distinct "
+        "shape, which a mix of more shapes than dynamo's recompile limit (raised to 64 per block) refuses under "
+        "fullgraph; true: symbolic sizes from the first call."))
     fullgraph: bool = True
     cudagraphs: bool = Field(default=False, description=(
         "Record the compiled code's kernels as CUDA graphs on its first calls and replay them after (torch.compile's "

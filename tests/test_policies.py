@@ -954,8 +954,8 @@ def test_a_mix_of_request_shapes_keeps_a_bounded_number_of_block_graphs(dynamic)
     """A server's or a trainer's mix of requests under regional compile: batch sizes, generation, rollouts and
     replays with gradients. With ``dynamic: false`` every batch size is a graph of each block's code of its own, and
     a mix of more shapes than dynamo's recompile limit stops a fullgraph block (``FailOnRecompileLimitHit``, the
-    H100 soak's failure, BENCHMARKS.md, "Soak"); the default, torch's automatic dynamic shapes, makes a size that
-    changes symbolic, so more batch sizes add no graph."""
+    H100 soak's failure, BENCHMARKS.md, "GPU soak under regional compile"); the default, torch's automatic
+    dynamic shapes, makes a size that changes symbolic, so more batch sizes add no graph."""
     from peft import LoraConfig
     from torch._dynamo.utils import counters
 

@@ -13,7 +13,7 @@ from .log import progress_bars_disabled
 from .records.outputs import check_output_path
 from .spec import Problem, SpecError, load_spec
 from .spec.base import DEVICE_PATTERN
-from .spec.errors import printable
+from .spec.errors import printable, shortened
 from .spec.files import path_kind, user_path
 from .spec.hub import is_hub_id, offline_unless_needed
 from .spec.request import request_fields, resolve_request
@@ -146,7 +146,8 @@ def lora_problems(loras: list[dict[str, Any]]) -> list[Problem]:
     for slot in loras:
         path = str(slot["path"])
         if path_kind(user_path(path)) is None and not is_hub_id(path):
-            problems.append(Problem("--lora", f"{path}: no such file or folder, and not a Hub id (owner/name)"))
+            problems.append(Problem("--lora", f"{shortened(path)}: no such file or folder, and not a Hub id "
+                                              "(owner/name)"))
     return problems
 
 

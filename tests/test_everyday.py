@@ -60,9 +60,47 @@ def test_a_folder_given_as_output_is_told_as_a_folder(tmp_path, capsys):
             f"--output: {tmp_path} is a directory; give a file name in it, such as {tmp_path / 'out.png'}", capsys=capsys)
 
 
-def test_explaining_a_missing_output_names_the_file_not_the_bundled_specs(tmp_path, capsys):
-    err = refused(["explain", str(tmp_path / "car.png")], "no such file", capsys=capsys)
-    assert "bundled specs" not in err
+def test_explaining_a_missing_output_names_the_file_and_the_nearest_output_not_every_bundled_spec(tmp_path, capsys):
+    (tmp_path / "cat.png").write_bytes(b"")
+    near = f"did you mean {str(tmp_path / 'cat.png')!r}?"
+    err = refused(["explain", str(tmp_path / "car.png")], "no such file", near, "omnispec list", capsys=capsys)
+    assert "flux1-dev" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_misspelt_spec_name_is_one_line_with_the_nearest_names_and_a_pointer_to_list(capsys):
+    err = refused(["explain", "fluxx"], "error: no such spec file 'fluxx' and no bundled spec named 'fluxx'; did you "
+                  "mean 'flux", "(omnispec list names the bundled specs)", capsys=capsys)
+    assert "qwen-image" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_misspelt_spec_file_names_the_spec_file_beside_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mine.yaml").write_text(f"extends: {DIGITS}\n")
+    monkeypatch.chdir(tmp_path)
+    refused(["validate", "mine.yml"], "no such spec file 'mine.yml'", "did you mean 'mine.yaml'?", capsys=capsys)
+
+
+HUGE = 120_000  # characters: a value pasted by mistake, a file read into an argument
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", DIGITS, "--set", f"runtime.seed={'x' * HUGE}"],  # pydantic's error quotes the value
+    ["validate", DIGITS, "--set", f"runtime.{'k' * HUGE}=1"],  # an unknown key, in the path and in the message
+    ["validate", DIGITS, "--set", f"policies.cache.kind={'k' * HUGE}"],  # an unknown variant
+    ["explain", "f" * HUGE],  # a spec name the OS refuses as a file name
+    ["explain", "f" * 200],  # a spec name that is no file and no bundled spec
+], ids=["value", "key", "variant", "file", "name"])
+def test_an_error_line_shortens_a_long_value_and_says_how_long_it_was(argv, capsys):
+    err = refused(argv, "characters)", capsys=capsys)
+    assert len(err) < 600 and len(err.splitlines()) == 1, err[:2000]
+
+
+def test_an_argument_errors_line_shortens_the_long_value_it_quotes(capsys):
+    from omnispec.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "digits", "--prompt", "seven", "--steps", "9" * HUGE + "x"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err) < 200 and err.strip().endswith("... (120,001 characters)'"), err[:2000]
 
 
 def test_the_estimate_names_the_specs_source_when_no_source_was_given(tmp_path, capsys):

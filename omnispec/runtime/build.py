@@ -26,7 +26,7 @@ from ..spec.checkpoint import (
     read_configs,
     unresolved,
 )
-from ..spec.errors import Problem
+from ..spec.errors import Problem, quoted
 from ..spec.explain import describe_weights
 from ..spec.files import path_kind, read_json_file, user_path
 from ..spec.model import BUILTIN_FAMILIES
@@ -135,9 +135,9 @@ def _check_arguments(spec_or_path: Any, source: Any, overrides: Any, components:
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise SpecTypeError.single(f"expected a checkpoint directory or Hub id, got {type(source).__name__}", "source")
     if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Iterable):
-        raise SpecTypeError.single(f"expected a list of 'key=value' strings, got {type(overrides).__name__}"
-                                   + (f" {overrides!r} (wrap one override in a list)" if isinstance(overrides, str)
-                                      else ""), "overrides")
+        wrap = f" {quoted(overrides)} (wrap one override in a list)" if isinstance(overrides, str) else ""
+        raise SpecTypeError.single(f"expected a list of 'key=value' strings, got {type(overrides).__name__}{wrap}",
+                                   "overrides")
     overrides = list(overrides)
     for i, item in enumerate(overrides):
         if not isinstance(item, str):

@@ -103,6 +103,12 @@ def test_an_argument_errors_line_shortens_the_long_value_it_quotes(capsys):
     assert exited.value.code == 2 and len(err) < 200 and err.strip().endswith("... (120,001 characters)'"), err[:2000]
 
 
+def test_a_device_that_is_not_here_is_told_before_diffusers_is_imported(tmp_path):
+    code, modules = imports_after(["run", "digits", "--prompt", "seven", "--device", "cuda:9", "--output", "x.png"],
+                                  tmp_path)
+    assert code == 2 and "diffusers" not in modules and "transformers" not in modules, modules
+
+
 def test_the_estimate_names_the_specs_source_when_no_source_was_given(tmp_path, capsys):
     err = refused(["explain", DIGITS, "--estimate", "--set", f"model.source={tmp_path / 'nowhere'}"],
                   "model.source:", capsys=capsys)

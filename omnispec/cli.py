@@ -332,16 +332,20 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from .log import main_process
+
+    speaks = main_process()  # under torchrun every rank reads the same specs: rank 0 says what it found
     failed = False
     for path in args.specs:
         try:
             spec = load_spec(path, args.overrides, trust_code=args.trust_code, overrides_from="--set")
         except SpecError as exc:
             failed = True
-            for problem in exc.problems:
+            for problem in exc.problems if speaks else ():
                 print(printable(f"error: {problem}"), file=sys.stderr)
             continue
-        print(f"{Path(path)}: ok ({spec.name}, {len(spec.recipe.phases)} phase(s))")
+        if speaks:
+            print(f"{Path(path)}: ok ({spec.name}, {len(spec.recipe.phases)} phase(s))")
     return 2 if failed else 0
 
 

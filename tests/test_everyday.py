@@ -154,6 +154,19 @@ def test_a_local_run_makes_no_hub_request_at_any_verbosity(tmp_path):
     assert "Traceback" not in out.stderr and "huggingface.co" not in out.stderr, out.stderr[-3000:]
 
 
+def test_a_mistake_under_torchrun_is_one_error_line_and_exit_2_from_each_rank(tmp_path):
+    """torchrun then adds its own report (a traceback of torchrun and a table of the ranks' exit codes) and exits 1:
+    docs/cli.md shows it. omnispec's part is one line, from rank 0, and exit code 2 on every rank that got so far."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "omnispec", "validate", "nosuch.yaml"], capture_output=True, text=True, cwd=tmp_path,
+                         env=cpu_env(OMP_NUM_THREADS="1"), timeout=120)
+    lines = (out.stdout + out.stderr).splitlines()
+    assert [line for line in lines if line.startswith("error:")] == [(
+        "error: no such spec file 'nosuch.yaml' and no bundled spec named 'nosuch.yaml' (omnispec list names the "
+        "bundled specs)")], out.stderr
+    assert "exitcode  : 2" in out.stderr and out.returncode == 1, out.stderr
+
+
 def test_cpu_threads_follow_the_free_cores(monkeypatch):
     import torch
 

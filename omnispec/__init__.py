@@ -63,13 +63,38 @@ def build(
     ``diffusers``, ``transformers`` and ``omnispec``. Everything that can be checked without weights is checked
     before the first weight loads; see ``omnispec.runtime.build``.
     """
-    from .rl.pipeline import RLPipeline
-    from .runtime import build as _build
+    from .spec.hub import offline_while_local
 
-    pipe = _build(spec_or_path, source, overrides, device, components=components, process_group=process_group,
-                  trust_code=trust_code, pipeline_class=RLPipeline)
+    if isinstance(overrides, Iterable) and not isinstance(overrides, (str, bytes)):
+        overrides = list(overrides)  # read twice: here and by the runtime
+    local_source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    # a spec that needs nothing from the Hub builds offline, as the CLI runs it: the libraries imported and used on
+    # the way ask the Hub nothing (an agent registry, a kernel's publisher)
+    with offline_while_local(_spec_to_run(spec_or_path, overrides, trust_code), local_source):
+        from .rl.pipeline import RLPipeline
+        from .runtime import build as _build
+
+        pipe = _build(spec_or_path, source, overrides, device, components=components, process_group=process_group,
+                      trust_code=trust_code, pipeline_class=RLPipeline)
     assert isinstance(pipe, RLPipeline)
     return pipe
+
+
+def _spec_to_run(spec_or_path: Any, overrides: Any, trust_code: Any) -> PipelineSpec | None:
+    """The spec ``build`` runs, read before the runtime is imported; None where it cannot be read (``build`` then
+    says why, naming the argument)."""
+    if isinstance(spec_or_path, PipelineSpec) and not overrides:
+        return spec_or_path
+    try:
+        if isinstance(spec_or_path, PipelineSpec):
+            import yaml
+
+            spec_or_path = yaml.safe_load(dump_spec(spec_or_path))
+        elif isinstance(spec_or_path, os.PathLike):
+            spec_or_path = os.fspath(spec_or_path)
+        return load_spec(spec_or_path, overrides, trust_code=trust_code is True)
+    except (SpecError, TypeError):
+        return None
 
 
 def replay(output: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None,

@@ -17,9 +17,10 @@ from typing import NoReturn
 
 from .spec import SpecError, explain_spec, json_schema, load_spec, render_explain
 from .spec.base import MAX_LORA_SCALE
-from .spec.catalog import bundled_path
-from .spec.errors import LaunchError, printable
+from .spec.catalog import LIST_HINT, bundled_path
+from .spec.errors import LONGEST_MESSAGE, LaunchError, printable, quoted, quoted_values_shortened, shortened
 from .spec.files import path_kind
+from .spec.suggest import did_you_mean, nearby_files
 from .version import __version__
 
 
@@ -31,7 +32,8 @@ class _Parser(argparse.ArgumentParser):
         from .log import main_process
 
         if main_process():  # under torchrun every rank parses the same arguments: rank 0 says it
-            print(f"error: {printable(message)}", file=sys.stderr)
+            # argparse quotes the value it refused whole: a long one shortened as every error line shortens it
+            print(f"error: {printable(shortened(quoted_values_shortened(message), LONGEST_MESSAGE))}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -233,7 +235,7 @@ def _explain(args: argparse.Namespace) -> int:
     from . import records
 
     if records.is_output(args.spec) and not os.path.lexists(args.spec) and bundled_path(args.spec) is None:
-        raise SpecError.single(f"no such file {args.spec!r} (an output to explain, by its suffix)", "SPEC_OR_OUTPUT")
+        raise SpecError.single(_no_such_output(args.spec), "SPEC_OR_OUTPUT")
     if records.is_output(args.spec) and os.path.lexists(args.spec):  # a broken link too: read() says why
         record = records.read(args.spec)
         say(json.dumps(record.data(), indent=2) if args.json else records.render(record, args.spec))
@@ -274,6 +276,14 @@ def _explain(args: argparse.Namespace) -> int:
         text = None if args.json else f"{text}\n{render_estimate(found)}"
     say(json.dumps(info, indent=2) if args.json else text)
     return 0
+
+
+def _no_such_output(name: str) -> str:
+    """An output to explain (by its suffix) that is not there: the nearest outputs beside it, and the specs."""
+    from .records import OUTPUT_SUFFIXES
+
+    near = did_you_mean(nearby_files(Path(name), OUTPUT_SUFFIXES))
+    return f"no such file {quoted(name)} (an output to explain, by its suffix){near} ({LIST_HINT})"
 
 
 def _planned_attention(spec) -> tuple[dict[str, str], dict[str, str]]:
@@ -322,16 +332,20 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from .log import main_process
+
+    speaks = main_process()  # under torchrun every rank reads the same specs: rank 0 says what it found
     failed = False
     for path in args.specs:
         try:
             spec = load_spec(path, args.overrides, trust_code=args.trust_code, overrides_from="--set")
         except SpecError as exc:
             failed = True
-            for problem in exc.problems:
+            for problem in exc.problems if speaks else ():
                 print(printable(f"error: {problem}"), file=sys.stderr)
             continue
-        print(f"{Path(path)}: ok ({spec.name}, {len(spec.recipe.phases)} phase(s))")
+        if speaks:
+            print(f"{Path(path)}: ok ({spec.name}, {len(spec.recipe.phases)} phase(s))")
     return 2 if failed else 0
 
 

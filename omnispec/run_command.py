@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,8 @@ from typing import Any
 from .log import progress_bars_disabled
 from .records.outputs import check_output_path
 from .spec import Problem, SpecError, load_spec
-from .spec.base import DEVICE_PATTERN
-from .spec.errors import printable
+from .spec.devices import check_device_name
+from .spec.errors import printable, shortened
 from .spec.files import path_kind, user_path
 from .spec.hub import is_hub_id, offline_unless_needed
 from .spec.request import request_fields, resolve_request
@@ -49,18 +48,19 @@ def run_command(args: argparse.Namespace) -> int:
     output_path = Path(args.output)
     video = spec.recipe.task.endswith("video")
     samples = 1 if select is not None else len(prompts or ()) or 1
-    # What needs no model library is told before torch, diffusers and transformers are imported (seconds): the
-    # spec, the request's fields, the LoRA arguments and the output path (a .wav's sound track is the family's to say).
+    # What needs no model library is told before diffusers and transformers are imported (seconds): the spec, the
+    # request's fields, the LoRA arguments, the output path (a .wav's sound track is the family's to say) and the
+    # device (torch alone answers whether a cuda:N or mps is here; auto and cpu need not even torch).
     _collect(problems, lambda: check_output_path(output_path, video, samples, overwrite=args.overwrite,
                                                  audio=output_path.suffix.lower() == ".wav"))
-    if args.device is not None and not re.fullmatch(DEVICE_PATTERN, args.device):
-        problems.append(Problem("--device", f"unknown device {args.device!r}; expected auto, cpu, mps, cuda or cuda:N"))
+    given = args.device is not None
+    _collect(problems, lambda: check_device_name(args.device if given else spec.runtime.device,
+                                                 "--device" if given else "runtime.device"))
     if problems:
         raise SpecError(problems)
     offline_unless_needed(spec, source)
 
     from .runtime import build
-    from .runtime.build import check_device
     from .runtime.families import family_class
 
     if request is not None:
@@ -74,9 +74,6 @@ def run_command(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bars
     audio = "audio" in _family_streams(spec)
     _collect(problems, lambda: check_output_path(output_path, video, samples, overwrite=args.overwrite, audio=audio))
-    given = args.device is not None
-    _collect(problems, lambda: check_device(args.device if given else spec.runtime.device,
-                                            "--device" if given else "runtime.device"))
     if problems:
         raise SpecError(problems)
     pipe = build(spec, source=source, device=args.device, trust_code=args.trust_code)
@@ -146,7 +143,8 @@ def lora_problems(loras: list[dict[str, Any]]) -> list[Problem]:
     for slot in loras:
         path = str(slot["path"])
         if path_kind(user_path(path)) is None and not is_hub_id(path):
-            problems.append(Problem("--lora", f"{path}: no such file or folder, and not a Hub id (owner/name)"))
+            problems.append(Problem("--lora", f"{shortened(path)}: no such file or folder, and not a Hub id "
+                                              "(owner/name)"))
     return problems
 
 

@@ -47,9 +47,13 @@ def test_extends_names_a_bundled_spec_from_a_file_and_from_a_dict(tmp_path):
         load_spec({"extends": "no-such-spec", "name": "x"})
 
 
-def test_an_unknown_name_lists_the_bundled_specs():
-    with pytest.raises(SpecError, match="no such spec file.*bundled specs: .*flux1-dev"):
-        load_spec("flux-one-dev")
+def test_an_unknown_name_names_the_nearest_bundled_specs_and_where_all_are_listed():
+    with pytest.raises(SpecError) as found:
+        load_spec("flux1dev")
+    message = str(found.value)
+    assert message.startswith("no such spec file 'flux1dev' and no bundled spec named 'flux1dev'; did you mean "
+                              "'flux1-dev'"), message
+    assert message.endswith("(omnispec list names the bundled specs)") and "qwen-image" not in message, message
 
 
 def test_build_takes_a_bundled_name():

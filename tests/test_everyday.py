@@ -60,9 +60,53 @@ def test_a_folder_given_as_output_is_told_as_a_folder(tmp_path, capsys):
             f"--output: {tmp_path} is a directory; give a file name in it, such as {tmp_path / 'out.png'}", capsys=capsys)
 
 
-def test_explaining_a_missing_output_names_the_file_not_the_bundled_specs(tmp_path, capsys):
-    err = refused(["explain", str(tmp_path / "car.png")], "no such file", capsys=capsys)
-    assert "bundled specs" not in err
+def test_explaining_a_missing_output_names_the_file_and_the_nearest_output_not_every_bundled_spec(tmp_path, capsys):
+    (tmp_path / "cat.png").write_bytes(b"")
+    near = f"did you mean {str(tmp_path / 'cat.png')!r}?"
+    err = refused(["explain", str(tmp_path / "car.png")], "no such file", near, "omnispec list", capsys=capsys)
+    assert "flux1-dev" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_misspelt_spec_name_is_one_line_with_the_nearest_names_and_a_pointer_to_list(capsys):
+    err = refused(["explain", "fluxx"], "error: no such spec file 'fluxx' and no bundled spec named 'fluxx'; did you "
+                  "mean 'flux", "(omnispec list names the bundled specs)", capsys=capsys)
+    assert "qwen-image" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_misspelt_spec_file_names_the_spec_file_beside_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mine.yaml").write_text(f"extends: {DIGITS}\n")
+    monkeypatch.chdir(tmp_path)
+    refused(["validate", "mine.yml"], "no such spec file 'mine.yml'", "did you mean 'mine.yaml'?", capsys=capsys)
+
+
+HUGE = 120_000  # characters: a value pasted by mistake, a file read into an argument
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", DIGITS, "--set", f"runtime.seed={'x' * HUGE}"],  # pydantic's error quotes the value
+    ["validate", DIGITS, "--set", f"runtime.{'k' * HUGE}=1"],  # an unknown key, in the path and in the message
+    ["validate", DIGITS, "--set", f"policies.cache.kind={'k' * HUGE}"],  # an unknown variant
+    ["explain", "f" * HUGE],  # a spec name the OS refuses as a file name
+    ["explain", "f" * 200],  # a spec name that is no file and no bundled spec
+], ids=["value", "key", "variant", "file", "name"])
+def test_an_error_line_shortens_a_long_value_and_says_how_long_it_was(argv, capsys):
+    err = refused(argv, "characters)", capsys=capsys)
+    assert len(err) < 600 and len(err.splitlines()) == 1, err[:2000]
+
+
+def test_an_argument_errors_line_shortens_the_long_value_it_quotes(capsys):
+    from omnispec.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "digits", "--prompt", "seven", "--steps", "9" * HUGE + "x"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err) < 200 and err.strip().endswith("... (120,001 characters)'"), err[:2000]
+
+
+def test_a_device_that_is_not_here_is_told_before_diffusers_is_imported(tmp_path):
+    code, modules = imports_after(["run", "digits", "--prompt", "seven", "--device", "cuda:9", "--output", "x.png"],
+                                  tmp_path)
+    assert code == 2 and "diffusers" not in modules and "transformers" not in modules, modules
 
 
 def test_the_estimate_names_the_specs_source_when_no_source_was_given(tmp_path, capsys):
@@ -108,6 +152,43 @@ def test_a_local_run_makes_no_hub_request_at_any_verbosity(tmp_path):
                           "--output", "x.png"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "huggingface.co" not in out.stderr, out.stderr[-3000:]
+
+
+def test_build_from_python_of_a_local_spec_asks_the_hub_nothing_and_leaves_the_setting_as_it_was(tmp_path):
+    """``omnispec.build`` in a fresh interpreter with HF_HUB_OFFLINE unset: every connection the process tries is
+    recorded (and refused); a local spec builds with none, and the process is online again afterwards."""
+    script = (
+        "import json, os, socket\n"
+        "tried = []\n"
+        "def refuse(*args, **kwargs):\n"
+        "    tried.append(str(args[0] if args else kwargs.get('host')))\n"
+        "    raise OSError('no network in this test')\n"
+        "socket.getaddrinfo = refuse\n"
+        "socket.socket.connect = lambda self, address: refuse(address)\n"
+        "import omnispec, huggingface_hub\n"
+        "omnispec.build('digits', overrides=['runtime.progress=false'])\n"
+        "print(json.dumps([tried, os.environ.get('HF_HUB_OFFLINE'), huggingface_hub.constants.HF_HUB_OFFLINE]))\n")
+    env = cpu_env(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))  # no cached answer of the Hub's to read
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("TRANSFORMERS_OFFLINE", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tried, variable, offline = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tried == [] and variable is None and offline is False, (tried, variable, offline)
+
+
+def test_a_mistake_under_torchrun_is_one_error_line_and_exit_2_from_each_rank(tmp_path):
+    """torchrun then adds its own report (a traceback of torchrun and a table of the ranks' exit codes) and exits 1:
+    docs/cli.md shows it. omnispec's part is one line, from rank 0, and exit code 2 on every rank that got so far."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "omnispec", "validate", "nosuch.yaml"], capture_output=True, text=True, cwd=tmp_path,
+                         env=cpu_env(OMP_NUM_THREADS="1"), timeout=120)
+    lines = (out.stdout + out.stderr).splitlines()
+    assert [line for line in lines if line.startswith("error:")] == [(
+        "error: no such spec file 'nosuch.yaml' and no bundled spec named 'nosuch.yaml' (omnispec list names the "
+        "bundled specs)")], out.stderr
+    assert "exitcode  : 2" in out.stderr and out.returncode == 1, out.stderr
 
 
 def test_cpu_threads_follow_the_free_cores(monkeypatch):

@@ -918,9 +918,14 @@ def test_a_transformers_component_without_its_weights_is_refused_not_randomly_in
 
 def test_estimate_builds_an_auto_class_from_its_config(flux_dir, capsys):
     capsys.readouterr()
-    assert main(["-q", "explain", "flux1-dev", "--source", str(flux_dir), *FLUX, "--estimate",
-                 "--set", "model.components.text_encoder.class=transformers.AutoModel",
-                 "--set", "model.check_checkpoint=false"]) == 0
+    environment = dict(os.environ)
+    try:
+        assert main(["-q", "explain", "flux1-dev", "--source", str(flux_dir), *FLUX, "--estimate",
+                     "--set", "model.components.text_encoder.class=transformers.AutoModel",
+                     "--set", "model.check_checkpoint=false"]) == 0
+    finally:  # -q sets the libraries' verbosity and progress bars for the process: the later tests' processes inherit
+        os.environ.clear()
+        os.environ.update(environment)
     assert "text_encoder" in capsys.readouterr().out
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from ..policies import apply_policies, check_policies, quantization, resolve_dev
 from ..policies.presets import preset_here
 from ..records import checkpoint_record
 from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
-from ..spec.base import DEVICE_PATTERN
 from ..spec.checkpoint import (
     ESCAPE,
     INDEX_FILES,
@@ -26,7 +24,8 @@ from ..spec.checkpoint import (
     read_configs,
     unresolved,
 )
-from ..spec.errors import Problem
+from ..spec.devices import check_device_name
+from ..spec.errors import Problem, quoted
 from ..spec.explain import describe_weights
 from ..spec.files import path_kind, read_json_file, user_path
 from ..spec.model import BUILTIN_FAMILIES
@@ -135,9 +134,9 @@ def _check_arguments(spec_or_path: Any, source: Any, overrides: Any, components:
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise SpecTypeError.single(f"expected a checkpoint directory or Hub id, got {type(source).__name__}", "source")
     if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Iterable):
-        raise SpecTypeError.single(f"expected a list of 'key=value' strings, got {type(overrides).__name__}"
-                                   + (f" {overrides!r} (wrap one override in a list)" if isinstance(overrides, str)
-                                      else ""), "overrides")
+        wrap = f" {quoted(overrides)} (wrap one override in a list)" if isinstance(overrides, str) else ""
+        raise SpecTypeError.single(f"expected a list of 'key=value' strings, got {type(overrides).__name__}{wrap}",
+                                   "overrides")
     overrides = list(overrides)
     for i, item in enumerate(overrides):
         if not isinstance(item, str):
@@ -155,22 +154,13 @@ def _check_arguments(spec_or_path: Any, source: Any, overrides: Any, components:
 
 
 def check_device(device: Any, where: str = "device") -> None:
-    """``device`` names a device this machine has: ``auto``, ``cpu``, ``mps``, ``cuda`` or ``cuda:N``."""
+    """``device`` names a device this machine has: ``auto``, ``cpu``, ``mps``, ``cuda`` or ``cuda:N`` (a string or a
+    ``torch.device``)."""
     if isinstance(device, torch.device):
         device = f"cuda:{device.index}" if device.type == "cuda" and device.index is not None else device.type
     if not isinstance(device, str):
         raise SpecTypeError.single(f"expected a device name or torch.device, got {type(device).__name__}", where)
-    if not re.fullmatch(DEVICE_PATTERN, device):
-        raise SpecError.single(f"unknown device {device!r}; expected auto, cpu, mps, cuda or cuda:N", where)
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise SpecError.single(f"device {device!r} requested but CUDA is not available here", where)
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise SpecError.single(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
-                                   f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}", where)
-    if device == "mps" and not torch.backends.mps.is_available():
-        raise SpecError.single("device 'mps' requested but MPS is not available here", where)
+    check_device_name(device, where)
 
 
 def _checked_source(spec: PipelineSpec, source: str | None, missing: Mapping[str, Any], trusted: bool) -> str:

@@ -22,7 +22,7 @@ from ..log import logger, main_process
 from ..policies import quantization
 from ..spec import Component, PipelineSpec, SpecError
 from ..spec.base import MAX_MODULES
-from ..spec.errors import first_line
+from ..spec.errors import first_line, quoted
 from ..spec.files import PICKLE_SUFFIXES, check_json_files, path_kind, safetensors_header, user_path
 from ..spec.hub import check_reachable, hub_offline, is_hub_id
 from ..spec.model import WEIGHTLESS_ROLES as _WEIGHTLESS
@@ -78,7 +78,8 @@ def _check_root(root: str, components: Mapping[str, Component], revision: str | 
             _check_files(local, name, component, trusted)
         return str(local)
     if not is_hub_id(root):
-        raise SpecError.single(f"checkpoint {root!r} is neither a local directory nor a Hub id (owner/name)", where)
+        raise SpecError.single(f"checkpoint {quoted(root)} is neither a local directory nor a Hub id (owner/name)",
+                               where)
     if not hub_offline():
         check_reachable(root, where)
     else:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SpecError
+from .errors import SpecError, quoted
+from .suggest import close_names, did_you_mean, nearby_files
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -34,11 +35,9 @@ def bundled_path(name: str) -> Path | None:
     """The bundled spec called ``name`` (with or without its suffix), or None. Only plain names are looked up: a
     name with a folder in it is a path."""
     folder = bundled_dir()
-    if folder is None or not name or "/" in name or "\\" in name or name.startswith("."):
+    if folder is None or not _plain(name):
         return None
-    stem = name
-    for suffix in SPEC_SUFFIXES:
-        stem = stem.removesuffix(suffix)
+    stem = _stem(name)
     for suffix in SPEC_SUFFIXES:
         candidate = folder / f"{stem}{suffix}"
         if candidate.is_file():
@@ -49,7 +48,7 @@ def bundled_path(name: str) -> Path | None:
 def resolve_spec_path(ref: str | Path, relative_to: Path | None = None, where: str | None = None,
                       file: str | None = None) -> Path:
     """Where a spec reference points: an existing file (relative to ``relative_to`` when given) wins, then a
-    bundled spec of that name. A reference that is neither raises ``SpecError`` naming the bundled specs."""
+    bundled spec of that name. A reference that is neither raises ``SpecError`` naming the nearest ones."""
     path = Path(ref)
     local = relative_to / path if relative_to is not None and not path.is_absolute() else path
     try:
@@ -60,10 +59,32 @@ def resolve_spec_path(ref: str | Path, relative_to: Path | None = None, where: s
     bundled = bundled_path(str(ref))
     if bundled is not None:
         return bundled
-    names = bundled_names()
-    known = f"; bundled specs: {', '.join(names)}" if names else ""
-    raise SpecError.single(f"no such spec file {str(local)!r} and no bundled spec named {str(ref)!r}{known}", where,
-                           file)
+    raise SpecError.single(no_such_spec(str(ref), local), where, file)
+
+
+LIST_HINT = "omnispec list names the bundled specs"
+
+
+def no_such_spec(ref: str, local: Path) -> str:
+    """That ``ref`` names no spec file (at ``local``) and, a plain name, no bundled spec; the nearest spec files
+    beside it and bundled names, and where the bundled specs are listed."""
+    plain = bundled_dir() is not None and _plain(ref)
+    told = f"no such spec file {quoted(str(local))}"
+    if plain:
+        told += f" and no bundled spec named {quoted(ref)}"
+    bundled = close_names(_stem(ref), bundled_names()) if plain else []
+    return f"{told}{did_you_mean(nearby_files(local, SPEC_SUFFIXES) + bundled)} ({LIST_HINT})"
+
+
+def _plain(name: str) -> bool:
+    """A name that may be a bundled spec's: no folder in it."""
+    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _stem(name: str) -> str:
+    for suffix in SPEC_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 @dataclass(frozen=True)

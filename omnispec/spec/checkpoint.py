@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .bounded import CONFIG
-from .errors import Problem, SpecError
+from .errors import Problem, SpecError, quoted
 from .files import path_kind, read_json_file, user_path
 from .hub import hub_file, is_hub_id
 from .loader_fields import code_problems, quantization_problem
@@ -106,7 +106,7 @@ def _read_json(root: str, name: str, revision: str | None) -> dict[str, Any] | N
     if path_kind(local) == "dir":
         path = local / name
     elif not is_hub_id(root):
-        raise SpecError.single(f"checkpoint {root!r} is neither a local directory nor a Hub id (owner/name)",
+        raise SpecError.single(f"checkpoint {quoted(root)} is neither a local directory nor a Hub id (owner/name)",
                                "model.source")
     else:
         path = hub_file(root, name, revision)

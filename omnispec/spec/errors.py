@@ -18,6 +18,32 @@ _DISCRIMINATORS = ("kind", "strategy")
 # that reorder what is shown.
 _UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
+LONGEST = 80  # characters of a user's string (a value, a key, a name, a file) an error line quotes
+# The longest message of one problem: whatever path a user's string takes into it (a library's message quoting it, a
+# list of them), an ``error:`` line stays a line.
+LONGEST_MESSAGE = 1000
+
+
+def shortened(text: str, limit: int = LONGEST) -> str:
+    """``text``, or its start and how long it was when longer than ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit - 25]}... ({len(text):,} characters)"
+
+
+def quoted(value: Any) -> str:
+    """``value`` as an error line quotes it: a string shortened, then in quotes; anything else's ``repr`` shortened."""
+    return repr(shortened(value)) if isinstance(value, str) else shortened(repr(value))
+
+
+_LONG_QUOTED = re.compile(f"'([^'\\n]{{{LONGEST + 1},}})'")
+
+
+def quoted_values_shortened(message: str) -> str:
+    """``message`` with each value it quotes (``'...'``, as ``repr`` and argparse quote) longer than ``LONGEST``
+    shortened: for a message made elsewhere, which quotes a user's value whole."""
+    return _LONG_QUOTED.sub(lambda m: quoted(m.group(1)), message)
+
 
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, "" when it has none: what an ``error:`` line or a warning quotes
@@ -39,8 +65,15 @@ class Problem:
     file: str | None = None
 
     def __str__(self) -> str:
-        where = ": ".join(x for x in (self.file, self.path) if x)
-        return f"{where}: {self.message}" if where else self.message
+        """``file: path: message``, each part shortened: every key of the path to ``LONGEST`` characters, the file
+        to twice that (a path in folders; an override already shortened), a message longer than ``LONGEST_MESSAGE``
+        first by the values it quotes, then to that length (``path`` itself stays whole: suggestions read it)."""
+        path = ".".join(shortened(part) for part in self.path.split(".")) if self.path else ""
+        where = ": ".join(x for x in (shortened(self.file, 2 * LONGEST) if self.file else None, path) if x)
+        message = self.message
+        if len(message) > LONGEST_MESSAGE:
+            message = shortened(quoted_values_shortened(message), LONGEST_MESSAGE)
+        return f"{where}: {message}" if where else message
 
 
 class SpecError(ValueError):
@@ -101,20 +134,20 @@ def _describe(err: dict[str, Any], data: Any) -> tuple[str, str]:
     parts = _strip_union_tags(err["loc"], data)
     kind = err["type"]
     if kind == "extra_forbidden":
-        return ".".join(parts), f"unknown key {parts[-1]!r}"
+        return ".".join(parts), f"unknown key {quoted(parts[-1])}"
     if kind == "missing":
         return ".".join(parts), "required key is missing"
     if kind == "union_tag_invalid":
         ctx = err.get("ctx", {})
         return ".".join(parts + [str(ctx.get("discriminator", "kind")).strip("'")]), (
-            f"unknown variant {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+            f"unknown variant {quoted(ctx.get('tag'))}; expected one of {ctx.get('expected_tags')}"
         )
     if kind == "union_tag_not_found":
         ctx = err.get("ctx", {})
         return ".".join(parts), f"missing {ctx.get('discriminator', 'kind')} (which variant this is)"
     msg = err["msg"]
     if kind not in ("spec_rule", "value_error"):
-        msg = f"{msg} (got {err.get('input')!r})"
+        msg = f"{msg} (got {quoted(err.get('input'))})"
     return ".".join(parts), msg.removeprefix("Value error, ")
 
 

@@ -11,6 +11,8 @@ import functools
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,11 @@ from .files import path_kind, user_path
 
 
 def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    return _true(os.environ.get("HF_HUB_OFFLINE"))
+
+
+def _true(value: str | None) -> bool:
+    return (value or "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 # One part of a Hub repository id (its owner, its name): letters, digits, '-', '_' and '.', neither first nor last a
@@ -79,13 +85,42 @@ def offline_unless_needed(spec: Any, source: str | None = None, *, downloads: bo
     Hub on their own: an agent registry, a kernel's trust status), which on a machine without a network waits for
     timeouts and, at ``-vv``, prints their tracebacks. ``downloads=False``: the caller reads only what is on disk
     (the Hub's cache included), so the process goes offline whatever the spec names."""
-    if "HF_HUB_OFFLINE" in os.environ or (downloads and needs_hub(spec, source)):
+    if _may_go_offline(spec, source, downloads):
+        _set_offline(True)
+
+
+@contextmanager
+def offline_while_local(spec: Any, source: str | None = None) -> Iterator[None]:
+    """``offline_unless_needed``'s rule for the length of a block (``omnispec.build`` from Python, where the process
+    goes on to other work): offline inside when ``spec`` needs nothing from the Hub and HF_HUB_OFFLINE is unset, as
+    before afterwards. ``spec`` None (not readable yet: the block itself says why) changes nothing. A library first
+    imported inside keeps what it read at its import (diffusers reads the setting once: for its telemetry header and
+    a Hub attention kernel's publisher check)."""
+    if spec is None or not _may_go_offline(spec, source, downloads=True):
+        yield
         return
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    if "huggingface_hub" in sys.modules:  # read at its import: tell it too
+    _set_offline(True)
+    try:
+        yield
+    finally:
+        _set_offline(False)
+
+
+def _may_go_offline(spec: Any, source: str | None, downloads: bool) -> bool:
+    return "HF_HUB_OFFLINE" not in os.environ and not (downloads and needs_hub(spec, source))
+
+
+def _set_offline(offline: bool) -> None:
+    """HF_HUB_OFFLINE set (or unset again), and huggingface_hub told when imported already (it reads the variable
+    at its import)."""
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    else:
+        os.environ.pop("HF_HUB_OFFLINE", None)
+    if "huggingface_hub" in sys.modules:
         from huggingface_hub import constants
 
-        constants.HF_HUB_OFFLINE = True
+        constants.HF_HUB_OFFLINE = offline or _true(os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
 def check_reachable(ref: str, where: str, instead: str = LOCAL_CHECKPOINT) -> None:
@@ -117,4 +152,5 @@ def hub_file(repo: str, name: str, revision: str | None = None) -> Path | None:
         return None
 
 
-__all__ = ["check_reachable", "hub_file", "hub_offline", "hub_path_problem", "hub_unreachable", "is_hub_id"]
+__all__ = ["check_reachable", "hub_file", "hub_offline", "hub_path_problem", "hub_unreachable", "is_hub_id",
+           "needs_hub", "offline_unless_needed", "offline_while_local"]

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from .base import MAX_EXTENDS, MAX_SPEC_BYTES, MAX_SPEC_DEPTH
 from .bounded import check_bounds, decode_utf8, parse_json, parse_yaml
 from .catalog import bundled_path, resolve_spec_path
-from .errors import Problem, SpecError, SpecTypeError, from_validation_error
+from .errors import Problem, SpecError, SpecTypeError, from_validation_error, quoted, shortened
 from .pipeline import PipelineSpec
-from .suggest import shortened, with_suggestion
+from .suggest import with_suggestion
 
 SpecSource = str | Path | Mapping[str, Any]
 
@@ -45,7 +45,7 @@ def load_spec(
         if not isinstance(override, str):
             raise SpecTypeError.single(f"an override is a 'key=value' string, got {type(override).__name__}",
                                        "overrides")
-        apply_override(data, override, f"{overrides_from} {shortened(override)!r}")
+        apply_override(data, override, f"{overrides_from} {quoted(override)}")
     try:
         return validate_spec(data, file, trust_code=trust_code)
     except SpecError as exc:
@@ -58,7 +58,7 @@ def _attributed(problem: Problem, overrides: list[str], overrides_from: str) -> 
     for override in reversed(overrides):
         key = override.partition("=")[0].strip().split(".")
         if at and (at[:len(key)] == key or key[:len(at)] == at):
-            return Problem(problem.path, problem.message, f"{overrides_from} {shortened(override)!r}")
+            return Problem(problem.path, problem.message, f"{overrides_from} {quoted(override)}")
     return problem
 
 
@@ -71,15 +71,15 @@ def resolve_spec_data(source: SpecSource) -> tuple[dict[str, Any], str | None]:
         if base_ref is None:
             return data, None
         if not isinstance(base_ref, str) or bundled_path(base_ref) is None:
-            raise SpecError.single(f"a spec given as a dict can extend a bundled spec by name, got {base_ref!r} (a "
-                                   "file path is relative to a spec file)", "extends")
+            raise SpecError.single(f"a spec given as a dict can extend a bundled spec by name, got {quoted(base_ref)} "
+                                   "(a file path is relative to a spec file)", "extends")
         base = bundled_path(base_ref)
         assert base is not None
         return deep_merge(_read_with_extends(base, ()), data), None
     if not isinstance(source, (str, Path)):
         raise SpecTypeError.single(f"a spec must be a mapping or a file path, got {type(source).__name__}")
     if "\0" in str(source):
-        raise SpecError.single(f"a file path cannot contain a NUL character: {str(source)!r}")
+        raise SpecError.single(f"a file path cannot contain a NUL character: {quoted(str(source))}")
     path = Path(source)
     if not _present(path):
         path = resolve_spec_path(source)
@@ -133,8 +133,8 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if base_ref is None:
         return data
     if not isinstance(base_ref, str) or not base_ref or "\0" in base_ref:
-        raise SpecError.single(f"extends must be a file path or a bundled spec's name, got {base_ref!r}", "extends",
-                               str(path))
+        raise SpecError.single(f"extends must be a file path or a bundled spec's name, got {quoted(base_ref)}",
+                               "extends", str(path))
     base_path = resolve_spec_path(base_ref, path.parent, "extends", str(path))
     return deep_merge(_read_with_extends(base_path, (*chain, resolved)), data)
 
@@ -145,7 +145,8 @@ def read_text(path: Path, limit: int = MAX_SPEC_BYTES) -> str:
     """A spec file's text: UTF-8 (a BOM is allowed), at most ``limit`` bytes (no more is ever read)."""
     try:
         if not path.is_file():
-            problem = f"no such spec file: {path}" if not path.exists() else f"{path} is not a regular file"
+            shown = shortened(str(path))
+            problem = f"no such spec file: {shown}" if not path.exists() else f"{shown} is not a regular file"
             raise SpecError.single(problem)
         with path.open("rb") as f:
             raw = f.read(limit + 1)

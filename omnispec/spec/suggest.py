@@ -1,26 +1,53 @@
-"""What an error line adds for the person reading it: the nearest known key for an unknown one, and a user's long
-string shortened to a length a line can carry."""
+"""What an error line adds for the person reading it: the nearest known key for an unknown one, the nearest known
+names for a name that names nothing (``errors.shortened`` cuts a user's long string to a length a line can carry)."""
 
 from __future__ import annotations
 
 import difflib
+import itertools
+import os
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from .errors import Problem
+from .errors import Problem, quoted
 from .kinds import Kinds, tag_value
 
-LONGEST = 80  # characters of a user's string an error line quotes
+
+def close_names(word: str, known: list[str], most: int = 3) -> list[str]:
+    """The names of ``known`` a user who typed ``word`` most likely meant: those that start with it, else the nearest
+    by spelling (``difflib``), at most ``most``."""
+    if not word:
+        return []
+    starting = [name for name in known if name.startswith(word) and name != word]
+    return starting[:most] or difflib.get_close_matches(word, known, n=most, cutoff=0.55)
 
 
-def shortened(text: str, limit: int = LONGEST) -> str:
-    """``text``, or its start and how long it was when longer than ``limit`` characters."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit - 25]}... ({len(text):,} characters)"
+def nearby_files(path: Path, suffixes: tuple[str, ...], most: int = 1000) -> list[str]:
+    """The files beside ``path`` (in its folder, the first ``most`` it lists) with one of ``suffixes`` whose names,
+    suffixes aside, are closest to its name: what a user who typed ``path`` may have meant. [] where the folder
+    cannot be read."""
+    def stem(name: str) -> str:
+        return next((name[:-len(s)] for s in suffixes if name.lower().endswith(s)), name)
+
+    try:
+        with os.scandir(path.parent) as entries:
+            names = itertools.islice((e.name for e in entries if e.name.lower().endswith(suffixes)), most)
+            files = {stem(name): name for name in sorted(names)}
+    except OSError:
+        return []
+    return [str(path.parent / files[near]) for near in close_names(stem(path.name), list(files))]
+
+
+def did_you_mean(names: list[str]) -> str:
+    """``"; did you mean 'a', 'b' or 'c'?"``, or "" for no names."""
+    if not names:
+        return ""
+    shown = [quoted(name) for name in names]
+    return f"; did you mean {' or '.join([', '.join(shown[:-1]), shown[-1]] if len(shown) > 1 else shown)}?"
 
 
 def with_suggestion(problem: Problem, data: Any) -> Problem:

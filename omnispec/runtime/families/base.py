@@ -268,9 +268,10 @@ class Family:
 
     def modulation_embeddings(self, denoiser: torch.nn.Module, timesteps: Sequence[torch.Tensor],
                               embedded: Sequence[float | None], cond: Conditioning) -> torch.Tensor:
-        """The output of ``modulation_embedder`` for every (step, row) pair, step-major: one row per row of ``cond``
-        at each step, where step ``k`` has timestep ``timesteps[k]`` (as ``predict`` gets it) and embedded guidance
-        ``embedded[k]``; ``predict``'s forwards compute the same embedding for their rows, one step at a time."""
+        """The output of the modulation target's ``embedder`` for every (step, row) pair, step-major: one row per row
+        of ``cond`` at each step, where step ``k`` has timestep ``timesteps[k]`` (as ``predict`` gets it) and embedded
+        guidance ``embedded[k]``; ``predict``'s forwards compute the same embedding for their rows, one step at a
+        time."""
         raise NotImplementedError
 
     def constrain(self, guided: Streams, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:

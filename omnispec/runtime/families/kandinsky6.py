@@ -26,6 +26,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers' block hooks do not know Kandinsky 6's fused video/audio blocks (they are not in its "
@@ -67,7 +68,7 @@ class Kandinsky6Family(Family):
     pipeline_class = Kandinsky6TI2VAPipeline
     streams = ("video", "audio")
     spatial_streams = ("video",)
-    max_images = 1
+    inputs = Inputs(max_images=1)
     targets = Targets(
         attention=AttentionTarget(
             {"video_self": ("visual_transformer_blocks.*.video_dec_block.self_attention",),

@@ -203,7 +203,8 @@ def remove_hook(module: Any, name: str) -> None:
     """Remove hook ``name`` from ``module`` (not its children), if present, restoring the plain module when it was
     the last one: diffusers' ``HookRegistry.remove_hook`` leaves the original bound ``forward`` as an instance
     attribute and the registry on the module, and under ``torch.compile`` dynamo then guards on that object per
-    module and recompiles every block of a regionally compiled stack until its limit (measured on FLUX.1-dev)."""
+    module and recompiles every block of a regionally compiled stack until its limit (BENCHMARKS.md, "Compile: regional,
+    full, CUDA graphs, autotune")."""
     registry = hook_registry(module)
     if registry is None:
         return

@@ -251,7 +251,7 @@ def _explain(args: argparse.Namespace) -> int:
         configs = read_configs(spec, args.source, trusted=args.trust_code)
         from .runtime.families import family_class
 
-        problems = checkpoint_problems(spec, configs, family_class(spec.model.family).foreign_components)
+        problems = checkpoint_problems(spec, configs, family_class(spec.model.family).checkpoints.foreign_components)
         if problems:
             raise SpecError(problems)
         spec = follow_checkpoint(spec, configs)

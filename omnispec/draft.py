@@ -134,14 +134,14 @@ def read_model_index(source: str) -> dict[str, Any] | None:
 
 
 def _family_of(source: str, index: dict[str, Any] | None) -> str:
-    from .runtime.families import family_class
+    from .runtime.families import checkpoint_pipelines, family_class
 
     if index is None:
         return _family_by_denoiser(source)
     pipeline = str(index.get("_class_name", ""))
     by_pipeline: dict[str, list[str]] = {}
     for name in BUILTIN_FAMILIES:
-        for runs in family_class(name).checkpoint_pipelines():
+        for runs in checkpoint_pipelines(family_class(name)):
             by_pipeline.setdefault(runs, []).append(name)
     if pipeline not in by_pipeline:
         raise SpecError.single(f"model_index.json names pipeline {pipeline!r}, which no built-in family runs (they run "
@@ -150,8 +150,8 @@ def _family_of(source: str, index: dict[str, Any] | None) -> str:
     # expand_timesteps: the same WanPipeline, another family), the one that checks the most settings first (LTX-2.5's
     # diffusion_decoder: the same LTX2Pipeline as LTX-2, whose family checks none)
     fitting = sorted((name for name in by_pipeline[pipeline] if all(
-        index.get(key) in accepted for key, accepted in family_class(name).model_index_values.items())),
-        key=lambda name: -len(family_class(name).model_index_values))
+        index.get(key) in accepted for key, accepted in family_class(name).checkpoints.model_index_values.items())),
+        key=lambda name: -len(family_class(name).checkpoints.model_index_values))
     return (fitting or by_pipeline[pipeline])[0]
 
 
@@ -213,7 +213,7 @@ def _draft(source: str, family: str, index: dict[str, Any] | None, template: dic
         notes.append(f"left out (no role omnispec gives them): {', '.join(dropped)}")
     from .runtime.families import family_class
 
-    for component, what in family_class(family).foreign_components.items():
+    for component, what in family_class(family).checkpoints.foreign_components.items():
         if data["model"]["components"].pop(component, None) is not None:
             notes.append(f"left out: {component}, {what}")
     components = data["model"]["components"]
@@ -303,10 +303,11 @@ def _schedule(schedule: dict[str, Any], scheduler: str | None, scheduler_class: 
 
 
 def _family_flow_match_schedulers(family: str) -> tuple[str, ...]:
-    """The scheduler classes the family declares a flow_match schedule reproduces (``Family.flow_match_schedulers``)."""
+    """The scheduler classes the family declares a flow_match schedule reproduces (its
+    ``checkpoints.flow_match_schedulers``)."""
     from .runtime.families import family_class
 
-    return family_class(family).flow_match_schedulers
+    return family_class(family).checkpoints.flow_match_schedulers
 
 
 def _pipeline_class(family: str, index: dict[str, Any] | None) -> type | None:

@@ -305,6 +305,64 @@ def test_the_layers_below_import_nothing_heavy_when_imported():
                                                                         "src_models"}
 
 
+# ---- what the kinds registries and the targets replaced -------------------------------------------------------
+# Scanned in the syntax tree, not the text: a comment or a docstring naming these passes, code that does them fails.
+
+def _class_names(node: ast.expr) -> list[str]:
+    """The class names an ``isinstance`` second argument names (one class, or a tuple of them)."""
+    classes = node.elts if isinstance(node, ast.Tuple) else [node]
+    return [c.id if isinstance(c, ast.Name) else c.attr if isinstance(c, ast.Attribute) else "" for c in classes]
+
+
+def schedule_isinstance_calls(tree: ast.AST) -> list[int]:
+    """Lines of ``isinstance``/``issubclass`` calls that test for a schedule class (a name ending in ``Schedule``)."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
+            and any(name.endswith("Schedule") for name in _class_names(node.args[1]))]
+
+
+def family_any_parameters(tree: ast.AST) -> list[int]:
+    """Lines of parameters named ``family`` annotated ``Any`` (``typing.Any`` or the string ``"Any"``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                if arg is None or arg.arg != "family" or arg.annotation is None:
+                    continue
+                note = arg.annotation
+                if (isinstance(note, ast.Name) and note.id == "Any"
+                        or isinstance(note, ast.Attribute) and note.attr == "Any"
+                        or isinstance(note, ast.Constant) and note.value == "Any"):
+                    found.append(arg.lineno)
+    return found
+
+
+def test_no_schedule_is_dispatched_by_isinstance():
+    """A schedule answers through its kind (``ScheduleSpec``'s properties, the ``SCHEDULES`` registry), as every
+    other kind does: no caller asks which schedule class it holds."""
+    assert schedule_isinstance_calls(ast.parse("if isinstance(s, (int, spec.SchedulerSchedule)): pass")) == [1]
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in sources() for line in schedule_isinstance_calls(
+        ast.parse(p.read_text()))]
+    assert not found, "isinstance on a schedule class: " + ", ".join(found)
+
+
+def test_no_parameter_takes_the_family_as_any():
+    """A policy, axis or estimate takes the typed target it reads (``omnispec.targets``), never ``family: Any``."""
+    assert family_any_parameters(ast.parse("def f(x, *, family: typing.Any = None): pass")) == [1]
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in sources() for line in family_any_parameters(
+        ast.parse(p.read_text()))]
+    assert not found, "family: Any at " + ", ".join(found)
+
+
+def test_the_step_body_imports_no_policy():
+    """``runtime/run.py`` consults its step policies through one protocol (``AppliedPolicies.steps``), never a
+    policy module by name."""
+    policies = sorted(m for m in imported(PACKAGE / "runtime" / "run.py") if part_of(m) == "policies")
+    assert not policies, "runtime/run.py imports " + ", ".join(policies)
+
+
 def test_architecture_page_places_every_file_and_draws_the_same_arrows():
     page = (ROOT / "docs" / "architecture.md").read_text()
     missing = [str(p.relative_to(ROOT)) for p in sources() if str(p.relative_to(ROOT)) not in page]

@@ -108,7 +108,7 @@ def test_approximate_policies_run(krea2_dir, plain, policy):
     ("policies.cache={kind: first_block, threshold: 0.2}", "not in their TransformerBlockRegistry"),
     ("policies.cache={kind: magcache, calibrate: true}", "not in their TransformerBlockRegistry"),
     ("recipe.phases.0.guidance.terms=[{kind: skip_layer, scale: 2.0, layers: [1]}]",
-     "skip_layer guidance cannot run on family 'krea2'"),
+     "family 'krea2' cannot run skip_layer guidance"),
     ("policies.parallel={ulysses: 2}", "no diffusers context-parallel plan"),
     ("policies.parallel={tensor: 2}", "no tensor-parallel plan"),
 ])

@@ -55,7 +55,7 @@ def estimate(spec: PipelineSpec, source: str | None = None, kind: str | None = N
     from ..spec.checkpoint import checkpoint_problems, follow_checkpoint, read_configs
 
     configs = read_configs(spec, str(root), trusted=trust_code)
-    problems = checkpoint_problems(spec, configs, family_class(spec.model.family).foreign_components)
+    problems = checkpoint_problems(spec, configs, family_class(spec.model.family).checkpoints.foreign_components)
     if problems:
         raise SpecError(problems)
     from ..runtime.components import check_source

@@ -1,11 +1,12 @@
 """Devices an estimate is for, by their published figures: dense matmul peaks per dtype, memory bandwidth, the
 host-to-device link, and what share of the peak an eager or compiled denoiser forward reaches.
 
-An estimate times no run of the model: a per-step time measured on a busy machine swung 150x with its load, and one
-measured at 1024x1024 on a CPU took minutes. Only the CPU kind is measured, on small fixed stacks (``calibrate``). Time is FLOPs over the device's peak for the model's dtype times the
-share a denoiser reaches, plus the other ops' bytes over its bandwidth, or the ops' launch cost where that is
-larger. The shares come from FLUX.1-dev's eager and compiled steps recorded in BENCHMARKS.md ("Interpreter overhead
-and per-family parity", "Compile: regional, full, CUDA graphs, autotune").
+An estimate times no run of the model: a per-step time measured on a busy machine swings with its load, and one
+measured at 1024x1024 on a CPU takes minutes. Only the CPU kind is measured, on small fixed stacks (``calibrate``).
+Time is FLOPs over the device's peak for the model's dtype times the share a denoiser reaches, plus the other ops'
+bytes over its bandwidth, or the ops' launch cost where that is larger. The shares come from FLUX.1-dev's eager and
+compiled steps recorded in BENCHMARKS.md ("Interpreter overhead and per-family parity", "Compile: regional, full, CUDA
+graphs, autotune").
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ def _linear_of_pair_flops(first_shape, second_shape, weight_shape, bias_shape, o
 
 @dataclass(frozen=True)
 class MlpOperators:
-    """What a family's ``parallel_mlp_hooks`` builds on: the fused operators and the test of a linear they take."""
+    """What a family's ``MlpTarget.parallel_hooks`` builds on: the fused operators and the test of a linear they
+    take."""
 
     linear_gelu: Callable[..., torch.Tensor]
     linear_of_pair: Callable[..., torch.Tensor]

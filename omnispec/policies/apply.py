@@ -88,16 +88,15 @@ def policy_problems(spec: PipelineSpec, targets: Targets, device: torch.device) 
     if p.attention.sparse is not None and targets.video_tokens is None:
         problems.append(Problem("policies.attention.sparse", targets.missing("video_tokens")))
     elif p.attention.sparse is not None and p.compile.mode != "none" and targets.video_tokens.compiled_refusal:
-        problems.append(Problem("policies.attention.sparse", f"under policies.compile.mode {p.compile.mode!r} on "
-                                f"family {targets.family!r}: {targets.video_tokens.compiled_refusal}; use compile "
-                                "none"))
+        problems.append(Problem("policies.attention.sparse", targets.refused(
+            f"sparse attention under policies.compile.mode {p.compile.mode!r}",
+            f"{targets.video_tokens.compiled_refusal}; use compile none")))
     for i, kernel in enumerate(p.kernels):
         if (refusal := KERNEL_POLICIES.implementation(kernel).refusal(kernel, targets)) is not None:
             problems.append(Problem(f"policies.kernels.{i}", refusal))
     limit = targets.cache_limits.get(p.cache.kind)
     if limit:
-        problems.append(Problem("policies.cache.kind", f"{p.cache.kind} cannot run on family {targets.family!r}: "
-                                                       f"{limit}"))
+        problems.append(Problem("policies.cache.kind", targets.refused(f"the {p.cache.kind} cache", limit)))
     if compile_problem := backend_problem(spec):
         problems.append(Problem("policies.compile.backend", compile_problem))
     explicit = {("default",): p.attention.default} | {("per_role", r): b for r, b in p.attention.per_role.items()}

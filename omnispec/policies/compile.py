@@ -4,7 +4,7 @@ whole. Compilation happens lazily on the first call: benchmarks warm up before t
 
 ``cudagraphs`` records what is compiled as CUDA graphs (inductor's CUDA-graph trees): each block (regional) or the
 whole denoiser call (full, one graph a step: no launches, no copies of block inputs, no eager embedders between
-graphs). Regional: what every block reads from outside the graphs (the family's ``shared_block_inputs``, the rotary
+graphs). Regional: what every block reads from outside the graphs (its blocks target's ``shared_inputs``, the rotary
 embedding) is kept in static storage written once a step, not copied into each block's graph (``KeptBlockInputs``).
 Every denoiser call without gradients starts a new generation of the graphs (``cudagraph_mark_step_begin``, outside
 the compiled code), so a call may reuse the graph memory of the one before it, unless a forward with gradients still
@@ -243,7 +243,7 @@ SHARED_INPUTS_HOOK = "omnispec_shared_block_inputs"
 
 
 class KeptBlockInputs(ModelHook):
-    """On a denoiser module whose output every block reads (the family's ``shared_block_inputs``: the rotary
+    """On a denoiser module whose output every block reads (its blocks target's ``shared_inputs``: the rotary
     embedding), under regional CUDA graphs: without gradients, its output tensors copied into storage kept per place
     and shape and marked static (``torch._dynamo.mark_static_address``), so each block's graph reads them where they
     lie. Otherwise the graph trees copy such an input into every block's recorded input before each replay (FLUX.1:
@@ -283,8 +283,8 @@ class KeptBlockInputs(ModelHook):
 
 
 def _keep_shared_block_inputs(module: Any, target: BlocksTarget) -> list[str]:
-    """Hook the family's ``shared_block_inputs`` modules of ``module`` (``KeptBlockInputs``), each call of ``module``
-    clearing what they saw; returns the names hooked."""
+    """Hook the modules of ``module`` that ``target.shared_inputs`` names (``KeptBlockInputs``), each call of
+    ``module`` clearing what they saw; returns the names hooked."""
     named = dict(module.named_modules())
     names = [name for name in target.shared_inputs if name in named]
     hooks = [KeptBlockInputs() for _ in names]

@@ -85,8 +85,8 @@ def apply_mlp(spec: PipelineSpec, targets: Targets, denoisers: Mapping[str, torc
         for module, hook in blocks:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
         if not gelus and not blocks:
-            raise SpecError.single(f"{name} has no tanh-GELU feed-forward for fused_gelu to fuse (its family "
-                                   f"{targets.family!r} gates or uses another activation)", "policies.mlp.fused_gelu")
+            raise SpecError.single(f"{targets.missing('mlp')}: {name} gates its feed-forwards or uses another "
+                                   "activation", "policies.mlp.fused_gelu")
         notes.append(f"{name}: bias + GELU in the matmul for {gelus} feed-forward projections"
                      + (f", {len(blocks)} parallel blocks projected without concatenating" if blocks else ""))
     if not fused:

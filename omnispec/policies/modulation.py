@@ -3,13 +3,13 @@
 An AdaLN denoiser's blocks each project the timestep-and-prompt embedding into their shifts, scales and gates
 (``linear(silu(temb))``). At a step's batch of a few rows that is a matrix-vector product reading the whole weight,
 every step (BENCHMARKS.md, "Modulation table", has what it costs FLUX.1-dev). The embedding depends only on the
-step's timestep, the
-embedded guidance and the pooled prompt, all known before the first step, so every step's rows can be projected in
-one matmul per linear, each weight read once.
+step's timestep, the embedded
+guidance and the pooled prompt, all known before the first step, so every step's rows can be projected in one matmul
+per linear, each weight read once.
 
-``ModulationTables`` holds what a denoiser gets: a hook on the embedder (the family's ``modulation_embedder``),
+``ModulationTables`` holds what a denoiser gets: a hook on the embedder (the modulation target's ``embedder``),
 which finds for each row of a forward's embedding the nearest row of the table's embeddings (every step of the
-phase, every row of its conditionings), and each modulation linear (``modulation_linears``) made a ``TabledLinear``,
+phase, every row of its conditionings), and each modulation linear (the target's ``linears``) made a ``TabledLinear``,
 which then returns its table rows instead of computing. The nearest row, not a step index, so that no forward needs
 to be told which step or which of the request's rows it runs: the table holds them all, and the match is exact up to
 the rounding between a step's embedding computed alone and in the table's batch (the steps of a schedule lie far

@@ -28,7 +28,7 @@ from ..bridge import remove_hook
 from ..kernels.sparse_video import VideoLayout, cached_layout
 from ..spec import PipelineSpec, SpecError
 from ..spec.policies import SparseAttention
-from ..targets import VideoTokensTarget
+from ..targets import AttentionTarget, VideoTokensTarget
 from .attention import head_shape
 from .attention_kernels import SDPAMode
 from .steps import StepPolicy
@@ -140,7 +140,7 @@ def remove_sparse_attention(denoiser: torch.nn.Module) -> None:
     remove_hook(denoiser, GRID_HOOK)
 
 
-def apply_sparse_attention(spec: PipelineSpec, target: VideoTokensTarget | None, attention_roles: Any,
+def apply_sparse_attention(spec: PipelineSpec, target: VideoTokensTarget | None, attention: AttentionTarget,
                            denoisers: Mapping[str, torch.nn.Module]) -> tuple[SparseSteps | None, str | None]:
     """Hook the denoisers (a rebuild over the same modules first removes an earlier build's hooks); returns the step
     policy and explain's note (None, None: off)."""
@@ -154,14 +154,14 @@ def apply_sparse_attention(spec: PipelineSpec, target: VideoTokensTarget | None,
     state = SparseState(settings)
     hooked = 0
     for name, denoiser in denoisers.items():
-        by_role = attention_roles.modules(denoiser.named_modules())
+        by_role = attention.modules(denoiser.named_modules())
         modules = [m for role in target.roles for _, m in by_role.get(role, [])]
         if not modules:
             raise SpecError.single(f"{name} has no attention module of the roles {', '.join(target.roles)}",
                                    "policies.attention.sparse")
         registry = HookRegistry.check_if_exists_or_initialize(denoiser)
         if compiled:
-            head_sizes = frozenset(head_shape(m, attention_roles)[1] for m in modules)
+            head_sizes = frozenset(head_shape(m, attention)[1] for m in modules)
             registry.register_hook(CompiledGridHook(state, target, head_sizes), GRID_HOOK)
         else:
             for module in modules:

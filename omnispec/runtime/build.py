@@ -30,7 +30,7 @@ from ..spec.explain import describe_weights
 from ..spec.files import path_kind, read_json_file, user_path
 from ..spec.model import BUILTIN_FAMILIES
 from .components import check_source, load_components
-from .families import family_class
+from .families import checkpoint_pipelines, family_class
 from .lora import adapter_files, load_adapter_slots
 from .parallel import check_axes, distribute_axes, enable_axes
 from .parallel import setup as setup_parallel
@@ -185,7 +185,7 @@ def _other_family(spec: PipelineSpec, root: str | None) -> str | None:
         pipeline = index_data(read_json_file(path, where="model.source"), str(path)).get("_class_name")
     except SpecError:
         return None  # the checks that follow say what is wrong with it
-    runs = [name for name in BUILTIN_FAMILIES if pipeline in family_class(name).checkpoint_pipelines()]
+    runs = [name for name in BUILTIN_FAMILIES if pipeline in checkpoint_pipelines(family_class(name))]
     if not runs or spec.model.family in runs:
         return None
     return (f"its {path.name} names {pipeline}, which family {runs[0]!r} runs, not {spec.model.family!r} (omnispec "
@@ -203,7 +203,7 @@ def _against_checkpoint(spec: PipelineSpec, root: str | None,
                                    "model.source")
         return spec, None
     configs = read_configs(spec, root, trusted)
-    foreign = family_class(spec.model.family).foreign_components
+    foreign = family_class(spec.model.family).checkpoints.foreign_components
     problems = checkpoint_problems(spec, configs, foreign) + _model_index_problems(spec, configs)
     if problems:
         raise SpecError(problems)

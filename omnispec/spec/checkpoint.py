@@ -217,7 +217,8 @@ _UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"
 def checkpoint_problems(spec: PipelineSpec, configs: CheckpointConfigs, foreign: Collection[str] = ()
                         ) -> list[Problem]:
     """Every disagreement between the spec and the checkpoint's config files, each naming both values. ``foreign``:
-    components of the checkpoint another family runs (its family's ``foreign_components``), left unloaded."""
+    components of the checkpoint another family runs (its family's ``checkpoints.foreign_components``), left
+    unloaded."""
     problems = _config_key_problems(spec, configs) + _prequantized_problems(spec, configs)
     if not spec.model.check_checkpoint:
         return problems

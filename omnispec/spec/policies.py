@@ -66,9 +66,9 @@ class MlpPolicy(SpecModel):
         "Compute the denoiser's modulation linears (AdaLN's shift, scale and gate, which read only the timestep and "
         "pooled-prompt embedding) for every step and sample of a request in one matmul each when its first step "
         "runs, and look each step's rows up after, instead of a matrix-vector product per block and step that reads "
-        "the whole weight (6.5 GB a step for FLUX.1-dev, 13.6 GB for Qwen-Image). Families that have it: FLUX, "
-        "Qwen-Image. Costs the table's memory (per step and distinct prompt: 2 MiB for FLUX.1-dev; per step: 4.2 MiB "
-        "for Qwen-Image); outputs differ from the model's by the rounding of a larger matmul."))
+        "the whole weight (what that reads and saves: BENCHMARKS.md, \"Modulation table\"). Families that have it: "
+        "FLUX, Qwen-Image. Costs the table's memory, every modulation output for each step and distinct prompt; "
+        "outputs differ from the model's by the rounding of a larger matmul."))
 
 
 class OffloadSpec(SpecModel):

@@ -1,10 +1,12 @@
 """What each technique needs from a model, as typed data: a family fills these in, policies read them.
 
 One frozen dataclass per technique (``attention``, ``blocks``, ``mlp``, ``modulation``, ``parallel``, ``guidance``,
-``video_tokens``, ``caches``), gathered in ``Targets``. A family declares on its class what is known before any
-weight loads (module names, patterns, refusals); an instance binds what needs the instance
-(``Family.bind_targets``: its modulation embeddings). A policy or axis takes the one target it reads, never the family; a technique whose target the family
-lacks is refused in one way, naming the family and the technique (``Targets.missing``).
+``video_tokens``), gathered in ``Targets`` with the cache kinds a denoiser cannot take (``cache_limits``). A family
+declares on its class what is known before any weight loads (module names, patterns, refusals); an instance binds what
+needs the instance (its modulation embeddings, when the family is built). A policy or axis takes the one target it
+reads, never the family. A refusal names the family and the technique, in one of two forms: a technique whose target
+the family lacks (``Targets.missing``), or one its target declares it cannot run, with the reason
+(``Targets.refused``).
 
 Nothing here imports torch: the spec's checks (before any weight loads) read the guidance and parallel targets too.
 """
@@ -58,8 +60,13 @@ class Targets:
         return self.extra.get(technique)
 
     def missing(self, technique: str) -> str:
-        """The one refusal of a technique whose target this family lacks."""
+        """The refusal of a technique whose target this family lacks: "family 'sd3' has no modulation table"."""
         return f"family {self.family!r} has no {TECHNIQUES.get(technique, technique)}"
+
+    def refused(self, technique: str, why: str) -> str:
+        """The refusal of a technique this family's target declares it cannot run, with the target's reason:
+        "family 'sd3' cannot run ulysses/ring: no context-parallel plan for ulysses/ring"."""
+        return f"family {self.family!r} cannot run {technique}: {why}"
 
 
 __all__ = ["AttentionTarget", "BlocksTarget", "GuidanceTarget", "MlpTarget", "ModulationTarget", "ParallelTarget",

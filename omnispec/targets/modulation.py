@@ -12,7 +12,7 @@ from typing import Any
 class ModulationTarget:
     """``embedder``: the denoiser's module whose output every modulation linear reads (through a SiLU). ``linears``:
     fnmatch patterns of those linears' names. ``embeddings``: bound by the family instance
-    (``Family.bind_targets``), ``(denoiser, timesteps, embedded, cond) -> embedder outputs`` for every (step, row)
+    (its ``modulation_embeddings``), ``(denoiser, timesteps, embedded, cond) -> embedder outputs`` for every (step, row)
     pair, step-major, as its forwards compute them one step at a time."""
 
     embedder: str

@@ -65,9 +65,9 @@ def _put(owner: torch.nn.Module, kind: str, name: str, t: torch.Tensor, new: tor
 
 
 # Host copies are page-locked in chunks of about this many bytes: each chunk one buffer registered with the driver
-# (exact size; the caching host allocator behind ``pin_memory`` rounds every tensor up to a power of two, 1.56x the
-# weights of FLUX's transformer), small enough that the first onload of a component holds it twice only a chunk at
-# a time.
+# (exact size; the caching host allocator behind ``pin_memory`` rounds every tensor up to a power of two: what that
+# cost FLUX's transformer is in BENCHMARKS.md, "Offload"), small enough that the first onload of a component holds it
+# twice only a chunk at a time.
 PIN_CHUNK_BYTES = 256 << 20
 _ALIGN = 512  # bytes between tensors in a chunk (any dtype's alignment, and the copy engines' preferred one)
 

@@ -7,6 +7,7 @@ import importlib
 from ...log import harmless_messages_demoted
 from ...spec import BUILTIN_FAMILIES, SpecError
 from .base import Family
+from .checks import CheckpointMatch, Inputs, checkpoint_pipelines
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams, batch_of, cat_streams
 
 _BUILTIN = {
@@ -68,5 +69,5 @@ def family_class(name: str) -> type[Family]:
     return cls
 
 
-__all__ = ["Conditioning", "Decoded", "Family", "Geometry", "Perturbation", "Streams", "batch_of", "cat_streams",
-           "family_class", "import_ref"]
+__all__ = ["CheckpointMatch", "Conditioning", "Decoded", "Family", "Geometry", "Inputs", "Perturbation", "Streams",
+           "batch_of", "cat_streams", "checkpoint_pipelines", "family_class", "import_ref"]

@@ -9,7 +9,6 @@ the denoiser is data in ``targets`` (``omnispec.targets``), not methods here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -17,34 +16,25 @@ from typing import Any, ClassVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.base import MAX_SIZE
-from ...spec.guidance import term_of
 from ...spec.images import pixel_size
-from ...spec.recipe import VIDEO_TASKS
-from ...spec.references import reference_kind
 from ...spec.request import Request
-from ...targets import Targets, TensorPlan
+from ...targets import Targets
+from .checks import CheckpointMatch, Inputs, check_inputs, model_index_problems, spec_problems
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
-
-
-def model_tensor_plan(denoiser: torch.nn.Module) -> TensorPlan | None:
-    """The model class's own diffusers tensor-parallel plan, for models whose processors take the head count from
-    the split tensors (FLUX, Qwen-Image)."""
-    own = bridge.model_tensor_plan(denoiser)
-    return TensorPlan(own) if own else None
 
 
 class Family:
     """Base class of family adapters; subclasses set ``name`` and ``pipeline_class`` and fill the hooks.
 
-    In groups: identity (``name``, ``pipeline_class``, ``required``, ``options``); layout (``streams``,
-    ``spatial_streams``, ``prediction_space``, ``row_perturbations``, ``ragged_passes_apart``, ``flow_map``); inputs
-    (``max_images``, ``max_references``, ``inpaints``, ``takes_video``, ``model_index_values``); what each technique
-    needs from the denoiser (``targets``: ``omnispec.targets``); the checks before any weight loads; and the run
-    hooks (encode, latents, predict, conditioning, decode). Every hook works on ``Streams``; a single-stream family
-    reads and returns its one stream, ``latents``.
+    In groups: identity (``name``, ``pipeline_class``, ``required``, ``options``, ``checkpoints``: the checkpoints it
+    runs); layout (``streams``, ``spatial_streams``, ``prediction_space``, ``row_perturbations``,
+    ``ragged_passes_apart``, ``flow_map``); inputs (``inputs``: what a request may hand it); what each technique needs
+    from the denoiser (``targets``: ``omnispec.targets``); the checks before any weight loads (``check_spec``,
+    ``check_request``, ``index_problems``: the shared ones of ``checks``, which a family may extend); the helper
+    pipeline (``make_helper``, ``helper_components``); and the run hooks (encode, latents, predict, conditioning,
+    decode). Every hook works on ``Streams``; a single-stream family reads and returns its one stream, ``latents``.
     """
 
     # ---- identity -------------------------------------------------------------------------------------
@@ -54,6 +44,8 @@ class Family:
     required: ClassVar[Mapping[str, str]] = {}
     # ``model.options`` this family reads, with their defaults.
     options: ClassVar[Mapping[str, Any]] = {}
+    # How a checkpoint is recognised as one this family runs (its pipelines, model_index settings, partitions).
+    checkpoints: ClassVar[CheckpointMatch] = CheckpointMatch()
 
     # ---- layout -----------------------------------------------------------------------------------------
     # The latent streams this family denoises, in the order noise is drawn and decoded; the first is primary.
@@ -77,31 +69,12 @@ class Family:
     flow_map: ClassVar[bool] = False
 
     # ---- inputs -----------------------------------------------------------------------------------------
-    # How many request images the family conditions on (0: text only), and how many reference images.
-    max_images: ClassVar[int] = 0
-    max_references: ClassVar[int] = 0
-    # Which kinds of reference it takes (``spec.references``: image, video, audio).
-    reference_kinds: ClassVar[tuple[str, ...]] = ("image",)
-    # Whether the family inpaints (reads the request's mask): it runs the task ``inpainting`` and only that one.
-    inpaints: ClassVar[bool] = False
-    # Whether the family follows a request's video (and its mask): the task ``video-to-video``.
-    takes_video: ClassVar[bool] = False
-    # Whether the family reads a mask given with its references (on a video task other than video-to-video) as the
-    # weight of the attention between the video and the references' pixels (LTX-2.5's IC-LoRA).
-    masks_references: ClassVar[bool] = False
-    # Settings of the checkpoint's model_index.json this family runs as diffusers runs them, with the values it
-    # accepts (Wan2.2 TI2V's expand_timesteps: a timestep per token); another value is refused before loading.
-    model_index_values: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
-    # Components of the checkpoint that another family runs (one checkpoint, one partition per workflow), each with
-    # what it is: ``omnispec init`` leaves them out of its draft, and a phase may not denoise with one.
-    foreign_components: ClassVar[Mapping[str, str]] = {}
-    # Scheduler classes besides FlowMatchEulerDiscreteScheduler whose schedule a ``flow_match`` schedule with the
-    # config's ``shift`` reproduces, so ``omnispec init`` drafts one (``shift: from_checkpoint``) for them.
-    flow_match_schedulers: ClassVar[tuple[str, ...]] = ()
+    # What a request may hand the family besides its prompts (images, references, a mask, a video).
+    inputs: ClassVar[Inputs] = Inputs()
 
     # ---- what techniques need from the denoiser -----------------------------------------------------------
-    # Declared on the class (known before weights load); an instance's ``targets`` adds what needs the instance
-    # (``bind_targets``). ``Targets.family`` is the class's name.
+    # Declared on the class (known before weights load); an instance's ``targets`` adds what needs the instance (its
+    # modulation embeddings, bound when it is built). ``Targets.family`` is the class's name.
     targets: ClassVar[Targets] = Targets()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -115,88 +88,31 @@ class Family:
         self.device = device
         self.settings = {**self.options, **spec.model.options}
         self.helper = self.make_helper(components) if self.pipeline_class is not None else None
-        self.targets = self.bind_targets()  # type: ignore[misc]
-
-    def bind_targets(self) -> Targets:
-        """The class's targets with what needs this instance: the modulation target's embeddings."""
         targets = type(self).targets
         if targets.modulation is not None:
             targets = replace(targets, modulation=replace(targets.modulation, embeddings=self.modulation_embeddings))
-        return targets
+        self.targets = targets  # type: ignore[misc]
 
-    # ---- checks before any weight loads -------------------------------------------------------------
+    # ---- checks before any weight loads (``checks``: what every family checks; an override calls super()) -----
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
-        comps = spec.model.components
-        problems = []
-        for name, role in cls.required.items():
-            if name not in comps:
-                problems.append(f"family {cls.name!r} needs a component named {name!r} (role {role})")
-            elif comps[name].role != role:
-                problems.append(f"family {cls.name!r} needs {name!r} to have role {role!r}")
-        for phase in spec.recipe.phases:
-            for term in phase.guidance.terms:
-                refusal = term_of(term).refusal(term, cls.targets)
-                if refusal:
-                    problems.append(f"{refusal} (phase {phase.name!r})")
-            unknown = sorted(phase.guidance.streams - set(cls.streams))
-            if unknown:
-                problems.append(f"phase {phase.name!r} scales streams {unknown}; family {cls.name!r} has "
-                                f"{', '.join(cls.streams)}")
-        if cls.inpaints != (spec.recipe.task == "inpainting"):
-            problems.append(f"family {cls.name!r} runs the task inpainting only (it needs the request's mask)"
-                            if cls.inpaints else f"family {cls.name!r} does not inpaint: it would ignore the mask of "
-                            "an inpainting task (an inpainting family does: omnispec list)")
-        if spec.recipe.task == "video-to-video" and not cls.takes_video:
-            problems.append(f"family {cls.name!r} takes no video: it would ignore the video of a video-to-video task "
-                            "(omnispec list shows the families that take one)")
-        unknown_options = sorted(set(spec.model.options) - set(cls.options))
-        if unknown_options:
-            have = ", ".join(cls.options) or "none"
-            problems.append(f"family {cls.name!r} has no option(s) {unknown_options} (options: {have})")
-        if problems:
+        if problems := spec_problems(cls, spec):
             raise SpecError.single("; ".join(problems), "model.family")
 
     @classmethod
     def check_request(cls, request: Request, spec: PipelineSpec) -> None:
         """Refuse what this family cannot condition on, or cannot run here for ``spec``, before any work (the CLI
         asks before any weight loads)."""
-        if len(request.images) > cls.max_images:
-            raise SpecError.single(f"family {cls.name!r} conditions on at most {cls.max_images} image(s), got "
-                                   f"{len(request.images)}", "request.image")
-        if len(request.references) > cls.max_references:
-            takes = f"at most {cls.max_references}" if cls.max_references else "no"
-            noun = "reference image(s)" if cls.reference_kinds == ("image",) else "reference(s)"
-            raise SpecError.single(f"family {cls.name!r} takes {takes} {noun}, got "
-                                   f"{len(request.references)}", "request.references")
-        for k, reference in enumerate(request.references):
-            if (kind := reference_kind(reference)) not in cls.reference_kinds:
-                raise SpecError.single(f"family {cls.name!r} takes {' and '.join(cls.reference_kinds)} references, "
-                                       f"not a {kind}", f"request.references.{k}")
-        if (request.mask is not None and request.references and not cls.masks_references
-                and spec.recipe.task not in ("inpainting", *VIDEO_TASKS)):
-            raise SpecError.single(f"family {cls.name!r} reads no mask with its references (a mask over references "
-                                   "weighs an IC-LoRA's attention to them: ltx2.5-ic-lora)", "request.mask")
-
-    @classmethod
-    def checkpoint_pipelines(cls) -> tuple[str, ...]:
-        """The pipeline classes a checkpoint's ``model_index.json`` names for the models this family runs (what
-        ``omnispec init`` matches): its helper pipeline's by default."""
-        return (cls.pipeline_class.__name__,) if cls.pipeline_class is not None else ()
+        check_inputs(cls, request, spec)
 
     @classmethod
     def index_problems(cls, spec: PipelineSpec, index: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(where, why) for each setting of the checkpoint's ``model_index.json`` that this family, or this spec on
-        it, would run otherwise than diffusers runs it (checked before loading; ``model_index_values`` here)."""
-        problems = []
-        for key, accepted in cls.model_index_values.items():
-            if index.get(key) not in accepted:
-                problems.append(("model.family", (
-                    f"the checkpoint's model_index.json has {key}: {json.dumps(index.get(key))}, which family "
-                    f"{cls.name!r} does not run (it runs {key} {' or '.join(json.dumps(a) for a in accepted)}): "
-                    "another variant of the model, which another family runs (omnispec list)")))
-        return problems
+        it, would run otherwise than diffusers runs it (checked before loading)."""
+        return model_index_problems(cls, index)
+
+    # ---- the helper pipeline ------------------------------------------------------------------------------
 
     def make_helper(self, components: dict[str, Any]) -> Any:
         assert self.pipeline_class is not None
@@ -268,9 +184,10 @@ class Family:
 
     def modulation_embeddings(self, denoiser: torch.nn.Module, timesteps: Sequence[torch.Tensor],
                               embedded: Sequence[float | None], cond: Conditioning) -> torch.Tensor:
-        """The output of ``modulation_embedder`` for every (step, row) pair, step-major: one row per row of ``cond``
-        at each step, where step ``k`` has timestep ``timesteps[k]`` (as ``predict`` gets it) and embedded guidance
-        ``embedded[k]``; ``predict``'s forwards compute the same embedding for their rows, one step at a time."""
+        """The output of the modulation target's ``embedder`` for every (step, row) pair, step-major: one row per row
+        of ``cond`` at each step, where step ``k`` has timestep ``timesteps[k]`` (as ``predict`` gets it) and embedded
+        guidance ``embedded[k]``; ``predict``'s forwards compute the same embedding for their rows, one step at a
+        time."""
         raise NotImplementedError
 
     def constrain(self, guided: Streams, latents: Streams, images: Conditioning | None, geometry: Geometry) -> Streams:

@@ -17,8 +17,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from ... import bridge
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, MlpTarget, ModulationTarget, ParallelTarget, Targets
-from .base import Family, model_tensor_plan
+from .base import Family
+from .checks import Inputs
 from .latents import PackedLatents, decode_images
+from .parallel_plans import model_tensor_plan
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -132,7 +134,7 @@ class FluxFamily(PackedLatents, Family):
         "text_encoder": "encoder", "tokenizer": "tokenizer", "text_encoder_2": "encoder",
         "tokenizer_2": "tokenizer", "vae": "vae",
     }
-    max_images = 1  # image-to-image
+    inputs = Inputs(max_images=1)  # image-to-image
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer")

@@ -20,6 +20,7 @@ from ...spec.guidance import term_of
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import Inputs
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -42,7 +43,7 @@ class Flux2KleinFamily(Family):
                                      "step_mask"},
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
-    max_images = 10
+    inputs = Inputs(max_images=10)
 
     @classmethod
     def index_problems(cls, spec, index) -> list[tuple[str, str]]:

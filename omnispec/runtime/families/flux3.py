@@ -41,6 +41,7 @@ from ...spec.guidance import term_of
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import Inputs, checkpoint_pipelines
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers 0.42 registers no FLUX.3 transformer block for its block hooks (they cannot find its "
@@ -53,7 +54,7 @@ class Flux3Family(Family):
     name = "flux3"
     pipeline_class = Flux3ModularPipeline
     blocks_class: Any = Flux3AutoBlocks
-    max_images = 10  # the references FLUX.3 [klein] was trained on (the prompt upsampler's limit too)
+    inputs = Inputs(max_images=10)  # the references FLUX.3 [klein] was trained on (the prompt upsampler's limit too)
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
     targets = Targets(
         attention=AttentionTarget({"mode": ("mode_blocks.*.attn", "txt_mode_blocks.*.attn"),
@@ -73,7 +74,7 @@ class Flux3Family(Family):
         """A checkpoint whose index names another FLUX pipeline is refused naming the family that runs it."""
         problems = super().index_problems(spec, index)
         theirs = index.get("_class_name")
-        if theirs and theirs not in cls.checkpoint_pipelines():
+        if theirs and theirs not in checkpoint_pipelines(cls):
             runs = _families_running(str(theirs))
             problems.append(("model.family", f"the checkpoint's index names {theirs}, which family {cls.name!r} does "
                                              f"not run" + (f": run it with family {' or '.join(runs)}" if runs else "")))
@@ -271,4 +272,4 @@ def _default(block: Any, name: str) -> Any:
 def _families_running(pipeline: str) -> list[str]:
     from . import family_class  # the registry imports this module
 
-    return [name for name in BUILTIN_FAMILIES if pipeline in family_class(name).checkpoint_pipelines()]
+    return [name for name in BUILTIN_FAMILIES if pipeline in checkpoint_pipelines(family_class(name))]

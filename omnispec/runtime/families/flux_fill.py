@@ -15,6 +15,7 @@ from diffusers import FluxFillPipeline
 
 from ... import bridge
 from ...spec.request import Request
+from .checks import Inputs
 from .flux import FluxFamily
 from .inpainting import START_IMAGE, InpaintMask
 from .types import Conditioning, Geometry, Perturbation, Streams
@@ -23,6 +24,7 @@ from .types import Conditioning, Geometry, Perturbation, Streams
 class FluxFillFamily(InpaintMask, FluxFamily):
     name = "flux_fill"
     pipeline_class = FluxFillPipeline
+    inputs = Inputs(max_images=1, inpaints=True)
 
     def _pixels(self, request: Request, geometry: Geometry) -> torch.Tensor:
         """The image stretched to the output size, in [-1, 1] (the pipeline's ``init_image``)."""

@@ -18,6 +18,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers' block hooks do not know HunyuanVideo15's transformer blocks (they are not in its "
@@ -118,7 +119,7 @@ class HunyuanVideo15ImageToVideoFamily(HunyuanVideo15Family):
     name = "hunyuan_video15_i2v"
     pipeline_class = HunyuanVideo15ImageToVideoPipeline
     required = {**HunyuanVideo15Family.required, "image_encoder": "encoder", "feature_extractor": "processor"}
-    max_images = 1
+    inputs = Inputs(max_images=1)
 
     def image(self, request: Request):
         image = request.images[0].image

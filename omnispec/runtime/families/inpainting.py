@@ -24,9 +24,9 @@ START_IMAGE, START_NOISE = "inpaint_start_image", "inpaint_start_noise"
 class InpaintMask:
     """Mixin, before a ``Family`` subclass, for families whose helper pipeline has diffusers' inpainting
     ``mask_processor`` (binarising at 0.5, greyscale, resized with the image) and whose ``image_latents`` keeps its
-    draws under ``START_IMAGE`` (the mixin keeps the noise under ``START_NOISE``)."""
+    draws under ``START_IMAGE`` (the mixin keeps the noise under ``START_NOISE``). Such a family declares
+    ``inputs`` with ``inpaints=True``: it runs the task ``inpainting``, and only that one."""
 
-    inpaints = True
     helper: Any
     device: torch.device
 

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from diffusers import Kandinsky6TI2VAPipeline
 
-from ...spec import PipelineSpec, SchedulerSchedule, SpecError
+from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers' block hooks do not know Kandinsky 6's fused video/audio blocks (they are not in its "
@@ -54,8 +55,7 @@ def piflow_grid(config, spec: PipelineSpec) -> int:
     grid = config.out_visual_dim // config.in_visual_dim
     if grid > 1:
         for i, phase in enumerate(spec.recipe.phases):
-            schedule = spec.recipe.schedules.get(phase.schedule.segment_of or "", phase.schedule)
-            if not isinstance(schedule, SchedulerSchedule):
+            if phase.schedule.walked(spec.recipe.schedules).scheduler_component is None:
                 raise SpecError.single(
                     f"this distilled transformer predicts {grid} PiFlow grid points per latent channel, which only "
                     "its PiflowScheduler steps: use schedule kind scheduler (a flow_match walk needs an undistilled "
@@ -68,7 +68,7 @@ class Kandinsky6Family(Family):
     pipeline_class = Kandinsky6TI2VAPipeline
     streams = ("video", "audio")
     spatial_streams = ("video",)
-    max_images = 1
+    inputs = Inputs(max_images=1)
     targets = Targets(
         attention=AttentionTarget(
             {"video_self": ("visual_transformer_blocks.*.video_dec_block.self_attention",),

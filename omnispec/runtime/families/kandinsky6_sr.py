@@ -31,6 +31,7 @@ from ...spec.errors import Problem
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import Inputs
 from .kandinsky6 import other_kandinsky6_pipeline, piflow_grid
 from .types import Conditioning, Decoded, Geometry, Streams
 
@@ -80,7 +81,7 @@ def hann_window(height: int, width: int, device: torch.device) -> torch.Tensor:
 class Kandinsky6SRFamily(Family):
     name = "kandinsky6_sr"
     pipeline_class = Kandinsky6SRPipeline
-    takes_video = True
+    inputs = Inputs(takes_video=True)
     options = {"resolution_scale": 2.25, "lq_noise_scale": 0.7, "min_overlap": 0.2, "tiles_batch_size": 1}
     targets = Targets(
         attention=AttentionTarget({}),

@@ -17,6 +17,7 @@ from ... import bridge
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import CheckpointMatch
 from .latents import PackedLatents, decode_images
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -38,7 +39,8 @@ class Krea2Family(PackedLatents, Family):
         cache_limits={"first_block": UNREGISTERED, "magcache": UNREGISTERED},
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
-    model_index_values = {"patch_size": (None, 2), "text_encoder_select_layers": (None, SELECT_LAYERS)}
+    checkpoints = CheckpointMatch(model_index_values={"patch_size": (None, 2),
+                                                      "text_encoder_select_layers": (None, SELECT_LAYERS)})
 
     @classmethod
     def index_problems(cls, spec, index) -> list[tuple[str, str]]:

@@ -10,6 +10,8 @@ estimate is the state itself (so they never move), and the encoded image is put 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoCondition
@@ -23,6 +25,7 @@ from ...spec.videos import import_pyav
 from ...targets import (AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets, TensorPlan,
                         VideoTokensTarget)
 from .base import Family
+from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 MODALITY = "audio_video"  # the pass that switches off the audio-to-video and video-to-audio cross-attention
@@ -66,7 +69,7 @@ class LTX2Family(Family):
     spatial_streams = ("video",)
     prediction_space = "x0"
     row_perturbations = ("skip_layer",)  # STG takes a per-row mask: it shares the cond/uncond forward
-    max_images = 1
+    inputs = Inputs(max_images=1)
     targets = Targets(
         attention=AttentionTarget(
             {"video_self": ("transformer_blocks.*.attn1",), "audio_self": ("transformer_blocks.*.audio_attn1",),
@@ -346,7 +349,7 @@ class LTX2ConditionFamily(LTX2Family):
 
     name = "ltx2_condition"
     pipeline_class = LTX2ConditionPipeline
-    max_images = 16
+    inputs = replace(LTX2Family.inputs, max_images=16)
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:

@@ -7,6 +7,7 @@ from the request's generators after the latents' noise, as the modular pipeline 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from ...spec.recipe import InitialInput
 from ...spec.references import reference_key
 from ...spec.request import Request
 from ...spec.videos import VideoCondition
+from .checks import CheckpointMatch
 from .ltx2 import APPENDED_COORDS, SELF_ATTENTION_MASK, LTX2ConditionFamily, LTX2Family
 from .types import Conditioning, Decoded, Geometry, Streams
 
@@ -34,7 +36,7 @@ class LTX25Family(LTX2Family):
     name = "ltx25"
     required = {**LTX2Family.required, "diffusion_decoder": "vae"}
     # LTX-2.5's model_index.json names LTX2Pipeline as LTX-2's does; its diffusion decoder tells it apart.
-    model_index_values = {"diffusion_decoder": (list(DECODER),)}
+    checkpoints = CheckpointMatch(model_index_values={"diffusion_decoder": (list(DECODER),)})
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
@@ -96,9 +98,8 @@ class LTX25InContextFamily(LTX25ConditionFamily):
     mask attention is left unmasked, as the blocks leave it."""
 
     name = "ltx25_ic"
-    max_references = MAX_REFERENCES
-    reference_kinds = ("video",)
-    masks_references = True
+    inputs = replace(LTX25ConditionFamily.inputs, max_references=MAX_REFERENCES, reference_kinds=("video",),
+                     masks_references=True)
     options = {**LTX25ConditionFamily.options, "reference_downscale_factor": 1, "conditioning_attention_strength": 1.0}
     _held_references: tuple | None = None  # the last request's encoded references, under their key
 

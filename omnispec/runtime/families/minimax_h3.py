@@ -50,6 +50,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, ParallelTarget, Targets
 from .base import Family
+from .checks import CheckpointMatch, Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "text_tags"})
@@ -74,7 +75,7 @@ class MiniMaxH3Family(Family):
     pipeline_class = MiniMaxH3ModularPipeline
     streams = ("video", "audio")
     spatial_streams = ("video",)
-    max_images = 2  # the first and the last frame
+    inputs = Inputs(max_images=2)  # the first and the last frame
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",), "text": ("token_refiner.*.attn",)},
                                   categories={"joint": "self", "text": "self"}),
@@ -83,13 +84,14 @@ class MiniMaxH3Family(Family):
                                 "its own context-parallel plan; omnispec's sequence split is not wired to it yet"),
         cache_limits={kind: BLOCK_HOOKS for kind in ("first_block", "magcache")},
     )
-    # Its sigmas are a flow_match schedule's at the config's shift (module docstring): omnispec init drafts one.
-    flow_match_schedulers = ("MiniMaxH3Scheduler",)
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "processor": "processor", "vae": "vae",
                 "audio_vae": "vae", "audio_scheduler": "scheduler"}
 
-    # The checkpoint's other partition, which the other workflow's family runs: ``omnispec init`` leaves it out.
-    foreign_components = {"transformer_ref": "the ref2va partition, which family minimax_h3_ref2va runs"}
+    checkpoints = CheckpointMatch(
+        # The checkpoint's other partition, which the other workflow's family runs: ``omnispec init`` leaves it out.
+        foreign_components={"transformer_ref": "the ref2va partition, which family minimax_h3_ref2va runs"},
+        # Its sigmas are a flow_match schedule's at the config's shift (module docstring): omnispec init drafts one.
+        flow_match_schedulers=("MiniMaxH3Scheduler",))
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
@@ -98,8 +100,8 @@ class MiniMaxH3Family(Family):
             if phase.guidance.terms:
                 raise SpecError.single(f"{NO_GUIDANCE}; phase {phase.name!r} has guidance terms",
                                        "recipe.phases.guidance")
-            if phase.denoiser in cls.foreign_components:
-                raise SpecError.single(f"{phase.denoiser!r} is {cls.foreign_components[phase.denoiser]}; family "
+            if phase.denoiser in (foreign := cls.checkpoints.foreign_components):
+                raise SpecError.single(f"{phase.denoiser!r} is {foreign[phase.denoiser]}; family "
                                        f"{cls.name!r} runs the other", f"recipe.phases.{k}.denoiser")
 
     @classmethod

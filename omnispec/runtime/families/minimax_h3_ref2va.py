@@ -18,6 +18,7 @@ Everything else (the two streams, their schedules, noise order after the referen
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from ...spec.audio import AudioCondition
 from ...spec.references import reference_key, reference_kind
 from ...spec.request import Request
 from ...spec.videos import VideoCondition
+from .checks import Inputs
 from .minimax_h3 import MiniMaxH3Family
 from .types import Conditioning, Geometry
 
@@ -61,11 +63,10 @@ SETUP, PRESENTATION, REFERENCE_ENCODER = (MiniMaxH3Ref2VASetupStep(), MiniMaxH3R
 
 class MiniMaxH3Ref2VAFamily(MiniMaxH3Family):
     name = "minimax_h3_ref2va"
-    max_images = 0
-    max_references = MAX_REFERENCES
-    reference_kinds = ("image", "video", "audio")
+    inputs = Inputs(max_references=MAX_REFERENCES, reference_kinds=("image", "video", "audio"))
     required = {**MiniMaxH3Family.required, "transformer_ref": "denoiser"}
-    foreign_components = {"transformer": "the t2va / fl2va partition, which family minimax_h3 runs"}
+    checkpoints = replace(MiniMaxH3Family.checkpoints, foreign_components={
+        "transformer": "the t2va / fl2va partition, which family minimax_h3 runs"})
     # The blocks' configs: the canvas rule (the output's default, and a reference video's canvas) and the short
     # edge an image reference is encoded at.
     options = {"canvas_short_edge": 768, "canvas_max_pixels": 768 * 1344, "reference_image_short_edge": 2048}

@@ -12,6 +12,8 @@ re-noised and sets the kept region back after every step.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImageInpaintPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
@@ -21,9 +23,11 @@ from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, MlpTarget, ModulationTarget, ParallelTarget, Targets
-from .base import Family, model_tensor_plan
+from .base import Family
+from .checks import Inputs
 from .inpainting import START_IMAGE, InpaintMask
 from .latents import PackedLatents, decode_images
+from .parallel_plans import model_tensor_plan
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -138,7 +142,7 @@ class QwenImageEditFamily(QwenImageFamily):
     name = "qwen_image_edit"
     pipeline_class = QwenImageEditPipeline
     required = {**QwenImageFamily.required, "processor": "processor"}
-    max_images = 1
+    inputs = Inputs(max_images=1)
     # The reference image's size for the text encoder (the editing pipeline uses the VAE's size for both).
     condition_area = IMAGE_AREA
     sizing = staticmethod(pipeline_qwenimage_edit.calculate_dimensions)  # the pipeline's own sizing rule
@@ -185,7 +189,7 @@ class QwenImageEditFamily(QwenImageFamily):
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
         """One prompt at a time (the processor pairs the images with one prompt's vision tokens), joined padded."""
         images = self.prompt_images(request)
-        image = images if self.max_images > 1 else images[0]
+        image = images if self.inputs.max_images > 1 else images[0]
         return Conditioning.cat([_prompt_conditioning(*self.helper.encode_prompt([p], image=image, device=self.device))
                                  for p in prompts])
 
@@ -218,7 +222,7 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
 
     name = "qwen_image_edit_plus"
     pipeline_class = QwenImageEditPlusPipeline
-    max_images = 3  # the model card's 1 to 3 input images
+    inputs = replace(QwenImageEditFamily.inputs, max_images=3)  # the model card's 1 to 3 input images
     condition_area = pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE
     sizing = staticmethod(pipeline_qwenimage_edit_plus.calculate_dimensions)
 
@@ -238,7 +242,7 @@ class QwenImageInpaintFamily(InpaintMask, QwenImageFamily):
 
     name = "qwen_image_inpaint"
     pipeline_class = QwenImageInpaintPipeline
-    max_images = 1
+    inputs = Inputs(max_images=1, inpaints=True)
 
     def image_latents(self, request: Request, geometry: Geometry, generators: list[torch.Generator]) -> Streams:
         """Each sample's VAE posterior of the image stretched to the output size, normalised and packed."""

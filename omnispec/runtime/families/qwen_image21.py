@@ -27,8 +27,10 @@ from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
-from .base import Family, model_tensor_plan
+from .base import Family
+from .checks import Inputs
 from .latents import decode_images
+from .parallel_plans import model_tensor_plan
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_hidden_states_mask", "image_pad_mask"})
@@ -41,7 +43,7 @@ class QwenImage21Family(Family):
     name = "qwen_image21"
     pipeline_class = QwenImage21Pipeline
     ragged_passes_apart = True  # padding shifts the rotary positions: each pass's prompt at its own length
-    max_images = 16  # diffusers sets no limit; each image adds a block of tokens to every forward
+    inputs = Inputs(max_images=16)  # diffusers sets no limit; each image adds a block of tokens to every forward
     options = {"output_resolution": 1024}  # the pipeline's: default side, and the reference images' area
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",)}),

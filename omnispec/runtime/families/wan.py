@@ -11,6 +11,7 @@ from ...spec.request import Request
 from ...targets import (AttentionTarget, BlocksTarget, MlpTarget, ParallelTarget, Targets, TensorPlan,
                         VideoTokensTarget)
 from .base import Family
+from .checks import CheckpointMatch
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
@@ -50,7 +51,8 @@ class WanFamily(Family):
         parallel=ParallelTarget(sequence_refusal=None, tensor_plan=wan_tensor_plan, tensor_refusal=None),
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
-    model_index_values = {"expand_timesteps": (None, False)}  # one timestep per sample (TI2V: family wan_ti2v)
+    # one timestep per sample (TI2V: family wan_ti2v)
+    checkpoints = CheckpointMatch(model_index_values={"expand_timesteps": (None, False)})
 
 
     def make_helper(self, components):

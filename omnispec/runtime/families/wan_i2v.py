@@ -8,6 +8,7 @@ import torch
 from diffusers import WanImageToVideoPipeline
 
 from ...spec.request import Request
+from .checks import Inputs
 from .perturbations import layer_skip
 from .types import Conditioning, Geometry, Perturbation, Streams
 from .wan import WanFamily
@@ -16,7 +17,7 @@ from .wan import WanFamily
 class WanImageToVideoFamily(WanFamily):
     name = "wan_i2v"
     pipeline_class = WanImageToVideoPipeline
-    max_images = 1
+    inputs = Inputs(max_images=1)
 
     def make_helper(self, components):
         denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]

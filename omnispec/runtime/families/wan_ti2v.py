@@ -10,6 +10,7 @@ import torch
 from diffusers import WanImageToVideoPipeline
 
 from ...spec.request import Request
+from .checks import CheckpointMatch, Inputs
 from .perturbations import layer_skip
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 from .wan import WanFamily
@@ -20,12 +21,9 @@ class WanTI2VFamily(WanFamily):
     # The I2V pipeline's helpers serve both tasks (its prompt encoding is WanPipeline's); the checkpoint's
     # model_index names WanPipeline with expand_timesteps set.
     pipeline_class = WanImageToVideoPipeline
-    max_images = 1
-    model_index_values = {"expand_timesteps": (True,)}
-
-    @classmethod
-    def checkpoint_pipelines(cls) -> tuple[str, ...]:
-        return ("WanPipeline", "WanImageToVideoPipeline")
+    inputs = Inputs(max_images=1)
+    checkpoints = CheckpointMatch(pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+                                  model_index_values={"expand_timesteps": (True,)})
 
     def make_helper(self, components):
         denoisers = [n for n, c in self.spec.model.components.items() if c.role == "denoiser"]

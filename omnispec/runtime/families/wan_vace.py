@@ -27,6 +27,7 @@ from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...spec.videos import VideoCondition
 from ...targets import ParallelTarget
+from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Streams
 from .wan import WanFamily
 
@@ -36,9 +37,7 @@ GREY = (128, 128, 128)  # diffusers' example: 127.5 in the original code, which 
 class WanVACEFamily(WanFamily):
     name = "wan_vace"
     pipeline_class = WanVACEPipeline
-    max_images = 16  # keyframes
-    max_references = 4
-    takes_video = True
+    inputs = Inputs(max_images=16, max_references=4, takes_video=True)  # max_images: keyframes
     targets = replace(
         WanFamily.targets,
         parallel=ParallelTarget(

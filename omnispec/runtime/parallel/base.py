@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from ...spec import PipelineSpec
 from ...targets import Targets
+from .context import ParallelContext
 
 
 class Axis:
@@ -14,14 +14,14 @@ class Axis:
     denoisers. The rest of an axis's work (splitting passes, samples or tokens) is in its own file, called by the
     step body and the pipeline where that work happens."""
 
-    def refusal(self, spec: Any, targets: Targets) -> str | None:
+    def refusal(self, spec: PipelineSpec, targets: Targets) -> str | None:
         """Why a family with these targets cannot run ``spec`` with this axis's degree above 1, or None."""
         return None
 
-    def distribute(self, ctx: Any, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
-                   device: torch.device) -> None:
+    def distribute(self, ctx: ParallelContext, spec: PipelineSpec, targets: Targets,
+                   modules: dict[str, torch.nn.Module], device: torch.device) -> None:
         """Split or wrap the loaded components before the policies place and compile them (the weight axes:
         tensor, shard; vae_patch's decode). Nothing for most."""
 
-    def enable(self, ctx: Any, targets: Targets, denoisers: dict[str, torch.nn.Module]) -> None:
+    def enable(self, ctx: ParallelContext, targets: Targets, denoisers: dict[str, torch.nn.Module]) -> None:
         """Prepare the loaded denoisers for this axis once the policies are applied (nothing for most)."""

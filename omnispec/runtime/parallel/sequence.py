@@ -10,7 +10,7 @@ import torch
 
 from ... import bridge
 from ...kernels.torch_internals import _scaled_dot_product_flash_attention_for_cpu
-from ...spec import SpecError
+from ...spec import PipelineSpec, SpecError
 from ...spec.policies import PERTURBABLE_BACKENDS
 from ...targets import Targets
 from .base import Axis
@@ -18,9 +18,9 @@ from .context import ParallelContext
 
 
 class SequenceAxis(Axis):
-    def refusal(self, spec: Any, targets: Targets) -> str | None:
+    def refusal(self, spec: PipelineSpec, targets: Targets) -> str | None:
         if (why := targets.parallel.sequence_refusal) is not None:
-            return f"family {targets.family!r} cannot run ulysses/ring: {why}"
+            return targets.refused("ulysses/ring", why)
         attention = spec.policies.attention
         for backend in (attention.default, *attention.per_role.values()):
             if backend not in PERTURBABLE_BACKENDS:

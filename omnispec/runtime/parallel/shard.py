@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
+from ...spec import PipelineSpec
 from ...targets import Targets
 from .base import Axis
 from .context import ParallelContext
 
 
 class ShardAxis(Axis):
-    def distribute(self, ctx: ParallelContext, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
-                   device: torch.device) -> None:
+    def distribute(self, ctx: ParallelContext, spec: PipelineSpec, targets: Targets,
+                   modules: dict[str, torch.nn.Module], device: torch.device) -> None:
         offload = spec.policies.offload
         host = getattr(offload, "distributed", False)
         per_group = getattr(offload, "blocks_per_group", 1) if host else 1

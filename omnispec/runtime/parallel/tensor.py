@@ -12,20 +12,20 @@ import torch
 import torch.distributed as dist
 
 from ... import bridge
-from ...spec import SpecError
-from ...targets import Targets
+from ...spec import PipelineSpec, SpecError
+from ...targets import Targets, TensorPlan
 from .base import Axis
 from .context import ParallelContext
 
 
 class TensorAxis(Axis):
-    def refusal(self, spec: Any, targets: Targets) -> str | None:
+    def refusal(self, spec: PipelineSpec, targets: Targets) -> str | None:
         if (why := targets.parallel.tensor_refusal) is not None:
-            return f"family {targets.family!r} cannot run tensor parallel: {why}"
+            return targets.refused("tensor parallel", why)
         return None
 
-    def distribute(self, ctx: ParallelContext, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
-                   device: torch.device) -> None:
+    def distribute(self, ctx: ParallelContext, spec: PipelineSpec, targets: Targets,
+                   modules: dict[str, torch.nn.Module], device: torch.device) -> None:
         plan_of = targets.parallel.tensor_plan
         assert plan_of is not None, "refusal() refuses a family without a tensor plan before any weight loads"
         for name, component in spec.model.components.items():
@@ -36,7 +36,7 @@ class TensorAxis(Axis):
 TENSOR = TensorAxis()
 
 
-def split_denoiser(name: str, module: torch.nn.Module, plan: Any, ctx: ParallelContext,
+def split_denoiser(name: str, module: torch.nn.Module, plan: TensorPlan | None, ctx: ParallelContext,
                    device: torch.device) -> None:
     """Split ``module`` in place over ``ctx.tensor_mesh`` by ``plan`` (a family's ``TensorPlan``)."""
     if plan is None:

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...spec import SpecError
+from ...spec import PipelineSpec, SpecError
 from ...targets import Targets
 from .base import Axis
 from .context import ParallelContext
 
 
 class VaePatchAxis(Axis):
-    def distribute(self, ctx: ParallelContext, spec: Any, targets: Targets, modules: dict[str, torch.nn.Module],
-                   device: torch.device) -> None:
+    def distribute(self, ctx: ParallelContext, spec: PipelineSpec, targets: Targets,
+                   modules: dict[str, torch.nn.Module], device: torch.device) -> None:
         vaes = {n: modules[n] for n, c in spec.model.components.items() if c.role == "vae"}
         tiled = {n: v for n, v in vaes.items() if hasattr(v, "use_tiling") and hasattr(v, "decoder")}
         if not tiled:

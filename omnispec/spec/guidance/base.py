@@ -10,12 +10,38 @@ it when it first combines, so ``import omnispec.spec`` stays pure.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Protocol, Union
 
 from pydantic import Field, field_validator, model_validator
 
 from ..base import SpecModel, Unit
 from ..kinds import Kinds
+
+
+class GuidanceFacts(Protocol):
+    """What a term's refusal reads of a family's guidance target (``omnispec.targets.GuidanceTarget``)."""
+
+    @property
+    def modalities(self) -> tuple[str, ...]: ...
+
+    @property
+    def skip_layer_refusal(self) -> str | None: ...
+
+
+class FamilyTargets(Protocol):
+    """What a term's refusal reads of a family's targets: ``omnispec.targets.Targets``, described here because the
+    spec layer imports nothing of ours (the family's name, its guidance target, and the two ways a refusal is
+    worded)."""
+
+    @property
+    def family(self) -> str: ...
+
+    @property
+    def guidance(self) -> GuidanceFacts: ...
+
+    def missing(self, technique: str) -> str: ...
+
+    def refused(self, technique: str, why: str) -> str: ...
 
 
 class ScaleSchedule(SpecModel):
@@ -128,9 +154,8 @@ class Term:
     def perturbs_attention(self, term: Any) -> bool:
         return False
 
-    def refusal(self, term: Any, targets: Any) -> str | None:
-        """Why a family with these targets (its ``omnispec.targets.Targets``, which the spec layer reads without
-        importing) cannot run this term, or None."""
+    def refusal(self, term: Any, targets: FamilyTargets) -> str | None:
+        """Why a family with these targets cannot run this term, or None."""
         return None
 
     def replay_refusal(self, term: Any) -> str | None:
@@ -150,5 +175,5 @@ def pass_name(term: Any) -> str:
     return term_of(term).pass_name(term)
 
 
-__all__ = ["GUIDANCE", "Scale", "ScaleSchedule", "StreamScale", "Term", "TermSpec", "Window", "pass_name", "scale_at",
-           "stream_scale_at", "term_of"]
+__all__ = ["GUIDANCE", "FamilyTargets", "GuidanceFacts", "Scale", "ScaleSchedule", "StreamScale", "Term", "TermSpec",
+           "Window", "pass_name", "scale_at", "stream_scale_at", "term_of"]

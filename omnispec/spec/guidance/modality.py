@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .base import GUIDANCE, StreamScale, Term, TermSpec
+from .base import GUIDANCE, FamilyTargets, StreamScale, Term, TermSpec
 
 
 class Modality(TermSpec):
@@ -26,12 +26,12 @@ class ModalityTerm(Term):
     def perturbation(self, term: Any) -> Any:
         return term
 
-    def refusal(self, term: Any, targets: Any) -> str | None:
+    def refusal(self, term: Any, targets: FamilyTargets) -> str | None:
         modalities = targets.guidance.modalities
         if term.modality in modalities:
             return None
-        return (f"family {targets.family!r} has no modality {term.modality!r} to isolate (modalities: "
-                f"{', '.join(modalities) or 'none'})")
+        have = ", ".join(modalities) or "none"
+        return targets.missing(f"modality {term.modality!r} to isolate") + f" (modalities: {have})"
 
 
 GUIDANCE.register(Modality, ModalityTerm())

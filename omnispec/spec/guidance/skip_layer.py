@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from .base import GUIDANCE, StreamScale, Term, TermSpec
+from .base import GUIDANCE, FamilyTargets, StreamScale, Term, TermSpec
 
 
 class SkipLayer(TermSpec):
@@ -37,9 +37,9 @@ class SkipLayerTerm(Term):
     def perturbs_attention(self, term: Any) -> bool:
         return term.perturbs_attention
 
-    def refusal(self, term: Any, targets: Any) -> str | None:
+    def refusal(self, term: Any, targets: FamilyTargets) -> str | None:
         why = targets.guidance.skip_layer_refusal
-        return f"skip_layer guidance cannot run on family {targets.family!r}: {why}" if why else None
+        return targets.refused("skip_layer guidance", why) if why else None
 
 
 GUIDANCE.register(SkipLayer, SkipLayerTerm())

@@ -135,14 +135,14 @@ def _fake_flash_attn_4(monkeypatch, calls: list, head_sizes: tuple[int, ...], ba
 def _flash4_passes_the_probe(monkeypatch) -> None:
     """The real package runs on CUDA only: let the stand-in pass the build's check."""
     from omnispec.kernels import flash4
-    from omnispec.policies import attention, attention_kernels
+    from omnispec.policies import attention_fallback, attention_kernels
 
     monkeypatch.setattr(flash4, "REFUSED", {})
     probe = attention_kernels.probe
     monkeypatch.setattr(attention_kernels, "probe",
                         lambda backend, *args: None if backend == "flash4" else probe(backend, *args))
     monkeypatch.setattr(attention_kernels, "_PROBES", {})
-    monkeypatch.setattr(attention, "FAILED", {})
+    monkeypatch.setattr(attention_fallback, "FAILED", {})
 
 
 def test_flash4_without_its_package_is_a_build_error_naming_it(flux_dir, monkeypatch):
@@ -319,11 +319,11 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
     """The real kernels at FLUX.1 1024²'s attention (4,608 tokens, 24 heads of 128, bf16) as the hooks run them:
     forward and gradients within bf16 rounding of cuDNN's SDPA, eager through the same guards a training step uses,
     compiled through the redirect inductor traces (the operators' fake and registered backward)."""
-    from omnispec.policies import attention
+    from omnispec.policies import attention, attention_fallback
     from omnispec.policies.attention_kernels import redirect_mode
 
     _needs_flash_attn_4()
-    monkeypatch.setattr(attention, "FAILED", {})
+    monkeypatch.setattr(attention_fallback, "FAILED", {})
     counts = _count_flash4_calls(monkeypatch)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
@@ -345,7 +345,7 @@ def test_flash4_on_cuda_gives_sdpa_outputs_and_gradients_at_fluxs_shape(monkeypa
 
     got = run(True)
     _assert_near_cudnn(got, q, k, v)
-    assert attention.FAILED == {}, attention.FAILED
+    assert attention_fallback.FAILED == {}, attention_fallback.FAILED
     assert counts["forward"] and counts["backward"], counts  # FA4 ran both ways, not SDPA
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert counts["tiles"] == {(128, 192) if hopper else None}, counts  # flash4.HOPPER_TILES at head size 128
@@ -367,10 +367,10 @@ def test_flash4_on_cuda_gives_sdpa_outputs_at_lengths_off_its_tile(monkeypatch, 
 
 
 def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
-    from omnispec.policies import attention
+    from omnispec.policies import attention_fallback
 
     _needs_flash_attn_4()
-    monkeypatch.setattr(attention, "FAILED", {})
+    monkeypatch.setattr(attention_fallback, "FAILED", {})
     counts = _count_flash4_calls(monkeypatch)
 
     def image(*overrides):
@@ -381,7 +381,7 @@ def test_flash4_on_cuda_runs_a_tiny_flux_in_bfloat16(flux_dir, monkeypatch):
     plain = image("policies.attention.default=sdpa")
     assert not counts["forward"]
     fa4 = image("policies.attention.default=flash4")
-    assert attention.FAILED == {} and counts["forward"], (attention.FAILED, counts)  # it ran, nothing fell back
+    assert attention_fallback.FAILED == {} and counts["forward"], (attention_fallback.FAILED, counts)  # ran, none fell back
     assert np.abs(fa4.astype(np.float32) - plain.astype(np.float32)).max() <= 0.05
     for graphs in ("false", "true"):  # CUDA graphs record the calls of their warm-up runs
         torch._dynamo.reset()

@@ -448,7 +448,7 @@ class _FailingBackward(torch.autograd.Function):
 def failing_backend(monkeypatch):
     """'xformers' replaced by a kernel whose backward fails, usable everywhere with torch's SDPA kernels (the
     packages of the other replacement kernels are not installed here)."""
-    from omnispec.policies import attention, attention_kernels
+    from omnispec.policies import attention, attention_fallback, attention_kernels
 
     monkeypatch.setitem(attention_kernels._REPLACEMENTS, "xformers",
                         lambda q, k, v, scale: _FailingBackward.apply(q, k, v))
@@ -457,7 +457,7 @@ def failing_backend(monkeypatch):
 
     monkeypatch.setattr(attention, "usable", usable)
     monkeypatch.setattr("omnispec.policies.apply.usable", usable)
-    monkeypatch.setattr(attention, "FAILED", {})
+    monkeypatch.setattr(attention_fallback, "FAILED", {})
     monkeypatch.setattr(attention, "AUTO_CHOICES", {})
     return attention
 

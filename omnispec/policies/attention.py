@@ -25,20 +25,19 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
-from torch.overrides import TorchFunctionMode
 
 from ..bridge import remove_hook
-from ..kernels.sdpa import may_train, remember_failure, safe_sdpa
+from ..kernels.sdpa import may_train, safe_sdpa
 from ..spec import PipelineSpec, SpecError
 from ..spec.attention_plan import SAFE_SDPA, approximation, auto_as_sdpa, training_backend
 from ..spec.errors import Problem
 from ..spec.policies import PERTURBABLE_BACKENDS
 from ..targets import AttentionTarget
+from .attention_fallback import fall_back, guarded_forward
 from .attention_kernels import (
     APPROXIMATE,
     AUTO_EXCLUDED,
@@ -158,7 +157,7 @@ def passes_gradient_trial(backend: str, batch: int, heads: int, tokens: int, hea
                 _trial(backend, q)
             GRADIENT_TRIALS[key] = True
         except (RuntimeError, NotImplementedError) as exc:
-            _fall_back((backend, (batch, heads, tokens, head_dim), dtype, "trial", True), exc)
+            fall_back((backend, (batch, heads, tokens, head_dim), dtype, "trial", True), exc)
             GRADIENT_TRIALS[key] = False
     return GRADIENT_TRIALS[key]
 
@@ -215,109 +214,6 @@ class AutoBackendHook(ModelHook):
         backend = choose(self.role, self.candidates, hidden.shape[0], self.heads, tokens, self.head_dim,
                          hidden.dtype, hidden.device, may_train())
         return guarded_forward(self.fn_ref.original_forward, backend, args, kwargs, torch.is_grad_enabled())
-
-
-# ---- a failing backend falls back ----------------------------------------------------------------------
-
-# Backends that failed at run time, with why; the calls they would have served run on torch's default SDPA. A
-# kernel can fail for one shape and not another (cuDNN's backward has), so a failure is per backend
-# and call shape, warned once.
-FAILED: dict[tuple, str] = {}
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_TENSOR_ARGS = ("query", "key", "value", "attn_mask")
-
-
-def _fall_back(key: tuple, exc: BaseException) -> None:
-    remember_failure(FAILED, key, exc, f"attention backend {key[0]} failed for a call of shape {key[1]}")
-
-
-def guarded_forward(forward: Callable, backend: str, args: tuple, kwargs: dict, grad: bool) -> Any:
-    """``forward`` with its SDPA calls on ``backend``. A call the backend fails at run time reruns on SDPA with one
-    warning (cuDNN attention off where the forward may be differentiated), and so does a backward it fails (with
-    gradients flowing, each call's graph is kept inside ``_GuardedAttention``, whose backward falls back)."""
-    if backend == "sdpa":
-        return forward(*args, **kwargs)
-    if grad:
-        with _GuardSDPA(backend, grad):
-            return forward(*args, **kwargs)
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    key = (backend, tuple(getattr(hidden, "shape", ())), getattr(hidden, "dtype", None), "forward", False)
-    if key in FAILED:
-        return forward(*args, **kwargs)
-    try:  # without gradients the module's forward is pure: a failed call simply runs again
-        with backend_context(backend):
-            return forward(*args, **kwargs)
-    except (RuntimeError, NotImplementedError) as exc:
-        _fall_back(key, exc)
-        return forward(*args, **kwargs)
-
-
-class _GuardSDPA(TorchFunctionMode):
-    """Runs each SDPA call on ``backend`` (through ``backend_context``), falling back as ``guarded_forward`` says."""
-
-    def __init__(self, backend: str, grad: bool):
-        super().__init__()
-        self.backend, self.grad = backend, grad
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        call = dict(zip(_SDPA_ARGS, args)) | kwargs
-        key = (self.backend, tuple(call["query"].shape), call["query"].dtype, str(call["query"].device), self.grad)
-        if key in FAILED:
-            return func(**call)
-        tensors = [call.get(name) for name in _TENSOR_ARGS]
-        if self.grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-            options = {k: v for k, v in call.items() if k not in _TENSOR_ARGS}
-            return _GuardedAttention.apply(self.backend, key, options, *tensors)
-        try:
-            with backend_context(self.backend):
-                return func(**call)
-        except (RuntimeError, NotImplementedError) as exc:
-            _fall_back(key, exc)
-            return func(**call)
-
-
-class _GuardedAttention(torch.autograd.Function):
-    """SDPA on a backend whose backward may fail: the forward builds the call's graph on detached inputs and keeps
-    it; the backward differentiates that graph, and if the backend fails there, recomputes the call on SDPA with
-    cuDNN attention off and differentiates that instead (one warning). A failure that leaves the device unusable (a
-    sticky CUDA error) cannot be caught: that is why a backend's backward is tried before it trains
-    (``passes_gradient_trial``)."""
-
-    @staticmethod
-    def forward(ctx, backend, key, options, query, key_t, value, attn_mask):  # type: ignore[override]
-        inner = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                 for t in (query, key_t, value, attn_mask)]
-        call = dict(zip(_TENSOR_ARGS, inner)) | options
-        with torch.enable_grad():
-            try:
-                with backend_context(backend):
-                    out = F.scaled_dot_product_attention(**call)
-            except (RuntimeError, NotImplementedError) as exc:
-                _fall_back(key, exc)
-                with safe_sdpa():
-                    out = F.scaled_dot_product_attention(**call)
-        ctx.key, ctx.call, ctx.inner, ctx.out = key, call, inner, out
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        wanted = [i for i, t in enumerate(ctx.inner) if isinstance(t, torch.Tensor) and t.requires_grad]
-        inputs = [ctx.inner[i] for i in wanted]
-        try:
-            grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
-        except (RuntimeError, NotImplementedError) as exc:
-            _fall_back(ctx.key, exc)
-            with torch.enable_grad(), safe_sdpa():
-                again = F.scaled_dot_product_attention(**ctx.call)
-            grads = torch.autograd.grad(again, inputs, grad_out, allow_unused=True)
-        out = [None] * 4
-        for i, g in zip(wanted, grads):
-            out[i] = g
-        ctx.call = ctx.inner = ctx.out = None
-        return None, None, None, *out
 
 
 # ---- the policy -----------------------------------------------------------------------------------

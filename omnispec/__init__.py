@@ -105,10 +105,14 @@ def replay(output: str | os.PathLike[str], *, source: str | os.PathLike[str] | N
     omnispec major.minor or diffusers minor is refused unless ``allow_version_drift`` (the new output's record then
     says it drifted). The record is checked whole before any weight loads; it can never turn ``trust_code`` on."""
     from .replaying import replay as _replay
-    from .rl.pipeline import RLPipeline
+
+    def rl_pipeline() -> type:
+        from .rl.pipeline import RLPipeline
+
+        return RLPipeline
 
     return _replay(output, source=source, device=device, trust_code=trust_code,
-                   allow_version_drift=allow_version_drift, pipeline_class=RLPipeline)
+                   allow_version_drift=allow_version_drift, pipeline_class=rl_pipeline)
 
 
 def __getattr__(name: str) -> Any:

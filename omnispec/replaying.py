@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import records
@@ -147,11 +147,11 @@ def _changed(entry: Any, where: str, what: str, option: str, read: Any) -> Probl
 
 def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None, device: str | None = None,
            overrides: Iterable[str] = (), trust_code: bool = False, allow_version_drift: bool = False,
-           pipeline_class: type | None = None) -> Output:
-    """Regenerate the output at ``path`` (see ``omnispec.replay``) with a ``pipeline_class`` pipeline (default: the
-    runtime's ``Pipeline``)."""
-    from .runtime.build import build
-    from .runtime.pipeline import Pipeline
+           pipeline_class: Callable[[], type] | None = None) -> Output:
+    """Regenerate the output at ``path`` (see ``omnispec.replay``) with the pipeline class ``pipeline_class()``
+    returns (default: the runtime's ``Pipeline``), called once the record is checked: the runtime is imported
+    only then, offline where the record's checkpoint is local."""
+    from .spec.hub import offline_while_local
 
     _check_arguments(path, source, device, trust_code, allow_version_drift)
     record = records.read(path)
@@ -164,8 +164,15 @@ def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | Non
     prompts, seeds, fields = request_arguments(record, spec)
     resolve_request(spec, prompts, seeds, **fields)  # the request is checked before any weight loads
     root = source_text or records.recorded_source(record)
-    pipe = build(spec, source=root, device=device, trust_code=trust_code, pipeline_class=pipeline_class or Pipeline)
-    output = pipe(prompts, seeds, **fields)
+    # a record of a local checkpoint replays offline, as ``omnispec.build`` builds: the libraries imported and used
+    # on the way ask the Hub nothing
+    with offline_while_local(spec, root):
+        from .runtime.build import build
+        from .runtime.pipeline import Pipeline
+
+        cls = pipeline_class() if pipeline_class is not None else Pipeline
+        pipe = build(spec, source=root, device=device, trust_code=trust_code, pipeline_class=cls)
+        output = pipe(prompts, seeds, **fields)
     output = marked_as_replay(output, record, drift)
     return output if record.sample is None else select_sample(output, record.sample)
 

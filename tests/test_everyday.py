@@ -178,6 +178,34 @@ def test_build_from_python_of_a_local_spec_asks_the_hub_nothing_and_leaves_the_s
     assert tried == [] and variable is None and offline is False, (tried, variable, offline)
 
 
+def test_replay_from_python_of_a_local_record_asks_the_hub_nothing(tmp_path):
+    """``omnispec.replay`` of an output made from a local checkpoint, in a fresh interpreter with HF_HUB_OFFLINE
+    unset: no connection is tried, and the process is online again afterwards."""
+    made = subprocess.run([sys.executable, "-m", "omnispec", "-q", "run", "digits", "--prompt", "seven", "--steps",
+                           "1", "--output", "seven.png"], capture_output=True, text=True, cwd=tmp_path,
+                          env=cpu_env(OMP_NUM_THREADS="1"), timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    script = (
+        "import json, os, socket\n"
+        "tried = []\n"
+        "def refuse(*args, **kwargs):\n"
+        "    tried.append(str(args[0] if args else kwargs.get('host')))\n"
+        "    raise OSError('no network in this test')\n"
+        "socket.getaddrinfo = refuse\n"
+        "socket.socket.connect = lambda self, address: refuse(address)\n"
+        "import omnispec, huggingface_hub\n"
+        "omnispec.replay('seven.png')\n"
+        "print(json.dumps([tried, os.environ.get('HF_HUB_OFFLINE'), huggingface_hub.constants.HF_HUB_OFFLINE]))\n")
+    env = cpu_env(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("TRANSFORMERS_OFFLINE", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tried, variable, offline = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tried == [] and variable is None and offline is False, (tried, variable, offline)
+
+
 def test_a_mistake_under_torchrun_is_one_error_line_and_exit_2_from_each_rank(tmp_path):
     """torchrun then adds its own report (a traceback of torchrun and a table of the ranks' exit codes) and exits 1:
     docs/cli.md shows it. omnispec's part is one line, from rank 0, and exit code 2 on every rank that got so far."""

@@ -15,12 +15,12 @@ The forward, for (batch, heads, tokens, head size) inputs:
 
 ``sage_reference`` is that forward in plain torch: it runs on the CPU, and it is the check of the GPU kernel
 (``sageattn`` of the ``sageattention`` package, which quantizes at the same blocks). ``sage_attention`` runs the
-kernel where it applies (``sageattn`` on CUDA, the reference on the CPU) and, where gradients flow, through
-``SageAttention``, whose backward is exact attention's.
+kernel where it applies (``sageattn`` on CUDA, the reference on the CPU) through an operator whose backward is
+exact attention's, which compiled code calls as it is.
 
 **The backward is a straight-through one.** Quantization has no useful derivative, so the gradient taken is exact
-attention's at the saved q, k and v: ``SageAttention.backward`` recomputes ``softmax(q kᵀ · scale) v`` with torch's
-SDPA under autograd and differentiates it, as SageAttention's training variants do (their backward is
+attention's at the saved q, k and v: the backward operator recomputes ``softmax(q kᵀ · scale) v`` with torch's
+SDPA and differentiates it, as SageAttention's training variants do (their backward is
 full-precision attention's). torch's flash attention runs it, memory-efficient attention where flash cannot, math
 last; never cuDNN attention, whose backward can fail with a sticky CUDA error. The forward a replay with gradients
 computes is the quantized forward its rollout computed, bit for bit, so an unchanged model replays with a log-prob
@@ -135,30 +135,50 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-class SageAttention(torch.autograd.Function):
-    """Forward: the quantized kernel (``forward_kernel``). Backward: exact attention's at the saved q, k and v (the
-    module docstring says why), recomputed with torch's SDPA under autograd on flash or memory-efficient attention
-    (math last; never cuDNN's)."""
+# Operators (``torch.library``), not an ``autograd.Function``: compiled code calls them as they are (``sageattn``'s
+# Triton kernels are not for dynamo to trace), so ``sage`` can run inside compiled blocks as ``flash4`` does.
+@torch.library.custom_op("omnispec::sage_attention", mutates_args=())
+def sage_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """The quantized forward (``forward_kernel``) of (batch, heads, tokens, head size) ``q``, ``k``, ``v``."""
+    return forward_kernel(q.device)(q, k, v, scale).contiguous()
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
-        return forward_kernel(q.device)(q, k, v, scale)
 
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v = (t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad))
-        wanted = [t for t in (q, k, v) if t.requires_grad]
-        with torch.enable_grad():
-            out = exact_attention(q, k, v, ctx.scale)
-            grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return *(next(grads) if t.requires_grad else None for t in (q, k, v)), None
+@sage_attention_op.register_fake
+def _(q, k, v, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("omnispec::sage_attention_backward", mutates_args=())
+def sage_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact attention's gradients at ``q``, ``k``, ``v`` (the module docstring says why); torch.func, because an
+    operator's body runs below autograd, where plain autograd records nothing."""
+    _, pull_back = torch.func.vjp(lambda q, k, v: exact_attention(q, k, v, scale), q, k, v)
+    return tuple(g.contiguous() for g in pull_back(grad_out))  # type: ignore[return-value]
+
+
+@sage_attention_backward.register_fake
+def _(grad_out, q, k, v, scale):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _save(ctx, inputs, output):
+    q, k, v, scale = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.omnispec.sage_attention_backward(grad_out.contiguous(), q, k, v, ctx.scale)
+    return dq, dk, dv, None
+
+
+sage_attention_op.register_autograd(_backward, setup_context=_save)
 
 
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Sage-style attention of (batch, heads, tokens, dim) tensors, differentiable where gradients flow
-    (``SageAttention``); without them, the same kernel called directly (the same forward either way)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return SageAttention.apply(q, k, v, scale)
-    return forward_kernel(q.device)(q, k, v, scale)
+    """Sage-style attention of (batch, heads, tokens, dim) tensors, differentiable where gradients flow (the
+    backward: exact attention's); the same forward with gradients or without, eager or compiled."""
+    return torch.ops.omnispec.sage_attention(q, k, v, scale)

@@ -8,9 +8,9 @@ diffusers' ``set_attention_backend`` because that dispatcher (a) reaches only pr
 it (FLUX, Wan; not SD3's ``JointAttnProcessor2_0`` or the digits model's ``AttnProcessor2_0``) and (b)
 refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers every processor alike.
 
-Under compile per-module hooks would make every block recompile, so the only replacement allowed there, ``flash4`` (an
-operator compiled code can call), is one redirect around the denoiser's call (``CompiledRedirectHook``) that dynamo
-traces into each compiled block.
+Under compile per-module hooks would make every block recompile, so the only replacements allowed there, ``flash4``
+and ``sage`` (operators compiled code can call), run through one redirect around the denoiser's call
+(``CompiledRedirectHook``) that dynamo traces into each compiled block.
 
 Forwards that may be differentiated (with gradients, a rollout's, a replay's: ``kernels.sdpa.may_train``) run
 what a backward may follow: ``GradientSafeHook`` on each denoiser keeps cuDNN attention out of the dispatcher's
@@ -92,9 +92,9 @@ class FixedBackendHook(ModelHook):
 
 class CompiledRedirectHook(ModelHook):
     """Under compile: the denoiser's whole call inside one redirect of plain SDPA calls of ``head_sizes`` to a
-    replacement kernel (``flash4``, an operator compiled code can call). Dynamo traces the mode into each compiled
-    block; per-module hooks would make it recompile every block. A call shape the package refuses falls back to SDPA
-    inside its operators (``flash4.py``), as in eager runs."""
+    replacement kernel (``flash4`` or ``sage``, operators compiled code can call). Dynamo traces the mode into each
+    compiled block; per-module hooks would make it recompile every block. A call shape FA4 refuses falls back to SDPA
+    inside its operators (``flash4.py``), as in eager runs; sage's dtype and head sizes are checked at build."""
 
     def __init__(self, backend: str, head_sizes: frozenset[int]):
         super().__init__()
@@ -271,7 +271,7 @@ def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapp
     for dname, denoiser in denoisers.items():
         for name in (HOOK_NAME, GRADIENTS_HOOK):
             remove_hook(denoiser, name)
-        traced: set[int] = set()  # head sizes flash4 takes under compile, through one hook on the denoiser
+        traced: set[int] = set()  # head sizes the named kernel takes under compile, through one hook on the denoiser
         for role, modules in target.modules(denoiser.named_modules()).items():
             for _, module in modules:  # a rebuild over the same modules starts clean
                 unfused_attention(module)
@@ -280,7 +280,7 @@ def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapp
             hook_for = _plan_role(spec, target, role, dname, modules[0][1], denoiser.dtype, device, plan, problems)
             if hook_for is None:
                 continue
-            if compiled:  # the spec rules let only flash4, named for every role, reach here
+            if compiled:  # the spec rules let only flash4 or sage, named for every role, reach here
                 traced.add(head_shape(modules[0][1], target)[1])
                 plan.notes[role] += "; compiled in, through one redirect around the denoiser's call"
                 continue
@@ -288,7 +288,7 @@ def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapp
                 HookRegistry.check_if_exists_or_initialize(module).register_hook(hook_for(), HOOK_NAME)
         registry = HookRegistry.check_if_exists_or_initialize(denoiser)
         if traced:
-            registry.register_hook(CompiledRedirectHook("flash4", frozenset(traced)), HOOK_NAME)
+            registry.register_hook(CompiledRedirectHook(spec.policies.attention.default, frozenset(traced)), HOOK_NAME)
         registry.register_hook(GradientSafeHook(), GRADIENTS_HOOK)
     if problems:
         raise SpecError(problems)

@@ -49,6 +49,8 @@ def training_backend(backend: str, compiled: bool) -> str:
         return SAFE_SDPA + ALSO
     if backend in SAFE_NAMED:
         return f"{backend} (named; its backward is torch's own){ALSO}"
+    if backend == "sage" and compiled:
+        return f"sage (named; {SAGE_FORWARD}; {SAGE_BACKWARD}), compiled in{ALSO}"
     if backend == "sage":
         return (f"sage (named; {SAGE_FORWARD}; {SAGE_BACKWARD}), each call shape first checked by a trial forward and "
                 f"backward; a shape that fails it runs on sdpa with cuDNN attention off{ALSO}")

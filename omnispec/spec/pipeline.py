@@ -10,7 +10,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 from .base import DEVICE_PATTERN, Seed, SpecModel
 from .guidance import GUIDANCE
 from .model import ROLES, WEIGHTLESS_ROLES, ModelSpec
-from .policies import CACHES, KERNEL_POLICIES, OFFLOADS, PERTURBABLE_BACKENDS, Policies
+from .policies import CACHES, COMPILED_REPLACEMENTS, KERNEL_POLICIES, OFFLOADS, PERTURBABLE_BACKENDS, Policies
 from .recipe import IMAGE_TASKS, SAMPLERS, ImageInput, LatentUpsample, PreviousInput, Recipe
 from .schedule import FROM_CHECKPOINT, SCHEDULES, SHARED_SCHEDULES, SegmentSchedule
 
@@ -230,17 +230,17 @@ def _policy_problems(spec: PipelineSpec):
     if policies.compile.mode != "none":
         chosen_backends = {("default",): policies.attention.default} | {
             ("per_role", r): b for r, b in policies.attention.per_role.items()}
-        everywhere = set(chosen_backends.values()) == {"flash4"}
+        named = set(chosen_backends.values())
         for where, backend in chosen_backends.items():
-            if backend == "flash4" and not everywhere:
+            if backend in COMPILED_REPLACEMENTS and named != {backend}:
                 yield ("policies", "attention", *where), (
-                    f"under policies.compile.mode {policies.compile.mode!r} flash4 runs every attention of the "
+                    f"under policies.compile.mode {policies.compile.mode!r} {backend} runs every attention of the "
                     "denoiser (one redirect around its call, which the compiler traces): name it as "
                     "policies.attention.default and give per_role no other backend")
-            elif backend not in ("auto", "sdpa", "flash4"):
+            elif backend not in ("auto", "sdpa", *COMPILED_REPLACEMENTS):
                 yield ("policies", "attention", *where), (
                     f"backend {backend!r} is applied by per-module hooks that make policies.compile.mode "
-                    f"{policies.compile.mode!r} recompile every block; use auto, sdpa or flash4 with compile"
+                    f"{policies.compile.mode!r} recompile every block; use auto, sdpa, flash4 or sage with compile"
                 )
     perturbing = [
         i for i, phase in enumerate(spec.recipe.phases) if phase.guidance.perturbs_attention

@@ -21,6 +21,9 @@ AttentionBackend = Literal[
 # perturbation (skip-layer guidance with skip: attention_scores) and the sequence-parallel attention intercept;
 # the others (xformers, sage, flash4) bypass it.
 PERTURBABLE_BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+# Replacement kernels compiled code can call (operators): under compile one of them, named for every role, runs
+# through one redirect around the denoiser's call that the compiler traces into each block.
+COMPILED_REPLACEMENTS = ("flash4", "sage")
 
 
 class SparseAttention(SpecModel):

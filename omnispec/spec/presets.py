@@ -40,7 +40,8 @@ FAST = (
     PresetField(("mlp", "precomputed_modulation"), True, "modulation linears precomputed per request", "modulation"),
 )
 # fp8 matmuls with a scale per row: the setting whose cosine against bf16 BENCHMARKS.md records for each family
-# (no approximate attention: ``sage`` runs through per-module hooks, which compile, turned on above, refuses)
+# (no approximate attention yet: ``sage`` runs compiled too, but whether sageattention's kernels beat FlashAttention-4
+# on Hopper is not measured: BENCHMARKS.md, "Not measured yet")
 FASTEST = FAST + (
     PresetField(("quantization", "denoiser"), {"method": "fp8_dynamic", "granularity": "row"},
                 "fp8 matmuls in the denoisers (torchao, a scale per row)", "fp8", approximate=True),

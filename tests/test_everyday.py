@@ -154,9 +154,9 @@ def test_a_local_run_makes_no_hub_request_at_any_verbosity(tmp_path):
     assert "Traceback" not in out.stderr and "huggingface.co" not in out.stderr, out.stderr[-3000:]
 
 
-def test_build_from_python_of_a_local_spec_asks_the_hub_nothing_and_leaves_the_setting_as_it_was(tmp_path):
-    """``omnispec.build`` in a fresh interpreter with HF_HUB_OFFLINE unset: every connection the process tries is
-    recorded (and refused); a local spec builds with none, and the process is online again afterwards."""
+def _hub_connections_of(call: str, cwd) -> tuple[list[str], str | None, bool]:
+    """Run ``call`` (Python after ``import omnispec``) in a fresh interpreter with HF_HUB_OFFLINE unset and every
+    connection refused and recorded: the hosts it tried, and HF_HUB_OFFLINE and huggingface_hub's setting after."""
     script = (
         "import json, os, socket\n"
         "tried = []\n"
@@ -166,15 +166,22 @@ def test_build_from_python_of_a_local_spec_asks_the_hub_nothing_and_leaves_the_s
         "socket.getaddrinfo = refuse\n"
         "socket.socket.connect = lambda self, address: refuse(address)\n"
         "import omnispec, huggingface_hub\n"
-        "omnispec.build('digits', overrides=['runtime.progress=false'])\n"
+        f"{call}\n"
         "print(json.dumps([tried, os.environ.get('HF_HUB_OFFLINE'), huggingface_hub.constants.HF_HUB_OFFLINE]))\n")
-    env = cpu_env(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))  # no cached answer of the Hub's to read
+    env = cpu_env(OMP_NUM_THREADS="1", HF_HOME=str(cwd / "hf"))  # no cached answer of the Hub's to read
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("TRANSFORMERS_OFFLINE", None)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     tried, variable, offline = json.loads(out.stdout.strip().splitlines()[-1])
+    return tried, variable, offline
+
+
+def test_build_from_python_of_a_local_spec_asks_the_hub_nothing_and_leaves_the_setting_as_it_was(tmp_path):
+    """``omnispec.build`` in a fresh interpreter with HF_HUB_OFFLINE unset: a local spec builds with no connection
+    tried, and the process is online again afterwards."""
+    tried, variable, offline = _hub_connections_of("omnispec.build('digits', overrides=['runtime.progress=false'])",
+                                                   tmp_path)
     assert tried == [] and variable is None and offline is False, (tried, variable, offline)
 
 
@@ -185,24 +192,7 @@ def test_replay_from_python_of_a_local_record_asks_the_hub_nothing(tmp_path):
                            "1", "--output", "seven.png"], capture_output=True, text=True, cwd=tmp_path,
                           env=cpu_env(OMP_NUM_THREADS="1"), timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
-    script = (
-        "import json, os, socket\n"
-        "tried = []\n"
-        "def refuse(*args, **kwargs):\n"
-        "    tried.append(str(args[0] if args else kwargs.get('host')))\n"
-        "    raise OSError('no network in this test')\n"
-        "socket.getaddrinfo = refuse\n"
-        "socket.socket.connect = lambda self, address: refuse(address)\n"
-        "import omnispec, huggingface_hub\n"
-        "omnispec.replay('seven.png')\n"
-        "print(json.dumps([tried, os.environ.get('HF_HUB_OFFLINE'), huggingface_hub.constants.HF_HUB_OFFLINE]))\n")
-    env = cpu_env(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
-    env.pop("HF_HUB_OFFLINE", None)
-    env.pop("TRANSFORMERS_OFFLINE", None)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    tried, variable, offline = json.loads(out.stdout.strip().splitlines()[-1])
+    tried, variable, offline = _hub_connections_of("omnispec.replay('seven.png')", tmp_path)
     assert tried == [] and variable is None and offline is False, (tried, variable, offline)
 
 

@@ -72,13 +72,9 @@ def test_gradients_are_exact_attentions_at_the_same_inputs_and_the_forward_is_un
     assert torch.allclose(only_v, exact[2], rtol=1e-5, atol=1e-6)
 
 
-def test_a_sage_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch):
-    calls = []
-    reference = sage.sage_reference
-    monkeypatch.setattr(sage, "sage_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
-    pipe = omnispec.build(DIGITS, overrides=[*QUICK, "policies.attention.default=sage"])
+def _rollout_and_replay_with_gradients(pipe) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A rollout's log-probs, its replay's with gradients, and the denoiser's gradients from the replay's backward."""
     ro = pipe.rollout(["seven"], group_size=2, seed=0, sampler=SDE)
-    in_rollout = len(calls)
     denoiser = pipe.components["transformer"]
     denoiser.requires_grad_(True)
     try:
@@ -87,8 +83,19 @@ def test_a_sage_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeyp
         grads = [p.grad for p in denoiser.parameters() if p.grad is not None]
     finally:
         denoiser.requires_grad_(False).zero_grad(set_to_none=True)
-    assert in_rollout > 0 and len(calls) > in_rollout  # the quantized kernel ran in both
-    assert torch.equal(replay.log_probs.detach(), ro.log_probs)
+    return ro.log_probs, replay.log_probs.detach(), grads
+
+
+def test_a_sage_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch):
+    calls = []
+    reference = sage.sage_reference
+    monkeypatch.setattr(sage, "sage_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    pipe = omnispec.build(DIGITS, overrides=[*QUICK, "policies.attention.default=sage"])
+    pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
+    in_rollout = len(calls)
+    rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
+    assert in_rollout > 0 and len(calls) > 2 * in_rollout  # the quantized kernel ran in the rollout and the replay
+    assert torch.equal(replayed, rolled)
     assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 
@@ -114,19 +121,14 @@ def test_sage_compiled_into_the_blocks_replays_with_gradients_at_a_ratio_of_exac
     pipe = omnispec.build(DIGITS, overrides=[*QUICK, "policies.attention.default=sage",
                                              "policies.compile={mode: regional, backend: aot_eager}"])
     assert "compiled in" in pipe.explain(as_dict=True)["attention"]["self"]
-    ro = pipe.rollout(["seven"], group_size=2, seed=0, sampler=SDE)
+    pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
     in_rollout = len(calls)
-    denoiser = pipe.components["transformer"]
-    denoiser.requires_grad_(True)
     try:
-        replay = pipe.log_prob(ro, grad=True)
-        replay.log_probs.sum().backward()
-        grads = [p.grad for p in denoiser.parameters() if p.grad is not None]
+        rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
     finally:
-        denoiser.requires_grad_(False).zero_grad(set_to_none=True)
         torch._dynamo.reset()
-    assert in_rollout > 0 and len(calls) > in_rollout  # the quantized kernel ran in both
-    assert torch.equal(replay.log_probs.detach(), ro.log_probs)
+    assert in_rollout > 0 and len(calls) > 2 * in_rollout  # the quantized kernel ran in the rollout and the replay
+    assert torch.equal(replayed, rolled)
     assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .spec import PipelineSpec, SpecError, compile_plan, dump_spec, json_schema, load_spec
+from .spec import PipelineSpec, SpecError, compile_plan, dump_spec, json_schema, load_spec, spec_with_overrides
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -70,7 +70,10 @@ def build(
     local_source = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
     # a spec that needs nothing from the Hub builds offline, as the CLI runs it: the libraries imported and used on
     # the way ask the Hub nothing (an agent registry, a kernel's publisher)
-    with offline_while_local(_spec_to_run(spec_or_path, overrides, trust_code), local_source):
+    spec = _spec_to_run(spec_or_path, overrides, trust_code)
+    if spec is not None:  # read once: the runtime takes it as it is
+        spec_or_path, overrides = spec, ()
+    with offline_while_local(spec, local_source):
         from .rl.pipeline import RLPipeline
         from .runtime import build as _build
 
@@ -83,16 +86,10 @@ def build(
 def _spec_to_run(spec_or_path: Any, overrides: Any, trust_code: Any) -> PipelineSpec | None:
     """The spec ``build`` runs, read before the runtime is imported; None where it cannot be read (``build`` then
     says why, naming the argument)."""
-    if isinstance(spec_or_path, PipelineSpec) and not overrides:
-        return spec_or_path
     try:
-        if isinstance(spec_or_path, PipelineSpec):
-            import yaml
-
-            spec_or_path = yaml.safe_load(dump_spec(spec_or_path))
-        elif isinstance(spec_or_path, os.PathLike):
+        if isinstance(spec_or_path, os.PathLike):
             spec_or_path = os.fspath(spec_or_path)
-        return load_spec(spec_or_path, overrides, trust_code=trust_code is True)
+        return spec_with_overrides(spec_or_path, overrides, trust_code=trust_code is True)
     except (SpecError, TypeError):
         return None
 

@@ -13,7 +13,7 @@ from ..log import harmless_messages_demoted
 from ..policies import apply_policies, check_policies, quantization, resolve_device
 from ..policies.presets import preset_here
 from ..records import checkpoint_record
-from ..spec import PipelineSpec, SpecError, SpecTypeError, load_spec
+from ..spec import PipelineSpec, SpecError, SpecTypeError, spec_with_overrides
 from ..spec.checkpoint import (
     ESCAPE,
     INDEX_FILES,
@@ -75,16 +75,7 @@ def _build(spec_or_path: Any, source: Any, overrides: Any, device: Any, componen
     overrides = _check_arguments(spec_or_path, source, overrides, components, trust_code)
     if device is not None:
         check_device(device)
-    if isinstance(spec_or_path, PipelineSpec):
-        spec = spec_or_path
-        if overrides:
-            import yaml
-
-            from ..spec import dump_spec
-
-            spec = load_spec(yaml.safe_load(dump_spec(spec)), overrides, trust_code=trust_code)
-    else:
-        spec = load_spec(spec_or_path, overrides, trust_code=trust_code)
+    spec = spec_with_overrides(spec_or_path, overrides, trust_code=trust_code)
     family_cls = family_class(spec.model.family)
     family_cls.check_spec(spec)
     if device is None:

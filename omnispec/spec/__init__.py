@@ -13,7 +13,15 @@ from .guidance import (
     TrueCFG,
     Window,
 )
-from .loader import apply_override, deep_merge, dump_spec, load_spec, resolve_spec_data, validate_spec
+from .loader import (
+    apply_override,
+    deep_merge,
+    dump_spec,
+    load_spec,
+    resolve_spec_data,
+    spec_with_overrides,
+    validate_spec,
+)
 from .model import BUILTIN_FAMILIES, AdapterSlot, Component, ModelSpec
 from .pipeline import PipelineSpec, RuntimeSpec
 from .plan import PlannedTerm, StepPlan, compile_plan, compress_plan
@@ -35,6 +43,6 @@ __all__ = [
     "FlowMatchSchedule", "Modality", "ModelSpec", "Phase", "PipelineSpec", "PlannedTerm", "Policies", "Problem",
     "Recipe", "RequestDefaults", "RuntimeSpec", "ScaleSchedule", "SchedulerSchedule", "SegmentSchedule",
     "SkipLayer", "SpecError", "SpecTypeError", "StepPlan", "TrueCFG", "Window", "apply_override", "compile_plan", "compress_plan",
-    "deep_merge", "dump_spec", "explain_spec", "flow_match_sigmas", "json_schema", "load_spec", "render_explain",
+    "deep_merge", "dump_spec", "explain_spec", "flow_match_sigmas", "json_schema", "load_spec", "render_explain", "spec_with_overrides",
     "resolve_spec_data", "validate_spec",
 ]

@@ -228,6 +228,16 @@ def apply_override(data: dict[str, Any], override: str, file: str | None = None)
             )
 
 
+def spec_with_overrides(spec_or_path: Any, overrides: Iterable[str] = (), *, trust_code: bool = False) -> PipelineSpec:
+    """The spec a ``PipelineSpec``, a file, a bundled spec's name or a mapping gives, with ``overrides`` applied (a
+    ``PipelineSpec`` without overrides as it is)."""
+    if isinstance(spec_or_path, PipelineSpec):
+        if not overrides:
+            return spec_or_path
+        spec_or_path = yaml.safe_load(dump_spec(spec_or_path))
+    return load_spec(spec_or_path, overrides, trust_code=trust_code)
+
+
 def dump_spec(spec: PipelineSpec, format: Literal["yaml", "json"] = "yaml") -> str:
     """Serialise a spec; ``load_spec`` of the result equals ``spec``. Defaults are left out."""
     data = spec.model_dump(mode="json", by_alias=True, exclude_defaults=True)

@@ -109,7 +109,7 @@ def replay(output: str | os.PathLike[str], *, source: str | os.PathLike[str] | N
         return RLPipeline
 
     return _replay(output, source=source, device=device, trust_code=trust_code,
-                   allow_version_drift=allow_version_drift, pipeline_class=rl_pipeline)
+                   allow_version_drift=allow_version_drift, pipeline_loader=rl_pipeline)
 
 
 def __getattr__(name: str) -> Any:

@@ -147,8 +147,8 @@ def _changed(entry: Any, where: str, what: str, option: str, read: Any) -> Probl
 
 def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None, device: str | None = None,
            overrides: Iterable[str] = (), trust_code: bool = False, allow_version_drift: bool = False,
-           pipeline_class: Callable[[], type] | None = None) -> Output:
-    """Regenerate the output at ``path`` (see ``omnispec.replay``) with the pipeline class ``pipeline_class()``
+           pipeline_loader: Callable[[], type] | None = None) -> Output:
+    """Regenerate the output at ``path`` (see ``omnispec.replay``) with the pipeline class ``pipeline_loader()``
     returns (default: the runtime's ``Pipeline``), called once the record is checked: the runtime is imported
     only then, offline where the record's checkpoint is local."""
     from .spec.hub import offline_while_local
@@ -170,7 +170,7 @@ def replay(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | Non
         from .runtime.build import build
         from .runtime.pipeline import Pipeline
 
-        cls = pipeline_class() if pipeline_class is not None else Pipeline
+        cls = pipeline_loader() if pipeline_loader is not None else Pipeline
         pipe = build(spec, source=root, device=device, trust_code=trust_code, pipeline_class=cls)
         output = pipe(prompts, seeds, **fields)
     output = marked_as_replay(output, record, drift)

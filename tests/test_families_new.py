@@ -140,6 +140,57 @@ def test_hunyuan_video15_i2v_matches_diffusers(hunyuan_video15_i2v_dir, picture)
     assert np.abs(ours.array - ref).max() <= TOL
 
 
+def _joint_attention_masks(pipe, run) -> list[bool]:
+    """Whether each attention call inside the transformer's joint attentions (not the token refiner's) had a mask."""
+    from torch.overrides import TorchFunctionMode
+
+    masked, inside = [], []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention and inside:
+                masked.append(kwargs.get("attn_mask") is not None)
+            return func(*args, **kwargs)
+
+    def enter(*_):
+        inside.append(True)
+
+    def leave(*_):
+        inside.pop()
+
+    hooks = []
+    for block in pipe.components["transformer"].transformer_blocks:
+        hooks += [block.attn.register_forward_pre_hook(enter), block.attn.register_forward_hook(leave)]
+    try:
+        with Record():
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return masked
+
+
+def test_hunyuan_video15_drops_the_text_padding_and_its_mask(hunyuan_video15_dir):
+    """One prompt: its padding (and text-to-video's image tokens) dropped, every joint attention without a mask, the
+    same video as the pipeline's masked attention over the padded prompt. Two prompts of different lengths in one
+    forward keep a mask (their padding is masked as diffusers masks it)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    pipe = omnispec.build(SPECS / "hunyuanvideo-1.5-t2v.yaml", source=str(hunyuan_video15_dir),
+                          overrides=TINY_OVERRIDES["hunyuan_video15"])
+    out = {}
+    masked = _joint_attention_masks(pipe, lambda: out.setdefault("x", pipe("a cat on a mat", seed=3,
+                                                                           negative_prompt="blurry")))
+    assert masked and not any(masked)
+    ref = reference(HunyuanVideo15Pipeline, hunyuan_video15_dir)(
+        "a cat on a mat", negative_prompt="blurry", height=16, width=32, num_frames=9, num_inference_steps=2,
+        generator=generators(3)[0], output_type="np").frames
+    assert np.abs(out["x"].array - ref).max() <= TOL
+    masked = _joint_attention_masks(pipe, lambda: pipe(["a cat", "a red car parked in the snow"], seed=[1, 2]))
+    assert any(masked)
+
+
 # ---- policies ----------------------------------------------------------------------------------------------------
 
 # Each family with a guidance that runs two passes (Z-Image with CFG) and three steps' worth of cache decisions.

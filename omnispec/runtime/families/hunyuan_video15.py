@@ -6,20 +6,42 @@ The transformer takes 65 channels: the noise, a condition latent and a mask (zer
 mode on the first latent frame and a first-frame mask for image-to-video), and SigLIP image tokens (zeros for
 text-to-video). Nothing is re-imposed after a step. The timestep is ``t`` itself, in the transformer's dtype. The VAE
 decodes one sample at a time (its causal attention mask does not broadcast over a batch).
+
+**Text without padding.** The prompt encodings come padded (1000 and 256 tokens; the text-to-video image tokens are
+729 more, all padding), and the transformer masks the padding with an (all tokens x all tokens) boolean mask in every
+block, which keeps attention off the flash-class kernels (BENCHMARKS.md, "HunyuanVideo-1.5"). Here each prompt's valid
+tokens are kept in their order and the rest dropped (``ragged``: padded only to the call's longest, and passes of
+different lengths run apart, as the pipeline runs its passes), text-to-video passes no image tokens, and where no row
+of a forward has padding left the joint attentions run without a mask (``UnmaskedJointAttention``). The padding is
+masked out of every valid token's attention and the output keeps only the video tokens, so what the model computes
+is the same; a forward whose rows keep padding runs diffusers' masked attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
+from ... import bridge
 from ...spec import PipelineSpec, SpecError
 from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets
 from .base import Family
 from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
+
+# Per-row counts of valid prompt tokens, kept on the host so each forward knows without a device sync whether its rows
+# carry padding.
+COUNTS = {"encoder_attention_mask": "prompt_tokens", "encoder_attention_mask_2": "glyph_tokens"}
+PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
+                         "encoder_attention_mask_2"})
 
 UNREGISTERED = ("diffusers' block hooks do not know HunyuanVideo15's transformer blocks (they are not in its "
                 "TransformerBlockRegistry)")
@@ -28,6 +50,7 @@ UNREGISTERED = ("diffusers' block hooks do not know HunyuanVideo15's transformer
 class HunyuanVideo15Family(Family):
     name = "hunyuan_video15"
     pipeline_class = HunyuanVideo15Pipeline
+    ragged_passes_apart = True  # each pass's prompt without padding, so attention runs without a mask
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",),
                                    "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}),
@@ -46,6 +69,7 @@ class HunyuanVideo15Family(Family):
         if self.helper.transformer.config.get("use_meanflow"):
             raise SpecError.single("step-distilled (use_meanflow) checkpoints take the next step's timestep in every "
                                    "forward, which the family's predict is not given", "model.source")
+        UnmaskedJointAttention.install(self.helper.transformer)
 
     def helper_components(self):
         return (*self.required, "scheduler", "transformer", "guider")  # no guider: the spec's guidance replaces it
@@ -53,8 +77,11 @@ class HunyuanVideo15Family(Family):
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
         embeds, mask, glyphs, glyph_mask = self.helper.encode_prompt(
             list(prompts), device=self.device, dtype=self.latent_dtype(None), batch_size=len(prompts))
+        (embeds, mask, counts), (glyphs, glyph_mask, glyph_counts) = valid_first(embeds, mask), valid_first(glyphs,
+                                                                                                      glyph_mask)
         return Conditioning({"encoder_hidden_states": embeds, "encoder_attention_mask": mask,
-                             "encoder_hidden_states_2": glyphs, "encoder_attention_mask_2": glyph_mask})
+                             "encoder_hidden_states_2": glyphs, "encoder_attention_mask_2": glyph_mask,
+                             "prompt_tokens": counts, "glyph_tokens": glyph_counts}, ragged=PROMPT_KEYS)
 
     def latent_dtype(self, denoiser) -> torch.dtype:
         return self.helper.transformer.dtype  # the pipelines keep latents in the transformer's dtype
@@ -84,25 +111,27 @@ class HunyuanVideo15Family(Family):
 
     def encode_images(self, request: Request, geometry: Geometry, generators: list[torch.Generator]
                       ) -> Conditioning | None:
-        """Text-to-video's empty conditioning: a zero condition latent and mask, and zero image tokens."""
+        """Text-to-video's empty conditioning: a zero condition latent and mask, and no image tokens (the pipeline
+        passes zeros, which the transformer masks out as padding)."""
         helper, b, dtype = self.helper, len(generators), self.latent_dtype(None)
         shape = (b, helper.num_channels_latents + 1, *self.latent_shape(geometry))
         return Conditioning({"condition": torch.zeros(shape, dtype=dtype, device=self.device),
-                             "image_embeds": torch.zeros(b, helper.vision_num_semantic_tokens, helper.vision_states_dim,
-                                                         dtype=dtype, device=self.device)})
+                             "image_embeds": torch.zeros(b, 0, helper.vision_states_dim, dtype=dtype,
+                                                         device=self.device)})
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
         dtype = self.latent_dtype(denoiser)
-        x = latents["latents"].to(dtype)
-        out = denoiser(
-            hidden_states=torch.cat([x, cond.batched["condition"].to(dtype)], dim=1),
-            image_embeds=cond.batched["image_embeds"], timestep=timestep.expand(x.shape[0]).to(dtype),
-            encoder_hidden_states=cond.batched["encoder_hidden_states"],
-            encoder_attention_mask=cond.batched["encoder_attention_mask"],
-            encoder_hidden_states_2=cond.batched["encoder_hidden_states_2"],
-            encoder_attention_mask_2=cond.batched["encoder_attention_mask_2"], return_dict=False,
-        )[0]
+        x, c = latents["latents"].to(dtype), cond.batched
+        padded = any(bool((c[counts] < c[mask].shape[1]).any()) for mask, counts in COUNTS.items())
+        with UnmaskedJointAttention.where(not padded):
+            out = denoiser(
+                hidden_states=torch.cat([x, c["condition"].to(dtype)], dim=1),
+                image_embeds=c["image_embeds"], timestep=timestep.expand(x.shape[0]).to(dtype),
+                encoder_hidden_states=c["encoder_hidden_states"], encoder_attention_mask=c["encoder_attention_mask"],
+                encoder_hidden_states_2=c["encoder_hidden_states_2"],
+                encoder_attention_mask_2=c["encoder_attention_mask_2"], return_dict=False,
+            )[0]
         return {"latents": out}
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
@@ -146,3 +175,69 @@ class HunyuanVideo15ImageToVideoFamily(HunyuanVideo15Family):
                                                                dtype, self.device)
         return Conditioning({"condition": torch.cat([condition, mask], dim=1),
                              "image_embeds": helper.encode_image(image, b, self.device, dtype)})
+
+
+def valid_first(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's valid tokens first, in their order, cut to the longest row's count; and the counts, on the host.
+    The transformer puts the valid tokens first too before its blocks, and nothing before that depends on where a
+    token sits (the token refiner has no positions), so dropping the padding changes nothing it computes."""
+    valid = mask.bool()
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    counts = valid.sum(dim=1).cpu()
+    n = int(counts.max()) if counts.numel() else 0
+    order = order[:, :n]
+    return (embeds.gather(1, order.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])), mask.gather(1, order), counts)
+
+
+class UnmaskedJointAttention(HunyuanVideo15AttnProcessor2_0):
+    """diffusers' ``HunyuanVideo15AttnProcessor2_0``, without its mask while the family's forward has no text padding
+    (``where(True)``; else diffusers' own call). Written here, not wrapped: diffusers' processor always expands the text
+    mask to a (tokens x tokens) one and hands it to the attention, which a mask of all ones would keep off the flash
+    kernels too."""
+
+    unmasked = False  # read by every joint attention; set only around the family's forwards
+
+    @classmethod
+    @contextmanager
+    def where(cls, unmasked: bool) -> Iterator[None]:
+        previous, cls.unmasked = cls.unmasked, unmasked
+        try:
+            yield
+        finally:
+            cls.unmasked = previous
+
+    @classmethod
+    def install(cls, denoiser: torch.nn.Module) -> None:
+        """Put this processor on the joint attentions that run diffusers' (a processor set otherwise is kept). Other
+        callers of the same modules (a diffusers pipeline sharing them) run diffusers' call: ``unmasked`` is off
+        outside the family's forwards."""
+        for block in getattr(denoiser, "transformer_blocks", ()):
+            processor = block.attn.processor
+            if type(processor) is HunyuanVideo15AttnProcessor2_0:
+                replacement = cls()
+                bridge.set_processor_settings(replacement, bridge.processor_settings(processor))
+                block.attn.set_processor(replacement)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if not type(self).unmasked or encoder_hidden_states is None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        query, key, value = (proj(hidden_states).unflatten(2, (attn.heads, -1))
+                             for proj in (attn.to_q, attn.to_k, attn.to_v))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text_query, text_key, text_value = (proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                                            for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_added_q is not None:
+            text_query = attn.norm_added_q(text_query)
+        if attn.norm_added_k is not None:
+            text_key = attn.norm_added_k(text_key)
+        backend, parallel_config = bridge.processor_settings(self)
+        out = dispatch_attention_fn(torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1),
+                                    torch.cat([value, text_value], dim=1), backend=backend,
+                                    parallel_config=parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        video, text = out.split_with_sizes([hidden_states.shape[1], encoder_hidden_states.shape[1]], dim=1)
+        video = attn.to_out[1](attn.to_out[0](video))
+        return video, attn.to_add_out(text) if getattr(attn, "to_add_out", None) is not None else text

@@ -258,6 +258,26 @@ def z_image_components() -> dict:
     return _on_device(mods, ("text_encoder", "vae"))
 
 
+def wan22_i2v_components() -> dict:
+    """Wan2.2 I2V A14B's two experts at their real config (``transformer`` above the checkpoint's boundary 0.9,
+    ``transformer_2`` below it; 36 input channels: noise, the first frame's latents and its mask; no image encoder),
+    the Wan workload's text encoder and VAE, and the checkpoint's UniPC flow shift of 5."""
+    from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+
+    mods = wan_components(with_transformer=False)
+    size = dict(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824, num_layers=40)
+    if harness.SMOKE:
+        size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
+    for name in ("transformer", "transformer_2"):
+        with torch.device(harness.DEVICE):
+            mods[name] = WanTransformer3DModel(
+                patch_size=(1, 2, 2), in_channels=36, out_channels=16, freq_dim=256, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size).to(torch.bfloat16)
+    mods["scheduler"] = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                flow_shift=5.0, num_train_timesteps=1000)
+    return mods
+
+
 def hunyuan_video15_components() -> dict:
     """HunyuanVideo-1.5's transformer at its real config (8.3B, 480p text-to-video); small Qwen2.5-VL (two layers:
     the pipeline reads the third hidden state from the end) and ByT5 text encoders of their widths."""
@@ -644,6 +664,13 @@ WORKLOADS = {
                     inputs=("image",), request=dict(height=480, width=832, frames=33, max_sequence_length=512),
                     steps=(1, 3), diffusers_kwargs=dict(height=480, width=832, num_frames=33, guidance_scale=5.0,
                                                         max_sequence_length=512)),
+    # Wan2.2 I2V A14B at the spec's 480x832x81 (32,760 tokens a row), guidance 3.5 for both experts: the first step
+    # of a short or long run is the high-noise expert's, the long run's later ones the low-noise expert's
+    "wan22_i2v": dict(spec="wan2.2-i2v-a14b.yaml", components=wan22_i2v_components,
+                      pipeline="WanImageToVideoPipeline", diffusers_only=lambda: {"boundary_ratio": 0.9},
+                      inputs=("image",), request=dict(height=480, width=832, frames=81, max_sequence_length=512),
+                      steps=(1, 3), diffusers_kwargs=dict(height=480, width=832, num_frames=81, guidance_scale=3.5,
+                                                          max_sequence_length=512)),
     # keyframes (first and last frame) on both sides: 96 control channels beside the noise, VACE hints every 2nd block
     "wan_vace": dict(spec="wan2.1-vace-1.3b.yaml", components=wan_vace_components, pipeline="WanVACEPipeline",
                      inputs=("keyframes",), request=dict(height=480, width=832, frames=81, max_sequence_length=512),

@@ -22,7 +22,7 @@ SMOKES = [
     ("gpu_soak", ["--model", "wan_ti2v", "--set", "policies.compile.mode=regional",  # a video model, compiled
                   "--set", "policies.compile.backend=aot_eager"], 1),
     ("gpu_lora_hotswap", [], 1),
-    ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,ltx2_condition",  # LTX-2: gpu_ltx2's code
+    ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,wan22_i2v,ltx2_condition",  # LTX-2: gpu_ltx2's
                          "--also", "policies.mlp.fused_gelu=true"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the

@@ -2,12 +2,15 @@
 No peer: the engine's own configurations are the comparison (1 worker against 2 sharing the GPU, with the trainer
 resident on the same GPU and a sleep / trainer step / wake cycle between rollout phases).
 
-``python -m benchmarks.gpu_engine [--workers 1,2] [--prompts 4 --group 4 --requests 4 --steps 10 --size 512
---window 3 --bucket-mb 256] [--json FILE]`` (needs CUDA and Ray; ``--smoke``: tiny models on the CPU, 2 Ray CPU
-workers, to check the script only.)
+``python -m benchmarks.gpu_engine [--model sd3|wan_ti2v] [--workers 1,2] [--prompts 4 --group 4 --requests 4
+--steps 10 --size 512 --frames 17 --window 3 --bucket-mb 256] [--json FILE]`` (needs CUDA and Ray; ``--smoke``:
+tiny models on the CPU, 2 Ray CPU workers, to check the script only.)
 
-Random bf16 weights at SD3.5-medium's sizes with a rank-32 LoRA (as ``gpu_rollout``), CFG 4.5, an SDE window of
-``--window`` steps from step 0. The trainer (this process) holds the same model on the GPU throughout. For each
+Random bf16 weights at real sizes with a rank-32 LoRA, an SDE window of ``--window`` steps from step 0. ``sd3``
+(the image family): SD3.5-medium's sizes, the LoRA on the attention projections as ``gpu_rollout``, CFG 4.5, 512².
+``wan_ti2v`` (the video family): Wan2.2 TI2V-5B's transformer, the LoRA on the self- and cross-attention
+projections, the spec's CFG 5, videos of ``--frames`` frames at ``--size`` (default 384) square, SDE steps on
+UniPC's sigmas (``multistep: euler``, as Flow-GRPO's Wan pipeline steps). The trainer (this process) holds the same model on the GPU throughout. For each
 worker count, an ``omnispec.rl.RolloutEngine`` starts (each worker builds its model inside its Ray actor, the GPU
 split evenly between them), then:
 
@@ -32,34 +35,59 @@ import time
 import torch
 
 from . import harness
-from .workloads import SD3_LORA_TARGETS, sd3_components
+from . import workloads
+from .workloads import SD3_LORA_TARGETS
 
-CFG_SCALE, NOISE_LEVEL, LORA_RANK, LORA_ALPHA = 4.5, 0.7, 32, 64
+NOISE_LEVEL, LORA_RANK, LORA_ALPHA = 0.7, 32, 64
+
+# spec, modules (without a LoRA), LoRA targets, spec overrides, request fields, sampler fields, default size
+MODELS = {
+    "sd3": {"spec": "sd3.5-medium.yaml", "components": functools.partial(workloads.sd3_components, lora=False),
+            "lora": SD3_LORA_TARGETS,
+            "overrides": ["recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]"], "request": {},
+            "sampler": {}, "size": 512},
+    "wan_ti2v": {"spec": "wan2.2-ti2v-5b.yaml", "components": workloads.wan_ti2v_components,
+                 "lora": ["to_q", "to_k", "to_v", "to_out.0"], "overrides": [], "request": {"frames": None},
+                 "sampler": {"multistep": "euler"}, "size": 384},
+}
 
 
-def engine_components(smoke: bool) -> dict:
-    """The model a worker builds (in its own Ray actor, so the smoke switch is made there too)."""
+def engine_components(model: str, smoke: bool) -> dict:
+    """``model``'s modules with a fresh rank-32 LoRA on its attention projections, the rest frozen; what a worker
+    builds in its own Ray actor (so the smoke switch is made there too) and what the trainer holds."""
+    from peft import LoraConfig
+
     if smoke and not harness.SMOKE:
         harness.enable_smoke()
-    return sd3_components(lora=True)
+    mods = MODELS[model]["components"]()
+    for module in mods.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    mods["transformer"].add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
+                                               target_modules=MODELS[model]["lora"]))
+    return mods
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="sd3")
     parser.add_argument("--workers", default="1,2", help="worker counts to measure, comma-separated")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per request")
     parser.add_argument("--group", type=int, default=4, help="samples per prompt")
     parser.add_argument("--requests", type=int, default=4, help="requests per measured batch")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--size", type=int, help="square output size (default: the model's)")
+    parser.add_argument("--frames", type=int, default=17, help="a video model's frames")
     parser.add_argument("--window", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
 
 
 def _request(args, tag: str, i: int) -> dict:
+    model = MODELS[args.model]
     sampler = {"kind": "sde", "noise_level": NOISE_LEVEL, "window": {"kind": "fixed", "start": 0,
-                                                                     "length": args.window}}
+                                                                     "length": args.window}, **model["sampler"]}
+    video = {"frames": args.frames} if "frames" in model["request"] else {}
     return {"prompts": [f"{tag} prompt {i} {j}" for j in range(args.prompts)], "group_size": args.group,
-            "seed": i, "sampler": sampler, "height": args.size, "width": args.size, "steps": args.steps}
+            "seed": i, "sampler": sampler, "height": args.size, "width": args.size, "steps": args.steps, **video}
 
 
 def _rollout_batch(engine, args, tag: str) -> dict:
@@ -118,20 +146,23 @@ def benchmark(args, results: harness.Results) -> None:
     from omnispec.rl import set_lora
     from omnispec.rl.engine import RolloutEngine
 
-    if args.smoke:  # tiny models: two requests of 2 x 2 samples at 64 px, 4 steps
+    model = MODELS[args.model]
+    args.size = args.size or model["size"]
+    if args.smoke:  # tiny models: two requests of 2 x 2 samples at 64 px (5 frames), 4 steps
         args.size, args.prompts, args.group, args.requests, args.steps, args.window = 64, 2, 2, 2, 4, 2
-        args.bucket_mb = 0.05  # several buckets even for the tiny transformer
+        args.frames, args.bucket_mb = 5, 0.05  # several buckets even for the tiny transformer
     counts = [int(n) for n in str(args.workers).split(",") if n.strip()]
     if not counts or min(counts) < 1:
         raise harness.UsageError(f"--workers: expected counts >= 1, got {args.workers!r}")
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     results.header |= {"device": harness.device_name(), "setup": {k: v for k, v in vars(args).items() if k != "json"}}
-    overrides = ["runtime.progress=false", f"recipe.phases.0.guidance.terms=[{{kind: cfg, scale: {CFG_SCALE}}}]"]
-    spec = str(harness.ROOT / "specs" / "sd3.5-medium.yaml")
-    trainer = omnispec.build(spec, components=sd3_components(lora=True), device=harness.DEVICE, overrides=overrides)
+    overrides = ["runtime.progress=false", *model["overrides"]]
+    spec = str(harness.ROOT / "specs" / model["spec"])
+    trainer = omnispec.build(spec, components=engine_components(args.model, args.smoke), device=harness.DEVICE,
+                             overrides=overrides)
     transformer = trainer.components["transformer"]
     full_state = {k: v.detach() for k, v in transformer.state_dict().items()}
-    lora_meta = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "target_modules": SD3_LORA_TARGETS}
+    lora_meta = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "target_modules": model["lora"]}
     ray = _start_ray(args.smoke)
     try:
         for n in counts:
@@ -140,7 +171,7 @@ def benchmark(args, results: harness.Results) -> None:
             start = time.perf_counter()
             engine = RolloutEngine(spec, n, num_gpus_per_worker=gpus, num_cpus_per_worker=1.0,
                                    bucket_bytes=bucket_bytes, device=harness.DEVICE, overrides=overrides,
-                                   make_components=functools.partial(engine_components, args.smoke))
+                                   make_components=functools.partial(engine_components, args.model, args.smoke))
             results.save({"config": config, "event": "start", "seconds": time.perf_counter() - start})
             try:
                 _measure(engine, args, config, trainer, transformer, full_state, lora_meta, set_lora, results)

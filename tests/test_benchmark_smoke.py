@@ -51,6 +51,7 @@ SMOKES = [
     ("gpu_scale", ["--repeats", "1", "--workloads", "wan"], 2),  # LTX-2's rows run the same code
     ("gpu_shard_graphs", [], 1),
     ("gpu_engine", [], 1),  # Ray actors: 1 then 2 CPU workers beside the trainer
+    ("gpu_engine", ["--model", "wan_ti2v"], 1),  # the video family through the engine
 ]
 # Benchmarks that need an optional package, not in the dev extra: skipped without it.
 NEEDS = {"gpu_engine": "ray"}
@@ -72,8 +73,8 @@ def _rows(stdout: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("module, extra, processes", SMOKES,
-                         ids=[s[0] + ("" if "--parts" not in s[1] else "-" + s[1][s[1].index("--parts") + 1])
-                              for s in SMOKES])
+                         ids=[s[0] + "".join("-" + s[1][s[1].index(flag) + 1] for flag in ("--parts", "--model")
+                                             if flag in s[1]) for s in SMOKES])
 def test_benchmark_smoke_runs_and_reports_no_error(module, extra, processes, tmp_path):
     if module in NEEDS:
         pytest.importorskip(NEEDS[module])

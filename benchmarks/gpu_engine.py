@@ -36,7 +36,7 @@ import torch
 
 from . import harness
 from . import workloads
-from .workloads import SD3_LORA_TARGETS
+from .workloads import SD3_LORA_TARGETS, WAN_LORA_TARGETS, with_lora
 
 NOISE_LEVEL, LORA_RANK, LORA_ALPHA = 0.7, 32, 64
 
@@ -47,7 +47,7 @@ MODELS = {
             "overrides": ["recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]"], "request": {},
             "sampler": {}, "size": 512},
     "wan_ti2v": {"spec": "wan2.2-ti2v-5b.yaml", "components": workloads.wan_ti2v_components,
-                 "lora": ["to_q", "to_k", "to_v", "to_out.0"], "overrides": [], "request": {"frames": None},
+                 "lora": WAN_LORA_TARGETS, "overrides": [], "request": {"frames": None},
                  "sampler": {"multistep": "euler"}, "size": 384},
 }
 
@@ -55,17 +55,9 @@ MODELS = {
 def engine_components(model: str, smoke: bool) -> dict:
     """``model``'s modules with a fresh rank-32 LoRA on its attention projections, the rest frozen; what a worker
     builds in its own Ray actor (so the smoke switch is made there too) and what the trainer holds."""
-    from peft import LoraConfig
-
     if smoke and not harness.SMOKE:
         harness.enable_smoke()
-    mods = MODELS[model]["components"]()
-    for module in mods.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    mods["transformer"].add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
-                                               target_modules=MODELS[model]["lora"]))
-    return mods
+    return with_lora(MODELS[model]["components"](), MODELS[model]["lora"], LORA_RANK, LORA_ALPHA)
 
 
 def add_arguments(parser) -> None:

@@ -25,28 +25,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import statistics
 import time
 
 import torch
 
 from . import harness, inductor_passes
+from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, sde_step, timed
 from .workloads import SD3_LORA_TARGETS, sd3_components
 
-CFG_SCALE, NOISE_LEVEL, MAX_TOKENS = 4.5, 0.7, 128
-
-
-def _sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.Tensor, sigma_max: torch.Tensor,
-              noise: torch.Tensor | None = None, prev: torch.Tensor | None = None):
-    """The baseline's own Flow-GRPO SDE step (float32): next sample (drawn, or ``prev`` given) and its log-prob."""
-    dt = nxt - sigma
-    std = NOISE_LEVEL * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
-    mean = x * (1 + std**2 / (2 * sigma) * dt) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
-    scale = std * torch.sqrt(-dt)
-    nxt_x = mean + scale * noise if prev is None else prev
-    lp = -((nxt_x.detach() - mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
-    return nxt_x, lp.mean(dim=tuple(range(1, lp.ndim)))
+CFG_SCALE, MAX_TOKENS = 4.5, 128
 
 
 class FlowGRPOLoop:
@@ -62,8 +50,8 @@ class FlowGRPOLoop:
         self.size, self.steps, self.window = size, steps, window
         self.neg = self._encode([""])
 
-    def _encode(self, prompts: list[str]):
-        pe, _, pooled, _ = self.pipe.encode_prompt(prompts, prompts, prompts, device=harness.DEVICE,
+    def _encode(self, texts: list[str]):
+        pe, _, pooled, _ = self.pipe.encode_prompt(texts, texts, texts, device=harness.DEVICE,
                                                    do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS)
         return pe, pooled
 
@@ -76,18 +64,18 @@ class FlowGRPOLoop:
         uncond, cond = out.float().chunk(2)
         return uncond + CFG_SCALE * (cond - uncond)
 
-    def sample(self, prompts: list[str], seed: int) -> dict:
+    def sample(self, texts: list[str], seed: int) -> dict:
         pipe = self.pipe
-        pe, pooled = self._encode(prompts)
+        pe, pooled = self._encode(texts)
         gen = torch.Generator(harness.DEVICE).manual_seed(seed)
-        x = pipe.prepare_latents(len(prompts), 16, self.size, self.size, torch.float32, harness.DEVICE, gen)
+        x = pipe.prepare_latents(len(texts), 16, self.size, self.size, torch.float32, harness.DEVICE, gen)
         pipe.scheduler.set_timesteps(self.steps, device=harness.DEVICE)
         sigmas = pipe.scheduler.sigmas.to(harness.DEVICE, torch.float32)
         states, lps = [x], []
         for k, t in enumerate(pipe.scheduler.timesteps):
             v = self._forward(x, t, pe, pooled)
             if k in self.window:
-                x, lp = _sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
+                x, lp = sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
                                   noise=torch.randn(x.shape, generator=gen, device=harness.DEVICE))
                 lps.append(lp)
             else:
@@ -102,27 +90,8 @@ class FlowGRPOLoop:
     def replay_step(self, batch: dict, k: int) -> torch.Tensor:
         sig = batch["sigmas"]
         v = self._forward(batch["latents"][:, k], batch["timesteps"][k], batch["pe"], batch["pooled"])
-        _, lp = _sde_step(v, batch["latents"][:, k], sig[k], sig[k + 1], sig[1], prev=batch["latents"][:, k + 1])
+        _, lp = sde_step(v, batch["latents"][:, k], sig[k], sig[k + 1], sig[1], prev=batch["latents"][:, k + 1])
         return lp
-
-
-def check_sigmas(pipe, base: FlowGRPOLoop, steps: int, request: dict) -> None:
-    """Both sides step the checkpoint scheduler's sigmas (Flow-GRPO's), bit for bit."""
-    from omnispec.runtime.run import Run
-
-    ours = Run(pipe, pipe.request("probe", **request)).walks[0].steps.sigmas.cpu()
-    scheduler = copy.deepcopy(base.pipe.scheduler)
-    scheduler.set_timesteps(steps)
-    if not torch.equal(ours, scheduler.sigmas.float().cpu()):
-        raise SystemExit(f"omnispec steps sigmas {ours.tolist()}, the loop {scheduler.sigmas.tolist()}")
-
-
-def _timed(fn, *args) -> tuple[float, object]:
-    harness.sync()
-    start = time.perf_counter()
-    out = fn(*args)
-    harness.sync()
-    return time.perf_counter() - start, out
 
 
 def breakdown(pipeline, run) -> dict:
@@ -134,7 +103,7 @@ def breakdown(pipeline, run) -> dict:
     entries = {"t5_encode_s": (parts["text_encoder_3"], "forward"), "denoiser_s": (parts["transformer"], "forward"),
                "vae_decode_s": (parts["vae"], "decode")}
 
-    def timed(key: str, call):
+    def counted(key: str, call):
         def run_timed(*args, **kwargs):
             harness.sync()
             start = time.perf_counter()
@@ -146,10 +115,10 @@ def breakdown(pipeline, run) -> dict:
         return run_timed
 
     for key, (owner, method) in entries.items():
-        setattr(owner, method, timed(key, getattr(owner, method)))  # an instance attribute before the class's method
+        setattr(owner, method, counted(key, getattr(owner, method)))  # an instance attribute before the class's method
     try:
         with torch.no_grad():
-            total, _ = _timed(run)
+            total, _ = timed(run)
     finally:
         for owner, method in entries.values():
             delattr(owner, method)
@@ -162,7 +131,7 @@ def profiled_rollout(run) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [])
     with torch.no_grad(), profile(activities=activities) as prof:
-        total, _ = _timed(run)
+        total, _ = timed(run)
     return {"wall_s": total, **harness.kernel_summary(prof, 1, "_per_rollout", largest=20)}
 
 
@@ -172,7 +141,7 @@ def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loo
     this GPU, if its denoiser ran at the measured matmul ceiling and nothing else took time."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    sample = base.sample(_prompts("flops", 1), seed=0)
+    sample = base.sample(prompts("flops", 1), seed=0)
     counter = FlopCounterMode(display=False)
     # eager: dynamo skips a compiled frame run under a dispatch mode for good (harness.flops_per_step)
     with torch.compiler.set_stance("force_eager"), counter, torch.no_grad():
@@ -183,12 +152,6 @@ def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loo
             "loop_denoiser_tflops_per_s": flops / split["denoiser_s"] / 1e12, "matmul_ceiling_tflops": ceiling / 1e12,
             "loop_denoiser_mfu": flops / split["denoiser_s"] / ceiling,
             "max_speedup_over_loop_bf16": loop_s / (flops / ceiling)}
-
-
-def _prompts(tag: str, n: int) -> list[str]:
-    subjects = ["a cat", "a red car", "a bowl of fruit", "a lighthouse", "a city at night", "a dog on a beach",
-                "a mountain lake", "a robot", "a forest path", "a teapot"]
-    return [f"{subjects[i % len(subjects)]}, study {tag}-{i}" for i in range(n)]
 
 
 def add_arguments(parser) -> None:
@@ -270,21 +233,21 @@ def benchmark(args, results: harness.Results) -> None:
     request = dict(height=args.size, width=args.size, steps=args.steps, max_sequence_length=MAX_TOKENS)
     pipe = _build(mods, overrides)
     base = FlowGRPOLoop(mods, args.size, args.steps, window)
-    check_sigmas(pipe, base, args.steps, request)
+    check_sigmas(pipe, base.pipe.scheduler, args.steps, request)
     n = args.prompts * args.group
     results.header["setup"] = {k: v for k, v in vars(args).items() if k != "json"} | {"images": n,
                                                                                      "window_steps": list(window)}
     save = results.save
 
     def run_base(tag: str):
-        rows = [p for p in _prompts(tag, args.prompts) for _ in range(args.group)]
+        rows = [p for p in prompts(tag, args.prompts) for _ in range(args.group)]
         out = None
         for i in range(0, n, args.baseline_batch):
             out = base.sample(rows[i:i + args.baseline_batch], seed=i)
         return out
 
     def run_ours(tag: str, p=pipe, s=sampler):
-        return p.rollout(_prompts(tag, args.prompts), group_size=args.group, seed=0, sampler=s, **request)
+        return p.rollout(prompts(tag, args.prompts), group_size=args.group, seed=0, sampler=s, **request)
 
     if args.replay_check_only:
         save(replay_ratio(pipe, run_ours, args.replay_batch, "replay ratio check"))
@@ -301,14 +264,14 @@ def benchmark(args, results: harness.Results) -> None:
         sdpa = _build(mods, [*overrides, "policies.attention.default=sdpa"])
         sides["omnispec rollout, attention sdpa"] = lambda tag: run_ours(tag, sdpa)
     with torch.no_grad():  # warm-up: kernels, allocator, autotuning, auto attention's trials at the timed shapes
-        base.sample(_prompts("w", 2), seed=0)
+        base.sample(prompts("w", 2), seed=0)
         for label, side in sides.items() if args.eager else ():
             side("w")
     times: dict[str, list[float]] = {label: [] for label in sides} if args.eager else {}
     for r in range(args.repeats if args.eager else 0):  # interleaved, so drift hits every side alike
         with torch.no_grad():
             for i, (label, side) in enumerate(sides.items()):
-                times[label].append(_timed(side, f"{i}-{r}")[0])
+                times[label].append(timed(side, f"{i}-{r}")[0])
     for label, samples in times.items():
         med = statistics.median(samples)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": samples})
@@ -353,7 +316,7 @@ def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) 
     # replay: one stored step of replay_batch samples, forward with gradients + backward, both sides
     with torch.no_grad():
         ro = run_ours("replay")
-        ref = base.sample(_prompts("replay", 1) * args.replay_batch, seed=0)
+        ref = base.sample(prompts("replay", 1) * args.replay_batch, seed=0)
     part = ro.select(range(args.replay_batch))
     first = base.window.start
     for label, step in (("omnispec log_prob", lambda k: pipe.log_prob(part, steps=[k], grad=True).log_probs),
@@ -361,7 +324,7 @@ def details(args, pipe, base, mods, n, run_ours, run_base, save, loop_s: float) 
         samples = []
         w = len(base.window)
         for k in [0, w // 2, w - 1, 0, w // 2, w - 1]:  # positions in the window
-            samples.append(_timed(lambda fn, at: fn(at).sum().backward(), step, k)[0])
+            samples.append(timed(lambda fn, at: fn(at).sum().backward(), step, k)[0])
         med = statistics.median(samples[1:])  # the first includes autograd warm-up
         save({"config": label, "ms_per_step": med * 1e3, "samples_per_replay": args.replay_batch,
               "samples_ms": [s * 1e3 for s in samples]})
@@ -401,24 +364,24 @@ def compiled_rows(args, compiled, n, run_ours, run_base, save, fast_sampler) -> 
     aware = f"omnispec rollout + regional compile, window-aware (every {args.outside_every})"
     if args.compiled_loop_only:
         with torch.no_grad():
-            first_loop, _ = _timed(run_base, "cwb")  # compiles the blocks the build above marked
-            times = [_timed(run_base, f"cb{r}")[0] for r in range(args.compile_repeats)]
+            first_loop, _ = timed(run_base, "cwb")  # compiles the blocks the build above marked
+            times = [timed(run_base, f"cb{r}")[0] for r in range(args.compile_repeats)]
         med = statistics.median(times)
         save({"config": "flow-grpo loop + compile_repeated_blocks", "seconds": med, "images_per_s": n / med,
               "samples_s": times, "first_call_s": first_loop})
         return
     with torch.no_grad(), harness.CompileWatch() as watch:
-        first, _ = _timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
-        first_loop, _ = _timed(run_base, "cwb")
+        first, _ = timed(run_ours, "cw", compiled)  # compiles every shape the batching uses
+        first_loop, _ = timed(run_base, "cwb")
         samples: dict[str, list[float]] = {"omnispec rollout + regional compile": [],
                                            "flow-grpo loop + compile_repeated_blocks": []}
         if args.outside_every > 1:
             samples[aware] = []
         for r in range(args.compile_repeats):
-            samples["omnispec rollout + regional compile"].append(_timed(run_ours, f"c{r}", compiled)[0])
-            samples["flow-grpo loop + compile_repeated_blocks"].append(_timed(run_base, f"cb{r}")[0])
+            samples["omnispec rollout + regional compile"].append(timed(run_ours, f"c{r}", compiled)[0])
+            samples["flow-grpo loop + compile_repeated_blocks"].append(timed(run_base, f"cb{r}")[0])
             if args.outside_every > 1:
-                samples[aware].append(_timed(run_ours, f"ca{r}", compiled, fast_sampler)[0])
+                samples[aware].append(timed(run_ours, f"ca{r}", compiled, fast_sampler)[0])
         compiled_ro = run_ours("creplay", compiled)
         aware_ro = run_ours("careplay", compiled, fast_sampler) if args.outside_every > 1 else None
     firsts = (first, first_loop, None)
@@ -460,8 +423,8 @@ def variant_rows(args, mods: dict, overrides: list[str], n: int, run_ours, save)
         pipe = _build(mods, [*overrides, *_variant_overrides(args, variant)])
         label = f"omnispec rollout + {variant.replace('+', ' + ')} compile"
         with torch.no_grad(), harness.CompileWatch() as watch:
-            first, _ = _timed(run_ours, f"v{variant}", pipe)
-            times = [_timed(run_ours, f"v{variant}{r}", pipe)[0] for r in range(args.compile_repeats)]
+            first, _ = timed(run_ours, f"v{variant}", pipe)
+            times = [timed(run_ours, f"v{variant}{r}", pipe)[0] for r in range(args.compile_repeats)]
             ro = run_ours(f"v{variant}replay", pipe)
         med = statistics.median(times)
         save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
@@ -499,10 +462,10 @@ def _quantized_variant_rows(args, mods: dict, overrides: list[str], variant: str
     with torch.no_grad(), harness.CompileWatch() as watch:
         # the samples go to a file as they come, since a first rollout once outlasted its call's 575 s
         with harness.StackSampler(dump_to=harness.stacks_file(args.json, f"first rollout {variant}")) as stacks:
-            first, _ = _timed(run_ours, "qw", pipe)
+            first, _ = timed(run_ours, "qw", pipe)
         print(f"[{label}] first rollout {first:.1f} s: {watch.summary()}", flush=True)
         save({"config": f"{label}: where the first rollout's time went", "first_call_s": first, **stacks.top()})
-        times = [_timed(run_ours, f"q{r}", pipe)[0] for r in range(args.compile_repeats)]
+        times = [timed(run_ours, f"q{r}", pipe)[0] for r in range(args.compile_repeats)]
         ro = run_ours("qreplay", pipe)
     med = statistics.median(times)
     save({"config": label, "seconds": med, "images_per_s": n / med, "samples_s": times, "first_call_s": first,
@@ -526,8 +489,8 @@ def quantized_gradient_rows(args, pipe, part, method: str, save) -> None:
         batchings.append(replay.batching)  # the micro-batch log_prob chose from the free memory
 
     try:
-        samples = [_timed(step, k, True)[0] for k in (0, 0, 1, 1)]
-        one_forward = [_timed(step, k, False)[0] for k in (0, 1, 1)]
+        samples = [timed(step, k, True)[0] for k in (0, 0, 1, 1)]
+        one_forward = [timed(step, k, False)[0] for k in (0, 1, 1)]
         lora = [p.grad for name, p in pipe.components["transformer"].named_parameters() if "lora_B" in name]
         save({"config": f"omnispec log_prob with gradients, {method} base", "ms_per_step": statistics.median(
             samples[1:]) * 1e3, "samples_per_replay": args.replay_batch, "samples_ms": [s * 1e3 for s in samples],

@@ -258,6 +258,22 @@ def z_image_components() -> dict:
     return _on_device(mods, ("text_encoder", "vae"))
 
 
+def with_lora(mods: dict, targets: list[str], rank: int = 32, alpha: int = 64) -> dict:
+    """``mods`` frozen, with a fresh LoRA (PEFT's adapter "default") on ``targets`` of the transformer: what an RL
+    trainer trains."""
+    from peft import LoraConfig
+
+    for module in mods.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    mods["transformer"].add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+    return mods
+
+
+# Wan's self- and cross-attention projections (a LoRA's usual targets in Flow-GRPO's and DanceGRPO's Wan runs).
+WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
 def wan22_i2v_components() -> dict:
     """Wan2.2 I2V A14B's two experts at their real config (``transformer`` above the checkpoint's boundary 0.9,
     ``transformer_2`` below it; 36 input channels: noise, the first frame's latents and its mask; no image encoder),
@@ -385,12 +401,8 @@ def sd3_components(lora: bool = True) -> dict:
                 tokenizer_3=t5_tokenizer(), vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
     for k in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         mods[k] = mods[k].to(harness.DEVICE, torch.bfloat16).eval().requires_grad_(False)
-    from peft import LoraConfig
-
     mods["transformer"].eval().requires_grad_(False)
-    if lora:
-        mods["transformer"].add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=SD3_LORA_TARGETS))
-    return mods
+    return with_lora(mods, SD3_LORA_TARGETS) if lora else mods
 
 
 # ---- inputs of requests ----------------------------------------------------------------------------------------------

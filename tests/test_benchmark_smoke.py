@@ -32,6 +32,7 @@ SMOKES = [
                       "--quant-compile", "none", "--quant-profile", "--inductor-passes", "fast_tanh",
                       "--compile-variants", "regional+fused_qkv+qk_norm_rope+fused_gelu,full+qk_norm_rope",
                       "--compile-rounds", "2"], 1),
+    ("gpu_video_rollout", [], 1),  # eager and compiled (aot_eager), replays with and without gradients
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)
     ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae",
@@ -176,7 +177,8 @@ def test_inductor_kernels_reads_norm_rows_once_up_to_the_default_bound(tmp_path)
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 # Modules every benchmark may import; each imports only the shared modules listed with it, never a benchmark.
-SHARED = {"harness": set(), "workloads": {"harness"}, "kernel_timing": set(), "inductor_passes": set()}
+SHARED = {"harness": set(), "workloads": {"harness"}, "kernel_timing": set(), "inductor_passes": set(),
+          "flow_grpo": {"harness"}}
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -1,0 +1,55 @@
+"""What the RL benchmarks' trainer-style loops share: Flow-GRPO's SDE step with its log-prob (the loops' own, written
+from the paper's formulas, float32), the prompts each repeat draws fresh, and the check that a loop and omnispec step
+the same sigmas."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+
+from . import harness
+
+NOISE_LEVEL = 0.7  # Flow-GRPO's default SDE noise level
+
+
+def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.Tensor, sigma_max: torch.Tensor,
+             noise: torch.Tensor | None = None, prev: torch.Tensor | None = None):
+    """A loop's Flow-GRPO SDE step (float32): the next sample (drawn, or ``prev`` given) and its log-prob, the mean
+    over every dimension but the batch's."""
+    dt = nxt - sigma
+    std = NOISE_LEVEL * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
+    mean = x * (1 + std**2 / (2 * sigma) * dt) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+    scale = std * torch.sqrt(-dt)
+    nxt_x = mean + scale * noise if prev is None else prev
+    lp = -((nxt_x.detach() - mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+    return nxt_x, lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def prompts(tag: str, n: int) -> list[str]:
+    """``n`` prompts no earlier call drew (``tag`` differs per repeat), so no side reuses an encoding across repeats."""
+    subjects = ["a cat", "a red car", "a bowl of fruit", "a lighthouse", "a city at night", "a dog on a beach",
+                "a mountain lake", "a robot", "a forest path", "a teapot"]
+    return [f"{subjects[i % len(subjects)]}, study {tag}-{i}" for i in range(n)]
+
+
+def check_sigmas(pipe, scheduler, steps: int, request: dict) -> None:
+    """omnispec's walk and the loop's scheduler step the same sigmas, bit for bit."""
+    from omnispec.runtime.run import Run
+
+    ours = Run(pipe, pipe.request("probe", **request)).walks[0].steps.sigmas.cpu()
+    scheduler = copy.deepcopy(scheduler)
+    scheduler.set_timesteps(steps)
+    if not torch.equal(ours, scheduler.sigmas.float().cpu()):
+        raise SystemExit(f"omnispec steps sigmas {ours.tolist()}, the loop {scheduler.sigmas.tolist()}")
+
+
+def timed(fn, *args) -> tuple[float, object]:
+    """Seconds of ``fn(*args)`` between device syncs, and its result."""
+    harness.sync()
+    start = time.perf_counter()
+    out = fn(*args)
+    harness.sync()
+    return time.perf_counter() - start, out

@@ -84,7 +84,7 @@ class WanGRPOLoop:
         std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(x.device)
         video = vae.decode((x * std + mean).to(vae.dtype), return_dict=False)[0]
         return {"videos": pipe.video_processor.postprocess_video(video, output_type="pt"),
-                "log_probs": torch.stack(lps, 1)}
+                "log_probs": torch.stack(lps, 1) if lps else None}
 
 
 def add_arguments(parser) -> None:
@@ -94,7 +94,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--frames", type=int, default=33)
-    parser.add_argument("--window", type=int, default=3, help="SDE steps from step 0 (the rest are Euler steps)")
+    parser.add_argument("--window", type=int, default=3,
+                        help="SDE steps from step 0, the rest Euler steps (0: every step but the last)")
     parser.add_argument("--baseline-batch", type=int, default=4, help="the loop's samples per call")
     parser.add_argument("--replay-batch", type=int, default=4, help="rollout samples the replay rows replay")
     parser.add_argument("--repeats", type=int, default=2)
@@ -111,9 +112,9 @@ def benchmark(args, results: harness.Results) -> None:
         args.frames, args.prompts, args.group, args.steps, args.window = 5, 2, 2, 4, 2
         args.repeats, args.baseline_batch, args.replay_batch = 1, 2, 2
     mods = with_lora(wan_ti2v_components(), WAN_LORA_TARGETS)
-    window = range(args.window)
+    window = range(args.window or args.steps - 1)  # 0: every step but the last, as gpu_rollout
     sampler = {"kind": "sde", "noise_level": NOISE_LEVEL, "multistep": "euler",
-               "window": {"kind": "fixed", "start": 0, "length": args.window}}
+               "window": {"kind": "fixed", "start": 0, "length": len(window)}}
     request = {"height": args.height, "width": args.width, "frames": args.frames, "steps": args.steps}
     n = args.prompts * args.group
     results.header |= {"device": harness.device_name(), "setup": {k: v for k, v in vars(args).items() if k != "json"}

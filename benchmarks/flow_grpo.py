@@ -28,6 +28,26 @@ def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.T
     return nxt_x, lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
+def walk(velocity, x: torch.Tensor, scheduler, steps: int, window: range, gen: torch.Generator
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """A loop's walk over ``scheduler``'s sigmas from ``x``: ``velocity(x, t)`` at each timestep, the SDE step on the
+    ``window``'s steps (noise from ``gen``) and an Euler step elsewhere, as Flow-GRPO's fast trainers step. Every state
+    (the first included), the window steps' log-probs, and the sigmas."""
+    scheduler.set_timesteps(steps, device=harness.DEVICE)
+    sigmas = scheduler.sigmas.to(harness.DEVICE, torch.float32)
+    states, lps = [x], []
+    for k, t in enumerate(scheduler.timesteps):
+        v = velocity(x, t)
+        if k in window:
+            x, lp = sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
+                             noise=torch.randn(x.shape, generator=gen, device=harness.DEVICE))
+            lps.append(lp)
+        else:
+            x = x + (sigmas[k + 1] - sigmas[k]) * v
+        states.append(x)
+    return states, lps, sigmas
+
+
 def prompts(tag: str, n: int) -> list[str]:
     """``n`` prompts no earlier call drew (``tag`` differs per repeat), so no side reuses an encoding across repeats."""
     subjects = ["a cat", "a red car", "a bowl of fruit", "a lighthouse", "a city at night", "a dog on a beach",

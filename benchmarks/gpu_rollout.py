@@ -31,7 +31,7 @@ import time
 import torch
 
 from . import harness, inductor_passes
-from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, sde_step, timed
+from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, sde_step, timed, walk
 from .workloads import SD3_LORA_TARGETS, sd3_components
 
 CFG_SCALE, MAX_TOKENS = 4.5, 128
@@ -69,18 +69,9 @@ class FlowGRPOLoop:
         pe, pooled = self._encode(texts)
         gen = torch.Generator(harness.DEVICE).manual_seed(seed)
         x = pipe.prepare_latents(len(texts), 16, self.size, self.size, torch.float32, harness.DEVICE, gen)
-        pipe.scheduler.set_timesteps(self.steps, device=harness.DEVICE)
-        sigmas = pipe.scheduler.sigmas.to(harness.DEVICE, torch.float32)
-        states, lps = [x], []
-        for k, t in enumerate(pipe.scheduler.timesteps):
-            v = self._forward(x, t, pe, pooled)
-            if k in self.window:
-                x, lp = sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
-                                  noise=torch.randn(x.shape, generator=gen, device=harness.DEVICE))
-                lps.append(lp)
-            else:
-                x = x + (sigmas[k + 1] - sigmas[k]) * v
-            states.append(x)
+        states, lps, sigmas = walk(lambda x, t: self._forward(x, t, pe, pooled), x, pipe.scheduler, self.steps,
+                                   self.window, gen)
+        x = states[-1]
         vae = pipe.vae
         images = vae.decode((x / vae.config.scaling_factor + vae.config.shift_factor).to(vae.dtype), return_dict=False)[0]
         images = pipe.image_processor.postprocess(images, output_type="pt")

@@ -26,7 +26,7 @@ import statistics
 import torch
 
 from . import harness
-from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, sde_step, timed
+from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, timed, walk
 from .workloads import WAN_LORA_TARGETS, wan_ti2v_components, with_lora
 
 CFG_SCALE, MAX_TOKENS = 5.0, 512
@@ -67,17 +67,9 @@ class WanGRPOLoop:
         gen = torch.Generator(harness.DEVICE).manual_seed(seed)
         x = pipe.prepare_latents(len(texts), pipe.vae.config.z_dim, self.height, self.width, self.frames,
                                  torch.float32, harness.DEVICE, gen)
-        pipe.scheduler.set_timesteps(self.steps, device=harness.DEVICE)
-        sigmas = pipe.scheduler.sigmas.to(harness.DEVICE, torch.float32)
-        lps = []
-        for k, t in enumerate(pipe.scheduler.timesteps):
-            v = self._forward(x, t, embeds)
-            if k in self.window:
-                x, lp = sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
-                                 noise=torch.randn(x.shape, generator=gen, device=harness.DEVICE))
-                lps.append(lp)
-            else:
-                x = x + (sigmas[k + 1] - sigmas[k]) * v
+        states, lps, _ = walk(lambda x, t: self._forward(x, t, embeds), x, pipe.scheduler, self.steps, self.window,
+                              gen)
+        x = states[-1]
         vae = pipe.vae
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x.device)

@@ -10,9 +10,9 @@ Random bf16 weights at real sizes with a rank-32 LoRA, an SDE window of ``--wind
 (the image family): SD3.5-medium's sizes, the LoRA on the attention projections as ``gpu_rollout``, CFG 4.5, 512².
 ``wan_ti2v`` (the video family): Wan2.2 TI2V-5B's transformer, the LoRA on the self- and cross-attention
 projections, the spec's CFG 5, videos of ``--frames`` frames at ``--size`` (default 384) square, SDE steps on
-UniPC's sigmas (``multistep: euler``, as Flow-GRPO's Wan pipeline steps). The trainer (this process) holds the same model on the GPU throughout. For each
-worker count, an ``omnispec.rl.RolloutEngine`` starts (each worker builds its model inside its Ray actor, the GPU
-split evenly between them), then:
+UniPC's sigmas (``multistep: euler``, as Flow-GRPO's Wan pipeline steps). The trainer (this process) holds the
+same model on the GPU throughout. For each worker count, an ``omnispec.rl.RolloutEngine`` starts (each worker
+builds its model inside its Ray actor, the GPU split evenly between them), then:
 
 - full update: the trainer's whole transformer state dict (LoRA included) into every worker, in buckets of
   ``--bucket-mb``: seconds, GB, seconds per GB. The workers then hold the trainer's weights;
@@ -34,20 +34,20 @@ import time
 
 import torch
 
-from . import harness
-from . import workloads
+from . import harness, workloads
 from .workloads import SD3_LORA_TARGETS, WAN_LORA_TARGETS, with_lora
 
 NOISE_LEVEL, LORA_RANK, LORA_ALPHA = 0.7, 32, 64
 
-# spec, modules (without a LoRA), LoRA targets, spec overrides, request fields, sampler fields, default size
+# spec, modules (without a LoRA), LoRA targets, spec overrides, whether requests take frames, sampler fields, default
+# size
 MODELS = {
     "sd3": {"spec": "sd3.5-medium.yaml", "components": functools.partial(workloads.sd3_components, lora=False),
             "lora": SD3_LORA_TARGETS,
-            "overrides": ["recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]"], "request": {},
+            "overrides": ["recipe.phases.0.guidance.terms=[{kind: cfg, scale: 4.5}]"], "video": False,
             "sampler": {}, "size": 512},
     "wan_ti2v": {"spec": "wan2.2-ti2v-5b.yaml", "components": workloads.wan_ti2v_components,
-                 "lora": WAN_LORA_TARGETS, "overrides": [], "request": {"frames": None},
+                 "lora": WAN_LORA_TARGETS, "overrides": [], "video": True,
                  "sampler": {"multistep": "euler"}, "size": 384},
 }
 
@@ -77,7 +77,7 @@ def _request(args, tag: str, i: int) -> dict:
     model = MODELS[args.model]
     sampler = {"kind": "sde", "noise_level": NOISE_LEVEL, "window": {"kind": "fixed", "start": 0,
                                                                      "length": args.window}, **model["sampler"]}
-    video = {"frames": args.frames} if "frames" in model["request"] else {}
+    video = {"frames": args.frames} if model["video"] else {}
     return {"prompts": [f"{tag} prompt {i} {j}" for j in range(args.prompts)], "group_size": args.group,
             "seed": i, "sampler": sampler, "height": args.size, "width": args.size, "steps": args.steps, **video}
 

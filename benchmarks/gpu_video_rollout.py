@@ -136,8 +136,8 @@ def benchmark(args, results: harness.Results) -> None:
             rollout = run_ours(f"replay{label}", pipe)
         for side, times in samples.items():
             med = statistics.median(times)
-            results.save({"config": side, "compile": label.removeprefix(", ") or "eager", "seconds": med, "videos_per_s": n / med,
-                          "samples_s": times, "first_call_s": firsts[side]}
+            results.save({"config": side, "compile": label.removeprefix(", ") or "eager", "seconds": med,
+                          "videos_per_s": n / med, "samples_s": times, "first_call_s": firsts[side]}
                          | ({"dynamo": watch.summary()} if label else {}))
         part = rollout.select(range(min(args.replay_batch, n)))
         for grad, steps in ((False, None), (True, [0])):

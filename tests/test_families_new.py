@@ -174,7 +174,7 @@ def _joint_attention_masks(pipe, run) -> list[bool]:
 def test_hunyuan_video15_drops_the_text_padding_and_its_mask(hunyuan_video15_dir):
     """One prompt: its padding (and text-to-video's image tokens) dropped, every joint attention without a mask, the
     same video as the pipeline's masked attention over the padded prompt. Two prompts of different lengths in one
-    forward keep a mask (their padding is masked as diffusers masks it)."""
+    request run a forward each, also without a mask, and equal the pipeline's two calls."""
     from diffusers import HunyuanVideo15Pipeline
 
     pipe = omnispec.build(SPECS / "hunyuanvideo-1.5-t2v.yaml", source=str(hunyuan_video15_dir),
@@ -187,8 +187,14 @@ def test_hunyuan_video15_drops_the_text_padding_and_its_mask(hunyuan_video15_dir
         "a cat on a mat", negative_prompt="blurry", height=16, width=32, num_frames=9, num_inference_steps=2,
         generator=generators(3)[0], output_type="np").frames
     assert np.abs(out["x"].array - ref).max() <= TOL
-    masked = _joint_attention_masks(pipe, lambda: pipe(["a cat", "a red car parked in the snow"], seed=[1, 2]))
-    assert any(masked)
+    prompts = ["a cat", "a red car parked in the snow"]
+    masked = _joint_attention_masks(pipe, lambda: out.__setitem__("two", pipe(prompts, seed=[1, 2])))
+    assert masked and not any(masked)
+    ref = reference(HunyuanVideo15Pipeline, hunyuan_video15_dir)
+    for i, (prompt, seed) in enumerate(zip(prompts, (1, 2))):
+        frames = ref(prompt, height=16, width=32, num_frames=9, num_inference_steps=2, generator=generators(seed)[0],
+                     output_type="np").frames
+        assert np.abs(out["two"].array[i] - frames[0]).max() <= TOL
 
 
 # ---- policies ----------------------------------------------------------------------------------------------------

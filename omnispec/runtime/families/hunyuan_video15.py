@@ -10,11 +10,12 @@ decodes one sample at a time (its causal attention mask does not broadcast over 
 **Text without padding.** The prompt encodings come padded (1000 and 256 tokens; the text-to-video image tokens are
 729 more, all padding), and the transformer masks the padding with an (all tokens x all tokens) boolean mask in every
 block, which keeps attention off the flash-class kernels (BENCHMARKS.md, "HunyuanVideo-1.5"). Here each prompt's valid
-tokens are kept in their order and the rest dropped (``ragged``: padded only to the call's longest, and passes of
-different lengths run apart, as the pipeline runs its passes), text-to-video passes no image tokens, and where no row
-of a forward has padding left the joint attentions run without a mask (``UnmaskedJointAttention``). The padding is
-masked out of every valid token's attention and the output keeps only the video tokens, so what the model computes
-is the same; a forward whose rows keep padding runs diffusers' masked attention.
+tokens are kept in their order and the rest dropped (``ragged``: padded only to the call's longest, with their
+counts on the host), text-to-video passes no image tokens, and the rows of a forward run as one forward per prompt
+length (so a positive and a negative prompt of different lengths run apart, as the pipeline runs its passes), each
+cut to its rows' valid tokens, so the joint attentions run without a mask (``UnmaskedJointAttention``). The padding is masked
+out of every valid token's attention and the output keeps only the video tokens, so what the model computes is the
+same.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ from .base import Family
 from .checks import Inputs
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
-# Per-row counts of valid prompt tokens, kept on the host so each forward knows without a device sync whether its rows
-# carry padding.
-COUNTS = {"encoder_attention_mask": "prompt_tokens", "encoder_attention_mask_2": "glyph_tokens"}
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
                          "encoder_attention_mask_2"})
 
@@ -50,7 +48,6 @@ UNREGISTERED = ("diffusers' block hooks do not know HunyuanVideo15's transformer
 class HunyuanVideo15Family(Family):
     name = "hunyuan_video15"
     pipeline_class = HunyuanVideo15Pipeline
-    ragged_passes_apart = True  # each pass's prompt without padding, so attention runs without a mask
     targets = Targets(
         attention=AttentionTarget({"joint": ("transformer_blocks.*.attn",),
                                    "text": ("context_embedder.token_refiner.refiner_blocks.*.attn",)}),
@@ -121,18 +118,37 @@ class HunyuanVideo15Family(Family):
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
-        dtype = self.latent_dtype(denoiser)
-        x, c = latents["latents"].to(dtype), cond.batched
-        padded = any(bool((c[counts] < c[mask].shape[1]).any()) for mask, counts in COUNTS.items())
-        with UnmaskedJointAttention.where(not padded):
-            out = denoiser(
+        """One forward per prompt length among the rows (one in all for a single prompt, or a group of one prompt's
+        samples), each with its prompts cut to their valid tokens, so no row is padded."""
+        x = latents["latents"].to(self.latent_dtype(denoiser))
+        groups: dict[tuple[int, int], list[int]] = {}
+        lengths = zip(cond.batched["prompt_tokens"].tolist(), cond.batched["glyph_tokens"].tolist())  # on the host
+        for row, length in enumerate(lengths):
+            groups.setdefault(length, []).append(row)
+        if len(groups) == 1:
+            return {"latents": self._unpadded_forward(denoiser, x, cond, *next(iter(groups)), timestep)}
+        out = None
+        for (prompt, glyph), rows in groups.items():
+            index = torch.tensor(rows)
+            part = self._unpadded_forward(denoiser, x[index.to(x.device)], cond.rows(index), prompt, glyph, timestep)
+            out = part.new_empty((x.shape[0], *part.shape[1:])) if out is None else out
+            out[index.to(out.device)] = part
+        return {"latents": out}
+
+    def _unpadded_forward(self, denoiser, x: torch.Tensor, cond: Conditioning, prompt: int, glyph: int,
+                          timestep) -> torch.Tensor:
+        """A forward of rows whose prompts have ``prompt`` valid tokens (and ``glyph`` ByT5 ones), cut to them: no row
+        is padded, so the joint attentions run without a mask."""
+        c, dtype = cond.batched, x.dtype
+        with UnmaskedJointAttention.unmasked_here():
+            return denoiser(
                 hidden_states=torch.cat([x, c["condition"].to(dtype)], dim=1),
                 image_embeds=c["image_embeds"], timestep=timestep.expand(x.shape[0]).to(dtype),
-                encoder_hidden_states=c["encoder_hidden_states"], encoder_attention_mask=c["encoder_attention_mask"],
-                encoder_hidden_states_2=c["encoder_hidden_states_2"],
-                encoder_attention_mask_2=c["encoder_attention_mask_2"], return_dict=False,
+                encoder_hidden_states=c["encoder_hidden_states"][:, :prompt],
+                encoder_attention_mask=c["encoder_attention_mask"][:, :prompt],
+                encoder_hidden_states_2=c["encoder_hidden_states_2"][:, :glyph],
+                encoder_attention_mask_2=c["encoder_attention_mask_2"][:, :glyph], return_dict=False,
             )[0]
-        return {"latents": out}
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         helper, vae = self.helper, self.helper.vae
@@ -190,17 +206,17 @@ def valid_first(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class UnmaskedJointAttention(HunyuanVideo15AttnProcessor2_0):
-    """diffusers' ``HunyuanVideo15AttnProcessor2_0``, without its mask while the family's forward has no text padding
-    (``where(True)``; else diffusers' own call). Written here, not wrapped: diffusers' processor always expands the text
-    mask to a (tokens x tokens) one and hands it to the attention, which a mask of all ones would keep off the flash
-    kernels too."""
+    """diffusers' ``HunyuanVideo15AttnProcessor2_0``, without its mask inside the family's forwards, whose rows have no
+    text padding (``unmasked_here``); elsewhere diffusers' own call. Written here, not wrapped: diffusers' processor
+    always expands the text mask to a (tokens x tokens) one and hands it to the attention, which a mask of all ones
+    would keep off the flash kernels too."""
 
     unmasked = False  # read by every joint attention; set only around the family's forwards
 
     @classmethod
     @contextmanager
-    def where(cls, unmasked: bool) -> Iterator[None]:
-        previous, cls.unmasked = cls.unmasked, unmasked
+    def unmasked_here(cls) -> Iterator[None]:
+        previous, cls.unmasked = cls.unmasked, True
         try:
             yield
         finally:

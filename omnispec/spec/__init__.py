@@ -42,7 +42,7 @@ __all__ = [
     "APG", "CFG", "CFGZeroStar", "AdapterSlot", "BUILTIN_FAMILIES", "Component", "Constraints", "GuidanceSpec",
     "FlowMatchSchedule", "Modality", "ModelSpec", "Phase", "PipelineSpec", "PlannedTerm", "Policies", "Problem",
     "Recipe", "RequestDefaults", "RuntimeSpec", "ScaleSchedule", "SchedulerSchedule", "SegmentSchedule",
-    "SkipLayer", "SpecError", "SpecTypeError", "StepPlan", "TrueCFG", "Window", "apply_override", "compile_plan", "compress_plan",
-    "deep_merge", "dump_spec", "explain_spec", "flow_match_sigmas", "json_schema", "load_spec", "render_explain", "spec_with_overrides",
-    "resolve_spec_data", "validate_spec",
+    "SkipLayer", "SpecError", "SpecTypeError", "StepPlan", "TrueCFG", "Window", "apply_override", "compile_plan",
+    "compress_plan", "deep_merge", "dump_spec", "explain_spec", "flow_match_sigmas", "json_schema", "load_spec",
+    "render_explain", "resolve_spec_data", "spec_with_overrides", "validate_spec",
 ]

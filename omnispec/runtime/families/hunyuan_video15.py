@@ -13,9 +13,9 @@ block, which keeps attention off the flash-class kernels (BENCHMARKS.md, "Hunyua
 tokens are kept in their order and the rest dropped (``ragged``: padded only to the call's longest, with their
 counts on the host), text-to-video passes no image tokens, and the rows of a forward run as one forward per prompt
 length (so a positive and a negative prompt of different lengths run apart, as the pipeline runs its passes), each
-cut to its rows' valid tokens, so the joint attentions run without a mask (``UnmaskedJointAttention``). The padding is masked
-out of every valid token's attention and the output keeps only the video tokens, so what the model computes is the
-same.
+cut to its rows' valid tokens, so the joint attentions run without a mask (``UnmaskedJointAttention``). The padding
+is masked out of every valid token's attention and the output keeps only the video tokens, so what the model
+computes is the same.
 """
 
 from __future__ import annotations
@@ -127,12 +127,13 @@ class HunyuanVideo15Family(Family):
             groups.setdefault(length, []).append(row)
         if len(groups) == 1:
             return {"latents": self._unpadded_forward(denoiser, x, cond, *next(iter(groups)), timestep)}
-        out = None
+        parts = []
         for (prompt, glyph), rows in groups.items():
-            index = torch.tensor(rows)
-            part = self._unpadded_forward(denoiser, x[index.to(x.device)], cond.rows(index), prompt, glyph, timestep)
-            out = part.new_empty((x.shape[0], *part.shape[1:])) if out is None else out
-            out[index.to(out.device)] = part
+            index = torch.tensor(rows, device=x.device)
+            parts.append((index, self._unpadded_forward(denoiser, x[index], cond.rows(index), prompt, glyph, timestep)))
+        out = parts[0][1].new_empty((x.shape[0], *parts[0][1].shape[1:]))
+        for index, part in parts:
+            out[index] = part
         return {"latents": out}
 
     def _unpadded_forward(self, denoiser, x: torch.Tensor, cond: Conditioning, prompt: int, glyph: int,

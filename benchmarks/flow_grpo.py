@@ -28,22 +28,28 @@ def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, nxt: torch.T
     return nxt_x, lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
-def walk(velocity, x: torch.Tensor, scheduler, steps: int, window: range, gen: torch.Generator
-         ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """A loop's walk over ``scheduler``'s sigmas from ``x``: ``velocity(x, t)`` at each timestep, the SDE step on the
-    ``window``'s steps (noise from ``gen``) and an Euler step elsewhere, as Flow-GRPO's fast trainers step. Every state
-    (the first included), the window steps' log-probs, and the sigmas."""
-    scheduler.set_timesteps(steps, device=harness.DEVICE)
+def walk(velocity, x, scheduler, steps: int, window: range, gen: torch.Generator, **schedule
+         ) -> tuple[list, list[torch.Tensor], torch.Tensor]:
+    """A loop's walk over ``scheduler``'s sigmas (``set_timesteps(steps, **schedule)``) from ``x``: ``velocity(x, t)``
+    at each timestep, the SDE step on the ``window``'s steps (noise from ``gen``) and an Euler step elsewhere, as
+    Flow-GRPO's fast trainers step. ``x`` is one tensor or a dict of streams (audio and video), and ``velocity``
+    answers in kind; a step's log-prob is the streams' summed, as omnispec's rollouts sum them. Every state (the first
+    included), the window steps' log-probs, and the sigmas."""
+    scheduler.set_timesteps(steps, device=harness.DEVICE, **schedule)
     sigmas = scheduler.sigmas.to(harness.DEVICE, torch.float32)
     states, lps = [x], []
     for k, t in enumerate(scheduler.timesteps):
         v = velocity(x, t)
+        streams, vs = (x, v) if isinstance(x, dict) else ({"": x}, {"": v})
         if k in window:
-            x, lp = sde_step(v, x, sigmas[k], sigmas[k + 1], sigmas[1],
-                             noise=torch.randn(x.shape, generator=gen, device=harness.DEVICE))
-            lps.append(lp)
+            drawn = {s: sde_step(vs[s], xs, sigmas[k], sigmas[k + 1], sigmas[1],
+                                 noise=torch.randn(xs.shape, generator=gen, device=harness.DEVICE))
+                     for s, xs in streams.items()}
+            nxt = {s: d[0] for s, d in drawn.items()}
+            lps.append(sum(d[1] for d in drawn.values()))
         else:
-            x = x + (sigmas[k + 1] - sigmas[k]) * v
+            nxt = {s: xs + (sigmas[k + 1] - sigmas[k]) * vs[s] for s, xs in streams.items()}
+        x = nxt if isinstance(x, dict) else nxt[""]
         states.append(x)
     return states, lps, sigmas
 
@@ -55,15 +61,21 @@ def prompts(tag: str, n: int) -> list[str]:
     return [f"{subjects[i % len(subjects)]}, study {tag}-{i}" for i in range(n)]
 
 
-def check_sigmas(pipe, scheduler, steps: int, request: dict) -> None:
-    """omnispec's walk and the loop's scheduler step the same sigmas, bit for bit."""
+def check_sigmas(pipe, scheduler, steps: int, request: dict, **schedule) -> float:
+    """omnispec's walk and the loop's scheduler (``set_timesteps(steps, **schedule)``) step the same sigmas: their
+    largest difference, which must be float32 rounding at most. Where diffusers warps a schedule (dynamic shift, a
+    terminal stretch) it does so in float32 after rounding the step times, and omnispec in float64 before rounding
+    the result, so the two can differ in the last bit (LTX-2's schedule); a step's cost does not depend on it."""
     from omnispec.runtime.run import Run
 
     ours = Run(pipe, pipe.request("probe", **request)).walks[0].steps.sigmas.cpu()
     scheduler = copy.deepcopy(scheduler)
-    scheduler.set_timesteps(steps)
-    if not torch.equal(ours, scheduler.sigmas.float().cpu()):
-        raise SystemExit(f"omnispec steps sigmas {ours.tolist()}, the loop {scheduler.sigmas.tolist()}")
+    scheduler.set_timesteps(steps, **schedule)
+    theirs = scheduler.sigmas.float().cpu()
+    off = (ours - theirs).abs().max().item() if ours.shape == theirs.shape else math.inf
+    if off > 1e-6:
+        raise SystemExit(f"omnispec steps sigmas {ours.tolist()}, the loop {theirs.tolist()}")
+    return off
 
 
 def timed(fn, *args) -> tuple[float, object]:

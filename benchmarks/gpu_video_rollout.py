@@ -1,21 +1,30 @@
-"""RL rollout throughput (videos/s) on Wan2.2 TI2V-5B, exact, eager and under regional compile, with the replay ratio.
-Peer: a Flow-GRPO-style sampling loop around diffusers' ``WanPipeline`` (the pattern of Flow-GRPO's and DanceGRPO's
-Wan trainers), in the same call, eager and over the same compiled blocks.
+"""RL rollout throughput (videos/s) on a video family, exact, eager and under regional compile, with the replay ratio:
+Wan2.2 TI2V-5B (``--model wan_ti2v``) or LTX-2.3 with its audio (``--model ltx23``). Peer: a Flow-GRPO-style
+sampling loop around the family's diffusers pipeline (``WanPipeline``, ``LTX2Pipeline``; the pattern of Flow-GRPO's
+and DanceGRPO's video trainers), in the same call, eager and over the same compiled blocks.
 
-``python -m benchmarks.gpu_video_rollout [--prompts 4 --group 4 --steps 10 --height 480 --width 832 --frames 33
---window 3 --baseline-batch 4 --repeats 2] [--no-eager] [--no-compile] [--json FILE]``  (needs CUDA; ``--smoke``:
-tiny models on the CPU, to check the script only.)
+``python -m benchmarks.gpu_video_rollout [--model wan_ti2v|ltx23] [--prompts 4 --group 4 --steps 10 --height H
+--width W --frames F --window 3 --baseline-batch 4 --repeats 2] [--no-eager] [--no-compile] [--json FILE]``  (needs
+CUDA; ``--smoke``: tiny models on the CPU, to check the script only.)
 
-Random bf16 weights at Wan2.2 TI2V-5B's sizes (30 blocks of 24 heads of 128, 48 latent channels, the Wan2.2 VAE;
-``workloads.wan_ti2v_components``), a rank-32 LoRA on the attention projections, the spec's CFG 5 against the empty
-prompt, text-to-video. Both sides step the checkpoint's UniPC sigmas (flow shift 5) as Flow-GRPO's Wan pipeline
-does: the SDE (noise level 0.7) on a window of ``--window`` steps from step 0, first-order Euler steps elsewhere
-(omnispec: ``sampler.multistep: euler``), a timestep per token (``expand_timesteps``). The loop encodes every
-sample's prompt and runs CFG as one concatenated forward per step, ``--baseline-batch`` samples at a time, as those
-trainers do. Videos/s include prompt encoding and decoding. Under ``compile: regional`` omnispec compiles the
-shared transformer's blocks in place, so the loop runs the same compiled blocks (diffusers' own
+Random bf16 weights at the release's sizes, a rank-32 LoRA on the attention projections, CFG against the empty
+prompt, text-to-video, 16 videos by default. Both sides step the same sigmas (checked before timing: equal, or
+within float32 rounding where diffusers warps the schedule in float32; the largest difference is in the header): the
+SDE (noise level 0.7) on a window of ``--window`` steps from step 0, first-order Euler steps elsewhere. The loop
+encodes every sample's prompt and runs CFG as one concatenated forward per step, ``--baseline-batch`` samples at a
+time, as those trainers do. Videos/s include prompt encoding and decoding. Under ``compile: regional`` omnispec
+compiles the shared transformer's blocks in place, so the loop runs the same compiled blocks (diffusers' own
 ``compile_repeated_blocks`` would compile the same regions). Replay: omnispec's ``log_prob`` of part of a compiled
 rollout (another micro-batch), without and with gradients: max |ratio - 1| (0.0 is exact).
+
+- ``wan_ti2v`` (``workloads.wan_ti2v_components``: 30 blocks of 24 heads of 128, 48 latent channels, the Wan2.2
+  VAE), 480x832x33 by default, the spec's CFG 5, the checkpoint's UniPC sigmas (flow shift 5) as Flow-GRPO's Wan
+  pipeline steps them (omnispec: ``sampler.multistep: euler``), a timestep per token (``expand_timesteps``).
+- ``ltx23`` (``workloads.ltx23_components``: LTX-2 19B's widths with LTX-2.3's architecture, its connectors and
+  vocoder), 512x768x33 at 24 fps by default, video and audio denoised together: CFG 3 on the video and 7 on the
+  audio (LTX-2.3's scales; its STG, modality guidance and rescale are off on both sides, as RL trainers sample),
+  the checkpoint's dynamically shifted sigmas. A step's log-prob is the two streams' summed on both sides; videos/s
+  include the audio's decoding and vocoder.
 """
 
 from __future__ import annotations
@@ -27,9 +36,10 @@ import torch
 
 from . import harness
 from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, timed, walk
-from .workloads import WAN_LORA_TARGETS, wan_ti2v_components, with_lora
+from .workloads import WAN_LORA_TARGETS, ltx2_spec_overrides, ltx23_components, wan_ti2v_components, with_lora
 
 CFG_SCALE, MAX_TOKENS = 5.0, 512
+LTX_CFG, LTX_MAX_TOKENS = {"video": 3.0, "audio": 7.0}, 1024
 LOOP = "flow-grpo loop (diffusers)"
 
 
@@ -45,6 +55,10 @@ class WanGRPOLoop:
         self.pipe.set_progress_bar_config(disable=True)
         self.height, self.width, self.frames, self.steps, self.window = height, width, frames, steps, window
         self.neg = self._encode([""])
+
+    def schedule(self) -> dict:
+        """``set_timesteps``' keywords beyond the step count: none (UniPC's flow sigmas of the checkpoint)."""
+        return {}
 
     def _encode(self, texts: list[str]) -> torch.Tensor:
         embeds, _ = self.pipe.encode_prompt(texts, do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS,
@@ -79,13 +93,119 @@ class WanGRPOLoop:
                 "log_probs": torch.stack(lps, 1) if lps else None}
 
 
+class LTX2GRPOLoop:
+    """The same pattern around ``LTX2Pipeline``, on both streams: per batch of samples, encode the prompts and run
+    the connectors on the [empty prompt, prompts] pair as the pipeline does; then per step one CFG forward of the
+    concatenated batch, the video and the audio each guided by its own scale, and on the window's steps an SDE step of
+    each stream with the log-probs summed (an Euler step elsewhere); then decode the video and the audio (audio VAE
+    and vocoder) as the pipeline decodes."""
+
+    def __init__(self, mods: dict, height: int, width: int, frames: int, steps: int, window: range,
+                 fps: float = 24.0) -> None:
+        from diffusers.pipelines.ltx2 import LTX2Pipeline
+
+        self.pipe = LTX2Pipeline(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
+        self.pipe.set_progress_bar_config(disable=True)
+        self.height, self.width, self.frames, self.steps, self.window = height, width, frames, steps, window
+        self.fps = fps
+        self.neg = self._encode([""])
+
+    def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask, _, _ = self.pipe.encode_prompt(texts, do_classifier_free_guidance=False,
+                                                     max_sequence_length=LTX_MAX_TOKENS, device=harness.DEVICE)
+        return embeds, mask
+
+    def grid(self) -> dict:
+        """The latent grid of a video of this loop's size: video frames, height, width and audio frames."""
+        pipe = self.pipe
+        audio_per_s = pipe.audio_sampling_rate / pipe.audio_hop_length / pipe.audio_vae_temporal_compression_ratio
+        return {"frames": (self.frames - 1) // pipe.vae_temporal_compression_ratio + 1,
+                "height": self.height // pipe.vae_spatial_compression_ratio,
+                "width": self.width // pipe.vae_spatial_compression_ratio,
+                "audio_frames": round(self.frames / self.fps * audio_per_s)}
+
+    def schedule(self) -> dict:
+        """The checkpoint's sigmas for this size: ``set_timesteps``' keywords, as ``LTX2Pipeline`` computes them."""
+        import numpy as np
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+        g, config = self.grid(), self.pipe.scheduler.config
+        tokens = g["frames"] * g["height"] * g["width"]
+        mu = calculate_shift(tokens, config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.95), config.get("max_shift", 2.05))
+        return {"sigmas": np.linspace(1.0, 1 / self.steps, self.steps), "mu": mu}
+
+    def sample(self, texts: list[str], seed: int) -> dict:
+        pipe, g, n = self.pipe, self.grid(), len(texts)
+        embeds, mask = self._encode(texts)
+        neg, neg_mask = self.neg
+        video_ctx, audio_ctx, ctx_mask = pipe.connectors(
+            torch.cat([neg.expand(n, -1, -1), embeds]), torch.cat([neg_mask.expand(n, -1), mask]),
+            padding_side=getattr(pipe.tokenizer, "padding_side", "left"))
+        gen = torch.Generator(harness.DEVICE).manual_seed(seed)
+        audio_vae = pipe.audio_vae
+        x = {"video": pipe.prepare_latents(n, pipe.transformer.config.in_channels, self.height, self.width,
+                                           self.frames, 1.0, torch.float32, harness.DEVICE, gen),
+             "audio": pipe.prepare_audio_latents(n, audio_vae.config.latent_channels, g["audio_frames"],
+                                                 audio_vae.config.mel_bins, 1.0, torch.float32, harness.DEVICE, gen)}
+        rope, audio_rope = pipe.transformer.rope, pipe.transformer.audio_rope
+        video_coords = rope.prepare_video_coords(2 * n, g["frames"], g["height"], g["width"], harness.DEVICE,
+                                                 fps=self.fps)
+        audio_coords = audio_rope.prepare_audio_coords(2 * n, g["audio_frames"], harness.DEVICE)
+
+        dtype = pipe.transformer.dtype
+
+        def velocity(x: dict, t: torch.Tensor) -> dict:
+            t = t.expand(2 * n)
+            out = pipe.transformer(
+                hidden_states=torch.cat([x["video"], x["video"]]).to(dtype),
+                audio_hidden_states=torch.cat([x["audio"], x["audio"]]).to(dtype),
+                encoder_hidden_states=video_ctx, audio_encoder_hidden_states=audio_ctx, timestep=t, sigma=t,
+                encoder_attention_mask=ctx_mask, audio_encoder_attention_mask=ctx_mask, num_frames=g["frames"],
+                height=g["height"], width=g["width"], fps=self.fps, audio_num_frames=g["audio_frames"],
+                video_coords=video_coords, audio_coords=audio_coords, use_cross_timestep=True, return_dict=False)
+            guided = {}
+            for stream, pred in zip(("video", "audio"), out):
+                uncond, cond = pred.float().chunk(2)
+                guided[stream] = uncond + LTX_CFG[stream] * (cond - uncond)
+            return guided
+
+        states, lps, _ = walk(velocity, x, pipe.scheduler, self.steps, self.window, gen, **self.schedule())
+        x = states[-1]
+        vae = pipe.vae
+        video = pipe._unpack_latents(x["video"], g["frames"], g["height"], g["width"],
+                                     pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        video = vae.decode(video.to(vae.dtype), None, return_dict=False)[0]
+        audio = pipe._denormalize_audio_latents(x["audio"], audio_vae.latents_mean, audio_vae.latents_std)
+        mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+        audio = pipe._unpack_audio_latents(audio, g["audio_frames"], num_mel_bins=mel_bins)
+        audio = pipe.vocoder(audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0])
+        return {"videos": pipe.video_processor.postprocess_video(video, output_type="pt"), "audio": audio,
+                "log_probs": torch.stack(lps, 1) if lps else None}
+
+
+# What differs between the models: the spec, the modules (a LoRA added), the loop, the spec overrides (on top of
+# runtime.progress=false), sampler fields, the default size, and the loop's scheduler keywords for check_sigmas.
+MODELS = {
+    "wan_ti2v": {"spec": "wan2.2-ti2v-5b.yaml", "components": wan_ti2v_components, "loop": WanGRPOLoop,
+                 "overrides": lambda: [], "sampler": {"multistep": "euler"},
+                 "size": {"height": 480, "width": 832, "frames": 33}},
+    "ltx23": {"spec": "ltx2.3-t2v.yaml", "components": ltx23_components, "loop": LTX2GRPOLoop,
+              "overrides": lambda: [*ltx2_spec_overrides(), "recipe.phases.0.guidance.rescale=0",
+                                    "recipe.phases.0.guidance.terms=[{kind: cfg, scale: {video: 3.0, audio: 7.0}}]"],
+              "sampler": {}, "size": {"height": 512, "width": 768, "frames": 33}},
+}
+
+
 def add_arguments(parser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="wan_ti2v")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
-    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--height", type=int, help="default: the model's (wan_ti2v 480, ltx23 512)")
+    parser.add_argument("--width", type=int, help="default: the model's (wan_ti2v 832, ltx23 768)")
+    parser.add_argument("--frames", type=int, help="default: the model's (33)")
     parser.add_argument("--window", type=int, default=3,
                         help="SDE steps from step 0, the rest Euler steps (0: every step but the last)")
     parser.add_argument("--baseline-batch", type=int, default=4, help="the loop's samples per call")
@@ -99,24 +219,28 @@ def add_arguments(parser) -> None:
 def benchmark(args, results: harness.Results) -> None:
     import omnispec
 
+    model = MODELS[args.model]
+    for key, value in model["size"].items():
+        setattr(args, key, getattr(args, key) or value)
     if args.smoke:  # tiny models: 2 x 2 samples of 64x64x5, 4 steps, a window of 2, one repeat
         args.height = args.width = 64
         args.frames, args.prompts, args.group, args.steps, args.window = 5, 2, 2, 4, 2
         args.repeats, args.baseline_batch, args.replay_batch = 1, 2, 2
-    mods = with_lora(wan_ti2v_components(), WAN_LORA_TARGETS)
+    mods = with_lora(model["components"](), WAN_LORA_TARGETS)  # both models name their projections as Wan does
     window = range(args.window or args.steps - 1)  # 0: every step but the last, as gpu_rollout
-    sampler = {"kind": "sde", "noise_level": NOISE_LEVEL, "multistep": "euler",
+    sampler = {"kind": "sde", "noise_level": NOISE_LEVEL, **model["sampler"],
                "window": {"kind": "fixed", "start": 0, "length": len(window)}}
     request = {"height": args.height, "width": args.width, "frames": args.frames, "steps": args.steps}
     n = args.prompts * args.group
     results.header |= {"device": harness.device_name(), "setup": {k: v for k, v in vars(args).items() if k != "json"}
                        | {"videos": n, "window_steps": list(window)}}
+    spec_overrides = ["runtime.progress=false", *model["overrides"]()]
 
     def build(*overrides: str):
-        return omnispec.build(harness.ROOT / "specs" / "wan2.2-ti2v-5b.yaml", components=mods, device=harness.DEVICE,
-                              overrides=["runtime.progress=false", *overrides])
+        return omnispec.build(harness.ROOT / "specs" / model["spec"], components=mods, device=harness.DEVICE,
+                              overrides=[*spec_overrides, *overrides])
 
-    loop = WanGRPOLoop(mods, args.height, args.width, args.frames, args.steps, window)
+    loop = model["loop"](mods, args.height, args.width, args.frames, args.steps, window)
 
     def run_loop(tag: str):
         rows = [p for p in prompts(tag, args.prompts) for _ in range(args.group)]
@@ -148,7 +272,8 @@ def benchmark(args, results: harness.Results) -> None:
                           "replayed_samples": len(part.log_probs)})
 
     pipe = build()
-    check_sigmas(pipe, loop.pipe.scheduler, args.steps, request)
+    results.header["sigmas_max_difference"] = check_sigmas(pipe, loop.pipe.scheduler, args.steps, request,
+                                                           **loop.schedule())
     if args.eager:
         rows("", pipe)
     if args.compile:

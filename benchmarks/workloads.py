@@ -960,24 +960,69 @@ def _tiny_kandinsky6_sr() -> None:
     w["request"] |= {"height": 32, "width": 48, "frames": 5}
 
 
-# ---- LTX-2.5: LTX-2's step comparison on its modules, against LTX25ModularPipeline -----------------------------------
+# ---- LTX-2.3's modules; LTX-2.5: LTX-2's step comparison on its modules, against LTX25ModularPipeline --------------
+
+# LTX-2.3's architecture flags in diffusers (gated attention, prompt AdaLN, perturbable self-attention; the prompt
+# projections move from the transformer into the connectors, one per stream).
+LTX23_TRANSFORMER_FLAGS = dict(perturbed_attn=True, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True,
+                               audio_cross_attn_mod=True, use_prompt_embeddings=False)
+
+
+def ltx23_denoiser_and_connectors(caption_channels: int = 3840, text_layers: int = 1) -> dict:
+    """LTX-2.3's transformer (LTX-2 19B's widths and depth with LTX-2.3's flags) and its connectors, which project
+    the prompt to each stream's width (4,096 video, 2,048 audio: what the transformer's cross-attentions take once
+    it has no prompt projection of its own), random bf16 weights on the device. The connectors' depth is LTX-2's
+    (their cost is per request and cancels in per-step times)."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    with torch.device(harness.DEVICE):
+        transformer = LTX2VideoTransformer3DModel(rope_type="split", **LTX23_TRANSFORMER_FLAGS)
+        connectors = LTX2TextConnectors(
+            caption_channels=caption_channels, text_proj_in_factor=text_layers + 1, per_modality_projections=True,
+            video_hidden_dim=4096, audio_hidden_dim=2048, proj_bias=True, video_gated_attn=True,
+            audio_gated_attn=True, video_connector_num_attention_heads=32, video_connector_attention_head_dim=128,
+            video_connector_num_layers=2, video_connector_num_learnable_registers=128,
+            audio_connector_num_attention_heads=32, audio_connector_attention_head_dim=64,
+            audio_connector_num_layers=2, audio_connector_num_learnable_registers=128,
+            connector_rope_base_seq_len=4096, rope_type="split")
+    return {name: m.to(harness.DEVICE, torch.bfloat16).eval()
+            for name, m in (("transformer", transformer), ("connectors", connectors))}
+
+
+def ltx23_components() -> dict:
+    """LTX-2.3's modules with random bf16 weights, or the tiny test ones under smoke: LTX-2's (``ltx2_components``:
+    the one-layer Gemma 3 of the real width, the VAEs) with LTX-2.3's transformer and connectors
+    (``ltx23_denoiser_and_connectors``) and its vocoder with bandwidth extension to 48 kHz (the class defaults,
+    which are the release's). No latent upsampler: the one-stage spec has none."""
+    if harness.SMOKE:
+        from omnispec.testing.ltx2_fixtures import ltx2_components as tiny_ltx2_components
+
+        return tiny_ltx2_components(version="2.3", bwe=True)
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    mods = ltx2_components()
+    del mods["transformer"], mods["connectors"], mods["vocoder"], mods["latent_upsampler"]
+    harness.free_device_memory()
+    mods |= ltx23_denoiser_and_connectors()
+    mods["vocoder"] = LTX2VocoderWithBWE().to(harness.DEVICE, torch.bfloat16).eval()
+    return mods
+
 
 def ltx25_components() -> dict:
     """LTX-2.5's modules with random bf16 weights, or the tiny test ones under smoke: LTX-2's (``ltx2_components``)
-    with the transformer's LTX-2.3 architecture (gated attention, prompt AdaLN, perturbable self-attention), a
-    one-layer Gemma-4 text encoder of Gemma 3 12B's width in place of Gemma 3 (its cost cancels in per-step times, as
-    LTX-2's), and the diffusion video decoder at its class defaults (the production config). diffusers ships no
-    config of the 22B transformer: the widths and depth are LTX-2 19B's, the LTX-2.3 flags are those of diffusers'
-    LTX-2.3 support (``perturbed_attn``, ``gated_attn``, ``cross_attn_mod``, no prompt embeddings)."""
+    with LTX-2.3's transformer and connectors (``ltx23_denoiser_and_connectors``: diffusers ships no config of the
+    22B transformer), a one-layer Gemma-4 text encoder of Gemma 3 12B's width in place of Gemma 3 (its cost cancels
+    in per-step times, as LTX-2's), and the diffusion video decoder at its class defaults (the production config)."""
     if harness.SMOKE:
         from omnispec.testing.fixtures_ltx25 import ltx25_components as tiny_ltx25_components
 
         return tiny_ltx25_components()
     import transformers
-    from diffusers import LTX2VideoDiffusionDecoderModel, LTX2VideoTransformer3DModel
+    from diffusers import LTX2VideoDiffusionDecoderModel
 
     mods = ltx2_components()
-    del mods["transformer"], mods["text_encoder"], mods["latent_upsampler"]
+    del mods["transformer"], mods["connectors"], mods["text_encoder"], mods["latent_upsampler"]
     harness.free_device_memory()
     v = len(mods["tokenizer"])
     with torch.device(harness.DEVICE):
@@ -986,13 +1031,10 @@ def ltx25_components() -> dict:
                          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
                          "layer_types": ["full_attention"]},
             vision_config=None, audio_config=None))
-        mods["transformer"] = LTX2VideoTransformer3DModel(
-            rope_type="split", perturbed_attn=True, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True,
-            audio_cross_attn_mod=True, use_prompt_embeddings=False)
         mods["diffusion_decoder"] = LTX2VideoDiffusionDecoderModel()
-    for name in ("text_encoder", "transformer", "diffusion_decoder"):
+    for name in ("text_encoder", "diffusion_decoder"):
         mods[name] = mods[name].to(harness.DEVICE, torch.bfloat16).eval()
-    return mods
+    return mods | ltx23_denoiser_and_connectors()
 
 
 class LTX25Modular:

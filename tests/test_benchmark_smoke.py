@@ -33,6 +33,7 @@ SMOKES = [
                       "--compile-variants", "regional+fused_qkv+qk_norm_rope+fused_gelu,full+qk_norm_rope",
                       "--compile-rounds", "2"], 1),
     ("gpu_video_rollout", [], 1),  # eager and compiled (aot_eager), replays with and without gradients
+    ("gpu_video_rollout", ["--model", "ltx23", "--no-compile"], 1),  # audio + video; compiled: the code above
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)
     ("gpu_rollout", ["--quantized-base", "fp8_dynamic:row", "--quantized-compile", "regional,regional+vae",

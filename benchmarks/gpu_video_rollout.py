@@ -1,7 +1,7 @@
-"""RL rollout throughput (videos/s) on a video family, exact, eager and under regional compile, with the replay ratio:
-Wan2.2 TI2V-5B (``--model wan_ti2v``) or LTX-2.3 with its audio (``--model ltx23``). Peer: a Flow-GRPO-style
-sampling loop around the family's diffusers pipeline (``WanPipeline``, ``LTX2Pipeline``; the pattern of Flow-GRPO's
-and DanceGRPO's video trainers), in the same call, eager and over the same compiled blocks.
+"""RL rollout throughput (videos/s) on a video family, exact, eager and under regional compile, with the replay ratio.
+Peer: a Flow-GRPO-style sampling loop around the family's diffusers pipeline (``WanPipeline``, ``LTX2Pipeline``; the
+pattern of Flow-GRPO's and DanceGRPO's video trainers), in the same call, eager and over the same compiled blocks.
+The family: Wan2.2 TI2V-5B (``--model wan_ti2v``) or LTX-2.3 with its audio (``--model ltx23``).
 
 ``python -m benchmarks.gpu_video_rollout [--model wan_ti2v|ltx23] [--prompts 4 --group 4 --steps 10 --height H
 --width W --frames F --window 3 --baseline-batch 4 --repeats 2] [--no-eager] [--no-compile] [--json FILE]``  (needs

@@ -185,6 +185,32 @@ def test_stg_rows_share_the_cfg_forward_and_modality_runs_alone(ltx2_dir):
     assert calls == [(3, False), (1, True)] * 2  # [cond, uncond, stg rows] then the modality pass, each step
 
 
+def test_stg_under_regional_compile_equals_eager_and_all_perturbed_rows_keep_their_values(ltx2_dir):
+    """LTX-2.3's transformer decides on the device whether every row of an STG block is perturbed; diffusers'
+    processor branched on that, which a compiled block (fullgraph) refused. The family's processor blends by the
+    mask instead: compiled equals eager, and a forward whose rows are all perturbed equals diffusers' processor's."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
+
+    from omnispec.runtime.families.ltx2 import BranchlessPerturbedAttention
+
+    base = [*TINY_OVERRIDES["ltx2"], STG_ON_BLOCK_1, "recipe.defaults.steps=2"]
+    eager = omnispec.build(SPECS / "ltx2-t2v.yaml", source=str(ltx2_dir), overrides=base)  # LTX-2.3 weights
+    compiled = omnispec.build(SPECS / "ltx2-t2v.yaml", source=str(ltx2_dir), overrides=[
+        *base, "policies.compile.mode=regional", "policies.compile.backend=aot_eager"])
+    a, b = eager("a robot dancing", seed=1), compiled("a robot dancing", seed=1)
+    assert np.abs(a.array - b.array).max() <= TOL and np.abs(a.audio - b.audio).max() <= TOL
+
+    transformer = eager.components["transformer"]
+    attn = transformer.transformer_blocks[1].attn1
+    assert type(attn.processor) is BranchlessPerturbedAttention
+    x = torch.randn(2, 6, attn.to_q.in_features)
+    mask = torch.zeros(2)[:, None, None]  # every row perturbed, as the transformer's default mask (float32)
+    with torch.no_grad():
+        theirs = LTX2PerturbedAttnProcessor()(attn, x, perturbation_mask=mask, all_perturbed=torch.all(mask == 0))
+        ours = attn.processor(attn, x, perturbation_mask=mask, all_perturbed=torch.all(mask == 0))
+    assert torch.equal(ours, theirs)
+
+
 def test_component_config_overrides_reach_the_loaded_module(ltx20_dir):
     """LTX-2.0's diffusers config ignores STG (perturbed_attn false); Lightricks' code applies it. The override
     makes the same weights follow Lightricks: the STG pass then differs from the plain one."""

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 from diffusers.pipelines.ltx2 import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoCondition
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -100,6 +101,10 @@ class LTX2Family(Family):
     # motion_speed: the video's positions are those of a video at fps / motion_speed (below 1, slower motion: 0.2 for
     # a 5x slow-motion LoRA), while the output keeps its fps and the audio its length.
     options = {"image_crf": None, "use_cross_timestep": True, "motion_speed": 1.0}
+
+    def __init__(self, spec: PipelineSpec, components, device: torch.device):
+        super().__init__(spec, components, device)
+        BranchlessPerturbedAttention.install(self.helper.transformer)
 
     @classmethod
     def check_spec(cls, spec: PipelineSpec) -> None:
@@ -410,3 +415,33 @@ class LTX2ConditionFamily(LTX2Family):
 
     def unpack(self, stream: str, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         return super().unpack(stream, latents[:, : super().tokens(geometry)], geometry)  # keyframes dropped
+
+
+class BranchlessPerturbedAttention(LTX2PerturbedAttnProcessor):
+    """diffusers' ``LTX2PerturbedAttnProcessor`` (LTX-2.3's and LTX-2.5's self-attentions) without its branch on
+    whether every row of a spatio-temporal guidance block is perturbed. The transformer computes that on the device
+    (``torch.all(mask == 0)``), so the branch waits for the device in eager runs and, inside a compiled block, is a
+    data-dependent branch that ``fullgraph`` refuses: spatio-temporal guidance under ``compile: regional`` failed.
+    Here the rows' mask always blends (``lerp(value, attention, mask)``, its weight in the activations' dtype, as
+    the family's own masks are), which is the values exactly where a row's mask is 0: the output is unchanged, at the
+    cost of one block's self-attention in a forward whose rows are all perturbed."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                 key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
+        if isinstance(all_perturbed, torch.Tensor):
+            all_perturbed = None if perturbation_mask is None else False
+        if perturbation_mask is not None:
+            perturbation_mask = perturbation_mask.to(hidden_states.dtype)
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                                key_rotary_emb, perturbation_mask, all_perturbed)
+
+    @classmethod
+    def install(cls, denoiser: torch.nn.Module) -> None:
+        """Put this processor where diffusers' runs (a processor set otherwise is kept). Every caller of the modules
+        gets it, a diffusers pipeline sharing them too: their outputs are the same, and a compiled block needs it."""
+        for block in getattr(denoiser, "transformer_blocks", ()):
+            for attn in (getattr(block, "attn1", None), getattr(block, "audio_attn1", None)):
+                if attn is not None and type(attn.processor) is LTX2PerturbedAttnProcessor:
+                    replacement = cls()
+                    bridge.set_processor_settings(replacement, bridge.processor_settings(attn.processor))
+                    attn.set_processor(replacement)

@@ -160,19 +160,39 @@ def benchmark(args, results: harness.Results) -> None:
         for n in counts:
             config = f"workers={n}"
             gpus = 0.0 if args.smoke else 1.0 / n
+            harness.free_device_memory()  # the trainer's allocator cache from the last count's replays
             start = time.perf_counter()
-            engine = RolloutEngine(spec, n, num_gpus_per_worker=gpus, num_cpus_per_worker=1.0,
-                                   bucket_bytes=bucket_bytes, device=harness.DEVICE, overrides=overrides,
-                                   make_components=functools.partial(engine_components, args.model, args.smoke))
-            results.save({"config": config, "event": "start", "seconds": time.perf_counter() - start})
+            try:
+                engine = RolloutEngine(spec, n, num_gpus_per_worker=gpus, num_cpus_per_worker=1.0,
+                                       bucket_bytes=bucket_bytes, device=harness.DEVICE, overrides=overrides,
+                                       make_components=functools.partial(engine_components, args.model, args.smoke))
+            except Exception as exc:  # noqa: BLE001 - e.g. the workers do not fit beside the trainer: a row says so
+                results.save({"config": config, "error": f"start: {_error(exc)}"})
+                continue
+            results.save({"config": config, "event": "start", "seconds": time.perf_counter() - start,
+                          "device_gb_in_use": _device_gb_in_use()})
             try:
                 _measure(engine, args, config, trainer, transformer, full_state, lora_meta, set_lora, results)
             except Exception as exc:  # noqa: BLE001 - a row says what failed; the other worker counts still run
-                results.save({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+                results.save({"config": config, "error": _error(exc)})
             finally:
                 engine.shutdown()
     finally:
         ray.shutdown()
+
+
+def _error(exc: Exception) -> str:
+    """An error row's text: the exception's type and the end of its message, where a Ray task error puts the
+    worker's own exception after the remote traceback."""
+    return f"{type(exc).__name__}: {str(exc)[-800:]}"
+
+
+def _device_gb_in_use() -> float:
+    """GB in use on the GPU by every process (the trainer and the workers), as the driver counts it."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 1e9
 
 
 def _update_row(config: str, event: str, report) -> dict:

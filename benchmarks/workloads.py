@@ -12,12 +12,31 @@ shrink to tiny requests.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from . import harness
 
 # ---- each family's modules -------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def on_card() -> Iterator[None]:
+    """Modules made inside are made on the benchmark's device and, at real sizes, in bf16 from the start. Made in
+    float32 and cast after (4 bytes a weight), the largest would not fit the card before their cast: FLUX.2 [dev]'s
+    32B transformer would take 129 GB, MiniMax-H3's 33B 132 GB, and LTX-2's 19B (76 GB) or Wan2.2's second 14B
+    expert beside the first overflow an 80 GB card. The weights are random either way, and modules meant to stay in
+    float32 are cast back after. Under smoke the tiny modules keep float32."""
+    previous = torch.get_default_dtype()
+    with torch.device(harness.DEVICE):
+        if not harness.SMOKE:
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
 
 # --smoke sizes: the text encoders' widths (CLIP, T5), the image VAE's and Wan VAE's (the offline fixtures' tiny ones,
 # keeping the real models' downsampling, so requests make the same latent shapes)
@@ -59,7 +78,7 @@ def flux_components(fill: bool = False) -> dict:
     if fill:
         scale = 2 ** (len(vae_size["block_out_channels"]) - 1)
         size |= dict(in_channels=2 * 64 + 4 * scale * scale, out_channels=64)
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = FluxTransformer2DModel(guidance_embeds=True, **size).to(torch.bfloat16)
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
                         up_block_types=("UpDecoderBlock2D",) * 4, shift_factor=0.1159, scaling_factor=0.3611,
@@ -84,7 +103,7 @@ def wan_components(with_transformer: bool = True) -> dict:
         size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
     transformer = None
     if with_transformer:
-        with torch.device(harness.DEVICE):
+        with on_card():
             transformer = WanTransformer3DModel(
                 patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
@@ -111,7 +130,7 @@ def wan_i2v_components() -> dict:
         size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1,
                     image_dim=16, added_kv_proj_dim=32)
         vision = dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, image_size=32, patch_size=8)
-    with torch.device(harness.DEVICE):
+    with on_card():
         mods["transformer"] = WanTransformer3DModel(
             patch_size=(1, 2, 2), in_channels=36, out_channels=16, freq_dim=256, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size).to(torch.bfloat16)
@@ -133,7 +152,7 @@ def wan_vace_components() -> dict:
                 vace_layers=list(range(0, 30, 2)))
     if harness.SMOKE:
         size = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=32, num_layers=2, vace_layers=[0])
-    with torch.device(harness.DEVICE):
+    with on_card():
         mods["transformer"] = WanVACETransformer3DModel(
             patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=SMOKE_TEXT[1] if harness.SMOKE else 4096,
             freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
@@ -152,7 +171,7 @@ def wan_ti2v_components() -> dict:
     if harness.SMOKE:
         size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
         vae = dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2), in_channels=48, out_channels=48, freq_dim=256, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size,
@@ -182,7 +201,7 @@ def flux2_klein_components() -> dict:
     if harness.SMOKE:
         size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                     axes_dims_rope=(4, 4, 4, 4), in_channels=16)
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = Flux2Transformer2DModel(joint_attention_dim=3 * width, timestep_guidance_channels=256,
                                               guidance_embeds=False, **size).to(torch.bfloat16)
     text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
@@ -217,7 +236,7 @@ def qwen_image_components() -> dict:
     tokenizer = qwen_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                                            "<|video_pad|>"])
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = QwenImageTransformer2DModel(num_layers=1 if harness.SMOKE else 60).to(torch.bfloat16)
     text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
         text_config={"hidden_size": 3584, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 28,
@@ -239,7 +258,7 @@ def z_image_components() -> dict:
     from omnispec.testing import qwen_tokenizer
     from omnispec.testing.tokenizers import QWEN3_CHAT_TEMPLATE
 
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = ZImageTransformer2DModel(
             axes_lens=[1536, 512, 512], **(dict(n_layers=1, n_refiner_layers=1) if harness.SMOKE else {}),
         ).to(torch.bfloat16)
@@ -285,7 +304,7 @@ def wan22_i2v_components() -> dict:
     if harness.SMOKE:
         size = dict(num_attention_heads=2, attention_head_dim=16, text_dim=SMOKE_TEXT[1], ffn_dim=32, num_layers=1)
     for name in ("transformer", "transformer_2"):
-        with torch.device(harness.DEVICE):
+        with on_card():
             mods[name] = WanTransformer3DModel(
                 patch_size=(1, 2, 2), in_channels=36, out_channels=16, freq_dim=256, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **size).to(torch.bfloat16)
@@ -302,7 +321,7 @@ def hunyuan_video15_components() -> dict:
 
     from omnispec.testing import qwen_tokenizer
 
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = HunyuanVideo15Transformer3DModel(
             task_type="t2v", **(dict(num_layers=1, num_refiner_layers=1) if harness.SMOKE else {})).to(torch.bfloat16)
     text_encoder = transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(
@@ -330,7 +349,7 @@ def hunyuan_video15_i2v_components() -> dict:
     mods = hunyuan_video15_components()
     # --smoke: a 64-pixel bucket (the image's size), as the t2v workload's request
     smoke = dict(num_layers=1, num_refiner_layers=1, target_size=64) if harness.SMOKE else {}
-    with torch.device(harness.DEVICE):
+    with on_card():
         mods["transformer"] = HunyuanVideo15Transformer3DModel(task_type="i2v", **smoke).to(torch.bfloat16)
     mods["image_encoder"] = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         hidden_size=1152, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16, image_size=384,
@@ -383,7 +402,7 @@ def sd3_components(lora: bool = True) -> dict:
     t5_width = dict(d_model=32, d_kv=16, d_ff=64, num_heads=2) if tiny else dict(d_model=4096, d_kv=64, d_ff=10240,
                                                                                    num_heads=64)
     vae_size = SMOKE_IMAGE_VAE if tiny else dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = SD3Transformer2DModel(
             sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2 if tiny else 24,
             pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=(0,) if tiny else tuple(range(13)),
@@ -511,7 +530,7 @@ def ltx2_components() -> dict:
 
     tokenizer = gemma_tokenizer()
     v = len(tokenizer)
-    with torch.device(harness.DEVICE):
+    with on_card():
         text_encoder = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
             text_config={"vocab_size": v, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 1,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256},
@@ -799,7 +818,7 @@ def flux2_components() -> dict:
     width = 16 if harness.SMOKE else 5120
     size = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                 axes_dims_rope=(4, 4, 4, 4), in_channels=16) if harness.SMOKE else {}
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = Flux2Transformer2DModel(joint_attention_dim=3 * width, guidance_embeds=True,
                                               **size).to(torch.bfloat16)
     text_encoder = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
@@ -853,7 +872,7 @@ def kandinsky6_components() -> dict:
 
     scheduler = PiflowScheduler(shift=5.0)
     grid = scheduler.config.n_grid
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = Kandinsky6Transformer3DModel(
             in_visual_dim=16, out_visual_dim=16 * grid, in_text_dim=3584, in_text_dim2=768, time_dim=1024,
             patch_size=(1, 2, 2), model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60,
@@ -909,7 +928,7 @@ def kandinsky6_sr_components() -> dict:
     from diffusers import (Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE,
                            PiflowScheduler)
 
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = Kandinsky6SRTransformer3DModel().to(torch.bfloat16)
         mods = dict(transformer=transformer, vae=Kandinsky6SRVAE(), latent_upscaler=Kandinsky6SRLatentUpscalerBank(),
                     scheduler=PiflowScheduler())
@@ -976,7 +995,7 @@ def ltx23_denoiser_and_connectors(caption_channels: int = 3840, text_layers: int
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = LTX2VideoTransformer3DModel(rope_type="split", **LTX23_TRANSFORMER_FLAGS)
         connectors = LTX2TextConnectors(
             caption_channels=caption_channels, text_proj_in_factor=text_layers + 1, per_modality_projections=True,
@@ -1013,7 +1032,8 @@ def ltx25_components() -> dict:
     """LTX-2.5's modules with random bf16 weights, or the tiny test ones under smoke: LTX-2's (``ltx2_components``)
     with LTX-2.3's transformer and connectors (``ltx23_denoiser_and_connectors``: diffusers ships no config of the
     22B transformer), a one-layer Gemma-4 text encoder of Gemma 3 12B's width in place of Gemma 3 (its cost cancels
-    in per-step times, as LTX-2's), and the diffusion video decoder at its class defaults (the production config)."""
+    in per-step times, as LTX-2's), the diffusion video decoder at its class defaults (the production config) and the
+    48 kHz vocoder with bandwidth extension."""
     if harness.SMOKE:
         from omnispec.testing.fixtures_ltx25 import ltx25_components as tiny_ltx25_components
 
@@ -1021,18 +1041,21 @@ def ltx25_components() -> dict:
     import transformers
     from diffusers import LTX2VideoDiffusionDecoderModel
 
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
     mods = ltx2_components()
-    del mods["transformer"], mods["connectors"], mods["text_encoder"], mods["latent_upsampler"]
+    del mods["transformer"], mods["connectors"], mods["text_encoder"], mods["latent_upsampler"], mods["vocoder"]
     harness.free_device_memory()
     v = len(mods["tokenizer"])
-    with torch.device(harness.DEVICE):
+    with on_card():
         mods["text_encoder"] = transformers.Gemma4UnifiedForConditionalGeneration(transformers.Gemma4UnifiedConfig(
             text_config={"vocab_size": v, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 1,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
                          "layer_types": ["full_attention"]},
             vision_config=None, audio_config=None))
         mods["diffusion_decoder"] = LTX2VideoDiffusionDecoderModel()
-    for name in ("text_encoder", "diffusion_decoder"):
+        mods["vocoder"] = LTX2VocoderWithBWE()  # the 48 kHz vocoder the spec names
+    for name in ("text_encoder", "diffusion_decoder", "vocoder"):
         mods[name] = mods[name].to(harness.DEVICE, torch.bfloat16).eval()
     return mods | ltx23_denoiser_and_connectors()
 
@@ -1119,7 +1142,7 @@ def krea2_components() -> dict:
     from omnispec.testing.fixtures_krea2 import KREA2_SCHEDULER
 
     text, heads, head_dim = (64, 2, 32) if harness.SMOKE else (2560, 32, 128)
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = Krea2Transformer2DModel(**(dict(
             num_layers=1, text_hidden_dim=text, text_num_attention_heads=2, text_num_key_value_heads=2,
             text_intermediate_size=64) if harness.SMOKE else {})).to(torch.bfloat16)
@@ -1163,7 +1186,7 @@ def qwen_image21_components() -> dict:
 
     tokenizer = qwen_tokenizer(CHAT_TEMPLATE)
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = QwenImage21Transformer2DModel(num_layers=1 if harness.SMOKE else 32).to(torch.bfloat16)
     text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
         text_config={"hidden_size": 4096, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 32,
@@ -1231,7 +1254,7 @@ def minimax_h3_components(denoiser: str = "transformer") -> dict:
                 for k, m in mods.items()}
     tokenizer = qwen_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = MiniMaxH3Transformer3DModel()
         text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
             text_config={"hidden_size": 5120, "intermediate_size": 1024, "num_hidden_layers": 51,
@@ -1243,7 +1266,10 @@ def minimax_h3_components(denoiser: str = "transformer") -> dict:
                            "out_hidden_size": 5120, "deepstack_visual_indexes": [0], "patch_size": 14,
                            "spatial_merge_size": 2, "temporal_patch_size": 2},
             vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]))
-        vae, audio_vae = AutoencoderKLMiniMaxH3(), AutoencoderKLMiniMaxH3Audio()
+        # the audio VAE's class leaves its 32 latent channels' statistics unset (the release's config sets them), and
+        # both the reference encoding (ref2va) and the audio decode read them
+        vae, audio_vae = AutoencoderKLMiniMaxH3(), AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32,
+                                                                            latents_std=[1.0] * 32)
     mods = {denoiser: transformer, "text_encoder": text_encoder, "vae": vae, "audio_vae": audio_vae}
     mods = {k: _keeping_fp32(m.to(harness.DEVICE, torch.bfloat16).eval()) for k, m in mods.items()}
     return {**mods, "tokenizer": tokenizer, "processor": minimax_h3_processor(tokenizer),
@@ -1335,7 +1361,7 @@ def flux3_components(distilled: bool = False) -> dict:
         return {k: (m.to(torch.bfloat16) if isinstance(m, torch.nn.Module) else m) for k, m in mods.items()}
     tokenizer = qwen_tokenizer(QWEN3_CHAT_TEMPLATE)
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    with torch.device(harness.DEVICE):
+    with on_card():
         transformer = Flux3Transformer2DModel(flow_map=distilled)
         text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
             text_config={"hidden_size": 2560, "intermediate_size": 1024, "num_hidden_layers": 32,

@@ -49,6 +49,21 @@ def test_bucket_size_is_checked():
         list(to_buckets([("a", torch.ones(2))], 1.5))
 
 
+def test_a_closing_worker_drops_its_pipeline_and_staged_weights():
+    """What ``shutdown`` asks of each worker before the kill (no Ray: the worker class in this process)."""
+    import gc
+    import weakref
+
+    from omnispec.rl.engine import _EngineWorker
+
+    worker = _EngineWorker(str(SPECS / "digits.yaml"), {"overrides": OVERRIDES})
+    denoiser = weakref.ref(worker.pipe.components["transformer"])
+    answer = worker.close()
+    gc.collect()
+    assert worker.pipe is None and worker.staged is None and denoiser() is None
+    assert set(answer) == {"allocated_bytes", "reserved_bytes"}
+
+
 # ---- the engine -------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -204,6 +204,14 @@ class _EngineWorker:
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "asleep": self.asleep is not None, "weight_version": self.pipe.weight_version}
 
+    def close(self) -> dict[str, int]:
+        """Drop the pipeline and the staged weights and return the device's cache, before the process is killed:
+        a killed actor's process exits in its own time, holding its device memory until then."""
+        self.pipe = self.staged = None
+        self.complete = {}
+        _empty_cache()
+        return _allocated()
+
 
 def _component_tensors(pipe: Any) -> dict[str, list[torch.Tensor]]:
     """Each module component's parameters and buffers, once each."""
@@ -398,7 +406,15 @@ class RolloutEngine:
     def worker_states(self) -> list[dict[str, Any]]:
         return self._ray.get([w.state.remote() for w in self.workers])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop the workers. Each first drops its pipeline and returns its device memory (waited for up to
+        ``timeout`` seconds), so that the memory is free when this returns: an engine or trainer started next on the
+        same GPU finds it free, where a killed actor alone would hold it until its process has exited. A worker that
+        does not answer is killed all the same."""
+        try:
+            self._ray.get([w.close.remote() for w in self.workers], timeout=timeout)
+        except Exception:  # noqa: BLE001 - a dead or stuck worker: the kill below ends it
+            pass
         for w in self.workers:
             self._ray.kill(w)
         self.workers = []

@@ -39,7 +39,7 @@ import torch
 from ..spec import SpecError, SpecTypeError
 from .buckets import Assembler, Piece, check_bucket_bytes, state_items, to_buckets
 from .checks import check_rollout_args
-from .pool import start_actors
+from .pool import release_device_memory, start_actors, stop_actors
 from .rollout import Rollout
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -185,7 +185,7 @@ class _EngineWorker:
                 _move(tensors, torch.device("cpu"))
         self.asleep = moved
         self.pipe._encodings.clear()  # prompt encodings live on the device
-        _empty_cache()
+        release_device_memory()
         return {"moved_bytes": nbytes, "allocated_before": before, **_allocated()}
 
     def wake(self) -> dict[str, int]:
@@ -209,7 +209,7 @@ class _EngineWorker:
         a killed actor's process exits in its own time, holding its device memory until then."""
         self.pipe = self.staged = None
         self.complete = {}
-        _empty_cache()
+        release_device_memory()
         return _allocated()
 
 
@@ -249,14 +249,6 @@ def _allocated() -> dict[str, int]:
     if not torch.cuda.is_available():
         return {"allocated_bytes": 0, "reserved_bytes": 0}
     return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
-
-
-def _empty_cache() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 class RolloutHandle:
@@ -407,14 +399,7 @@ class RolloutEngine:
         return self._ray.get([w.state.remote() for w in self.workers])
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Stop the workers. Each first drops its pipeline and returns its device memory (waited for up to
-        ``timeout`` seconds), so that the memory is free when this returns: an engine or trainer started next on the
-        same GPU finds it free, where a killed actor alone would hold it until its process has exited. A worker that
-        does not answer is killed all the same."""
-        try:
-            self._ray.get([w.close.remote() for w in self.workers], timeout=timeout)
-        except Exception:  # noqa: BLE001 - a dead or stuck worker: the kill below ends it
-            pass
-        for w in self.workers:
-            self._ray.kill(w)
+        """Stop the workers, their device memory free on return (``stop_actors``: each drops its pipeline and returns
+        its memory before the kill), so that an engine or trainer started next on the same GPU finds it free."""
+        stop_actors(self._ray, self.workers, timeout)
         self.workers = []

@@ -53,6 +53,33 @@ class _Worker:
     def weight_version(self) -> int:
         return self.pipe.weight_version
 
+    def close(self) -> None:
+        """Drop the pipeline and return the device's cache, before the process is killed (``stop_actors``)."""
+        self.pipe = None
+        release_device_memory()
+
+
+def release_device_memory() -> None:
+    """Collect dropped modules and return the allocator's cache to the device."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def stop_actors(ray: Any, workers: list[Any], timeout: float = 60.0) -> None:
+    """Stop workers so that their device memory is free on return: each first drops its pipeline and returns its
+    memory (``close``, waited for up to ``timeout`` seconds), then is killed. A killed actor's process exits in its own
+    time, holding its memory until then, so a pool, engine or trainer started next on the same GPU could find it
+    full. A worker that does not answer is killed all the same."""
+    try:
+        ray.get([w.close.remote() for w in workers], timeout=timeout)
+    except Exception:  # noqa: BLE001 - a dead or stuck worker: the kill below ends it
+        pass
+    for w in workers:
+        ray.kill(w)
+
 
 def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
     """One rollout from shards, in order; group ids continue across shards."""
@@ -128,7 +155,7 @@ class RolloutPool:
     def weight_versions(self) -> list[int]:
         return self._ray.get([w.weight_version.remote() for w in self.workers])
 
-    def shutdown(self) -> None:
-        for w in self.workers:
-            self._ray.kill(w)
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop the workers, their device memory free on return (``stop_actors``)."""
+        stop_actors(self._ray, self.workers, timeout)
         self.workers = []

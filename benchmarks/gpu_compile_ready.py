@@ -7,17 +7,17 @@ second process that finds the first one's cache warm.
 [--cache-dir DIR] [--json FILE]``  (needs CUDA; ``--smoke``: tiny models on the CPU with the aot_eager backend,
 which caches nothing, to check the script only.)
 
-A workload is one of ``gpu_interpreter``'s text-to-video ones (its modules at real sizes with random bf16 weights,
-its request: ``wan`` is Wan2.1 14B at 480x832x81, ``wan_ti2v`` Wan2.2 TI2V-5B at 704x1280x121,
-``hunyuan_video15`` HunyuanVideo-1.5 at 480x848x121) or ``ltx2`` (LTX-2 19B's modules at 512x768x121, video and
-audio; ``ltx23`` LTX-2.3's, ``workloads.ltx23_components``). Per workload, two child processes of this script run one after the other with one inductor cache folder
-(``TORCHINDUCTOR_CACHE_DIR``: a fresh one, or ``--cache-dir``). Each builds the pipeline with
+A workload is one of ``gpu_interpreter``'s text-to-video ones (its modules at real sizes with random bf16 weights, its
+request: ``wan`` is Wan2.1 14B at 480x832x81, ``wan_ti2v`` Wan2.2 TI2V-5B at 704x1280x121, ``hunyuan_video15``
+HunyuanVideo-1.5 at 480x848x121) or ``ltx2`` (LTX-2 19B's modules at 512x768x121, video and audio; ``ltx23`` LTX-2.3's,
+``workloads.ltx23_components``). Per workload, two child processes of this script run one after the other with one
+inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``: a fresh one, or ``--cache-dir``). Each builds the pipeline with
 ``policies.compile.mode=regional`` (and each ``--set``), then runs the request of ``--steps`` steps three times:
 ``ready_s`` is the first call less the median of the other two, so compiling and first-use work (autotuning at first
-launch, the allocator's growth) and nothing of the steps themselves. Each row: the process's cache (cold or warm),
-its first and steady calls, ready_s, dynamo's graphs, breaks and recompiles, the seconds of each compile phase
-(dynamo tracing, AOTAutograd, inductor), and the cache folder's size after it. A warm cache shortens inductor's
-code generation and AOTAutograd's, never dynamo's tracing (``harness.CompileWatch``).
+launch, the allocator's growth) and nothing of the steps themselves. Each row: the process's cache (cold or warm), its
+first and steady calls, ready_s, dynamo's graphs, breaks and recompiles, the seconds of each compile phase (dynamo
+tracing, AOTAutograd, inductor), and the cache folder's size after it. A warm cache shortens inductor's code generation
+and AOTAutograd's, never dynamo's tracing (``harness.CompileWatch``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ Random bf16 weights at real sizes with a rank-32 LoRA, an SDE window of ``--wind
 ``wan_ti2v`` (the video family): Wan2.2 TI2V-5B's transformer, the LoRA on the self- and cross-attention
 projections, the spec's CFG 5, videos of ``--frames`` frames at ``--size`` (default 384) square, SDE steps on
 UniPC's sigmas (``multistep: euler``, as Flow-GRPO's Wan pipeline steps). The trainer (this process) holds the
-same model on the GPU throughout. For each worker count, an ``omnispec.rl.RolloutEngine`` starts (each worker
-builds its model inside its Ray actor, the GPU split evenly between them), then:
+same model on the GPU throughout, and every side decodes a request's samples one at a time
+(``policies.vae.slicing``), so that two workers and the trainer fit an 80 GB card. For each worker count, an
+``omnispec.rl.RolloutEngine`` starts (each worker builds its model inside its Ray actor, the GPU split evenly between
+them), then:
 
 - full update: the trainer's whole transformer state dict (LoRA included) into every worker, in buckets of
   ``--bucket-mb``: seconds, GB, seconds per GB. The workers then hold the trainer's weights;
@@ -148,7 +150,10 @@ def benchmark(args, results: harness.Results) -> None:
         raise harness.UsageError(f"--workers: expected counts >= 1, got {args.workers!r}")
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     results.header |= {"device": harness.device_name(), "setup": {k: v for k, v in vars(args).items() if k != "json"}}
-    overrides = ["runtime.progress=false", *model["overrides"]]
+    # the VAE decodes a request's samples one at a time: an SD3.5 worker held 31 GB after a rollout of 16 samples
+    # decoded at once, 16 GB of it weights (the rest the decode's 512² feature maps, by their sizes), too much for two
+    # workers beside the trainer on an 80 GB card (BENCHMARKS.md, "Not measured yet")
+    overrides = ["runtime.progress=false", "policies.vae.slicing=true", *model["overrides"]]
     spec = str(harness.ROOT / "specs" / model["spec"])
     trainer = omnispec.build(spec, components=engine_components(args.model, args.smoke), device=harness.DEVICE,
                              overrides=overrides)

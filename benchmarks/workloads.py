@@ -1040,7 +1040,6 @@ def ltx25_components() -> dict:
         return tiny_ltx25_components()
     import transformers
     from diffusers import LTX2VideoDiffusionDecoderModel
-
     from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 
     mods = ltx2_components()

@@ -418,13 +418,13 @@ class LTX2ConditionFamily(LTX2Family):
 
 
 class BranchlessPerturbedAttention(LTX2PerturbedAttnProcessor):
-    """diffusers' ``LTX2PerturbedAttnProcessor`` (LTX-2.3's and LTX-2.5's self-attentions) without its branch on
-    whether every row of a spatio-temporal guidance block is perturbed. The transformer computes that on the device
+    """diffusers' ``LTX2PerturbedAttnProcessor`` (LTX-2.3's and LTX-2.5's self-attentions) without its branch on whether
+    every row of a spatio-temporal guidance block is perturbed. The transformer computes that on the device
     (``torch.all(mask == 0)``), so the branch waits for the device in eager runs and, inside a compiled block, is a
     data-dependent branch that ``fullgraph`` refuses, which would keep spatio-temporal guidance from ``compile:
-    regional``. Here the rows' mask always blends (``lerp(value, attention, mask)``, its weight in the activations' dtype, as
-    the family's own masks are), which is the values exactly where a row's mask is 0: the output is unchanged, at the
-    cost of one block's self-attention in a forward whose rows are all perturbed."""
+    regional``. Here the rows' mask always blends (``lerp(value, attention, mask)``, its weight in the activations'
+    dtype, as the family's own masks are), which is the values exactly where a row's mask is 0: the output is unchanged,
+    at the cost of one block's self-attention in a forward whose rows are all perturbed."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):

@@ -37,9 +37,10 @@ import time
 import torch
 
 from . import harness, workloads
+from .flow_grpo import NOISE_LEVEL
 from .workloads import SD3_LORA_TARGETS, WAN_LORA_TARGETS, with_lora
 
-NOISE_LEVEL, LORA_RANK, LORA_ALPHA = 0.7, 32, 64
+LORA_RANK, LORA_ALPHA = 32, 64
 
 # spec, modules (without a LoRA), LoRA targets, spec overrides, whether requests take frames, sampler fields, default
 # size

@@ -82,7 +82,7 @@ class WanGRPOLoop:
         x = pipe.prepare_latents(len(texts), pipe.vae.config.z_dim, self.height, self.width, self.frames,
                                  torch.float32, harness.DEVICE, gen)
         states, lps, _ = walk(lambda x, t: self._forward(x, t, embeds), x, pipe.scheduler, self.steps, self.window,
-                              gen)
+                              gen, **self.schedule())
         x = states[-1]
         vae = pipe.vae
         z = vae.config.z_dim
@@ -104,7 +104,7 @@ class LTX2GRPOLoop:
                  fps: float = 24.0) -> None:
         from diffusers.pipelines.ltx2 import LTX2Pipeline
 
-        self.pipe = LTX2Pipeline(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
+        self.pipe = LTX2Pipeline(**mods)
         self.pipe.set_progress_bar_config(disable=True)
         self.height, self.width, self.frames, self.steps, self.window = height, width, frames, steps, window
         self.fps = fps
@@ -185,15 +185,17 @@ class LTX2GRPOLoop:
                 "log_probs": torch.stack(lps, 1) if lps else None}
 
 
-# What differs between the models: the spec, the modules (a LoRA added), the loop, the spec overrides (on top of
-# runtime.progress=false), sampler fields, the default size, and the loop's scheduler keywords for check_sigmas.
+# What differs between the models: the spec, the modules (a LoRA added), the loop (whose ``schedule`` gives both
+# its walk and check_sigmas the scheduler's keywords), the spec overrides (on top of runtime.progress=false; LTX-2.3:
+# the loop's CFG alone), sampler fields and the default size.
 MODELS = {
     "wan_ti2v": {"spec": "wan2.2-ti2v-5b.yaml", "components": wan_ti2v_components, "loop": WanGRPOLoop,
                  "overrides": lambda: [], "sampler": {"multistep": "euler"},
                  "size": {"height": 480, "width": 832, "frames": 33}},
     "ltx23": {"spec": "ltx2.3-t2v.yaml", "components": ltx23_components, "loop": LTX2GRPOLoop,
               "overrides": lambda: [*ltx2_spec_overrides(), "recipe.phases.0.guidance.rescale=0",
-                                    "recipe.phases.0.guidance.terms=[{kind: cfg, scale: {video: 3.0, audio: 7.0}}]"],
+                                    "recipe.phases.0.guidance.terms=[{kind: cfg, scale: {video: %s, audio: %s}}]"
+                                    % (LTX_CFG["video"], LTX_CFG["audio"])],
               "sampler": {}, "size": {"height": 512, "width": 768, "frames": 33}},
 }
 

@@ -237,31 +237,44 @@ def test_free_cores_leave_out_the_load_of_other_processes(monkeypatch):
     assert threads.free_cores() == 1
 
 
-def test_the_cpu_estimate_of_a_digits_step_is_within_twice_a_measured_one():
+def _digits_step_predicted_and_measured(pipe) -> tuple[float, float]:
+    """The CPU estimate of a digits step, calibrated now, and the step measured right after it: the slope between
+    2 and 12 steps, the fastest of seven each, as the calibration takes its fastest of seven."""
     import time
 
-    import torch
-
-    import omnispec
     from omnispec.estimate import calibrate, estimate
     from omnispec.spec import load_spec
 
+    calibrate._measured.cache_clear()  # a calibration cached earlier in the suite saw another load
+    predicted = estimate(load_spec(DIGITS), kind="cpu").step_seconds
+    timings = []
+    for steps in (2, 12) * 7:
+        start = time.perf_counter()
+        pipe.generate(pipe.request("seven", seed=0, steps=steps), decode=False)
+        timings.append(time.perf_counter() - start)
+    return predicted, (min(timings[1::2]) - min(timings[0::2])) / 10
+
+
+def test_the_cpu_estimate_of_a_digits_step_is_within_twice_a_measured_one():
+    """A busy machine can change speed between the calibration and the measurement, so the pair is taken up to three
+    times; an estimate that is wrong is wrong in every pair, and fails."""
+    import torch
+
+    import omnispec
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CPU kind is measured at the thread count the run then uses
+    pairs = []
     try:
-        # calibrated now, beside the measured steps: a calibration cached earlier in the suite saw another load
-        calibrate._measured.cache_clear()
-        predicted = estimate(load_spec(DIGITS), kind="cpu").step_seconds
         pipe = omnispec.build(DIGITS, overrides=["runtime.progress=false"])
-        timings = []
-        for steps in (2, 12) * 7:  # the fastest of seven, as the calibration takes its fastest of seven
-            start = time.perf_counter()
-            pipe.generate(pipe.request("seven", seed=0, steps=steps), decode=False)
-            timings.append(time.perf_counter() - start)
+        for _ in range(3):
+            predicted, measured = _digits_step_predicted_and_measured(pipe)
+            pairs.append((predicted, measured))
+            if measured / 2 <= predicted <= measured * 2:
+                break
     finally:
         torch.set_num_threads(threads)
-    measured = (min(timings[1::2]) - min(timings[0::2])) / 10
-    assert measured / 2 <= predicted <= measured * 2, (predicted, measured)
+    assert measured / 2 <= predicted <= measured * 2, pairs
 
 
 def test_a_spec_error_crosses_a_process_boundary_whole():

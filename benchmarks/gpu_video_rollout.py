@@ -14,8 +14,11 @@ SDE (noise level 0.7) on a window of ``--window`` steps from step 0, first-order
 encodes every sample's prompt and runs CFG as one concatenated forward per step, ``--baseline-batch`` samples at a
 time, as those trainers do. Videos/s include prompt encoding and decoding. Under ``compile: regional`` omnispec
 compiles the shared transformer's blocks in place, so the loop runs the same compiled blocks (diffusers' own
-``compile_repeated_blocks`` would compile the same regions). Replay: omnispec's ``log_prob`` of part of a compiled
-rollout (another micro-batch), without and with gradients: max |ratio - 1| (0.0 is exact).
+``compile_repeated_blocks`` would compile the same regions). omnispec decodes with ``policies.vae.slicing`` (one
+sample at a time; all 16 videos at once ran an 80 GB card out of memory), the loop a batch at a time, as it samples.
+Replay: omnispec's ``log_prob`` of part of a rollout (``--replay-batch`` of its samples), without and with gradients
+(the device's memory choosing micro-batches, and for a 19B model checkpointed blocks), valued as the rollout's own
+forwards ran (``exact``): max |ratio - 1| (0.0 is exact).
 
 - ``wan_ti2v`` (``workloads.wan_ti2v_components``: 30 blocks of 24 heads of 128, 48 latent channels, the Wan2.2
   VAE), 480x832x33 by default, the spec's CFG 5, the checkpoint's UniPC sigmas (flow shift 5) as Flow-GRPO's Wan
@@ -30,6 +33,7 @@ rollout (another micro-batch), without and with gradients: max |ratio - 1| (0.0 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -219,6 +223,8 @@ def add_arguments(parser) -> None:
 
 
 def benchmark(args, results: harness.Results) -> None:
+    # before the first allocation on the card: both sides' decodes and the replays allocate blocks of many sizes
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import omnispec
 
     model = MODELS[args.model]
@@ -236,7 +242,7 @@ def benchmark(args, results: harness.Results) -> None:
     n = args.prompts * args.group
     results.header |= {"device": harness.device_name(), "setup": {k: v for k, v in vars(args).items() if k != "json"}
                        | {"videos": n, "window_steps": list(window)}}
-    spec_overrides = ["runtime.progress=false", *model["overrides"]()]
+    spec_overrides = ["runtime.progress=false", "policies.vae.slicing=true", *model["overrides"]()]
 
     def build(*overrides: str):
         return omnispec.build(harness.ROOT / "specs" / model["spec"], components=mods, device=harness.DEVICE,

@@ -1,13 +1,14 @@
 """A replay with gradients picks its micro-batch from the device's free memory and what one sample's forward keeps:
-graphs kept where all fit, each micro-batch recomputed in the backward where they don't; the same log-probs and
-gradients either way. The device's memory figures are faked here (a CPU has none to read)."""
+graphs kept where all fit, each micro-batch recomputed in the backward where they don't, the blocks checkpointed where
+not even one sample's whole forward fits recomputed; the same log-probs and gradients every way. The device's memory
+figures are faked here (a CPU has none to read); what a forward keeps is counted for real."""
 
 import pytest
 import torch
 
 import omnispec
 from omnispec.rl import replay_memory
-from omnispec.rl.replay_memory import plan
+from omnispec.rl.replay_memory import SavedBytes, plan
 
 from conftest import SPECS
 
@@ -48,9 +49,17 @@ def _replayed(pipe, ro):
     return replay, [p.grad.clone() for p in module.parameters()]
 
 
-def _fake_device(monkeypatch, free: int, kept: int) -> None:
-    """A device with ``free`` bytes on which each forward with gradients keeps ``kept`` bytes more."""
-    allocated = iter(range(0, 10**15, kept))
+def _fake_device(monkeypatch, free: int, kept: int, kept_with_blocks: int | None = None) -> None:
+    """A device with ``free`` bytes on which one sample's forward with gradients would keep ``kept`` bytes (what the
+    probe counts), and ``kept_with_blocks`` bytes more per forward measured with the blocks checkpointed."""
+    allocated = iter(range(0, 10**15, kept_with_blocks or kept))
+
+    class Counted(SavedBytes):
+        def counting(self):
+            self.bytes = kept
+            return super().counting()
+
+    monkeypatch.setattr(replay_memory, "SavedBytes", Counted)
     monkeypatch.setattr(replay_memory, "free_bytes", lambda device: free)
     monkeypatch.setattr(replay_memory, "allocated", lambda device: next(allocated))
 
@@ -64,7 +73,8 @@ def test_a_roomy_device_keeps_every_graph(trained, monkeypatch):
     pipe, ro, (plain, grads) = trained
     _fake_device(monkeypatch, free=100 * GIB, kept=GIB)
     replay, got = _replayed(pipe, ro)
-    assert not replay.batching.recompute and replay.batching.micro_batch == 11  # 12 forwards, the first measured
+    assert not replay.batching.recompute and replay.batching.micro_batch == 12  # 12 forwards, planned before any
+    assert not replay.batching.blocks
     _assert_same(replay, got, plain, grads, ro)
 
 
@@ -74,6 +84,43 @@ def test_a_tight_device_recomputes_each_micro_batch_in_the_backward(trained, mon
     replay, got = _replayed(pipe, ro)
     assert replay.batching.recompute and replay.batching.micro_batch == 3
     _assert_same(replay, got, plain, grads, ro)
+
+
+def test_where_one_sample_does_not_fit_recomputed_the_denoiser_checkpoints_its_blocks(trained, monkeypatch):
+    """One sample's whole graph (40 GiB) can't be recomputed in 40 GiB free: the digits DiT checkpoints its blocks,
+    the first forward measures what that keeps (1 GiB), and the rest are planned from it; the switch is off after."""
+    pipe, ro, (plain, grads) = trained
+    module = pipe.components["transformer"]
+    checkpointed = []
+    _fake_device(monkeypatch, free=40 * GIB, kept=40 * GIB, kept_with_blocks=GIB)
+    original = type(module).enable_gradient_checkpointing
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        inner = self._gradient_checkpointing_func
+        self._gradient_checkpointing_func = lambda block, *a: checkpointed.append(block) or inner(block, *a)
+
+    monkeypatch.setattr(type(module), "enable_gradient_checkpointing", spy)
+    replay, got = _replayed(pipe, ro)
+    assert replay.batching.blocks and not replay.batching.recompute and replay.batching.micro_batch == 11
+    assert "checkpoints its blocks" in replay.batching.why and "40.00 GiB" in replay.batching.why
+    # three forwards with gradients (step 0: the measured sample, then 5; step 1: 6), each block by block
+    assert len(checkpointed) == 3 * len(module.blocks)
+    assert not module.gradient_checkpointing and not module.is_gradient_checkpointing
+    _assert_same(replay, got, plain, grads, ro)
+
+
+def test_a_probe_counts_each_saved_storage_once_and_keeps_none():
+    """A linear saves its input, ReLU its output, which the next linear saves again: two tensors of 32 x 64 floats,
+    and not the weights (they stay anyway). Nothing is kept, so the graph can't be differentiated."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    counter = SavedBytes(torch.device("cpu"), [model])
+    x = torch.randn(32, 64)
+    with counter.counting():
+        out = model(x)
+    assert counter.bytes == 2 * 32 * 64 * 4
+    with pytest.raises(RuntimeError, match="never differentiated"):
+        out.sum().backward()
 
 
 def _assert_same(replay, got, plain, grads, ro) -> None:

@@ -113,6 +113,8 @@ def _cases(ro):
         r"rollout\.step_indices"
     yield "float steps", tampered(ro, step_indices=ro.step_indices.float()), ValueError, r"rollout\.step_indices"
     yield "sigmas", tampered(ro, sigmas=ro.sigmas * 0.5), ValueError, r"rollout\.sigmas"
+    yield "forward batch", tampered(ro, forward_batch=ro.forward_batch[:2]), ValueError, r"rollout\.forward_batch"
+    yield "forward batch 0", tampered(ro, forward_batch=ro.forward_batch * 0), ValueError, r"rollout\.forward_batch"
     yield "sampler", tampered(ro, sampler={"kind": "sde"}), TypeError, r"rollout\.sampler"
     yield "steps window", (ro, {"steps": [ro.window]}), ValueError, "steps"
     yield "steps type", (ro, {"steps": "0"}), TypeError, "steps"
@@ -124,7 +126,7 @@ def _cases(ro):
     yield "exact", (ro, {"exact": 1}), TypeError, "exact"
 
 
-@pytest.mark.parametrize("case", range(24))
+@pytest.mark.parametrize("case", range(26))
 def test_log_prob_refuses_a_rollout_that_does_not_fit_before_any_forward(pipe, ro, no_forward, case):
     name, value, error, where = list(_cases(ro))[case]
     arg, kwargs = value if isinstance(value, tuple) else (value, {})

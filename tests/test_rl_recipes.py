@@ -52,10 +52,14 @@ def test_wan22_window_across_the_boundary_replays_each_step_through_its_expert(w
         for k, step in enumerate(ro.step_indices[0].tolist()):
             for n in seen:
                 seen[n].clear()
-            replay = wan22.log_prob(ro, steps=[k], grad=False, micro_batch=1)
+            replay = wan22.log_prob(ro, steps=[k], grad=False, micro_batch=1, exact=False)
             assert len(seen[owners[step]]) == 2 and not any(seen[n] for n in seen if n != owners[step])
             # one sample per forward sums in another order than the rollout's two (CPU kernels pick by batch size)
             assert torch.allclose(replay.log_probs.cpu(), ro.log_probs[:, [k]], rtol=0, atol=1e-6)
+            for n in seen:
+                seen[n].clear()
+            exact = wan22.log_prob(ro, steps=[k], grad=False, micro_batch=1)  # valued as the rollout's two: exact
+            assert len(seen[owners[step]]) == 1 and torch.equal(exact.log_probs.cpu(), ro.log_probs[:, [k]])
             whole = wan22.log_prob(ro, steps=[k], grad=False)  # the rollout's own batch: exact
             assert torch.equal(whole.log_probs.cpu(), ro.log_probs[:, [k]])
     finally:
@@ -63,6 +67,29 @@ def test_wan22_window_across_the_boundary_replays_each_step_through_its_expert(w
             h.remove()
     whole = wan22.log_prob(ro, grad=False)
     assert ((whole.log_probs.cpu() - ro.log_probs).exp() - 1).abs().max().item() <= 1e-6
+
+
+def test_a_subset_and_a_micro_batched_replay_with_gradients_are_exact(wan22):
+    """The rollout ran 2 samples per forward; one of them replayed alone, or both one per forward with gradients, is
+    valued by forwards of two (the subset padded with its own row), so its log-probs are the stored ones exactly.
+    ``exact=False`` runs the replay's own row counts, which CPU kernels can sum in another order (the test above)."""
+    ro = wan22.rollout("a cat", group_size=2, seed=5, sampler={"kind": "sde", "multistep": "euler"})
+    assert ro.forward_batch.tolist() == [2, 2]
+    part = ro.select([1])
+    assert part.forward_batch.tolist() == [2]
+    assert torch.equal(wan22.log_prob(part, grad=False).log_probs.cpu(), part.log_probs)
+    loose = wan22.log_prob(part, grad=False, exact=False).log_probs.cpu()
+    assert torch.allclose(loose, part.log_probs, rtol=0, atol=1e-5)
+    lora = [p for p in wan22.components["transformer"].parameters()][:1]
+    lora[0].requires_grad_(True)
+    try:
+        replay = wan22.log_prob(ro, steps=[0], grad=True, micro_batch=1)
+        assert torch.equal(replay.log_probs.detach().cpu(), ro.log_probs[:, [0]])
+        replay.log_probs.sum().backward()
+        assert lora[0].grad is not None and bool(lora[0].grad.abs().sum() > 0)
+    finally:
+        lora[0].requires_grad_(False)
+        lora[0].grad = None
 
 
 # ---- bf16 models: states and scored samples stay float32 ----------------------------------------------------

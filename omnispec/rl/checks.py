@@ -141,6 +141,11 @@ def check_rollout_fits(pipe: Pipeline, ro: Rollout, run: Run) -> None:
     for name in ("log_probs", "sigmas", "timesteps"):
         if tensors[name].dtype != torch.float32:
             raise SpecError.single(f"expected float32, got {tensors[name].dtype}", f"rollout.{name}")
+    if ro.forward_batch is not None and (not isinstance(ro.forward_batch, torch.Tensor) or
+                                         tuple(ro.forward_batch.shape) != (b,) or ro.forward_batch.is_floating_point()
+                                         or bool((ro.forward_batch < 1).any())):
+        raise SpecError.single(f"expected None or an integer tensor of shape ({b},) with every count at least 1, got "
+                               f"{shape_of(ro.forward_batch)}", "rollout.forward_batch")
     if ro.step_indices.dtype not in (torch.int64, torch.int32):
         raise SpecError.single(f"expected an integer tensor, got {ro.step_indices.dtype}", "rollout.step_indices")
     streams = list(pipe.family.streams)

@@ -110,6 +110,8 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
                                                   "seeds": [s for part in parts for s in part.seeds]}),
         sampler=first.sampler, weight_version=first.weight_version,
         extra={"shards": [len(p.prompts) for p in parts]}, policy_version=first.policy_version,
+        forward_batch=torch.cat([p.forward_batch for p in parts]) if all(p.forward_batch is not None for p in parts)
+        else None,
     )
 
 

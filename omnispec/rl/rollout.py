@@ -28,7 +28,8 @@ from ..spec.errors import Problem, from_validation_error
 from ..spec.recipe import SAMPLERS, Sampler, stochastic_kinds
 from ..spec.request import Request
 from .checks import check_pipeline, check_replay_args, check_rollout_args, check_rollout_fits, shape_of
-from .replay_memory import Batching, ReplayBatcher
+from .replay_groups import Group, as_rolled_out, groups, reproduces
+from .replay_memory import Batching, ReplayBatcher, blocks_checkpointed
 
 if TYPE_CHECKING:
     from ..runtime.pipeline import Pipeline
@@ -61,6 +62,9 @@ class Rollout:
     # the trainer's version of the weights it ran at, when a ``RolloutEngine`` made it (None otherwise): the number
     # its last weight update carried, 0 before any
     policy_version: int | None = None
+    # (B,) long: how many samples the forwards that stepped each sample ran (its request's batch), which an exact
+    # replay reproduces (``replay_groups``); None where not recorded
+    forward_batch: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -88,6 +92,7 @@ class Rollout:
                                                     "seeds": [self.seeds[i] for i in pick]}),
             sampler=self.sampler, weight_version=self.weight_version, extra=dict(self.extra),
             policy_version=self.policy_version,
+            forward_batch=self.forward_batch[index] if self.forward_batch is not None else None,
         )
 
 
@@ -245,7 +250,8 @@ def rollout(
             latents = pipe.family.reimpose(clean["x0"], walk.images, walk.geometry, 0.0)  # DanceGRPO: decode x0
         decoded = pipe.family.decode(latents, out.geometry)
     return _record(run, walk, local, states, prompts=expanded, group_ids=group_ids - first_group, seeds=seeds,
-                   array=decoded.array, sampler=sampler, weight_version=pipe.weight_version)
+                   array=decoded.array, sampler=sampler, weight_version=pipe.weight_version,
+                   forward_batch=torch.full((len(expanded),), len(expanded), dtype=torch.long))
 
 
 def _record(run: Run, walk: Walk, mask: torch.Tensor, states: list[tuple[int, Streams, Streams, StepResult]],
@@ -344,58 +350,83 @@ def log_prob(
     context = torch.enable_grad() if grad else torch.no_grad()
     two_forwards = grad and exact and pipe.spec.policies.compile.mode != "none"
     batcher = ReplayBatcher(dev, grad, micro_batch, b * len(ks))
+    scored = groups(ro.step_indices, ro.forward_batch, ks)
+
+    def enter(group: Group) -> tuple[Walk, int]:
+        """The walk of the group's step, conditioned once, with the adapter of the step's phase."""
+        walk = run.plan.walk_of(group.step)
+        i = group.step - walk.offset
+        if id(walk) not in sigmas:
+            run.condition(walk)
+            sigmas[id(walk)] = walk.steps.sigmas.tolist()
+        set_adapter(run.spec, walk.owner(i).phase, run.components, pipe.adapters)
+        return walk, i
+
+    def inputs(walk: Walk, i: int, k: int, sel: list[int]) -> Streams:
+        index = torch.tensor(sel)
+        images = walk.images.rows(index) if walk.images is not None else None
+        return pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images, walk.geometry,
+                                    sigmas[id(walk)][i])
+
     with context:
-        for col, k in enumerate(ks):
-            by_step: dict[int, list[int]] = {}
-            for row in range(b):
-                by_step.setdefault(int(ro.step_indices[row, k]), []).append(row)
-            for g, rows in by_step.items():
-                walk = run.plan.walk_of(g)
-                i = g - walk.offset
-                if id(walk) not in sigmas:
-                    run.condition(walk)
-                    sigmas[id(walk)] = walk.steps.sigmas.tolist()
-                set_adapter(run.spec, walk.owner(i).phase, run.components, pipe.adapters)
-                scorer = run.plan.scorer(walk, sampler)
-                start = 0
-                while start < len(rows):
-                    sel = rows[start:start + batcher.size(len(rows) - start)]
-                    start += len(sel)
-                    index = torch.tensor(sel)
-                    images = walk.images.rows(index) if walk.images is not None else None
-                    with batcher.forward(len(sel)):
-                        x = pipe.family.reimpose({s: ro.states[s][index, k].to(dev) for s in streams}, images,
-                                                 walk.geometry, sigmas[id(walk)][i])
-                        pred = _prediction(run, walk, i, x, sel, two_forwards, batcher.recompute)
-                        result = scorer.score(x, pred, i, {s: ro.states[s][index, k + 1].to(dev) for s in streams})
-                    for s in streams:
-                        out_lp[s][index, col] = result.stream_log_probs[s]  # type: ignore[index]
-                        out_std[s][index, col] = result.std[s]  # type: ignore[index]
-                        out_std_t[s][index, col] = result.std_t[s]  # type: ignore[index]
-                        for j, row in enumerate(sel):
-                            means[s][row][col] = result.mean[s][j]  # type: ignore[index]
+        if batcher.probing and scored:  # what one sample's graph keeps, counted before any graph is kept
+            walk, i = enter(scored[0])
+            one = scored[0].rows[:1]
+            batcher.probe(lambda: _prediction(run, walk, i, inputs(walk, i, scored[0].k, one), one, None, False),
+                          run.components.values(), walk.owner(i).denoiser)
+        values = {}  # per group: the predictions' values as the rollout's forwards made them (``replay_groups``)
+        for n, group in enumerate(scored):
+            if exact and group.forward_batch and (two_forwards or batcher.measuring or not reproduces(
+                    len(group.rows), group.forward_batch, batcher.batching and batcher.batching.micro_batch)):
+                walk, i = enter(group)
+                values[n] = as_rolled_out(run, walk, i, group, lambda sel: inputs(walk, i, group.k, sel))
+        for n, group in enumerate(scored):
+            walk, i = enter(group)
+            scorer = run.plan.scorer(walk, sampler)
+            start = 0
+            while start < len(group.rows):
+                sel = group.rows[start:start + batcher.size(len(group.rows) - start)]
+                fixed = {s: v[start:start + len(sel)] for s, v in values[n].items()} if n in values else None
+                start += len(sel)
+                index = torch.tensor(sel)
+                x = inputs(walk, i, group.k, sel)
+                with batcher.forward(len(sel)):
+                    pred = _prediction(run, walk, i, x, sel, fixed, two_forwards, batcher.recompute, batcher.blocks)
+                    result = scorer.score(x, pred, i, {s: ro.states[s][index, group.k + 1].to(dev) for s in streams})
+                for s in streams:
+                    out_lp[s][index, group.col] = result.stream_log_probs[s]  # type: ignore[index]
+                    out_std[s][index, group.col] = result.std[s]  # type: ignore[index]
+                    out_std_t[s][index, group.col] = result.std_t[s]  # type: ignore[index]
+                    for j, row in enumerate(sel):
+                        means[s][row][group.col] = result.mean[s][j]  # type: ignore[index]
     stacked = {s: torch.stack([torch.stack(m) for m in means[s]]) for s in streams}  # type: ignore[arg-type]
     return Replay(sum(out_lp.values()), out_lp, stacked, out_std, out_std_t,  # type: ignore[arg-type]
                   batching=batcher.batching)
 
 
-def _prediction(run: Run, walk: Walk, i: int, x: Streams, rows: list[int], two_forwards: bool,
-                recompute: bool) -> Streams:
-    """The prediction a replay scores: with ``two_forwards``, the values of a forward without gradients (the
-    rollout's kernels) carrying the gradients of one with them (``log_prob``'s ``exact``). With ``recompute`` the
+def _prediction(run: Run, walk: Walk, i: int, x: Streams, rows: list[int], values: Streams | None,
+                two_forwards: bool, recompute: bool = False, blocks: bool = False) -> Streams:
+    """The prediction a replay scores: its ``values`` where given (the rollout's grouping, ``replay_groups``), else
+    with ``two_forwards`` those of a forward without gradients (the rollout's kernels), carrying the gradients of a
+    forward with them (``log_prob``'s ``exact``); without gradients, the values alone. With ``recompute`` the
     forward with gradients keeps nothing but its inputs and runs again inside the backward (``replay_memory``),
-    under the adapter of its phase as now."""
-    phase = walk.owner(i).phase
+    under the adapter of its phase as now; with ``blocks`` the denoiser checkpoints its blocks in it, and again in
+    its recomputation."""
+    owner = walk.owner(i)
 
     def traced() -> Streams:
-        set_adapter(run.spec, phase, run.components, run.pipe.adapters)
-        return run.prediction(walk, i, x, rows=rows)
+        set_adapter(run.spec, owner.phase, run.components, run.pipe.adapters)
+        with blocks_checkpointed(owner.denoiser, blocks):
+            return run.prediction(walk, i, x, rows=rows)
 
     def differentiable() -> Streams:
         return checkpoint(traced, use_reentrant=False) if recompute else traced()
 
-    if not two_forwards:
+    if values is not None and not torch.is_grad_enabled():
+        return values
+    if values is None and not two_forwards:
         return differentiable()
-    with torch.no_grad():
-        values = run.prediction(walk, i, x, rows=rows)
+    if values is None:
+        with torch.no_grad():
+            values = run.prediction(walk, i, x, rows=rows)
     return {s: values[s] + (t - t.detach()) for s, t in differentiable().items()}  # t - t.detach() is 0 exactly

@@ -76,6 +76,7 @@ class DigitsDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """Predicts the flow velocity ``noise - image`` of a 1x32x32 image at timestep ``t`` (sigma x 1000)."""
 
     _repeated_blocks = ["DigitsBlock"]
+    _supports_gradient_checkpointing = True
 
     @register_to_config
     def __init__(self, sample_size: int = 32, patch_size: int = 8, in_channels: int = 1, dim: int = 96,
@@ -93,6 +94,7 @@ class DigitsDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         for layer in (self.mod_out, self.proj_out):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
+        self.gradient_checkpointing = False  # diffusers' enable_gradient_checkpointing switches it
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, text_embeds: torch.Tensor,
                 return_dict: bool = False) -> tuple[torch.Tensor]:
@@ -102,7 +104,10 @@ class DigitsDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         temb = self.time_mlp(timestep_embedding(timestep / 1000.0, self.config.dim).to(x.dtype))
         temb = temb + self.text_proj(text_embeds.to(x.dtype))
         for block in self.blocks:
-            x = block(x, temb)
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                x = self._gradient_checkpointing_func(block, x, temb)
+            else:
+                x = block(x, temb)
         shift, scale = self.mod_out(F.silu(temb))[:, None].chunk(2, dim=-1)
         x = self.proj_out(self.norm_out(x) * (1 + scale) + shift)
         x = x.view(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)

@@ -85,3 +85,42 @@ def timed(fn, *args) -> tuple[float, object]:
     out = fn(*args)
     harness.sync()
     return time.perf_counter() - start, out
+
+
+def module_seconds(entries: dict[str, tuple[object, str]], run) -> dict:
+    """Seconds spent in each entry's ``(module, method)`` during one ``run`` (synchronised around each call), the
+    run's total and what the entries leave (``other_s``). The calls are timed at the modules' own entry points,
+    outside anything compiled, so a compiled VAE decoder is timed whole; modules a loop and omnispec share are timed
+    on both."""
+    spent = dict.fromkeys(entries, 0.0)
+
+    def counted(key: str, call):
+        def run_timed(*args, **kwargs):
+            harness.sync()
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
+            harness.sync()
+            spent[key] += time.perf_counter() - start
+            return out
+
+        return run_timed
+
+    for key, (owner, method) in entries.items():
+        setattr(owner, method, counted(key, getattr(owner, method)))  # an instance attribute before the class's method
+    try:
+        with torch.no_grad():
+            total, _ = timed(run)
+    finally:
+        for owner, method in entries.values():
+            delattr(owner, method)
+    return spent | {"total_s": total, "other_s": total - sum(spent.values())}
+
+
+def profiled_rollout(run) -> dict:
+    """One rollout under torch.profiler: its kernels grouped by kind, in ms per rollout, and the largest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        total, _ = timed(run)
+    return {"wall_s": total, **harness.kernel_summary(prof, 1, "_per_rollout", largest=20)}

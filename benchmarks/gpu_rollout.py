@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
 from . import harness, inductor_passes
-from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, sde_step, timed, walk
+from .flow_grpo import NOISE_LEVEL, check_sigmas, module_seconds, profiled_rollout, prompts, sde_step, timed, walk
 from .workloads import SD3_LORA_TARGETS, sd3_components
 
 CFG_SCALE, MAX_TOKENS = 4.5, 128
@@ -86,44 +85,11 @@ class FlowGRPOLoop:
 
 
 def breakdown(pipeline, run) -> dict:
-    """Seconds spent in prompt encoding, the denoiser and VAE decoding during one ``run`` (synchronised). The calls
-    are timed around the modules' own entry points (the T5 encoder's and the denoiser's ``forward``, the VAE's
-    ``decode``), outside anything compiled, so a compiled VAE decoder is timed whole."""
-    spent = {"t5_encode_s": 0.0, "denoiser_s": 0.0, "vae_decode_s": 0.0}
+    """Seconds in the T5 encoder, the denoiser and VAE decoding during one ``run`` (``flow_grpo.breakdown``)."""
     parts = pipeline.components  # a name -> module dict on both omnispec's and diffusers' pipelines
-    entries = {"t5_encode_s": (parts["text_encoder_3"], "forward"), "denoiser_s": (parts["transformer"], "forward"),
-               "vae_decode_s": (parts["vae"], "decode")}
-
-    def counted(key: str, call):
-        def run_timed(*args, **kwargs):
-            harness.sync()
-            start = time.perf_counter()
-            out = call(*args, **kwargs)
-            harness.sync()
-            spent[key] += time.perf_counter() - start
-            return out
-
-        return run_timed
-
-    for key, (owner, method) in entries.items():
-        setattr(owner, method, counted(key, getattr(owner, method)))  # an instance attribute before the class's method
-    try:
-        with torch.no_grad():
-            total, _ = timed(run)
-    finally:
-        for owner, method in entries.values():
-            delattr(owner, method)
-    return spent | {"total_s": total, "other_s": total - sum(spent.values())}
-
-
-def profiled_rollout(run) -> dict:
-    """One rollout under torch.profiler: its kernels grouped by kind, in ms per rollout, and the largest ones."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if harness.DEVICE == "cuda" else [])
-    with torch.no_grad(), profile(activities=activities) as prof:
-        total, _ = timed(run)
-    return {"wall_s": total, **harness.kernel_summary(prof, 1, "_per_rollout", largest=20)}
+    return module_seconds({"t5_encode_s": (parts["text_encoder_3"], "forward"),
+                           "denoiser_s": (parts["transformer"], "forward"), "vae_decode_s": (parts["vae"], "decode")},
+                          run)
 
 
 def denoiser_bound(base: FlowGRPOLoop, images: int, steps: int, split: dict, loop_s: float) -> dict:

@@ -4,8 +4,8 @@ pattern of Flow-GRPO's and DanceGRPO's video trainers), in the same call, eager 
 The family: Wan2.2 TI2V-5B (``--model wan_ti2v``) or LTX-2.3 with its audio (``--model ltx23``).
 
 ``python -m benchmarks.gpu_video_rollout [--model wan_ti2v|ltx23] [--prompts 4 --group 4 --steps 10 --height H
---width W --frames F --window 3 --baseline-batch 4 --repeats 2] [--no-eager] [--no-compile] [--json FILE]``  (needs
-CUDA; ``--smoke``: tiny models on the CPU, to check the script only.)
+--width W --frames F --window 3 --baseline-batch 4 --repeats 2] [--no-eager] [--no-compile] [--profile]
+[--json FILE]``  (needs CUDA; ``--smoke``: tiny models on the CPU, to check the script only.)
 
 Random bf16 weights at the release's sizes, a rank-32 LoRA on the attention projections, CFG against the empty
 prompt, text-to-video, 16 videos by default. Both sides step the same sigmas (checked before timing: equal, or
@@ -39,7 +39,7 @@ import statistics
 import torch
 
 from . import harness
-from .flow_grpo import NOISE_LEVEL, check_sigmas, prompts, timed, walk
+from .flow_grpo import NOISE_LEVEL, check_sigmas, module_seconds, profiled_rollout, prompts, timed, walk
 from .workloads import WAN_LORA_TARGETS, ltx2_spec_overrides, ltx23_components, wan_ti2v_components, with_lora
 
 CFG_SCALE, MAX_TOKENS = 5.0, 512
@@ -202,6 +202,10 @@ MODELS = {
                                     % (LTX_CFG["video"], LTX_CFG["audio"])],
               "sampler": {}, "size": {"height": 512, "width": 768, "frames": 33}},
 }
+# ``--profile``: the modules' entry points each side's time is split at (a figure name: component, method)
+PARTS = {"text_encode_s": ("text_encoder", "forward"), "connectors_s": ("connectors", "forward"),
+         "denoiser_s": ("transformer", "forward"), "vae_decode_s": ("vae", "decode"),
+         "audio_decode_s": ("audio_vae", "decode"), "vocoder_s": ("vocoder", "forward")}
 
 
 def add_arguments(parser) -> None:
@@ -220,6 +224,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="the eager rows")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="the rows under compile: regional (both sides over the same compiled blocks)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each side's timing, one rollout of each split by module (encoders, denoiser, "
+                             "decoders) and one under torch.profiler (device time by kernel kind, the largest kernels)")
 
 
 def benchmark(args, results: harness.Results) -> None:
@@ -271,6 +278,12 @@ def benchmark(args, results: harness.Results) -> None:
             results.save({"config": side, "compile": label.removeprefix(", ") or "eager", "seconds": med,
                           "videos_per_s": n / med, "samples_s": times, "first_call_s": firsts[side]}
                          | ({"dynamo": watch.summary()} if label else {}))
+        if args.profile:
+            parts = {key: (mods[name], method) for key, (name, method) in PARTS.items() if name in mods}
+            for side, run in sides.items():
+                results.save({"config": f"{side}: where the time goes", "compile": label.removeprefix(", ") or "eager",
+                              **module_seconds(parts, lambda: run(f"parts{label}")),
+                              "device": profiled_rollout(lambda: run(f"profile{label}"))})
         part = rollout.select(range(min(args.replay_batch, n)))
         for grad, steps in ((False, None), (True, [0])):
             replayed = pipe.log_prob(part, steps=steps, grad=grad).log_probs.detach().cpu()
@@ -292,13 +305,17 @@ def benchmark(args, results: harness.Results) -> None:
 
 def table(rows: list[dict]) -> None:
     print("| config | s per batch | videos/s | the loop's time / this one's (same compile) |")
-    loops = {row["compile"]: row for row in rows if row["config"].startswith(LOOP)}
+    loops = {row["compile"]: row for row in rows if row["config"].startswith(LOOP) and "videos_per_s" in row}
     for row in rows:
         if "videos_per_s" in row:
             print(f"| {row['config']} | {row['seconds']:.2f} | {row['videos_per_s']:.2f} | "
                   f"{loops[row['compile']]['seconds'] / row['seconds']:.2f}x |")
         elif "max_abs_ratio_minus_1" in row:
             print(f"| {row['config']} | max abs ratio - 1: {row['max_abs_ratio_minus_1']:.2e} | | |")
+        elif "total_s" in row:
+            split = ", ".join(f"{key[:-2]} {value:.2f}" for key, value in row.items()
+                              if key.endswith("_s") and key != "total_s")
+            print(f"| {row['config']} | {row['total_s']:.2f} | {split} | |")
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ SMOKES = [
                       "--compile-variants", "regional+fused_qkv+qk_norm_rope+fused_gelu,full+qk_norm_rope",
                       "--compile-rounds", "2"], 1),
     ("gpu_video_rollout", [], 1),  # eager and compiled (aot_eager), replays with and without gradients
-    ("gpu_video_rollout", ["--model", "ltx23", "--no-compile"], 1),  # audio + video; compiled: the code above
+    ("gpu_video_rollout", ["--model", "ltx23", "--no-compile", "--profile"], 1),  # audio + video, split by module
     ("gpu_compile_ready", ["--workloads", "ltx23"], 1),  # two child processes, STG in LTX-2.3's compiled blocks
     # --smoke quantizes int8 (the CPU has no fp8); two variants, so the second copy of the base is made and used,
     # the second with its VAE decoder compiled too (the breakdown then times the compiled decode)

@@ -115,6 +115,29 @@ def test_flux_vae_slicing_equals_diffusers_enable_slicing(flux_dir):
     assert np.abs(ours.array - ref).max() <= TOL
 
 
+def test_a_decode_out_of_device_memory_over_several_samples_runs_again_sliced(flux_dir, monkeypatch, caplog):
+    """The VAE "runs out of memory" whenever it decodes more than one sample at once: the batch is decoded again one
+    sample at a time, equal to diffusers' sliced decode, and the VAE decodes whole again after; one sample that runs
+    out has nothing to slice, and the error stands."""
+    pipe = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=TINY_OVERRIDES["flux"])
+    vae = pipe.components["vae"]
+    real = vae._decode
+
+    def tight(z, *args, **kwargs):
+        if z.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.09 GiB")
+        return real(z, *args, **kwargs)
+
+    monkeypatch.setattr(vae, "_decode", tight)
+    ours = pipe(["a cat", "a dog"], seed=[7, 8])
+    ref = _flux_reference(flux_dir, ["a cat", "a dog"], 32, slicing=True)
+    assert np.abs(ours.array - ref).max() <= TOL
+    assert not vae.use_slicing and "one at a time" in caplog.text
+    monkeypatch.setattr(vae, "_decode", lambda z, *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA oom")))
+    with pytest.raises(torch.OutOfMemoryError):
+        pipe("a cat", seed=7)
+
+
 def test_wan_vae_tiling_equals_diffusers_enable_tiling(wan_dir):
     from diffusers import WanPipeline
 

@@ -1,14 +1,19 @@
 """``policies.vae``: diffusers' own tiled and sliced decode, switched on for every VAE component that has them
-(``enable_tiling`` with the spec's tiles passed as each class takes them, ``enable_slicing``)."""
+(``enable_tiling`` with the spec's tiles passed as each class takes them, ``enable_slicing``); and a decode that
+runs out of device memory over several samples tried once more sliced (``decode_in_memory``)."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
+from ..log import logger
 from ..spec import PipelineSpec, SpecError
+
+T = TypeVar("T")
 
 
 def apply_vae(spec: PipelineSpec, components: dict[str, Any]) -> str | None:
@@ -18,8 +23,7 @@ def apply_vae(spec: PipelineSpec, components: dict[str, Any]) -> str | None:
     policy = spec.policies.vae
     if policy.tiling is False and not policy.slicing:
         return None
-    vaes = {n: components[n] for n, c in spec.model.components.items() if c.role == "vae"
-            and isinstance(components.get(n), torch.nn.Module)}
+    vaes = _vaes(spec, components)
     notes = []
     if policy.tiling is not False:
         tiled = {n: v for n, v in vaes.items() if hasattr(v, "use_tiling") and hasattr(v, "enable_tiling")}
@@ -38,6 +42,37 @@ def apply_vae(spec: PipelineSpec, components: dict[str, Any]) -> str | None:
             vae.enable_slicing()
             notes.append(f"{name} sliced (one sample at a time)")
     return "; ".join(notes)
+
+
+def decode_in_memory(spec: PipelineSpec, components: dict[str, Any], decode: Callable[[], T], samples: int) -> T:
+    """``decode()``; where it runs out of device memory over more than one sample while some VAE decodes the batch
+    whole, once more with those VAEs sliced (one sample at a time, diffusers' ``enable_slicing``), then as they were.
+    A rollout of 16 videos then finishes instead of failing at its last step; each sample's pixels are its own
+    decode's, up to the last bits a convolution's batch size can change."""
+    try:
+        return decode()
+    except torch.OutOfMemoryError:
+        whole = [v for v in _vaes(spec, components).values()
+                 if hasattr(v, "enable_slicing") and getattr(v, "use_slicing", None) is False]
+        if samples < 2 or not whole:
+            raise
+    # past the handler, so that the failed decode's tensors went with its traceback
+    logger.warning(f"decoding {samples} samples at once ran out of device memory: decoding them one at a time "
+                   "(set policies.vae.slicing: true to start so)")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for vae in whole:
+        vae.enable_slicing()
+    try:
+        return decode()
+    finally:
+        for vae in whole:
+            vae.disable_slicing()
+
+
+def _vaes(spec: PipelineSpec, components: dict[str, Any]) -> dict[str, torch.nn.Module]:
+    return {n: components[n] for n, c in spec.model.components.items() if c.role == "vae"
+            and isinstance(components.get(n), torch.nn.Module)}
 
 
 def _classes(vaes: dict[str, Any]) -> str:

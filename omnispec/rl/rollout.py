@@ -248,7 +248,7 @@ def rollout(
         output_phase = pipe.spec.recipe.phases[pipe.spec.recipe.output_index() or 0].name
         if "x0" in clean and any(r.phase.name == output_phase for r in walk.phases):
             latents = pipe.family.reimpose(clean["x0"], walk.images, walk.geometry, 0.0)  # DanceGRPO: decode x0
-        decoded = pipe.family.decode(latents, out.geometry)
+        decoded = pipe.decode(latents, out.geometry)
     return _record(run, walk, local, states, prompts=expanded, group_ids=group_ids - first_group, seeds=seeds,
                    array=decoded.array, sampler=sampler, weight_version=pipe.weight_version,
                    forward_batch=torch.full((len(expanded),), len(expanded), dtype=torch.long))

@@ -16,9 +16,10 @@ import torch
 from .. import records
 from ..log import logger, timed
 from ..policies import AppliedPolicies
+from ..policies.vae import decode_in_memory
 from ..spec import PipelineSpec, SpecError, SpecTypeError, explain_spec, render_explain
 from ..spec.request import Request, request_problems, resolve_request
-from .families import Conditioning, Decoded, Family, Streams
+from .families import Conditioning, Decoded, Family, Geometry, Streams
 from .lora import AdapterState
 from .parallel import ParallelContext, data_slice, gather_outputs, is_padding
 from .plan import RequestPlan, plan_request
@@ -142,7 +143,13 @@ class Pipeline:
         if not decode:
             return out.latents, Decoded(np.empty((0,), np.float32))
         with timed(f"decoding {len(plan.request.prompts)} sample(s)"):
-            return out.latents, self.family.decode(out.latents, out.geometry)
+            return out.latents, self.decode(out.latents, out.geometry)
+
+    def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
+        """The family's decode of a batch, sliced if the batch at once would not fit the device
+        (``policies.vae.decode_in_memory``)."""
+        samples = next(iter(latents.values())).shape[0] if latents else 0
+        return decode_in_memory(self.spec, self.components, lambda: self.family.decode(latents, geometry), samples)
 
     def _media(self, decoded: Decoded, decode: bool) -> dict[str, list[Any]]:
         """The decoded samples as a video task's frames or an image task's PIL images."""

@@ -98,7 +98,7 @@ class SavedBytes:
         self.seen: dict[int, weakref.ref] = {}  # storage address -> a tensor saved from it, while it lives
 
     def pack(self, tensor: torch.Tensor) -> None:
-        if tensor.device != self.device:
+        if tensor.device.type != self.device.type:  # a pipeline's "cuda" is its tensors' "cuda:0"
             return None
         address, nbytes = _storage(tensor)
         earlier = self.seen.get(address)

@@ -128,3 +128,18 @@ def _assert_same(replay, got, plain, grads, ro) -> None:
     assert torch.allclose(replay.log_probs.detach(), plain.log_probs.detach(), atol=1e-6)
     for g, want in zip(got, grads):
         assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+
+
+def test_compiled_blocks_are_probed_and_checkpointed_as_eager_ones(monkeypatch):
+    """Under ``compile: regional`` the probe's counting hooks and the blocks' checkpoints wrap the compiled blocks: the
+    replay planned with its blocks checkpointed gives the log-probs and gradients of a plain one."""
+    pipe = omnispec.build(SPECS / "digits.yaml", overrides=["runtime.progress=false", "recipe.defaults.steps=3",
+                                                             "recipe.phases.0.guidance.terms=[]",
+                                                             "policies.compile={mode: regional, backend: aot_eager}"])
+    ro = pipe.rollout(["seven", "two"], group_size=2, seed=0, sampler=SDE)
+    pipe.components["transformer"].requires_grad_(True)
+    plain, grads = _replayed(pipe, ro)
+    _fake_device(monkeypatch, free=40 * GIB, kept=40 * GIB, kept_with_blocks=GIB)
+    replay, got = _replayed(pipe, ro)
+    assert replay.batching.blocks and plain.batching.micro_batch is None
+    _assert_same(replay, got, plain, grads, ro)

@@ -1235,8 +1235,8 @@ def minimax_h3_components(denoiser: str = "transformer") -> dict:
     layers the model reads ``hidden_states[50]`` from, but narrow attention and feed-forwards (it runs once per
     request), and a one-block vision tower with the 14-pixel patches of the fixture's image processor (ref2va shows it
     its image references). ``denoiser``: the checkpoint partition built, ``transformer`` (t2va, fl2va) or
-    ``transformer_ref`` (ref2va), of the same architecture. --smoke: the offline fixture's tiny modules (ref2va's
-    without the other partition, which its family calls foreign)."""
+    ``transformer_ref`` (ref2va), of the same architecture. --smoke: the offline fixture's tiny modules, without the
+    other partition (a spec names one, and its family calls the other foreign)."""
     import transformers
     from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
                            MiniMaxH3Transformer3DModel)
@@ -1247,8 +1247,7 @@ def minimax_h3_components(denoiser: str = "transformer") -> dict:
 
     if harness.SMOKE:
         mods = tiny_minimax_h3_components()
-        if denoiser == "transformer_ref":
-            mods.pop("transformer")
+        mods.pop("transformer" if denoiser == "transformer_ref" else "transformer_ref", None)
         return {k: (_keeping_fp32(m.to(torch.bfloat16)) if isinstance(m, torch.nn.Module) else m)
                 for k, m in mods.items()}
     tokenizer = qwen_tokenizer()

@@ -16,18 +16,9 @@ time, as those trainers do. Videos/s include prompt encoding and decoding. Under
 compiles the shared transformer's blocks in place, so the loop runs the same compiled blocks (diffusers' own
 ``compile_repeated_blocks`` would compile the same regions). omnispec decodes with ``policies.vae.slicing`` (one
 sample at a time; all 16 videos at once ran an 80 GB card out of memory), the loop a batch at a time, as it samples.
-Replay: omnispec's ``log_prob`` of part of a rollout (``--replay-batch`` of its samples), without and with gradients
-(the device's memory choosing micro-batches, and for a 19B model checkpointed blocks), valued as the rollout's own
-forwards ran (``exact``): max |ratio - 1| (0.0 is exact).
-
-- ``wan_ti2v`` (``workloads.wan_ti2v_components``: 30 blocks of 24 heads of 128, 48 latent channels, the Wan2.2
-  VAE), 480x832x33 by default, the spec's CFG 5, the checkpoint's UniPC sigmas (flow shift 5) as Flow-GRPO's Wan
-  pipeline steps them (omnispec: ``sampler.multistep: euler``), a timestep per token (``expand_timesteps``).
-- ``ltx23`` (``workloads.ltx23_components``: LTX-2 19B's widths with LTX-2.3's architecture, its connectors and
-  vocoder), 512x768x33 at 24 fps by default, video and audio denoised together: CFG 3 on the video and 7 on the
-  audio (LTX-2.3's scales; its STG, modality guidance and rescale are off on both sides, as RL trainers sample),
-  the checkpoint's dynamically shifted sigmas. A step's log-prob is the two streams' summed on both sides; videos/s
-  include the audio's decoding and vocoder.
+Replay: omnispec's ``log_prob`` of a rollout's samples (all of them by default, as a trainer replays its batch;
+``--replay-batch`` fewer), without and with gradients (the device's memory choosing micro-batches, and for a 19B
+model checkpointed blocks), valued as the rollout's own forwards ran (``exact``): max |ratio - 1| (0.0 is exact).
 """
 
 from __future__ import annotations
@@ -219,7 +210,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--window", type=int, default=3,
                         help="SDE steps from step 0, the rest Euler steps (0: every step but the last)")
     parser.add_argument("--baseline-batch", type=int, default=4, help="the loop's samples per call")
-    parser.add_argument("--replay-batch", type=int, default=4, help="rollout samples the replay rows replay")
+    parser.add_argument("--replay-batch", type=int, help="rollout samples the replay rows replay (default: all)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="the eager rows")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -284,7 +275,7 @@ def benchmark(args, results: harness.Results) -> None:
                 results.save({"config": f"{side}: where the time goes", "compile": label.removeprefix(", ") or "eager",
                               **module_seconds(parts, lambda: run(f"parts{label}")),
                               "device": profiled_rollout(lambda: run(f"profile{label}"))})
-        part = rollout.select(range(min(args.replay_batch, n)))
+        part = rollout.select(range(min(args.replay_batch or n, n)))
         for grad, steps in ((False, None), (True, [0])):
             replayed = pipe.log_prob(part, steps=steps, grad=grad).log_probs.detach().cpu()
             stored = part.log_probs if steps is None else part.log_probs[:, steps]

@@ -92,6 +92,19 @@ def test_a_subset_and_a_micro_batched_replay_with_gradients_are_exact(wan22):
         lora[0].grad = None
 
 
+def test_a_subset_under_half_its_rollouts_forward_is_valued_at_its_own_size_and_says_so(wan22, caplog):
+    """Padding one sample to a rollout's forward of 3 would take 3x the work: it runs alone, as ``exact=False`` does,
+    and the warning says how to get an exact ratio."""
+    from omnispec.rl import replay_groups
+
+    ro = wan22.rollout("a cat", group_size=3, seed=5, sampler={"kind": "sde", "multistep": "euler"})
+    part = ro.select([2])
+    replay_groups._SAID.discard((1, 3))
+    alone = wan22.log_prob(part, grad=False).log_probs
+    assert torch.equal(alone, wan22.log_prob(part, grad=False, exact=False).log_probs)
+    assert "valued by forwards of 1" in caplog.text and "runtime.max_batch" in caplog.text
+
+
 # ---- bf16 models: states and scored samples stay float32 ----------------------------------------------------
 
 def test_bf16_model_rollout_stores_float32_samples_that_replay_exactly():

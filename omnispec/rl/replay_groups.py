@@ -10,7 +10,12 @@ With ``exact``, a replay whose forwards would not see the rollout's row count ta
 forwards without gradients that do (``Rollout.forward_batch`` samples each, a shorter chunk padded with its own rows
 repeated: a row's result follows how many rows the kernels see, not what the other rows hold), and only the gradients
 from its own micro-batches. That is one more forward per step without gradients, as a compiled replay already runs;
-a replay that already runs the rollout's grouping (a whole rollout in one forward per step) runs none.
+a replay that already runs the rollout's grouping (a whole rollout in one forward per step) runs none. Padding costs
+the rollout's forward for each group however few of its samples a replay scores, so a group of less than half the
+rollout's forward (``PADDING_BOUND``; 16 samples of a 128-sample rollout would take 8x the forward work) is valued at
+its own size, within the last bits, and ``log_prob`` says so once: a trainer that replays micro-batches of a rollout
+one ``select`` at a time gets exact ratios by rolling out at that size (``runtime.max_batch``) or by replaying the
+whole rollout in one call.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..log import logger
 from ..runtime.families import Streams
 from ..runtime.plan import Walk
 from ..runtime.run import Run
@@ -49,6 +55,26 @@ def groups(step_indices: torch.Tensor, forward_batch: torch.Tensor | None, ks: l
     return out
 
 
+PADDING_BOUND = 2  # a group is padded to the rollout's forward only where that is at most this many times its size
+_SAID: set[tuple[int, int]] = set()
+
+
+def affordable(group: Group) -> bool:
+    """Whether valuing ``group`` as the rollout's forwards ran costs at most ``PADDING_BOUND`` times its own rows; where
+    not, said once per (group size, rollout size)."""
+    if group.forward_batch <= PADDING_BOUND * len(group.rows):
+        return True
+    key = (len(group.rows), group.forward_batch)
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.warning(f"replaying {len(group.rows)} samples of a rollout that stepped {group.forward_batch} per "
+                       f"forward: valued by forwards of {len(group.rows)}, equal to the rollout's within the last bits "
+                       f"(its own size would take {group.forward_batch / len(group.rows):.1f}x the forward work); for "
+                       "an exact ratio, replay the whole rollout in one log_prob call, or roll out with "
+                       "runtime.max_batch at the replay's rows")
+    return False
+
+
 def reproduces(samples: int, forward_batch: int, micro_batch: int | None) -> bool:
     """Whether forwards of ``micro_batch`` samples (None: all at once) over a group of ``samples`` see the rows the
     rollout's forwards saw."""
@@ -68,4 +94,4 @@ def as_rolled_out(run: Run, walk: Walk, i: int, group: Group, inputs: Callable[[
     return {s: torch.cat([p[s] for p in parts]) for s in parts[0]}
 
 
-__all__ = ["Group", "as_rolled_out", "groups", "reproduces"]
+__all__ = ["PADDING_BOUND", "Group", "affordable", "as_rolled_out", "groups", "reproduces"]

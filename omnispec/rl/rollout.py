@@ -28,7 +28,7 @@ from ..spec.errors import Problem, from_validation_error
 from ..spec.recipe import SAMPLERS, Sampler, stochastic_kinds
 from ..spec.request import Request
 from .checks import check_pipeline, check_replay_args, check_rollout_args, check_rollout_fits, shape_of
-from .replay_groups import Group, as_rolled_out, groups, reproduces
+from .replay_groups import Group, affordable, as_rolled_out, groups, reproduces
 from .replay_memory import Batching, ReplayBatcher, blocks_checkpointed
 
 if TYPE_CHECKING:
@@ -377,7 +377,8 @@ def log_prob(
         values = {}  # per group: the predictions' values as the rollout's forwards made them (``replay_groups``)
         for n, group in enumerate(scored):
             if exact and group.forward_batch and (two_forwards or batcher.measuring or not reproduces(
-                    len(group.rows), group.forward_batch, batcher.batching and batcher.batching.micro_batch)):
+                    len(group.rows), group.forward_batch, batcher.batching and batcher.batching.micro_batch)) \
+                    and affordable(group):
                 walk, i = enter(group)
                 values[n] = as_rolled_out(run, walk, i, group, lambda sel: inputs(walk, i, group.k, sel))
         for n, group in enumerate(scored):

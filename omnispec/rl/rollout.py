@@ -308,13 +308,16 @@ def log_prob(
     forward (one sample) is measured, and the rest keep their graphs for the trainer's backward where they fit, or
     are recomputed inside it where they don't (``replay_memory``; ``Replay.batching`` says which and why).
 
-    With gradients through a compiled denoiser, ``exact`` (the default) takes each prediction's values from a
-    forward without gradients, the inference graphs the rollout ran, and its gradients from the forward with them:
+    ``exact`` (the default) values a replay whose forwards see other row counts than the rollout's (micro-batches, a
+    ``select``) by forwards without gradients of the rollout's size (``replay_groups``: a kernel's summation order
+    follows the row count), the gradients coming from the replay's own forwards. With gradients through a compiled
+    denoiser it also takes each prediction's values from a forward without gradients, the inference graphs the
+    rollout ran, and its gradients from the forward with them:
     the training graphs fuse other kernels (AOTAutograd partitions them out of a joint graph that also saves for the
     backward), and a reduction fused with other neighbours adds a row up in another order, so their values can
-    differ in the last bits (BENCHMARKS.md, "Replay exactness"). That costs one
-    more forward per micro-batch; ``exact=False`` skips it and reads the training graphs' values. Eager runs the
-    same kernels either way and replays in one forward.
+    differ in the last bits (BENCHMARKS.md, "Replay exactness"). Either costs one more forward without gradients
+    (per step at the rollout's size, or per micro-batch); ``exact=False`` skips it and reads the replay's own
+    forwards' values. A whole rollout replayed without gradients runs its own forwards alone, exactly.
 
     Before any forward, ``ro`` must be a ``Rollout`` that fits this pipeline: its batch (prompts, group ids,
     seeds, encodings, log-probs), stream names and shapes ``(B, W + 1, ...)`` for the request's geometry,
@@ -376,9 +379,9 @@ def log_prob(
                           run.components.values(), walk.owner(i).denoiser)
         values = {}  # per group: the predictions' values as the rollout's forwards made them (``replay_groups``)
         for n, group in enumerate(scored):
-            if exact and group.forward_batch and (two_forwards or batcher.measuring or not reproduces(
-                    len(group.rows), group.forward_batch, batcher.batching and batcher.batching.micro_batch)) \
-                    and affordable(group):
+            micro = batcher.batching.micro_batch if batcher.batching else None
+            differs = two_forwards or batcher.measuring or not reproduces(len(group.rows), group.forward_batch, micro)
+            if exact and group.forward_batch and differs and affordable(group):
                 walk, i = enter(group)
                 values[n] = as_rolled_out(run, walk, i, group, lambda sel: inputs(walk, i, group.k, sel))
         for n, group in enumerate(scored):

@@ -143,3 +143,13 @@ def test_compiled_blocks_are_probed_and_checkpointed_as_eager_ones(monkeypatch):
     replay, got = _replayed(pipe, ro)
     assert replay.batching.blocks and plain.batching.micro_batch is None
     _assert_same(replay, got, plain, grads, ro)
+
+
+def test_which_denoisers_can_checkpoint_their_blocks_is_asked_through_diffusers_public_call(trained):
+    from omnispec.rl.replay_memory import checkpoints_blocks
+
+    pipe, _, _ = trained
+    dit, encoder = pipe.components["transformer"], pipe.components["text_encoder"]
+    assert checkpoints_blocks(dit) and not dit.is_gradient_checkpointing  # asked, and left as it was
+    assert not checkpoints_blocks(encoder)  # a diffusers model whose class does not support it
+    assert not checkpoints_blocks(torch.nn.Linear(2, 2))

@@ -125,9 +125,16 @@ def _storage(tensor: torch.Tensor) -> tuple[int | None, int]:
 
 
 def checkpoints_blocks(denoiser: torch.nn.Module) -> bool:
-    """Whether ``denoiser`` can checkpoint its blocks (a diffusers model that supports gradient checkpointing)."""
-    return bool(getattr(denoiser, "_supports_gradient_checkpointing", False)) and \
-        hasattr(denoiser, "enable_gradient_checkpointing")
+    """Whether ``denoiser`` can checkpoint its blocks: a diffusers model whose ``enable_gradient_checkpointing`` takes
+    (it raises ``ValueError`` where the class does not support it), asked through that public call and undone."""
+    if not hasattr(denoiser, "enable_gradient_checkpointing") or getattr(denoiser, "is_gradient_checkpointing", False):
+        return hasattr(denoiser, "enable_gradient_checkpointing")
+    try:
+        denoiser.enable_gradient_checkpointing()
+    except ValueError:
+        return False
+    denoiser.disable_gradient_checkpointing()
+    return True
 
 
 @contextmanager

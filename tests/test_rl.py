@@ -29,11 +29,25 @@ def test_replay_ratio_is_one_at_every_step_with_another_micro_batch(pipe, sample
     ro = pipe.rollout(["seven", "two"], group_size=3, seed=4, sampler=sampler)
     assert ro.latents.dtype == torch.float32 and ro.latents.shape[:2] == (6, ro.window + 1)
     assert ro.log_probs.shape == ro.sigmas.shape == ro.timesteps.shape == (6, ro.window)
-    for micro in (1, 4, None):
+    for micro in (1, 4, None):  # valued as the rollout's forwards of 6 ran (``exact``): the ratio is 1 exactly
         replay = pipe.log_prob(ro, grad=True, micro_batch=micro)
         assert replay.log_probs.requires_grad is False or replay.log_probs.grad_fn is not None
         ratio = torch.exp(replay.log_probs.detach().cpu() - ro.log_probs)
-        assert (ratio - 1).abs().max().item() <= 1e-6
+        assert (ratio - 1).abs().max().item() == 0.0
+
+
+def test_shards_of_other_sizes_concatenated_replay_exactly(pipe):
+    """A pool's rollout is its workers' shards, each stepped at its own size: each sample keeps its shard's forward
+    size, and the replay values each shard's samples as that shard's forwards ran."""
+    from omnispec.rl.pool import concat_rollouts
+
+    sde = {"kind": "sde", "noise_level": 0.7}
+    parts = [pipe.rollout(["seven"], group_size=3, seed=4, sampler=sde),
+             pipe.rollout(["two"], group_size=1, seed=4, sampler=sde, sample_offset=3)]
+    whole = concat_rollouts(parts)
+    assert whole.forward_batch.tolist() == [3, 3, 3, 1]
+    replay = pipe.log_prob(whole, grad=True, micro_batch=2)
+    assert torch.equal(replay.log_probs.detach().cpu(), whole.log_probs)
 
 
 def test_replay_has_gradients_for_trainable_weights(pipe):

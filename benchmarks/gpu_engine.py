@@ -151,9 +151,8 @@ def benchmark(args, results: harness.Results) -> None:
         raise harness.UsageError(f"--workers: expected counts >= 1, got {args.workers!r}")
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     results.header |= {"device": harness.device_name(), "setup": {k: v for k, v in vars(args).items() if k != "json"}}
-    # the VAE decodes a request's samples one at a time: an SD3.5 worker held 31 GB after a rollout of 16 samples
-    # decoded at once, 16 GB of it weights (the rest the decode's 512² feature maps, by their sizes), too much for two
-    # workers beside the trainer on an 80 GB card (BENCHMARKS.md, "Not measured yet")
+    # the VAE decodes a request's samples one at a time: a 16-sample decode's feature maps beside each worker's weights
+    # leave no room for a second worker and the trainer on an 80 GB card
     overrides = ["runtime.progress=false", "policies.vae.slicing=true", *model["overrides"]]
     spec = str(harness.ROOT / "specs" / model["spec"])
     trainer = omnispec.build(spec, components=engine_components(args.model, args.smoke), device=harness.DEVICE,

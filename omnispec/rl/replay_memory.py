@@ -48,20 +48,21 @@ class Batching:
     blocks: bool = False
 
 
-def plan(forwards: int, free_bytes: int, kept_per_sample: int, blocks: str = "") -> Batching:
+def plan(forwards: int, free_bytes: int, kept_per_sample: int, why_blocks: str = "") -> Batching:
     """The batching for ``forwards`` more sample-forwards with gradients, given the bytes free on the device and what
     one sample's forward keeps until the backward. A forward's working memory (what it frees before it returns, and
-    its backward's) is taken as large as what it keeps. ``blocks``: why the denoiser checkpoints its blocks (empty:
-    it doesn't)."""
+    its backward's) is taken as large as what it keeps. ``why_blocks``: why the denoiser checkpoints its blocks
+    (empty: it doesn't)."""
     budget = int(free_bytes * USABLE_SHARE)
     per = max(kept_per_sample, 1)
-    said = f"{blocks}one sample's forward keeps {_gib(kept_per_sample)} for the backward, {_gib(free_bytes)} free"
+    said = f"{why_blocks}one sample's forward keeps {_gib(kept_per_sample)} for the backward, {_gib(free_bytes)} free"
+    blocks = bool(why_blocks)
     room = budget - forwards * per  # what is left once every graph is kept
     if room >= per:
-        return Batching(min(forwards, room // per) or 1, False, f"{said}: every graph kept", bool(blocks))
+        return Batching(min(forwards, room // per) or 1, False, f"{said}: every graph kept", blocks)
     micro = max(1, budget // (2 * per))
     return Batching(micro, True, f"{said}: the {forwards} forwards' graphs would not fit, so each micro-batch of "
-                                 f"{micro} is recomputed in the backward", bool(blocks))
+                                 f"{micro} is recomputed in the backward", blocks)
 
 
 def fits_recomputed(free_bytes: int, kept_per_sample: int) -> bool:
@@ -92,13 +93,13 @@ class SavedBytes:
     The graph it leaves can't be differentiated; a probe runs for its count alone."""
 
     def __init__(self, device: torch.device, modules: Iterable[torch.nn.Module]):
-        self.device, self.bytes = device, 0
+        self.device_type, self.bytes = device.type, 0  # a pipeline's "cuda" is its tensors' "cuda:0"
         self.resident = {_storage(t)[0] for m in modules if isinstance(m, torch.nn.Module)
                          for t in (*m.parameters(), *m.buffers())}
         self.seen: dict[int, weakref.ref] = {}  # storage address -> a tensor saved from it, while it lives
 
     def pack(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != self.device.type:  # a pipeline's "cuda" is its tensors' "cuda:0"
+        if tensor.device.type != self.device_type:
             return None
         address, nbytes = _storage(tensor)
         earlier = self.seen.get(address)
@@ -127,8 +128,10 @@ def _storage(tensor: torch.Tensor) -> tuple[int | None, int]:
 def checkpoints_blocks(denoiser: torch.nn.Module) -> bool:
     """Whether ``denoiser`` can checkpoint its blocks: a diffusers model whose ``enable_gradient_checkpointing`` takes
     (it raises ``ValueError`` where the class does not support it), asked through that public call and undone."""
-    if not hasattr(denoiser, "enable_gradient_checkpointing") or getattr(denoiser, "is_gradient_checkpointing", False):
-        return hasattr(denoiser, "enable_gradient_checkpointing")
+    if not hasattr(denoiser, "enable_gradient_checkpointing"):
+        return False
+    if getattr(denoiser, "is_gradient_checkpointing", False):
+        return True
     try:
         denoiser.enable_gradient_checkpointing()
     except ValueError:

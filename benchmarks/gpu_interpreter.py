@@ -11,6 +11,12 @@ is FLOPs per step (counted by torch's FlopCounterMode on one denoiser forward) o
 bf16 matmul ceiling of this GPU. Rounds alternate between the two sides (``per_step_sides``); ``--also OVERRIDE``
 adds a third, omnispec with that override too over its own copy of the denoisers (an in-process A/B of a policy),
 whose latents after the short run are compared with omnispec's (``latent_cosine (omnispec + ...)``).
+``--then OVERRIDE`` (repeatable) adds sides timed after the interleaved rounds, one at a time, each omnispec with
+its override over the same modules (no copy: what a side does to them in place, fp8 quantization or model offload's
+move to host memory, stays for the sides after it, so give them in that order): for models whose denoiser fits the
+card once but not twice (FLUX.2 [dev]'s 32B on an 80 GB card). Each reports its step, its ``lo``-step request, its
+peak device memory, its ratio against the interleaved diffusers median (``ratio (then ...)``, not interleaved) and
+its latents' cosine against omnispec's.
 
 The workloads (``benchmarks/workloads.py``) cover every family with a diffusers pipeline (all but the embedded
 digits model, which has none); ``ltx2`` and ``ltx2_condition`` are timed by LTX-2's step comparison there, which
@@ -28,7 +34,8 @@ from . import harness
 from .workloads import WORKLOADS, conditioning_inputs, ltx2_row, vace_keyframes
 
 
-def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), also: list[str] = ()) -> dict:
+def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), also: list[str] = (),
+            then: list[str] = ()) -> dict:
     """One workload's per-step time, omnispec (``overrides``) against diffusers on the same modules, interleaved;
     with ``also``, a third side: omnispec with those overrides too, over its own copy of the denoisers (a policy may
     change the modules it is given, which the first side shares with diffusers)."""
@@ -40,7 +47,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
     w = WORKLOADS[name]
     if "ltx2_part" in w:
         row = ltx2_row(name, w["ltx2_part"], repeats, ceiling, list(overrides))
-        return {**row, **({"also": "not measured: LTX-2's rows are gpu_ltx2's"} if also else {})}
+        return {**row, **({"also": "not measured: LTX-2's rows are gpu_ltx2's"} if also or then else {})}
     mods = w["components"]()
     pipe = omnispec.build(harness.ROOT / "specs" / w["spec"], components=mods, device=harness.DEVICE,
                           overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])
@@ -110,6 +117,11 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
         c = torch.from_numpy(c.array) if images else c.latents[w.get("stream", "latents")]
         also_cos[f"latent_cosine ({label})"] = torch.nn.functional.cosine_similarity(
             c.float().flatten(), a.float().flatten(), dim=0).item()
+    sides = others = None
+    for override in then:  # after the rounds, over the same modules; the earlier sides' pipelines stay built
+        label = f"then {override}"
+        results[label], also_cos[f"latent_cosine ({label})"] = then_side(
+            w, [*overrides, override], mods, a, flops, ceiling, repeats, images)
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
            **{f"ratio ({label})": r["ms_per_step"] / results["diffusers"]["ms_per_step"]
@@ -120,6 +132,37 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
     return out
 
 
+def then_side(w: dict, overrides: list[str], mods: dict, bf16: torch.Tensor, flops: float, ceiling: float,
+              repeats: int, images: bool) -> tuple[dict, float]:
+    """One ``--then`` side: omnispec built over ``mods`` themselves with ``overrides``, timed alone; its row and its
+    short run's output's cosine against ``bf16`` (omnispec's without the override)."""
+    import omnispec
+    from omnispec.spec.request import resolve_request
+
+    harness.free_device_memory()
+    if harness.DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    pipe = omnispec.build(harness.ROOT / "specs" / w["spec"], components=mods, device=harness.DEVICE,
+                          overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])
+
+    def run(n: int, decode: bool = False):
+        return pipe.generate(resolve_request(pipe.spec, "a photo of a cat", 0, steps=n, **w["request"]), decode=decode)
+
+    lo, hi = w["steps"]
+    if not harness.SMOKE:
+        run(lo)  # warm-up
+    with torch.no_grad():
+        med, samples = harness.per_step(run, lo, hi, repeats)
+        request, _ = harness.per_request(run, lo, max(1, repeats // 2))
+    c = run(lo, decode=images)
+    c = torch.from_numpy(c.array) if images else c.latents[w.get("stream", "latents")]
+    cos = torch.nn.functional.cosine_similarity(c.float().flatten(), bf16.float().flatten(), dim=0).item()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if harness.DEVICE == "cuda" else 0.0
+    row = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling,
+           "request_s": request, "request_steps": lo, "peak_gib": peak, "timed": "alone, after the rounds"}
+    return row, cos
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--workloads", default="flux,wan")
     parser.add_argument("--repeats", type=int, default=3)
@@ -127,6 +170,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--also", action="append", default=[], metavar="OVERRIDE",
                         help="a third side timed in the same rounds: omnispec with this override too (repeatable), "
                              "over its own copy of the denoisers; e.g. --also policies.mlp.fused_gelu=true")
+    parser.add_argument("--then", action="append", default=[], metavar="OVERRIDE",
+                        help="a side timed alone after the rounds: omnispec with this override too, over the same "
+                             "modules (repeatable, in order; for denoisers that fit the card only once), e.g. "
+                             "--then 'policies.offload={strategy: model}'")
 
 
 def benchmark(args, results: harness.Results) -> None:
@@ -134,7 +181,7 @@ def benchmark(args, results: harness.Results) -> None:
     results.header["ceiling_tflops"] = ceiling / 1e12
     print(f"{harness.device_name()}  torch {torch.__version__}  bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
     for name in args.workloads.split(","):
-        results.save(measure(name, args.repeats, ceiling, args.overrides, args.also))
+        results.save(measure(name, args.repeats, ceiling, args.overrides, args.also, args.then))
     table(results.rows)
 
 
@@ -144,8 +191,8 @@ def table(rows: list[dict]) -> None:
         print(f"| {r['workload']} | {r['tflop_per_step']:.1f} | {r['diffusers']['ms_per_step']:.1f} "
               f"({r['diffusers']['mfu']:.0%}) | {r['omnispec']['ms_per_step']:.1f} ({r['omnispec']['mfu']:.0%}) | "
               f"{r['ratio']:.3f} | {r['latent_cosine']:.5f} |")
-        for label in (k for k in r if k.startswith("omnispec + ")):
-            print(f"| {r['workload']}, {label[len('omnispec + '):]} | | | {r[label]['ms_per_step']:.1f} "
+        for label in (k for k in r if k.startswith(("omnispec + ", "then "))):
+            print(f"| {r['workload']}, {label.removeprefix('omnispec + ')} | | | {r[label]['ms_per_step']:.1f} "
                   f"({r[label]['mfu']:.0%}) | {r[f'ratio ({label})']:.3f} | "
                   f"{r[f'latent_cosine ({label})']:.5f} against omnispec |")
 

@@ -24,6 +24,10 @@ SMOKES = [
     ("gpu_lora_hotswap", [], 1),
     ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux,wan,wan22_i2v,ltx2_condition",  # LTX-2: gpu_ltx2's
                          "--also", "policies.mlp.fused_gelu=true"], 1),
+    # sides timed after the rounds over the same modules: offload moves them to the host, int8 then quantizes them
+    # in place (fp8 on the GPU), as FLUX.2 [dev]'s 80 GB rows do
+    ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux2", "--then", "policies.offload={strategy: model}",
+                         "--then", "policies.quantization={transformer: {method: int8_weight_only}}"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
     # compile part's code again: left out to keep the suite short. The second round runs the variants backwards, so

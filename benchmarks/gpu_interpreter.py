@@ -10,7 +10,9 @@ a long and a short run divided by the step difference, so prompt encoding and se
 is FLOPs per step (counted by torch's FlopCounterMode on one denoiser forward) over the measured
 bf16 matmul ceiling of this GPU. Rounds alternate between the two sides (``per_step_sides``); ``--also OVERRIDE``
 adds a third, omnispec with that override too over its own copy of the denoisers (an in-process A/B of a policy),
-whose latents after the short run are compared with omnispec's (``latent_cosine (omnispec + ...)``).
+whose latents after the short run are compared with omnispec's (``latent_cosine (omnispec + ...)``), as is its
+first step's prediction (``step_cosine (omnispec + ...)``: the denoiser's first output, row 0, in a one-step run;
+the latents after a short run start from the same noise, which hides most of a step's error).
 ``--then OVERRIDE`` (repeatable) adds sides timed after the interleaved rounds, one at a time, each omnispec with
 its override over the same modules (no copy: what a side does to them in place, fp8 quantization or model offload's
 move to host memory, stays for the sides after it, so give them in that order): for models whose denoiser fits the
@@ -109,33 +111,40 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
                 output_type="np" if images else "latent", **w["diffusers_kwargs"])
         b = (b.images if hasattr(b, "images") else b.frames)
         b = torch.from_numpy(b) if images else b
-    cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
-    # the third side's latents against omnispec's (the quality of an approximate policy against the same run without)
-    also_cos = {}
+    cos = harness.cosine(a, b)
+    # The other sides' quality against omnispec's (an approximate policy against the same run without): their latents
+    # after the short run, and one step's prediction (the denoiser's first output, row 0, in a one-step run), which
+    # the latents would hide under the noise they start from. Only between omnispec's sides: they batch guidance
+    # passes alike, where diffusers' pipelines differ in which pass comes first.
+    quality: dict[str, float] = {}
+    if others or then:
+        step, _ = harness.first_output(run_ours, *(m for k, m in mods.items() if k.startswith("transformer")))
     for label, other in others.items():
         c = other.generate(resolve_request(other.spec, "a photo of a cat", 0, steps=lo, **w["request"]), decode=images)
         c = torch.from_numpy(c.array) if images else c.latents[w.get("stream", "latents")]
-        also_cos[f"latent_cosine ({label})"] = torch.nn.functional.cosine_similarity(
-            c.float().flatten(), a.float().flatten(), dim=0).item()
+        quality[f"latent_cosine ({label})"] = harness.cosine(c, a)
+        copies = [m for k, m in other.components.items() if k.startswith("transformer")]
+        quality[f"step_cosine ({label})"] = harness.cosine(
+            harness.first_output(functools.partial(run_ours, pipe=other), *copies)[0], step)
     sides = others = None
     for override in then:  # after the rounds, over the same modules; the earlier sides' pipelines stay built
         label = f"then {override}"
-        results[label], also_cos[f"latent_cosine ({label})"] = then_side(
-            w, [*overrides, override], mods, a, flops, ceiling, repeats, images)
+        results[label], quality[f"latent_cosine ({label})"], quality[f"step_cosine ({label})"] = then_side(
+            w, [*overrides, override], mods, (a, step), flops, ceiling, repeats, images)
     out = {"workload": name, "overrides": list(overrides), "tflop_per_step": flops / 1e12, **results,
            "ratio": results["omnispec"]["ms_per_step"] / results["diffusers"]["ms_per_step"],
            **{f"ratio ({label})": r["ms_per_step"] / results["diffusers"]["ms_per_step"]
               for label, r in results.items() if label not in ("diffusers", "omnispec")},
-           "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item(), **also_cos}
+           "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item(), **quality}
     pipe = ref = mods = sides = others = None  # free the GPU memory before the next workload
     harness.free_device_memory()
     return out
 
 
-def then_side(w: dict, overrides: list[str], mods: dict, bf16: torch.Tensor, flops: float, ceiling: float,
-              repeats: int, images: bool) -> tuple[dict, float]:
-    """One ``--then`` side: omnispec built over ``mods`` themselves with ``overrides``, timed alone; its row and its
-    short run's output's cosine against ``bf16`` (omnispec's without the override)."""
+def then_side(w: dict, overrides: list[str], mods: dict, exact: tuple[torch.Tensor, torch.Tensor], flops: float,
+              ceiling: float, repeats: int, images: bool) -> tuple[dict, float, float]:
+    """One ``--then`` side: omnispec built over ``mods`` themselves with ``overrides``, timed alone; its row, and its
+    short run's output's and first step's prediction's cosines against ``exact`` (omnispec's without the override)."""
     import omnispec
     from omnispec.spec.request import resolve_request
 
@@ -156,11 +165,11 @@ def then_side(w: dict, overrides: list[str], mods: dict, bf16: torch.Tensor, flo
         request, _ = harness.per_request(run, lo, max(1, repeats // 2))
     c = run(lo, decode=images)
     c = torch.from_numpy(c.array) if images else c.latents[w.get("stream", "latents")]
-    cos = torch.nn.functional.cosine_similarity(c.float().flatten(), bf16.float().flatten(), dim=0).item()
+    step, _ = harness.first_output(run, *(m for k, m in pipe.components.items() if k.startswith("transformer")))
     peak = torch.cuda.max_memory_allocated() / 2**30 if harness.DEVICE == "cuda" else 0.0
     row = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling,
            "request_s": request, "request_steps": lo, "peak_gib": peak, "timed": "alone, after the rounds"}
-    return row, cos
+    return row, harness.cosine(c, exact[0]), harness.cosine(step, exact[1])
 
 
 def add_arguments(parser) -> None:
@@ -194,7 +203,7 @@ def table(rows: list[dict]) -> None:
         for label in (k for k in r if k.startswith(("omnispec + ", "then "))):
             print(f"| {r['workload']}, {label.removeprefix('omnispec + ')} | | | {r[label]['ms_per_step']:.1f} "
                   f"({r[label]['mfu']:.0%}) | {r[f'ratio ({label})']:.3f} | "
-                  f"{r[f'latent_cosine ({label})']:.5f} against omnispec |")
+                  f"{r[f'latent_cosine ({label})']:.5f}, step {r[f'step_cosine ({label})']:.5f} against omnispec |")
 
 
 def main() -> None:

@@ -292,9 +292,6 @@ def omnispec_runner(pipe, name: str, extra: dict | None = None, fresh: bool = Fa
     return run
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.float().flatten().cpu(), b.float().flatten().cpu(), dim=0).item()
-
 
 def _peak_gib(run, n: int) -> float:
     if harness.DEVICE != "cuda":
@@ -311,23 +308,6 @@ def _per_step(run, lo: int, hi: int, repeats: int) -> tuple[float, list[float]]:
     with torch.no_grad():
         return harness.per_step(run, lo, hi, repeats)
 
-
-def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
-    """The first row of the denoiser's first output in a one-step run (the cond pass of step 0 on every side:
-    omnispec batches CFG passes into one forward, diffusers' Wan runs them one by one), and that run's seconds
-    (a compiled module's compilation)."""
-    seen: list[torch.Tensor] = []
-
-    def keep(_m, _a, out):
-        if not seen:
-            seen.append((out[0] if isinstance(out, tuple) else out.sample)[:1].float().cpu())
-
-    handle = module.register_forward_hook(keep)
-    try:
-        seconds = harness.first_call_s(run)
-    finally:
-        handle.remove()
-    return seen[0], seconds
 
 
 class ForwardCount:
@@ -468,7 +448,7 @@ class Workload:
             lo, hi = self.w["steps"]
             with torch.no_grad():
                 self.eager(lo)  # warm-up
-            reference, _ = _first_output(self.eager, self.mods["transformer"])
+            reference, _ = harness.first_output(self.eager, self.mods["transformer"])
             flops = harness.flops_per_step(self.eager)
             med, samples = _per_step(self.eager, lo, hi, self.repeats)
             self._eager_step = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
@@ -507,8 +487,8 @@ def _step_row(wl: Workload, part: str, engine: str, config: str, settings: dict,
     with harness.CompileWatch() as watch:
         extra = {}
         if module is not None:
-            out, first = _first_output(run, module)
-            extra["denoiser_cosine_vs_eager"] = _cos(out, eager["reference"])
+            out, first = harness.first_output(run, module)
+            extra["denoiser_cosine_vs_eager"] = harness.cosine(out, eager["reference"])
         else:
             first = harness.first_call_s(run)
         with torch.no_grad():
@@ -604,7 +584,7 @@ def _request_row(wl: Workload, part: str, engine: str, config: str, settings: di
     return emit({"part": part, "workload": wl.name, "engine": engine, "config": config, "settings": settings,
                  "steps": steps, "request_s": med, "samples_s": samples, **_ratios(med, eager["request_s"]),
                  "forwards": count.summary(), "eager_forwards": eager["forwards"],
-                 "latent_cosine_vs_eager": _cos(latents, eager["latents"]), **extra, **(stats() if stats else {})})
+                 "latent_cosine_vs_eager": harness.cosine(latents, eager["latents"]), **extra, **(stats() if stats else {})})
 
 
 def _cachedit_stats(pipe) -> dict:
@@ -966,7 +946,7 @@ def _parallel_row(name: str, config: str, settings: dict, run, baseline: dict, r
     row = {"part": "parallel", "workload": name, "engine": config.split()[0], "config": config, "settings": settings,
            "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], **extra}
     if baseline:
-        row |= _ratios(med * 1e3, baseline["ms_per_step"]) | {"latent_cosine_vs_eager": _cos(latents, baseline["latents"])}
+        row |= _ratios(med * 1e3, baseline["ms_per_step"]) | {"latent_cosine_vs_eager": harness.cosine(latents, baseline["latents"])}
     return row
 
 

@@ -84,23 +84,6 @@ def _release(mods: dict, names: tuple[str, ...] | None = None) -> None:
     harness.free_device_memory()
 
 
-def _first_output(run, module: torch.nn.Module) -> tuple[torch.Tensor, float]:
-    """The denoiser's output on the first call of a one-step run (same seed, so the same input everywhere),
-    and that run's seconds (on a compiled module, the compilation)."""
-    seen: list[torch.Tensor] = []
-
-    def keep(_m, _a, out):
-        if not seen:
-            seen.append((out[0] if isinstance(out, tuple) else out.sample).float().flatten().cpu())
-
-    handle = module.register_forward_hook(keep)
-    seconds = harness.first_call_s(run)
-    handle.remove()
-    return seen[0], seconds
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
 def _diffusers_runner(pipeline, w: dict, fresh: bool = False):
@@ -358,8 +341,8 @@ def _compiled_row(part: str, label: str, run, flops: float, repeats: int, ceilin
         # the first call's time that dynamo's metrics do not count, in a file as it comes (a cut call keeps it)
         with harness.StackSampler(dump_to=harness.stacks_file(RESULTS[0], f"first call {label}")) as stacks:
             if module is not None:
-                out, first = _first_output(run, module)
-                extra = {"denoiser_cosine_vs_bf16": _cosine(out, reference)}
+                out, first = harness.first_output(run, module)
+                extra = {"denoiser_cosine_vs_bf16": harness.cosine(out, reference)}
             else:
                 first, extra = harness.first_call_s(run), {}
         measured = _measure(run, 2, 4, repeats, flops, ceiling)
@@ -373,7 +356,7 @@ def quant_part(repeats: int, ceiling: float, save) -> None:
     import diffusers
 
     mods, w, run_plain, flops, eager = _flux_plain("quant", "bf16 eager", repeats, ceiling)
-    reference, _ = _first_output(run_plain, mods["transformer"])
+    reference, _ = harness.first_output(run_plain, mods["transformer"])
     save(eager)
     run_plain = None
     _release(mods, ("transformer",))  # the bf16 original waits on the host: peaks below are the twin's own
@@ -470,7 +453,7 @@ def fp8_block_part(repeats: int, ceiling: float, save) -> None:
             med = statistics.median(samples)
             row = {"part": "fp8_block", "config": f"{name} {'compiled' if compiled else 'eager'}",
                    "ms_per_call": med, "tflops": flops / med / 1e9, "mfu": flops / (med / 1e3) / ceiling,
-                   "first_call_s": first, "cosine_vs_bf16": _cosine(out, reference)}
+                   "first_call_s": first, "cosine_vs_bf16": harness.cosine(out, reference)}
             if compiled:
                 row["dynamo"] = watch.summary()
             if harness.DEVICE == "cuda" and name != "bf16" and not compiled:

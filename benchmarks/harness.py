@@ -135,6 +135,32 @@ def first_call_s(run) -> float:
     return time.perf_counter() - start
 
 
+def first_output(run, *modules: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """The first row of a denoiser's first output in a one-step run (the cond pass of step 0 on every side: omnispec
+    batches CFG passes into one forward, diffusers' Wan runs them one by one), as float32 on the host, and that run's
+    seconds (a compiled module's compilation). With several ``modules`` (two experts), whichever runs first."""
+    seen: list[torch.Tensor] = []
+
+    def keep(_m, _a, out):
+        if not seen:
+            out = out.sample if hasattr(out, "sample") else out
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            seen.append(out[:1].detach().float().cpu())
+
+    handles = [m.register_forward_hook(keep) for m in modules]
+    try:
+        seconds = first_call_s(run)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen[0], seconds
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two tensors' values, flattened, in float32."""
+    return torch.nn.functional.cosine_similarity(a.float().flatten().cpu(), b.float().flatten().cpu(), dim=0).item()
+
+
 def flops_per_step(run, steps: int = 1) -> float:
     """FLOPs of a ``steps``-step run (plus the tiny text encoders): one denoise step's with the default."""
     from torch.utils.flop_counter import FlopCounterMode

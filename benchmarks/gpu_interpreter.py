@@ -48,8 +48,8 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
 
     w = WORKLOADS[name]
     if "ltx2_part" in w:
-        row = ltx2_row(name, w["ltx2_part"], repeats, ceiling, list(overrides))
-        return {**row, **({"also": "not measured: LTX-2's rows are gpu_ltx2's"} if also or then else {})}
+        row = ltx2_row(name, w["ltx2_part"], repeats, ceiling, list(overrides), list(also))
+        return {**row, **({"then": "not measured: LTX-2's comparison has no --then sides"} if then else {})}
     mods = w["components"]()
     pipe = omnispec.build(harness.ROOT / "specs" / w["spec"], components=mods, device=harness.DEVICE,
                           overrides=["runtime.progress=false", *w.get("overrides", ()), *overrides])

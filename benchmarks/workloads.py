@@ -11,6 +11,7 @@ shrink to tiny requests.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -603,14 +604,14 @@ def ltx2_build(spec: str, mods: dict, extra: list[str] = ()):
                           overrides=[*ltx2_spec_overrides(), *extra])
 
 
-def ltx2_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+def ltx2_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = (), also: list[str] = ()) -> dict:
     from diffusers.pipelines.ltx2 import LTX2Pipeline
 
-    return _ltx2_step_rows("step", ltx2_build("ltx2-t2v.yaml", mods, overrides), LTX2Pipeline, mods, {}, {}, repeats,
-                           ceiling)
+    return _ltx2_step_rows("step", ("ltx2-t2v.yaml", overrides, also), LTX2Pipeline, mods, {}, {}, repeats, ceiling)
 
 
-def ltx2_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+def ltx2_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = (),
+                        also: list[str] = ()) -> dict:
     """The ltx2_condition family: ltx2-keyframes with an image at the first and at the last frame, against
     ``LTX2ConditionPipeline`` with the same two conditions. The first replaces latent frame 0's tokens, the last is
     appended as one latent frame of keyframe tokens (6,144 video tokens become 6,912 at 512x768x121)."""
@@ -621,17 +622,22 @@ def ltx2_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: lis
     last = first.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     ours = {"conditions": [{"image": first, "frame": 0}, {"image": last, "frame": -1}]}
     theirs = {"conditions": [LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)]}
-    return _ltx2_step_rows("keyframes", ltx2_build("ltx2-keyframes.yaml", mods, overrides), LTX2ConditionPipeline,
-                           mods, ours, theirs, repeats, ceiling)
+    return _ltx2_step_rows("keyframes", ("ltx2-keyframes.yaml", overrides, also), LTX2ConditionPipeline, mods, ours,
+                           theirs, repeats, ceiling)
 
 
-def _ltx2_step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: dict, theirs_kwargs: dict,
-                    repeats: int, ceiling: float) -> dict:
-    """Per-step time of omnispec's pipeline against ``pipeline_class`` on the same modules (one round of each per
-    repeat, interleaved), MFU, and the cosine of the two 2-step runs' video latents (unpacked, keyframes dropped)."""
+def _ltx2_step_rows(part: str, build: tuple[str, list[str], list[str]], pipeline_class, mods: dict,
+                    ours_kwargs: dict, theirs_kwargs: dict, repeats: int, ceiling: float) -> dict:
+    """Per-step time of omnispec's pipeline (``build``: its spec and overrides) against ``pipeline_class`` on the same
+    modules (one round of each per repeat, interleaved), MFU, and the cosine of the two 2-step runs' video latents
+    (unpacked, keyframes dropped). ``build``'s third item, where given, adds a side as ``gpu_interpreter --also`` does:
+    omnispec with those overrides too over its own copy of the transformer, with its 2-step video latents' and first
+    step's prediction's (video, row 0) cosines against omnispec's."""
+    spec, overrides, also = build
+    pipe = ltx2_build(spec, mods, overrides)
     ref = pipeline_class(**{k: v for k, v in mods.items() if k != "latent_upsampler"})
 
-    def ours(n):
+    def ours(n, pipe=pipe):
         return pipe.generate(pipe.request(LTX2_PROMPT, 0, steps=n, **LTX2_SIZE, **ours_kwargs), decode=False)
 
     def theirs(n):
@@ -639,33 +645,50 @@ def _ltx2_step_rows(part: str, pipe, pipeline_class, mods: dict, ours_kwargs: di
                    output_type="latent", return_dict=False, **ltx2_diffusers_size(), **ltx2_guidance_kwargs(),
                    **theirs_kwargs)
 
+    sides = {"diffusers": theirs, "omnispec": ours}
+    if also:
+        label = f"omnispec + {' + '.join(also)}"
+        copy_ = copy.deepcopy(mods["transformer"])
+        other = ltx2_build(spec, {**mods, "transformer": copy_}, [*overrides, *also])
+        sides[label] = functools.partial(ours, pipe=other)
     # --smoke: fewer steps (one would give diffusers NaN sigmas), no warm-up
     lo, hi = (2, 3) if harness.SMOKE else (2, 4)
     with torch.no_grad():
         if not harness.SMOKE:
-            ours(2), theirs(2)  # warm-up
+            for run in sides.values():
+                run(2)  # warm-up
         flops = harness.flops_per_step(ours, steps=2) / 2
-        timed = harness.per_step_sides({"diffusers": theirs, "omnispec": ours}, lo, hi, repeats)
+        timed = harness.per_step_sides(sides, lo, hi, repeats)
         rows = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
                         "mfu": flops / med / ceiling} for label, (med, samples) in timed.items()}
         a = ours(2).latents
         video, _ = theirs(2)
     geometry = pipe.family.geometry(pipe.request(LTX2_PROMPT, 0, **LTX2_SIZE, **ours_kwargs), 1.0)
     unpacked = pipe.family.unpack("video", a["video"], geometry)
-    cos = torch.nn.functional.cosine_similarity(unpacked.float().flatten(), video.float().flatten(), dim=0).item()
-    return {"part": part, "tflop_per_step": flops / 1e12, **rows,
-            "ratio": rows["omnispec"]["ms_per_step"] / rows["diffusers"]["ms_per_step"], "video_latent_cosine": cos}
+    out = {"part": part, "tflop_per_step": flops / 1e12, **rows,
+           "ratio": rows["omnispec"]["ms_per_step"] / rows["diffusers"]["ms_per_step"],
+           "video_latent_cosine": harness.cosine(unpacked, video)}
+    if also:
+        with torch.no_grad():
+            c = sides[label](2).latents
+        step, _ = harness.first_output(ours, mods["transformer"])
+        out |= {f"ratio ({label})": rows[label]["ms_per_step"] / rows["diffusers"]["ms_per_step"],
+                f"latent_cosine ({label})": harness.cosine(c["video"], a["video"]),
+                f"step_cosine ({label})": harness.cosine(harness.first_output(sides[label], copy_)[0], step)}
+    return out
 
 
-def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: list[str]) -> dict:
+def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: list[str],
+             also: list[str] = ()) -> dict:
     """A ``gpu_interpreter`` row (its keys) from LTX-2's ``step`` or ``keyframes`` comparison, so that one command
-    times every family."""
+    times every family; with ``also``, its third side's rows as ``gpu_interpreter --also`` names them."""
     run, components = LTX2_PARTS[part]
-    row = run(components(), repeats, ceiling, overrides)
+    row = run(components(), repeats, ceiling, overrides, also)
     harness.free_device_memory()
+    third = {k: v for k, v in row.items() if k.startswith(("omnispec + ", "ratio (", "latent_cosine (", "step_cosine ("))}
     return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],
             "diffusers": row["diffusers"], "omnispec": row["omnispec"], "ratio": row["ratio"],
-            "latent_cosine": row["video_latent_cosine"]}
+            "latent_cosine": row["video_latent_cosine"], **third}
 
 
 # ---- the workloads: spec, modules, diffusers pipeline, request and the steps of a short and a long run ---------------
@@ -1086,14 +1109,14 @@ class LTX25Modular:
         return out["videos"], out["audio"]
 
 
-def ltx25_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+def ltx25_step_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = (), also: list[str] = ()) -> dict:
     """The ltx25 family: ltx2.5-t2v's plan against the modular pipeline's text2video workflow (latents out: the
     diffusion decoder is not timed)."""
-    return _ltx2_step_rows("ltx25", ltx2_build("ltx2.5-t2v.yaml", mods, overrides), LTX25Modular, mods, {}, {},
-                           repeats, ceiling)
+    return _ltx2_step_rows("ltx25", ("ltx2.5-t2v.yaml", overrides, also), LTX25Modular, mods, {}, {}, repeats, ceiling)
 
 
-def ltx25_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+def ltx25_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = (),
+                          also: list[str] = ()) -> dict:
     """The ltx25_condition family: ltx2.5-keyframes with an image at the first and at the last frame, against the
     modular pipeline's condition workflow."""
     from diffusers.pipelines.ltx2 import LTX2VideoCondition
@@ -1103,11 +1126,11 @@ def ltx25_keyframes_part(mods: dict, repeats: int, ceiling: float, overrides: li
     last = first.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     ours = {"conditions": [{"image": first, "frame": 0}, {"image": last, "frame": -1}]}
     theirs = {"conditions": [LTX2VideoCondition(frames=first, index=0), LTX2VideoCondition(frames=last, index=-1)]}
-    return _ltx2_step_rows("ltx25_keyframes", ltx2_build("ltx2.5-keyframes.yaml", mods, overrides), LTX25Modular,
-                           mods, ours, theirs, repeats, ceiling)
+    return _ltx2_step_rows("ltx25_keyframes", ("ltx2.5-keyframes.yaml", overrides, also), LTX25Modular, mods, ours,
+                           theirs, repeats, ceiling)
 
 
-def ltx25_ic_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = ()) -> dict:
+def ltx25_ic_part(mods: dict, repeats: int, ceiling: float, overrides: list[str] = (), also: list[str] = ()) -> dict:
     """The ltx25_ic family: ltx2.5-ic-lora with one 25-frame reference video at the output's size (its clean tokens
     appended to the video's), against the modular pipeline's in_context workflow; no LoRA on either side (its
     weights change no shape)."""
@@ -1118,7 +1141,7 @@ def ltx25_ic_part(mods: dict, repeats: int, ceiling: float, overrides: list[str]
     rng = np.random.default_rng(0)
     frames = [Image.fromarray(rng.integers(0, 256, (LTX2_SIZE["height"], LTX2_SIZE["width"], 3), dtype=np.uint8))
               for _ in range(25)]
-    return _ltx2_step_rows("ltx25_ic", ltx2_build("ltx2.5-ic-lora.yaml", mods, overrides), LTX25Modular, mods,
+    return _ltx2_step_rows("ltx25_ic", ("ltx2.5-ic-lora.yaml", overrides, also), LTX25Modular, mods,
                            {"references": [{"video": frames}]},
                            {"reference_conditions": [LTX2ReferenceCondition(frames=frames)]}, repeats, ceiling)
 

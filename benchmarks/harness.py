@@ -431,6 +431,18 @@ class UsageError(Exception):
 SMOKE_HELP = "tiny models on the CPU (checks the script only; its numbers mean nothing)"
 
 
+def hold_device_memory(gib: float) -> float | None:
+    """Hold this process to ``gib`` of the GPU's memory, as a smaller card would; returns the cap (None off CUDA,
+    where there is nothing to hold). A cap above the card's memory is refused."""
+    if DEVICE != "cuda" or not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    if gib * 2**30 > total:
+        raise UsageError(f"--device-memory-gib {gib}: this GPU has {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+    return gib
+
+
 def run_benchmark(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
                   body: Callable[[argparse.Namespace, Results], None], *, smoke: str | None = SMOKE_HELP,
                   layout: Literal["rows", "list", "document"] = "rows", needs_cuda: bool = False) -> None:
@@ -445,6 +457,9 @@ def run_benchmark(doc: str, add_arguments: Callable[[argparse.ArgumentParser], N
     add_arguments(parser)
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="keep the results in this JSON file too (rewritten as each row comes)")
+    parser.add_argument("--device-memory-gib", type=float, metavar="GIB",
+                        help="hold this process to GIB of GPU memory (torch's per-process fraction), e.g. 79.1 for "
+                             "an 80 GB card's on a larger one; the results' header says so")
     if smoke is not None:
         parser.add_argument("--smoke", action="store_true", help=smoke)
     args = parser.parse_args()
@@ -452,7 +467,10 @@ def run_benchmark(doc: str, add_arguments: Callable[[argparse.ArgumentParser], N
         enable_smoke()
     elif needs_cuda and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
+    results = Results(args.json, layout)
     try:
-        body(args, Results(args.json, layout))
+        if args.device_memory_gib:
+            results.header["device_memory_cap_gib"] = hold_device_memory(args.device_memory_gib)
+        body(args, results)
     except UsageError as exc:
         parser.error(str(exc))

@@ -248,3 +248,23 @@ def test_every_benchmark_says_what_it_measures_and_against_which_peer():
         assert len(lines) > 1 and len(lines[0]) > 20, f"benchmarks/{name}.py: no docstring saying what it measures"
         assert lines[1].startswith(("Peer: ", "No peer: ")), \
             f"benchmarks/{name}.py: its docstring's second line names no peer ('Peer: ...' or 'No peer: ...')"
+
+
+@pytest.mark.gpu
+def test_a_run_held_to_a_smaller_cards_memory_cannot_allocate_past_it():
+    """``--device-memory-gib``: an H200 run stands in for an 80 GB card's only if it cannot use more than that."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from benchmarks import harness
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert harness.hold_device_memory(1.0) == 1.0
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+        with pytest.raises(harness.UsageError, match="this GPU has"):
+            harness.hold_device_memory(total / 2**30 + 1)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

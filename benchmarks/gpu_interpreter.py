@@ -18,7 +18,7 @@ its override over the same modules (no copy: what a side does to them in place, 
 move to host memory, stays for the sides after it, so give them in that order): for models whose denoiser fits the
 card once but not twice (FLUX.2 [dev]'s 32B on an 80 GB card). Each reports its step, its ``lo``-step request, its
 peak device memory, its ratio against the interleaved diffusers median (``ratio (then ...)``, not interleaved) and
-its latents' cosine against omnispec's.
+its latents' and first step's prediction's cosines against omnispec's.
 
 The workloads (``benchmarks/workloads.py``) cover every family with a diffusers pipeline (all but the embedded
 digits model, which has none); ``ltx2`` and ``ltx2_condition`` are timed by LTX-2's step comparison there, which

@@ -584,7 +584,8 @@ def _request_row(wl: Workload, part: str, engine: str, config: str, settings: di
     return emit({"part": part, "workload": wl.name, "engine": engine, "config": config, "settings": settings,
                  "steps": steps, "request_s": med, "samples_s": samples, **_ratios(med, eager["request_s"]),
                  "forwards": count.summary(), "eager_forwards": eager["forwards"],
-                 "latent_cosine_vs_eager": harness.cosine(latents, eager["latents"]), **extra, **(stats() if stats else {})})
+                 "latent_cosine_vs_eager": harness.cosine(latents, eager["latents"]), **extra,
+                 **(stats() if stats else {})})
 
 
 def _cachedit_stats(pipe) -> dict:
@@ -946,7 +947,8 @@ def _parallel_row(name: str, config: str, settings: dict, run, baseline: dict, r
     row = {"part": "parallel", "workload": name, "engine": config.split()[0], "config": config, "settings": settings,
            "ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], **extra}
     if baseline:
-        row |= _ratios(med * 1e3, baseline["ms_per_step"]) | {"latent_cosine_vs_eager": harness.cosine(latents, baseline["latents"])}
+        row |= _ratios(med * 1e3, baseline["ms_per_step"]) | {
+            "latent_cosine_vs_eager": harness.cosine(latents, baseline["latents"])}
     return row
 
 

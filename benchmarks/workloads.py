@@ -685,7 +685,8 @@ def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: 
     run, components = LTX2_PARTS[part]
     row = run(components(), repeats, ceiling, overrides, also)
     harness.free_device_memory()
-    third = {k: v for k, v in row.items() if k.startswith(("omnispec + ", "ratio (", "latent_cosine (", "step_cosine ("))}
+    third = {k: v for k, v in row.items()
+             if k.startswith(("omnispec + ", "ratio (", "latent_cosine (", "step_cosine ("))}
     return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],
             "diffusers": row["diffusers"], "omnispec": row["omnispec"], "ratio": row["ratio"],
             "latent_cosine": row["video_latent_cosine"], **third}

@@ -1167,8 +1167,9 @@ def krea2_components() -> dict:
     text, heads, head_dim = (64, 2, 32) if harness.SMOKE else (2560, 32, 128)
     with on_card():
         transformer = Krea2Transformer2DModel(**(dict(
-            num_layers=1, text_hidden_dim=text, text_num_attention_heads=2, text_num_key_value_heads=2,
-            text_intermediate_size=64) if harness.SMOKE else {})).to(torch.bfloat16)
+            num_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256, text_hidden_dim=text,
+            text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=64)
+            if harness.SMOKE else {})).to(torch.bfloat16)
     section = [head_dim // 2 - 2 * (head_dim * 5 // 32), head_dim * 5 // 32, head_dim * 5 // 32]  # 4B's [24, 20, 20]
     tokenizer = qwen_tokenizer()
     text_encoder = transformers.Qwen3VLModel(transformers.Qwen3VLConfig(

@@ -28,7 +28,7 @@ SMOKES = [
     # in place (fp8 on the GPU), as FLUX.2 [dev]'s 80 GB rows do
     ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux2", "--then", "policies.offload={strategy: model}",
                          "--then", "policies.quantization={transformer: {method: int8_weight_only}}"], 1),
-    # FLUX.3, Krea 2, Qwen-Image-2.1, LTX-2.5, Kandinsky 6 and MiniMax-H3, grouped as their GPU rows are run
+    # FLUX.3, Krea 2, Qwen-Image-2.1, LTX-2.5, Kandinsky 6 and MiniMax-H3: the workloads of their GPU calls, in one run
     ("gpu_interpreter", ["--repeats", "1", "--workloads",
                          "flux3,flux3_distilled,krea2,qwen_image21,ltx25,kandinsky6,minimax_h3"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),

@@ -92,8 +92,9 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
         w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
     lo, hi = w["steps"]
     if not harness.SMOKE:  # --smoke: no timing worth warming up for
-        for run in sides.values():  # warm-up
-            run(lo)
+        for label, run in sides.items():
+            side_overrides = {"diffusers": (), "omnispec": overrides}.get(label, [*overrides, *also])
+            harness.warm_up(run, lo, hi, harness.warm_up_rounds(side_overrides))
     flops = w["flops"](pipe, w["request"]) if "flops" in w else harness.flops_per_step(run_ours)
     with torch.no_grad():
         timed = harness.per_step_sides(sides, lo, hi, repeats)
@@ -137,7 +138,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
               for label, r in results.items() if label not in ("diffusers", "omnispec")},
            "latent_cosine": cos, "latent_max_abs_diff": (a.float() - b.float()).abs().max().item(), **quality}
     pipe = ref = mods = sides = others = None  # free the GPU memory before the next workload
-    harness.free_device_memory()
+    harness.free_device_memory(compiled=True)
     return out
 
 
@@ -159,7 +160,7 @@ def then_side(w: dict, overrides: list[str], mods: dict, exact: tuple[torch.Tens
 
     lo, hi = w["steps"]
     if not harness.SMOKE:
-        run(lo)  # warm-up
+        harness.warm_up(run, lo, hi, harness.warm_up_rounds(overrides))
     with torch.no_grad():
         med, samples = harness.per_step(run, lo, hi, repeats)
         request, _ = harness.per_request(run, lo, max(1, repeats // 2))

@@ -56,8 +56,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def free_device_memory() -> None:
-    """Collect dropped modules and return the device cache, so the next build starts from an empty GPU."""
+def free_device_memory(compiled: bool = False) -> None:
+    """Collect dropped modules and return the device cache, so the next build starts from an empty GPU. With
+    ``compiled``, also drop what torch.compile keeps process-wide (``torch.compiler.reset``: its code caches and the
+    CUDA-graph trees' memory pools, which hold the dropped modules' recorded graphs and outputs); a later call of a
+    module compiled before compiles again."""
+    if compiled:
+        torch.compiler.reset()
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -99,6 +104,22 @@ def per_step(run, lo: int, hi: int, repeats: int, queued: list[float] | None = N
                 queued.append(time.perf_counter() - returned)
         samples.append((times[hi] - times[lo]) / (hi - lo))
     return statistics.median(samples), samples
+
+
+def warm_up(run, lo: int, hi: int, rounds: int = 1) -> None:
+    """Run ``lo`` and then ``hi`` steps ``rounds`` times before timing, as ``per_step`` will: a compiled side
+    compiles, and its CUDA-graph trees warm up and record, for each request length it is timed at. Warmed at ``lo``
+    alone, its first timed ``hi`` run (and a recompile for the second length's shapes, or a recording) lands inside
+    a sample, which then can even come out negative."""
+    for _ in range(rounds):
+        for n in (lo, hi):
+            run(n)
+
+
+def warm_up_rounds(overrides) -> int:
+    """``warm_up``'s rounds for a side built with ``overrides``: two where they may compile (a compile policy, a
+    preset), whose CUDA-graph trees warm up on one call and record on the next; one otherwise."""
+    return 2 if any(word in o for o in overrides for word in ("compile", "preset")) else 1
 
 
 def per_step_sides(sides: dict, lo: int, hi: int, repeats: int) -> dict[str, tuple[float, list[float]]]:

@@ -655,8 +655,9 @@ def _ltx2_step_rows(part: str, build: tuple[str, list[str], list[str]], pipeline
     lo, hi = (2, 3) if harness.SMOKE else (2, 4)
     with torch.no_grad():
         if not harness.SMOKE:
-            for run in sides.values():
-                run(2)  # warm-up
+            for label, run in sides.items():
+                side_overrides = {"diffusers": (), "omnispec": overrides}.get(label, [*overrides, *also])
+                harness.warm_up(run, lo, hi, harness.warm_up_rounds(side_overrides))
         flops = harness.flops_per_step(ours, steps=2) / 2
         timed = harness.per_step_sides(sides, lo, hi, repeats)
         rows = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],
@@ -684,7 +685,7 @@ def ltx2_row(workload: str, part: str, repeats: int, ceiling: float, overrides: 
     times every family; with ``also``, its third side's rows as ``gpu_interpreter --also`` names them."""
     run, components = LTX2_PARTS[part]
     row = run(components(), repeats, ceiling, overrides, also)
-    harness.free_device_memory()
+    harness.free_device_memory(compiled=True)
     third = {k: v for k, v in row.items()
              if k.startswith(("omnispec + ", "ratio (", "latent_cosine (", "step_cosine ("))}
     return {"workload": workload, "overrides": list(overrides), "tflop_per_step": row["tflop_per_step"],

@@ -431,7 +431,9 @@ class BranchlessPerturbedAttention(LTX2PerturbedAttnProcessor):
         if isinstance(all_perturbed, torch.Tensor):
             all_perturbed = None if perturbation_mask is None else False
         if perturbation_mask is not None:
-            perturbation_mask = perturbation_mask.to(hidden_states.dtype)
+            # the device too: diffusers' transformer makes its default mask (every row perturbed) on the host, which
+            # its own processor never reads (it takes the all-perturbed branch) and this one blends with
+            perturbation_mask = perturbation_mask.to(hidden_states.device, hidden_states.dtype, non_blocking=True)
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                                 key_rotary_emb, perturbation_mask, all_perturbed)
 

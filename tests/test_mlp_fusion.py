@@ -139,3 +139,16 @@ def test_a_run_with_the_fused_feed_forwards_is_the_plain_run_within_roundings(re
     _, plain = _image(request, fixture, spec, family, "cuda")
     _, fused = _image(request, fixture, spec, family, "cuda", "policies.mlp.fused_gelu=true")
     assert np.abs(fused - plain).max() <= 1e-3  # float32: the epilogue's GELU may differ in its last bits
+
+
+def test_quantized_feed_forwards_are_left_to_their_own_matmuls(request):
+    """``fused_gelu`` with the denoiser quantized at load (``preset: fastest`` asks for both): the projections are
+    quantized layers, which the fused operators do not take; the build says so instead of refusing, and the run is
+    the quantized one's."""
+    int8 = "policies.quantization={transformer: {method: int8_weight_only}}"
+    pipe, both = _image(request, "qwen_image_dir", "qwen-image.yaml", "qwen_image", "cpu", int8,
+                        "policies.mlp.fused_gelu=true")
+    note = pipe.explain(as_dict=True)["applied"]["mlp"]
+    assert note.startswith("transformer: nothing fused: its ") and "quantized or wrapped" in note
+    assert int(note.split(" its ")[1].split()[0]) > 0
+    assert np.array_equal(both, _image(request, "qwen_image_dir", "qwen-image.yaml", "qwen_image", "cpu", int8)[1])

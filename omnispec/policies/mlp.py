@@ -84,11 +84,19 @@ def apply_mlp(spec: PipelineSpec, targets: Targets, denoisers: Mapping[str, torc
         blocks = hooks(denoiser, OPERATORS) if hooks is not None else []
         for module, hook in blocks:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+        # tanh-GELUs left as they were: their projection is another layer class (quantized at load, a LoRA), whose
+        # own matmul runs (the fused operators take plain weights only)
+        kept = sum(1 for m in denoiser.modules() if isinstance(m, GELU) and m.approximate == "tanh")
         if not gelus and not blocks:
+            if kept:
+                notes.append(f"{name}: nothing fused: its {kept} tanh-GELU projections are quantized or wrapped "
+                             "layers, which run their own matmuls")
+                continue
             raise SpecError.single(f"{targets.missing('mlp')}: {name} gates its feed-forwards or uses another "
                                    "activation", "policies.mlp.fused_gelu")
         notes.append(f"{name}: bias + GELU in the matmul for {gelus} feed-forward projections"
-                     + (f", {len(blocks)} parallel blocks projected without concatenating" if blocks else ""))
+                     + (f", {len(blocks)} parallel blocks projected without concatenating" if blocks else "")
+                     + (f"; {kept} quantized or wrapped projections run their own matmuls" if kept else ""))
     if not fused:
         return None
     return "; ".join(notes) + " (CUDA; the model's own operations elsewhere)"

@@ -290,12 +290,13 @@ def test_a_lora_on_the_modulation_adds_to_the_tables_base_output(plain):
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 def test_quantized_modulation_linears_are_refused_and_left_out_of_quantization_are_tabled(flux_dir):
-    """Quantized modulation linears (int8: a quantization's own linear class) leave the table nothing: refused, with
-    the ``exclude`` that keeps them plain; with it, the table holds them and the rest stays quantized."""
+    """Quantized modulation linears (int8: a quantization's own linear class) leave the table nothing: refused before
+    anything loads, with the ``exclude`` that keeps them plain; with it, the table holds them and the rest stays
+    quantized."""
     int8 = "policies.quantization={transformer: {method: int8_weight_only%s}}"
-    with pytest.raises(SpecError, match=r"precomputed_modulation: transformer's modulation linears are all "
-                                        r"QuantizedLinear \(quantized\).*exclude: \[norm1.linear, "
-                                        r"norm1_context.linear, norm.linear, norm_out.linear\]"):
+    with pytest.raises(SpecError, match=r"precomputed_modulation: policies.quantization.transformer quantizes the "
+                                        r"modulation linears.*exclude: \[norm1.linear, norm1_context.linear, "
+                                        r"norm.linear, norm_out.linear\]"):
         build(flux_dir, int8 % "", ON)
     kept = int8 % ", exclude: [norm1.linear, norm1_context.linear, norm.linear, norm_out.linear]"
     expected = build(flux_dir, kept)("a cat", seed=0, steps=3).array

@@ -14,6 +14,7 @@ from omnispec.spec import load_spec
 from omnispec.spec.explain import explain_spec, render_explain
 
 import preloaded
+from conftest import SPECS
 
 HOPPER = DeviceFacts(cuda=True, capability=(9, 0), flash4_refusal=None, torchao=True)
 AMPERE = DeviceFacts(cuda=True, capability=(8, 0), flash4_refusal="FA4 needs Hopper or Blackwell", torchao=True)
@@ -188,3 +189,66 @@ def test_bundled_specs_resolve_under_both_presets_on_a_hopper():
             spec, outcome = resolved(name, preset=preset)
             assert outcome.turned_on, f"{name} {preset}: {outcome.note()}"
             json.dumps(outcome.record())
+
+
+# the fields of ``fastest`` a CPU build applies as on a GPU (compile, flash4 and fp8 need CUDA; int8 weight-only stands
+# in for fp8 as a denoiser quantized at load, with the exclude the preset gives it: the layers the other fields meet)
+CPU_APPLIED = {("attention", "fused_qk_norm_rope"), ("mlp", "fused_gelu"), ("mlp", "precomputed_modulation")}
+
+
+@pytest.mark.parametrize("fixture, spec_name, family", [
+    ("flux_dir", "flux1-dev", "flux"), ("sd3_dir", "sd3.5-medium", "sd3"), ("wan_dir", "wan2.1-t2v-1.3b", "wan"),
+    ("qwen_image_dir", "qwen-image", "qwen_image")], ids=["flux", "sd3", "wan", "qwen_image"])
+def test_what_fastest_turns_on_builds_together_over_a_quantized_denoiser(request, fixture, spec_name, family):
+    """``fastest`` on a Hopper sets its fused kernels beside fp8 matmuls, which each policy then meets at build as
+    quantized layers (fused_gelu and the modulation table once refused the spec there). Built on the CPU with those
+    fields and the denoiser quantized at load as the preset quantizes it, the run is the quantized run without them
+    (off CUDA the fused operators run the model's own operations; the table rounds its float32 matmul apart)."""
+    import numpy as np
+
+    import omnispec
+    from omnispec.runtime.families import family_class
+    from omnispec.testing import TINY_OVERRIDES
+
+    spec, outcome = resolved(spec_name)
+    fields = [f for f in outcome.turned_on if f.path in CPU_APPLIED]
+    assert fields and any(f.approximate for f in outcome.turned_on)
+    exclude = spec.policies.quantization["denoiser"].exclude
+    modulation = family_class(family).targets.modulation
+    assert exclude == (modulation.leaves() if modulation is not None else [])  # the table's linears stay bf16
+    int8 = f"policies.quantization={{denoiser: {{method: int8_weight_only, exclude: {json.dumps(exclude)}}}}}"
+
+    def run(*overrides):
+        pipe = omnispec.build(SPECS / f"{spec_name}.yaml", source=str(request.getfixturevalue(fixture)),
+                              device="cpu", overrides=[*TINY_OVERRIDES[family], int8, *overrides])
+        return pipe, pipe("a cat", seed=0, steps=2).array
+
+    pipe, fastest = run(*(f"policies.{'.'.join(f.path)}={str(f.value).lower()}" for f in fields))
+    applied = pipe.explain(as_dict=True)["applied"]
+    assert applied.get("mlp") if any(f.path[0] == "mlp" and f.path[1] == "fused_gelu" for f in fields) else True
+    if modulation is not None:
+        assert "modulation linears from a table" in applied["modulation"]
+    # equal but for the table's matmul over every (step, row) at once, which rounds float32 in another order
+    assert np.allclose(fastest, run()[1], rtol=0, atol=1e-5)
+
+
+def test_a_quantization_the_spec_sets_over_the_modulation_linears_leaves_the_table_out_with_the_reason():
+    import torch
+
+    from omnispec.policies.apply import policy_problems
+    from omnispec.runtime.families import family_class
+
+    spec = load_spec("flux1-dev", ["policies.preset=fast",
+                                   "policies.quantization={transformer: {method: int8_weight_only}}"])
+    targets = family_class("flux").targets
+    _, outcome = resolve_preset(spec, targets, HOPPER,
+                                lambda candidate: policy_problems(candidate, targets, torch.device("cpu")))
+    why = {f.path: reason for f, reason in outcome.left_out}[("mlp", "precomputed_modulation")]
+    assert why.startswith("policies.quantization.transformer quantizes the modulation linears")
+    assert "exclude: [norm1.linear, norm1_context.linear, norm.linear, norm_out.linear]" in why
+    kept_plain = ("policies.quantization={transformer: {method: int8_weight_only, exclude: [norm1.linear, "
+                  "norm1_context.linear, norm.linear, norm_out.linear]}}")
+    excluded = load_spec("flux1-dev", ["policies.preset=fast", kept_plain])
+    _, outcome = resolve_preset(excluded, targets, HOPPER,
+                                lambda candidate: policy_problems(candidate, targets, torch.device("cpu")))
+    assert ("mlp", "precomputed_modulation") in [f.path for f in outcome.turned_on]

@@ -52,6 +52,19 @@ class AppliedPolicies:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _quantized_modulation(spec: PipelineSpec, targets: Targets) -> str | None:
+    """The quantization entry (``policies.quantization.<key>``) that covers a denoiser's modulation linears, or None.
+    An exclude entry leaves a linear out where ``.<entry>.`` is part of ``.<its name>.``, as at load; checked
+    against the target's leaf names (``norm1.linear``), the build checks the modules themselves."""
+    denoisers = {name for name, c in spec.model.components.items() if c.role == "denoiser"}
+    for key, q in spec.policies.quantization.items():
+        if key != "denoiser" and key not in denoisers:
+            continue
+        if not all(any(f".{entry}." in f".{leaf}." for entry in q.exclude) for leaf in targets.modulation.leaves()):
+            return f"policies.quantization.{key}"
+    return None
+
+
 def check_policies(spec: PipelineSpec, targets: Targets, device: torch.device) -> None:
     """Refuse what cannot run here, naming the field; nothing is loaded yet."""
     if problems := policy_problems(spec, targets, device):
@@ -80,6 +93,11 @@ def policy_problems(spec: PipelineSpec, targets: Targets, device: torch.device) 
             problems.append(Problem("policies.mlp.precomputed_modulation",
                                     f"the table is built on the device from the denoiser's weights, which offload "
                                     f"{p.offload.strategy!r} keeps off it; use offload none"))
+        elif quantized := _quantized_modulation(spec, targets):
+            problems.append(Problem("policies.mlp.precomputed_modulation",
+                                    f"{quantized} quantizes the modulation linears, which the table cannot stand in "
+                                    f"for: add exclude: [{', '.join(targets.modulation.leaves())}] to it or set "
+                                    "this false"))
         elif p.parallel.shard > 1:
             problems.append(Problem("policies.mlp.precomputed_modulation",
                                     f"the table is built from the denoiser's whole weights, which shard "

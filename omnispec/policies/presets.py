@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -109,6 +109,7 @@ def resolve_preset(spec: PipelineSpec, targets: Targets, facts: DeviceFacts,
         if (why := conditions[preset_field.needs]) is not None:
             outcome.left_out.append((preset_field, why))
             continue
+        preset_field = _fitted(preset_field, current, targets)
         candidate_data = _data(current)
         _set(candidate_data["policies"], preset_field.path, preset_field.value)
         try:
@@ -123,6 +124,17 @@ def resolve_preset(spec: PipelineSpec, targets: Targets, facts: DeviceFacts,
         current = candidate
         outcome.turned_on.append(preset_field)
     return current, outcome
+
+
+def _fitted(preset_field: PresetField, current: PipelineSpec, targets: Targets) -> PresetField:
+    """``preset_field`` with its value fitted to the spec so far. One case: where the modulation table is on, the
+    denoisers' fp8 matmuls leave out the modulation linears (``exclude``). The table computes them once per phase in
+    the model's dtype and cannot stand in for a quantized layer (the build would refuse the pair), and quantized
+    they would save nothing there."""
+    if (preset_field.path == ("quantization", "denoiser") and current.policies.mlp.precomputed_modulation
+            and targets.modulation is not None):
+        return replace(preset_field, value={**preset_field.value, "exclude": targets.modulation.leaves()})
+    return preset_field
 
 
 def preset_here(spec: PipelineSpec, targets: Targets, device: torch.device) -> tuple[PipelineSpec, PresetOutcome]:

@@ -977,3 +977,43 @@ def test_a_mix_of_request_shapes_keeps_a_bounded_number_of_block_graphs(dynamic)
         assert graphs[-1] == graphs[2], f"graphs after each batch size: {graphs}"
     else:  # the case the default is for: a graph per batch size
         assert graphs[-1] > graphs[2], f"graphs after each batch size: {graphs}"
+
+
+def _recorded_graphs() -> int:
+    """How many CUDA graphs inductor's graph trees on this device have recorded (each recording adds a node)."""
+    from omnispec.kernels.torch_internals import get_manager
+
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    nodes = [n for roots in (manager.roots.values() if manager is not None else ()) for n in roots]
+    count = 0
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return count
+
+
+@pytest.mark.gpu
+def test_a_compiled_pipelines_graphs_replay_after_another_pipelines_request(flux_dir):
+    """A process that alternates pipelines (a trainer's compiled rollouts beside an eager evaluation; a benchmark's
+    interleaved sides): the compiled pipeline's CUDA graphs replay after the other's request, as they do after its
+    own, and record nothing again. Timed interleaved, the first request after another pipeline's was 0.5-1.1 s
+    longer (BENCHMARKS.md, "Presets interleaved with eager pipelines"): this says whether recording is why."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need CUDA")
+    torch._dynamo.reset()
+    cuda = [*TINY_OVERRIDES["flux"], "runtime.device=cuda", "model.dtype=bfloat16"]
+    compiled = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=[
+        *cuda, "policies.compile={mode: regional, cudagraphs: true}"])
+    eager = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), overrides=cuda)
+    for steps in (2, 3, 2, 3):  # warm-up, then recording, at both lengths
+        compiled("a cat", seed=0, steps=steps)
+    recorded = _recorded_graphs()
+    assert recorded > 0
+    for steps in (2, 3):
+        compiled("a cat", seed=0, steps=steps)
+    assert _recorded_graphs() == recorded  # a row of its own requests replays
+    for steps in (2, 3):
+        eager("a cat", seed=0, steps=steps)
+        compiled("a cat", seed=0, steps=steps)
+    assert _recorded_graphs() == recorded  # so does a request after another pipeline's

@@ -92,9 +92,7 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
         w = {**w, "request": {**w["request"], **ours}, "diffusers_kwargs": {**w["diffusers_kwargs"], **theirs}}
     lo, hi = w["steps"]
     if not harness.SMOKE:  # --smoke: no timing worth warming up for
-        for label, run in sides.items():
-            side_overrides = {"diffusers": (), "omnispec": overrides}.get(label, [*overrides, *also])
-            harness.warm_up(run, lo, hi, harness.warm_up_rounds(side_overrides))
+        harness.warm_up_sides(sides, lo, hi, overrides, also)
     flops = w["flops"](pipe, w["request"]) if "flops" in w else harness.flops_per_step(run_ours)
     with torch.no_grad():
         timed = harness.per_step_sides(sides, lo, hi, repeats)

@@ -122,6 +122,14 @@ def warm_up_rounds(overrides) -> int:
     return 2 if any(word in o for o in overrides for word in ("compile", "preset")) else 1
 
 
+def warm_up_sides(sides: dict, lo: int, hi: int, overrides, also) -> None:
+    """``warm_up`` for each side of a comparison: ``diffusers`` as given, ``omnispec`` built with ``overrides``, any
+    other (``--also``'s third side) with ``also`` too."""
+    for label, run in sides.items():
+        built_with = {"diffusers": (), "omnispec": overrides}.get(label, [*overrides, *also])
+        warm_up(run, lo, hi, warm_up_rounds(built_with))
+
+
 def per_step_sides(sides: dict, lo: int, hi: int, repeats: int) -> dict[str, tuple[float, list[float]]]:
     """``per_step`` for several sides at once, one sample of each per round, the order reversed every other round:
     clocks that drift during a call (the GPU warming up, a neighbour's load) then hit every side alike, where

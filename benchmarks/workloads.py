@@ -655,9 +655,7 @@ def _ltx2_step_rows(part: str, build: tuple[str, list[str], list[str]], pipeline
     lo, hi = (2, 3) if harness.SMOKE else (2, 4)
     with torch.no_grad():
         if not harness.SMOKE:
-            for label, run in sides.items():
-                side_overrides = {"diffusers": (), "omnispec": overrides}.get(label, [*overrides, *also])
-                harness.warm_up(run, lo, hi, harness.warm_up_rounds(side_overrides))
+            harness.warm_up_sides(sides, lo, hi, overrides, also)
         flops = harness.flops_per_step(ours, steps=2) / 2
         timed = harness.per_step_sides(sides, lo, hi, repeats)
         rows = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples],

@@ -98,6 +98,8 @@ def measure(name: str, repeats: int, ceiling: float, overrides: list[str] = (), 
         timed = harness.per_step_sides(sides, lo, hi, repeats)
     results = {label: {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling}
                for label, (med, samples) in timed.items()}
+    for label, other in others.items():
+        results[label] |= preset_outcome(other)
     # Equality of the two runs' latents (same seed), bf16; decoded images where the pipeline's "latent" output is
     # not its loop's latents (FLUX.2 returns them unpacked and denormalised).
     images = w.get("compare") == "images"
@@ -167,8 +169,16 @@ def then_side(w: dict, overrides: list[str], mods: dict, exact: tuple[torch.Tens
     step, _ = harness.first_output(run, *(m for k, m in pipe.components.items() if k.startswith("transformer")))
     peak = torch.cuda.max_memory_allocated() / 2**30 if harness.DEVICE == "cuda" else 0.0
     row = {"ms_per_step": med * 1e3, "samples_ms": [s * 1e3 for s in samples], "mfu": flops / med / ceiling,
-           "request_s": request, "request_steps": lo, "peak_gib": peak, "timed": "alone, after the rounds"}
+           "request_s": request, "request_steps": lo, "peak_gib": peak, "timed": "alone, after the rounds",
+           **preset_outcome(pipe)}
     return row, harness.cosine(c, exact[0]), harness.cosine(step, exact[1])
+
+
+def preset_outcome(pipe) -> dict:
+    """What a side's ``policies.preset`` turned on and left out on this machine (FlashAttention-4 only where the
+    package is installed, fp8 only where the card has fp8 matmuls): a row names what it timed."""
+    preset = pipe.policies.preset
+    return {"preset": preset.record()} if preset is not None and preset.name != "none" else {}
 
 
 def add_arguments(parser) -> None:

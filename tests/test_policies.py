@@ -478,6 +478,28 @@ def test_fp8_granularity_reaches_the_torchao_config():
     assert all(isinstance(g, PerRow) for g in (granularity if isinstance(granularity, list) else [granularity]))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_fp8_activation_scales_of_a_zero_row_stay_finite(granularity):
+    """Wan zero-pads its prompt embeddings: a row of zeros quantized with the scale 0 is 0/0, and a NaN row spreads
+    through the next attention to the whole prediction. The scales come from the activations exactly as torchao's
+    fp8 linears take them (the config's activation settings), here on the CPU, where fp8 matmuls cannot run."""
+    from torchao.quantization import Float8Tensor
+
+    from omnispec.policies.quantization import torchao_config
+
+    config = torchao_config("fp8_dynamic", granularity)
+    rows = torch.zeros(3, 64, dtype=torch.bfloat16)
+    if granularity == "row":  # one scale per row: a zero row beside real ones (a per-tensor scale: all zeros)
+        rows[0] = torch.linspace(-2, 2, 64)
+    activation_granularity = config.granularity[0] if isinstance(config.granularity, list) else config.granularity
+    quantized = Float8Tensor.from_hp(rows, granularity=activation_granularity,
+                                     hp_value_lb=config.activation_value_lb, hp_value_ub=config.activation_value_ub)
+    values = quantized.dequantize()
+    assert torch.isfinite(values).all()
+    assert values[1:].abs().max() == 0 and torch.allclose(values[0].float(), rows[0].float(), atol=0.1)
+
+
 def test_cuda_only_quantization_is_rejected_on_cpu(flux_dir):
     # runtime.device=cpu: on a machine with CUDA, "auto" would pick the GPU, where fp8 runs
     with pytest.raises(SpecError, match="policies.quantization.denoiser.method: fp8_dynamic runs only on CUDA|needs torchao"):

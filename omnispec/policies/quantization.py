@@ -30,6 +30,8 @@ _TORCHAO_CONFIGS = {
     "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
     "int4_weight_only": "Int4WeightOnlyConfig",
 }
+# The least absolute maximum an fp8 activation scale is taken from: torchao.float8's EPS for the same clamp
+FP8_ACTIVATION_FLOOR = 1e-12
 
 
 def method_for(spec: PipelineSpec, name: str, component: Component) -> Quantization | None:
@@ -63,11 +65,20 @@ def torchao_config(method: str, granularity: str | None = None) -> Any:
     (and torchao 0.17 also sets float32 matmuls to TF32). That tuning benchmarks Triton configs at every new
     kernel's first launch, which made a quantized rollout's first compile last minutes (BENCHMARKS.md, "fp8 and
     int8 quantization"), and every compiled pipeline of the process, bf16 or not, inherited both. Compile settings
-    are the compile policy's (``autotune`` turns that tuning on where asked)."""
+    are the compile policy's (``autotune`` turns that tuning on where asked).
+
+    fp8 activations get a floor on the absolute maximum their scales are taken from (torchao's float8 training
+    clamps it the same way): without one, a row of zeros (the zero padding Wan, among others, gives its prompt
+    embeddings) gets the scale 0 and quantizes to 0/0, and one NaN row spreads through the next attention to the
+    whole output."""
     import torchao.quantization as tq
 
-    kwargs = {"granularity": {"tensor": tq.PerTensor, "row": tq.PerRow}[granularity]()} if granularity else {}
-    return getattr(tq, _TORCHAO_CONFIGS[method])(**kwargs, set_inductor_config=False)
+    kwargs: dict[str, Any] = {"set_inductor_config": False}
+    if granularity:
+        kwargs["granularity"] = {"tensor": tq.PerTensor, "row": tq.PerRow}[granularity]()
+    if method == "fp8_dynamic":
+        kwargs["activation_value_lb"] = FP8_ACTIVATION_FLOOR
+    return getattr(tq, _TORCHAO_CONFIGS[method])(**kwargs)
 
 
 def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, module: Any,

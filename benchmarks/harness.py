@@ -186,8 +186,8 @@ def first_output(run, *modules: torch.nn.Module) -> tuple[torch.Tensor, float]:
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine similarity of two tensors' values, flattened, in float64: over a clip's tens of millions of values
-    float32's sums drift by about 1e-4, which gave equal videos a cosine of 1.0005."""
+    """Cosine similarity of two tensors' values, flattened, in float64: float32's sums read high over a video's
+    millions of values (BENCHMARKS.md, "How the figures are taken", Cosines)."""
     return torch.nn.functional.cosine_similarity(a.double().flatten().cpu(), b.double().flatten().cpu(), dim=0).item()
 
 

@@ -177,8 +177,8 @@ def then_side(w: dict, overrides: list[str], mods: dict, exact: tuple[torch.Tens
 def preset_outcome(pipe) -> dict:
     """What a side's ``policies.preset`` turned on and left out on this machine (FlashAttention-4 only where the
     package is installed, fp8 only where the card has fp8 matmuls): a row names what it timed."""
-    preset = pipe.policies.preset
-    return {"preset": preset.record()} if preset is not None and preset.name != "none" else {}
+    record = pipe.preset_record()
+    return {"preset": record} if record is not None else {}
 
 
 def add_arguments(parser) -> None:

@@ -166,10 +166,14 @@ class Pipeline:
         """What made this request's outputs (the spec's data is made once per spec)."""
         if self._spec_data is None or self._spec_data[0] is not self.spec:
             self._spec_data = (self.spec, records.spec_data(self.spec))
-        preset = self.policies.preset
         return records.make_record(self._spec_data[1], request, str(self.device), self.checkpoint, self.weight_version,
-                                   self.generated_size(request),
-                                   preset.record() if preset is not None and preset.name != "none" else None)
+                                   self.generated_size(request), self.preset_record())
+
+    def preset_record(self) -> dict[str, Any] | None:
+        """What ``policies.preset`` turned on and left out at build on this device, as an output's record says it;
+        None without a preset."""
+        preset = self.policies.preset
+        return preset.record() if preset is not None and preset.name != "none" else None
 
     def generated_size(self, request: Request) -> tuple[int, int] | None:
         """The (height, width) the output phase generates for ``request``: the request's, or what the family derives

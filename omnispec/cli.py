@@ -29,11 +29,11 @@ class _Parser(argparse.ArgumentParser):
     as every other bad input is; ``--help`` still prints the usage."""
 
     def error(self, message: str) -> NoReturn:
-        from .log import main_process
+        from .log import say_once_per_launch
 
-        if main_process():  # under torchrun every rank parses the same arguments: rank 0 says it
-            # argparse quotes the value it refused whole: a long one shortened as every error line shortens it
-            print(f"error: {printable(shortened(quoted_values_shortened(message), LONGEST_MESSAGE))}", file=sys.stderr)
+        # under torchrun every rank parses the same arguments: rank 0 says it. argparse quotes the value it refused
+        # whole: a long one shortened as every error line shortens it
+        say_once_per_launch([f"error: {printable(shortened(quoted_values_shortened(message), LONGEST_MESSAGE))}"])
         raise SystemExit(2)
 
 
@@ -193,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .log import configure, harmless_messages_demoted, main_process
+    from .log import configure, harmless_messages_demoted, say_once_per_launch
 
     configure(-1 if args.quiet else (args.verbose or 0))
     try:
@@ -202,9 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         # under torchrun every rank finds the same mistake in the input: rank 0 says it; a launch that is wrong
         # itself, every rank
-        if main_process() or isinstance(exc, LaunchError):
-            for problem in exc.problems:
-                print(printable(f"error: {problem}"), file=sys.stderr)
+        lines = [printable(f"error: {problem}") for problem in exc.problems]
+        if isinstance(exc, LaunchError):
+            print("\n".join(lines), file=sys.stderr)
+        else:
+            say_once_per_launch(lines)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -332,20 +334,26 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .log import main_process
+    from .log import main_process, say_once_per_launch
 
     speaks = main_process()  # under torchrun every rank reads the same specs: rank 0 says what it found
+    unsaid: list[str] = []  # another rank's error lines, said only where rank 0 never says its own
     failed = False
     for path in args.specs:
         try:
             spec = load_spec(path, args.overrides, trust_code=args.trust_code, overrides_from="--set")
         except SpecError as exc:
             failed = True
-            for problem in exc.problems if speaks else ():
-                print(printable(f"error: {problem}"), file=sys.stderr)
+            lines = [printable(f"error: {problem}") for problem in exc.problems]
+            if speaks:
+                print("\n".join(lines), file=sys.stderr)
+            else:
+                unsaid += lines
             continue
         if speaks:
             print(f"{Path(path)}: ok ({spec.name}, {len(spec.recipe.phases)} phase(s))")
+    if failed:
+        say_once_per_launch(unsaid)  # rank 0: that it spoke; another rank: wait for that
     return 2 if failed else 0
 
 

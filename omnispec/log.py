@@ -149,6 +149,51 @@ def main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
+# How long another rank that found a mistake waits for rank 0 to say it before saying it itself.
+RANK_ZERO_WAIT_S = 10.0
+
+
+def say_once_per_launch(lines: list[str]) -> None:
+    """Print a mistake every rank of a torchrun launch finds (the same input) once, on stderr, from rank 0.
+
+    torchrun stops the other ranks as soon as one exits with an error, so a rank that found the mistake first and
+    exited would take rank 0 down before it spoke. Another rank therefore waits (up to ``RANK_ZERO_WAIT_S``) for rank
+    0's word that it spoke, an empty file named after the launch (torchrun's run id and its agent's process id, the
+    ranks' common parent) in the temporary directory, and prints the lines itself where that word never comes:
+    twice is better than never. Outside torchrun this is a plain print."""
+    flag = _spoken_flag()
+    if main_process():
+        for line in lines:
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+        if flag is not None:
+            try:  # never follow a link planted at that name
+                os.close(os.open(flag, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600))
+            except OSError:
+                pass
+        return
+    if flag is None:
+        return
+    deadline = time.monotonic() + RANK_ZERO_WAIT_S
+    while time.monotonic() < deadline:
+        if os.path.lexists(flag):
+            return
+        time.sleep(0.05)
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+def _spoken_flag() -> str | None:
+    """The file by which rank 0 of this torchrun launch says it spoke; None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or os.environ.get("WORLD_SIZE", "1").strip() in ("", "1"):
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64]
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"omnispec-spoke-{safe}-{os.getppid()}")
+
+
 def progress_bars_disabled() -> bool:
     """Whether the user turned progress bars off (``-q``, or ``HF_HUB_DISABLE_PROGRESS_BARS``): then diffusers'
     loading bars and omnispec's own go too."""

@@ -209,6 +209,41 @@ def test_a_mistake_under_torchrun_is_one_error_line_and_exit_2_from_each_rank(tm
     assert "exitcode  : 2" in out.stderr and out.returncode == 1, out.stderr
 
 
+NO_SPEC = "error: no such spec file 'nosuch.yaml' and no bundled spec named 'nosuch.yaml'"
+
+
+@pytest.mark.parametrize("argv", [["validate", "nosuch.yaml"], ["explain", "nosuch.yaml"]])
+def test_another_rank_that_fails_first_waits_for_rank_0_to_say_it(argv, tmp_path, monkeypatch, capsys):
+    """torchrun stops every rank once one exits with an error: a rank other than 0 that found the mistake first must
+    not exit before rank 0 has said it (the line would be lost), and says it itself where rank 0 never does."""
+    import threading
+
+    from omnispec import log
+    from omnispec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(log, "RANK_ZERO_WAIT_S", 0.5)
+    assert main(argv) == 2 and NO_SPEC in capsys.readouterr().err  # rank 0 never spoke: this rank says it
+
+    flag = log._spoken_flag()
+    assert flag is not None and os.path.dirname(flag) == str(tmp_path)
+    monkeypatch.setattr(log, "RANK_ZERO_WAIT_S", 30.0)
+    rank_0 = threading.Timer(0.3, lambda: open(flag, "w").close())  # rank 0 says it a little later
+    rank_0.start()
+    assert main(argv) == 2 and os.path.exists(flag)  # returned only once rank 0 had spoken
+    rank_0.join()
+    assert capsys.readouterr().err == ""  # said once, by rank 0
+
+    os.remove(flag)
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 2 and NO_SPEC in capsys.readouterr().err and os.path.exists(flag)  # rank 0: says, marks
+
+
 def test_cpu_threads_follow_the_free_cores(monkeypatch):
     import torch
 

@@ -229,8 +229,8 @@ def benchmark(args, results: harness.Results) -> None:
     model = MODELS[args.model]
     for key, value in model["size"].items():
         setattr(args, key, getattr(args, key) or value)
-    if args.smoke:  # tiny models: 2 x 2 samples of 64x64x5, 4 steps, a window of 2, one repeat
-        args.height = args.width = 64
+    if args.smoke:  # tiny models: 2 x 2 samples of 32x32x5, 4 steps, a window of 2, one repeat
+        args.height = args.width = 32
         args.frames, args.prompts, args.group, args.steps, args.window = 5, 2, 2, 4, 2
         args.repeats, args.baseline_batch, args.replay_batch = 1, 2, 2
     mods = with_lora(model["components"](), WAN_LORA_TARGETS)  # both models name their projections as Wan does

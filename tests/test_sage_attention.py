@@ -169,3 +169,22 @@ def test_the_cuda_kernel_gets_k_smoothed_here_and_leaves_the_callers_k_as_it_was
     sage._gpu_kernel(q, k, v, None)
     assert torch.equal(k, before) and seen["smooth_k"] is False and seen["layout"] == "HND"
     assert torch.allclose(seen["k"].mean(dim=-2), torch.zeros(1, 2, 16), atol=1e-5)
+
+
+def test_flop_counters_count_omnispecs_attention_operators_as_the_attention_they_replace():
+    """An MFU from torch's FlopCounterMode over a forward whose attention ran on ``sage`` or ``flash4`` counted the
+    matmuls alone (half of Wan2.1 14B's step); both operators count as SDPA's exact attention of the same shapes
+    (FA4's operator takes them tokens first)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    from omnispec.kernels import flash4
+
+    q, k, v = torch.randn(2, 3, 96, 32), torch.randn(2, 3, 80, 32), torch.randn(2, 3, 80, 48)
+    exact = sdpa_flop_count(q.shape, k.shape, v.shape)
+    for name, run in [("omnispec.sage_attention", lambda: sage.sage_attention(q, k, v, None)),
+                      ("omnispec.flash4_attention", lambda: flash4.flash4_sdpa(q, k, v, None))]:
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            run()
+        counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+        assert counts.get(name) == exact, (name, counts, exact)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .flops import register_tokens_first
 from .sdpa import remember_failure, safe_sdpa
 
 # FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
@@ -128,6 +129,7 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 flash4_attention.register_autograd(_backward, setup_context=_save)
+register_tokens_first(torch.ops.omnispec.flash4_attention, torch.ops.omnispec.flash4_attention_backward)  # as SDPA's
 
 
 def flash4_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:

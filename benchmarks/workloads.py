@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -1257,14 +1257,15 @@ def _keeping_fp32(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def minimax_h3_components(denoiser: str = "transformer") -> dict:
+def minimax_h3_components(denoiser: str = "transformer", quantize: Callable | None = None) -> dict:
     """MiniMax-H3's transformer, video VAE and audio VAE at their real configs (the classes' defaults are the released
     ones: 50 blocks of width 5376, 56 heads of 128); a Qwen3-VL text encoder of the real width (5120) with the 51
     layers the model reads ``hidden_states[50]`` from, but narrow attention and feed-forwards (it runs once per
     request), and a one-block vision tower with the 14-pixel patches of the fixture's image processor (ref2va shows it
     its image references). ``denoiser``: the checkpoint partition built, ``transformer`` (t2va, fl2va) or
-    ``transformer_ref`` (ref2va), of the same architecture. --smoke: the offline fixture's tiny modules, without the
-    other partition (a spec names one, and its family calls the other foreign)."""
+    ``transformer_ref`` (ref2va), of the same architecture. ``quantize``: a function that puts the denoiser, made on
+    the host, on the card quantized (``minimax_h3_fp8_components``). --smoke: the offline fixture's tiny modules,
+    without the other partition (a spec names one, and its family calls the other foreign)."""
     import transformers
     from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
                            MiniMaxH3Transformer3DModel)
@@ -1276,12 +1277,19 @@ def minimax_h3_components(denoiser: str = "transformer") -> dict:
     if harness.SMOKE:
         mods = tiny_minimax_h3_components()
         mods.pop("transformer" if denoiser == "transformer_ref" else "transformer_ref", None)
-        return {k: (_keeping_fp32(m.to(torch.bfloat16)) if isinstance(m, torch.nn.Module) else m)
+        mods = {k: (_keeping_fp32(m.to(torch.bfloat16)) if isinstance(m, torch.nn.Module) else m)
                 for k, m in mods.items()}
+        if quantize is not None:
+            mods[denoiser] = quantize(mods[denoiser])
+        return mods
     tokenizer = qwen_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    denoiser_module = None
+    if quantize is not None:  # made on the host in bf16 (66 GB: more than the 80 GB card holds beside the rest)
+        with on_card(), torch.device("cpu"):
+            denoiser_module = quantize(_keeping_fp32(MiniMaxH3Transformer3DModel().eval()))
     with on_card():
-        transformer = MiniMaxH3Transformer3DModel()
+        transformer = MiniMaxH3Transformer3DModel() if denoiser_module is None else None
         text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
             text_config={"hidden_size": 5120, "intermediate_size": 1024, "num_hidden_layers": 51,
                          "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
@@ -1297,7 +1305,9 @@ def minimax_h3_components(denoiser: str = "transformer") -> dict:
         vae, audio_vae = AutoencoderKLMiniMaxH3(), AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32,
                                                                             latents_std=[1.0] * 32)
     mods = {denoiser: transformer, "text_encoder": text_encoder, "vae": vae, "audio_vae": audio_vae}
-    mods = {k: _keeping_fp32(m.to(harness.DEVICE, torch.bfloat16).eval()) for k, m in mods.items()}
+    mods = {k: _keeping_fp32(m.to(harness.DEVICE, torch.bfloat16).eval()) for k, m in mods.items() if m is not None}
+    if denoiser_module is not None:
+        mods[denoiser] = denoiser_module  # quantized: no cast (a dtype cast would dequantize its weights)
     return {**mods, "tokenizer": tokenizer, "processor": minimax_h3_processor(tokenizer),
             "scheduler": MiniMaxH3Scheduler(shift=12.0), "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 
@@ -1332,6 +1342,30 @@ WORKLOADS["minimax_h3"] = dict(spec="minimax-h3-t2v.yaml", components=minimax_h3
                                reference=minimax_h3_reference, stream="video",
                                request=dict(height=768, width=1344), steps=(1, 3),
                                diffusers_kwargs=dict(height=768, width=1344))  # num_frames: the blocks' 124
+
+
+def minimax_h3_fp8_components() -> dict:
+    """``minimax_h3_components`` for an 80 GB card: the 33B transformer made on the host and quantized on its way to
+    the card to fp8 matmuls with a scale per row (omnispec's ``fp8_dynamic`` row setting, through the policy's own
+    torchao config), 33 GB there instead of 66. Its linears kept in float32 stay unquantized (per-row fp8 takes bf16
+    weights), as omnispec's policy leaves them. Both sides of the comparison then run these same modules. --smoke:
+    int8 weights (a CPU has no fp8 matmuls)."""
+    from torchao.quantization import quantize_
+
+    from omnispec.policies.quantization import torchao_config
+
+    config = torchao_config("int8_weight_only") if harness.SMOKE else torchao_config("fp8_dynamic", "row")
+
+    def quantize(model: torch.nn.Module) -> torch.nn.Module:
+        quantize_(model, config, device=harness.DEVICE,
+                  filter_fn=lambda m, _: isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16)
+        return model.to(harness.DEVICE)  # the modules quantize_ left alone (norms, embeddings), no dtype cast
+
+    return minimax_h3_components(quantize=quantize)
+
+
+# The 80 GB card's MiniMax-H3 row: both sides over the same fp8 transformer (``minimax_h3_fp8_components``)
+WORKLOADS["minimax_h3_fp8"] = {**WORKLOADS["minimax_h3"], "components": minimax_h3_fp8_components}
 
 
 # ---- MiniMax-H3 ref2va: one image reference ahead of the generated rows, against the blocks' ref2va workflow ---------

@@ -29,9 +29,10 @@ SMOKES = [
     ("gpu_interpreter", ["--repeats", "1", "--workloads", "flux2", "--then", "policies.preset=fast",
                          "--then", "policies.offload={strategy: model}",
                          "--then", "policies.quantization={transformer: {method: int8_weight_only}}"], 1),
-    # FLUX.3, Krea 2, Qwen-Image-2.1, LTX-2.5, Kandinsky 6 and MiniMax-H3: the workloads of their GPU calls, in one run
+    # FLUX.3, Krea 2, Qwen-Image-2.1, LTX-2.5, Kandinsky 6 and MiniMax-H3 (bf16, and quantized on its way to the card
+    # for an 80 GB one): the workloads of their GPU calls, in one run
     ("gpu_interpreter", ["--repeats", "1", "--workloads",
-                         "flux3,flux3_distilled,krea2,qwen_image21,ltx25,kandinsky6,minimax_h3"], 1),
+                         "flux3,flux3_distilled,krea2,qwen_image21,ltx25,kandinsky6,minimax_h3,minimax_h3_fp8"], 1),
     ("gpu_ltx2", ["--repeats", "1"], 1),
     # one process for every part (tiny models, so no longer two halves); the fp8 rows' compiled variants are the
     # compile part's code again: left out to keep the suite short. The second round runs the variants backwards, so

@@ -6,7 +6,7 @@
 # runs on torch's own scaled matmuls, and torchao loads whichever extensions it finds); sageattention (the `sage`
 # backend); ftfy and wcwidth (Wan's prompt cleaning in diffusers). With the repository the carry is about 65 MB.
 #
-#   bash benchmarks/fa4_bundle.sh pack .fa4     # here: download and repack (about 4 minutes of xz)
+#   bash benchmarks/fa4_bundle.sh pack .fa4     # here: download and repack (a few minutes of xz)
 #   bash benchmarks/fa4_bundle.sh unpack .fa4 /tmp/fa4site   # there: then
 #   export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/python_packages:$PWD
 #

@@ -175,7 +175,7 @@ def test_flop_counters_count_omnispecs_attention_operators_as_the_attention_they
     """An MFU from torch's FlopCounterMode over a forward whose attention ran on ``sage`` or ``flash4`` counted the
     matmuls alone (half of Wan2.1 14B's step); both operators count as SDPA's exact attention of the same shapes
     (FA4's operator takes them tokens first)."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
     from omnispec.kernels import flash4
 
@@ -188,3 +188,14 @@ def test_flop_counters_count_omnispecs_attention_operators_as_the_attention_they
             run()
         counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
         assert counts.get(name) == exact, (name, counts, exact)
+    # the backwards (whose CPU fallback cannot run under a dispatch mode) through the formulas the counter would use
+    o = (*q.shape[:3], v.shape[3])
+    grads = sdpa_backward_flop_count(o, q.shape, k.shape, v.shape)
+    sage_backward = flop_registry[torch.ops.omnispec.sage_attention_backward]
+    assert sage_backward(o, q.shape, k.shape, v.shape, None) == grads
+
+    def tokens_first(shape):
+        return shape[0], shape[2], shape[1], shape[3]
+
+    flash4_backward = flop_registry[torch.ops.omnispec.flash4_attention_backward]
+    assert flash4_backward(*map(tokens_first, (o, q.shape, k.shape, v.shape, o)), (2, 3, 96), None) == grads

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .flops import register_tokens_first
+from .flops import register_attention_flops
 from .sdpa import remember_failure, safe_sdpa
 
 # FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
@@ -129,7 +129,8 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 flash4_attention.register_autograd(_backward, setup_context=_save)
-register_tokens_first(torch.ops.omnispec.flash4_attention, torch.ops.omnispec.flash4_attention_backward)  # as SDPA's
+register_attention_flops(torch.ops.omnispec.flash4_attention, torch.ops.omnispec.flash4_attention_backward,
+                         tokens_first=True)
 
 
 def flash4_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -11,27 +11,15 @@ from collections.abc import Sequence
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 
-def _heads_first(shape: Sequence[int]) -> tuple[int, int, int, int]:
-    """[batch, tokens, heads, dim] (FA4's layout) as SDPA's [batch, heads, tokens, dim]."""
-    batch, tokens, heads, dim = shape
-    return batch, heads, tokens, dim
+def register_attention_flops(forward, backward, tokens_first: bool = False) -> None:
+    """Formulas for an attention operator and its backward (``torch.ops.<namespace>.<name>``), called as
+    ``forward(q, k, v, ...)`` and ``backward(grad_out, q, k, v, ...)``; ``tokens_first``: their tensors are
+    [batch, tokens, heads, dim] (FA4's layout), not SDPA's [batch, heads, tokens, dim]."""
 
+    def sdpa_layout(shape: Sequence[int]) -> Sequence[int]:
+        return (shape[0], shape[2], shape[1], shape[3]) if tokens_first else shape
 
-def register_tokens_first(forward, backward) -> None:
-    """Formulas for an attention operator (``torch.ops.<namespace>.<name>``) in FA4's layout, ``forward(q, k, v, ...)`` and
-    ``backward(grad_out, q, k, v, ...)``."""
-    register_flop_formula(forward)(
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(
-            _heads_first(q), _heads_first(k), _heads_first(v)))
-    register_flop_formula(backward)(
-        lambda grad_out, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
-            _heads_first(grad_out), _heads_first(q), _heads_first(k), _heads_first(v)))
-
-
-def register_heads_first(forward, backward) -> None:
-    """Formulas for an attention operator (``torch.ops.<namespace>.<name>``) in SDPA's layout, ``forward(q, k, v, ...)`` and
-    ``backward(grad_out, q, k, v, ...)``."""
-    register_flop_formula(forward)(
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v))
-    register_flop_formula(backward)(
-        lambda grad_out, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad_out, q, k, v))
+    register_flop_formula(forward)(lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(
+        sdpa_layout(q), sdpa_layout(k), sdpa_layout(v)))
+    register_flop_formula(backward)(lambda grad_out, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
+        sdpa_layout(grad_out), sdpa_layout(q), sdpa_layout(k), sdpa_layout(v)))

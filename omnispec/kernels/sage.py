@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .flops import register_heads_first
+from .flops import register_attention_flops
 
 # Tokens per quantization block of Q and of K (SageAttention's own).
 BLOCK_Q = 128
@@ -178,7 +178,7 @@ def _backward(ctx, grad_out):
 
 
 sage_attention_op.register_autograd(_backward, setup_context=_save)
-register_heads_first(torch.ops.omnispec.sage_attention, torch.ops.omnispec.sage_attention_backward)  # as SDPA's
+register_attention_flops(torch.ops.omnispec.sage_attention, torch.ops.omnispec.sage_attention_backward)
 
 
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

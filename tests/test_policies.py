@@ -453,6 +453,26 @@ def test_quantizing_leaves_the_process_compiler_settings_alone(flux_dir):
     assert torch.get_float32_matmul_precision() == precision
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_a_second_build_over_quantized_modules_keeps_their_quantized_linears(flux_dir):
+    """Two builds over the same in-memory modules, both quantizing (a trainer's second pipeline, a benchmark's next
+    side): torchao cannot quantize its own tensors again (it raised from deep inside), so the second build keeps them
+    and says so."""
+    from diffusers import FluxTransformer2DModel
+
+    policy = "policies.quantization={transformer: {method: int8_weight_only}}"
+    given = FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer")
+    first = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), components={"transformer": given},
+                           overrides=[*TINY_OVERRIDES["flux"], policy])
+    weight = given.transformer_blocks[0].attn.to_q.weight
+    expected = first("a cat", seed=0).array
+    second = omnispec.build(SPECS / "flux1-dev.yaml", source=str(flux_dir), components={"transformer": given},
+                            overrides=[*TINY_OVERRIDES["flux"], policy])
+    assert given.transformer_blocks[0].attn.to_q.weight is weight
+    assert "already quantized by torchao" in second.explain(as_dict=True)["applied"]["quantization"]
+    assert (second("a cat", seed=0).array == expected).all()
+
+
 def test_bitsandbytes_is_refused_for_in_memory_components():
     # bitsandbytes is CUDA-only, so build() on this CPU stops earlier; the rule itself is checked here.
     import torch

@@ -93,15 +93,23 @@ def quantize_in_memory(spec: PipelineSpec, name: str, component: Component, modu
             f"{q.method} (bitsandbytes) swaps layers while a checkpoint loads; component {name!r} was passed in "
             "memory, so load it from the checkpoint or use a torchao method", f"policies.quantization.{name}")
     from torchao.quantization import quantize_
+    from torchao.utils import TorchAOBaseTensor
+
+    # Linears an earlier build over the same modules quantized: torchao cannot quantize its own tensors again (its
+    # default filter no longer skips them), so they stay as they are, and the note says so
+    done = sum(isinstance(child, torch.nn.Linear) and isinstance(child.weight, TorchAOBaseTensor)
+               for child in module.modules())
 
     def wanted(child: torch.nn.Module, fqn: str) -> bool:
         # exclude entries match as diffusers matches modules_to_not_convert ("<entry>." inside the name)
-        return isinstance(child, torch.nn.Linear) and not any(f"{entry}." in f"{fqn}." for entry in q.exclude)
+        return (isinstance(child, torch.nn.Linear) and not isinstance(child.weight, TorchAOBaseTensor)
+                and not any(f"{entry}." in f"{fqn}." for entry in q.exclude))
 
     if q.method in CUDA_ONLY_METHODS and device is not None and next(module.parameters()).device != device:
         module.to(device)
     quantize_(module, torchao_config(q.method, q.granularity), filter_fn=wanted)
-    return f"{name}: {q.method} (torchao quantize_, in memory)"
+    kept = f"; {done} linears already quantized by torchao (an earlier build over these modules) kept as they were"
+    return f"{name}: {q.method} (torchao quantize_, in memory){kept if done else ''}"
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:

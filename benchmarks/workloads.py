@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -1284,12 +1284,10 @@ def minimax_h3_components(denoiser: str = "transformer", quantize: Callable | No
         return mods
     tokenizer = qwen_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    denoiser_module = None
-    if quantize is not None:  # made on the host in bf16 (66 GB: more than the 80 GB card holds beside the rest)
-        with on_card(), torch.device("cpu"):
-            denoiser_module = quantize(_keeping_fp32(MiniMaxH3Transformer3DModel().eval()))
+    # to be quantized: made on the host in bf16 (66 GB, more than the 80 GB card holds beside the rest)
+    with on_card(), torch.device("cpu") if quantize is not None else nullcontext():
+        transformer = MiniMaxH3Transformer3DModel()
     with on_card():
-        transformer = MiniMaxH3Transformer3DModel() if denoiser_module is None else None
         text_encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
             text_config={"hidden_size": 5120, "intermediate_size": 1024, "num_hidden_layers": 51,
                          "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 512,
@@ -1305,9 +1303,13 @@ def minimax_h3_components(denoiser: str = "transformer", quantize: Callable | No
         vae, audio_vae = AutoencoderKLMiniMaxH3(), AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32,
                                                                             latents_std=[1.0] * 32)
     mods = {denoiser: transformer, "text_encoder": text_encoder, "vae": vae, "audio_vae": audio_vae}
-    mods = {k: _keeping_fp32(m.to(harness.DEVICE, torch.bfloat16).eval()) for k, m in mods.items() if m is not None}
-    if denoiser_module is not None:
-        mods[denoiser] = denoiser_module  # quantized: no cast (a dtype cast would dequantize its weights)
+
+    def placed(name: str, module: torch.nn.Module) -> torch.nn.Module:  # a denoiser to quantize stays on the host
+        return module if name == denoiser and quantize is not None else module.to(harness.DEVICE, torch.bfloat16)
+
+    mods = {k: _keeping_fp32(placed(k, m).eval()) for k, m in mods.items()}
+    if quantize is not None:
+        mods[denoiser] = quantize(mods[denoiser])  # onto the card as it quantizes; no dtype cast after it
     return {**mods, "tokenizer": tokenizer, "processor": minimax_h3_processor(tokenizer),
             "scheduler": MiniMaxH3Scheduler(shift=12.0), "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 

@@ -64,12 +64,53 @@ def test_gradients_are_exact_attentions_at_the_same_inputs_and_the_forward_is_un
         assert torch.equal(out, sage.sage_attention(q, k, v))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    exact = torch.autograd.grad(sage.exact_attention(q, k, v, None), (q, k, v), grad_out)
+    exact = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), grad_out)
     for got, want in zip(grads, exact):
         assert torch.isfinite(got).all() and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     # only the inputs that ask for a gradient get one
     (only_v,) = torch.autograd.grad(sage.sage_attention(q.detach(), k.detach(), v), (v,), grad_out)
     assert torch.allclose(only_v, exact[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("v_dim", [32, 48], ids=["cpu_flash_kernel", "float32_math"])
+def test_exact_attention_gradients_equal_autograds_through_sdpa(v_dim):
+    """The backward operators' gradients (aten's SDPA backward on the CPU, float32 math where its kernel cannot take
+    the call: here a value head size unlike the query's) against autograd through SDPA."""
+    from omnispec.kernels.sdpa import exact_attention_gradients
+
+    q, k = torch.randn(2, 3, 70, 32, requires_grad=True), torch.randn(2, 3, 50, 32, requires_grad=True)
+    v = torch.randn(2, 3, 50, v_dim, requires_grad=True)
+    grad_out = torch.randn(2, 3, 70, v_dim)
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, scale=0.3), (q, k, v), grad_out)
+    with torch.no_grad():
+        got = exact_attention_gradients(grad_out, q, k, v, 0.3)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,dim,kernels", [
+    (torch.bfloat16, 128, "flash"), (torch.bfloat16, 20, "flash"), (torch.float32, 64, "efficient"),
+    (torch.bfloat16, 64, "math")])
+def test_exact_attention_gradients_on_cuda_equal_autograds_on_the_same_kernel(dtype, dim, kernels):
+    """Flash (a head size padded to 8 among them), memory-efficient and math gradients on CUDA against autograd
+    through SDPA on the same kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from omnispec.kernels.sdpa import exact_attention_gradients
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "math": SDPBackend.MATH}[kernels]
+    q, k, v = (torch.randn(2, 4, n, dim, device="cuda", dtype=dtype, requires_grad=True) for n in (300, 260, 260))
+    grad_out = torch.randn(2, 4, 300, dim, device="cuda", dtype=dtype)
+    with sdpa_kernel([backend]):
+        want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), grad_out)
+        with torch.no_grad():
+            got = exact_attention_gradients(grad_out, q, k, v, None)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g.float(), w.float(), rtol=tolerance, atol=tolerance)
 
 
 def _rollout_and_replay_with_gradients(pipe) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -179,23 +220,14 @@ def test_flop_counters_count_omnispecs_attention_operators_as_the_attention_they
 
     from omnispec.kernels import flash4
 
-    q, k, v = torch.randn(2, 3, 96, 32), torch.randn(2, 3, 80, 32), torch.randn(2, 3, 80, 48)
+    q, k, v = (torch.randn(2, 3, 96, 32, requires_grad=True), torch.randn(2, 3, 80, 32, requires_grad=True),
+               torch.randn(2, 3, 80, 48, requires_grad=True))
     exact = sdpa_flop_count(q.shape, k.shape, v.shape)
+    grads = sdpa_backward_flop_count((*q.shape[:3], v.shape[3]), q.shape, k.shape, v.shape)
     for name, run in [("omnispec.sage_attention", lambda: sage.sage_attention(q, k, v, None)),
                       ("omnispec.flash4_attention", lambda: flash4.flash4_sdpa(q, k, v, None))]:
         counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():
-            run()
+        with counter:  # the backward too: its gradients must run under a dispatch mode
+            run().sum().backward()
         counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
-        assert counts.get(name) == exact, (name, counts, exact)
-    # the backwards (whose CPU fallback cannot run under a dispatch mode) through the formulas the counter would use
-    o = (*q.shape[:3], v.shape[3])
-    grads = sdpa_backward_flop_count(o, q.shape, k.shape, v.shape)
-    sage_backward = flop_registry[torch.ops.omnispec.sage_attention_backward]
-    assert sage_backward(o, q.shape, k.shape, v.shape, None) == grads
-
-    def tokens_first(shape):
-        return shape[0], shape[2], shape[1], shape[3]
-
-    flash4_backward = flop_registry[torch.ops.omnispec.flash4_attention_backward]
-    assert flash4_backward(*map(tokens_first, (o, q.shape, k.shape, v.shape, o)), (2, 3, 96), None) == grads
+        assert counts.get(name) == exact and counts.get(f"{name}_backward") == grads, (name, counts, exact, grads)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .flops import register_attention_flops
-from .sdpa import remember_failure, safe_sdpa
+from .sdpa import exact_attention_gradients, remember_failure, safe_sdpa
 
 # FA4's forward tile on Hopper (compute capability 9), by head size: (rows of q, rows of k and v) a step. FA4 takes
 # 128 x 128 at head size 128, chosen at the peak clock; a running step holds the GPU at its power cap, where
@@ -103,10 +103,9 @@ def flash4_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
             return tuple(g.contiguous() for g in grads[:3])  # type: ignore[return-value]
         except Exception as exc:  # noqa: BLE001 - see the module docstring
             _refuse(key, exc)
-    # SDPA's gradients of the same attention (what an eager fallback computes); torch.func, because an operator's
-    # body runs below autograd, where plain autograd records nothing
-    _, pull_back = torch.func.vjp(lambda q, k, v: _sdpa(q, k, v, scale), q, k, v)
-    return tuple(g.contiguous() for g in pull_back(grad_out))  # type: ignore[return-value]
+    # SDPA's gradients of the same attention (what an eager fallback computes), in SDPA's layout
+    grads = exact_attention_gradients(*(t.transpose(1, 2) for t in (grad_out, q, k, v)), scale)
+    return tuple(g.transpose(1, 2).contiguous() for g in grads)  # type: ignore[return-value]
 
 
 @flash4_attention_backward.register_fake

@@ -20,9 +20,8 @@ exact attention's, which compiled code calls as it is.
 
 **The backward is a straight-through one.** Quantization has no useful derivative, so the gradient taken is exact
 attention's at the saved q, k and v: the backward operator recomputes ``softmax(q kᵀ · scale) v`` with torch's
-SDPA and differentiates it, as SageAttention's training variants do (their backward is
-full-precision attention's). torch's flash attention runs it, memory-efficient attention where flash cannot, math
-last; never cuDNN attention, whose backward can fail with a sticky CUDA error. The forward a replay with gradients
+SDPA operators and differentiates it (``sdpa.exact_attention_gradients``), as SageAttention's training variants do
+(their backward is full-precision attention's). The forward a replay with gradients
 computes is the quantized forward its rollout computed, bit for bit, so an unchanged model replays with a log-prob
 ratio of exactly 1; the gradient is that of the exact attention the quantized one approximates.
 """
@@ -34,17 +33,15 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .flops import register_attention_flops
+from .sdpa import exact_attention_gradients
 
 # Tokens per quantization block of Q and of K (SageAttention's own).
 BLOCK_Q = 128
 BLOCK_K = 64
 # The largest float8 e4m3 value: P (in [0, 1]) is scaled to it before rounding.
 FP8_MAX = 448.0
-# The kernels the backward's exact attention may run on, in order: never cuDNN attention.
-BACKWARD_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Scores computed at once by the reference (query rows times key tokens, over batch and heads): bounds its memory.
 _SCORES_AT_ONCE = 1 << 24
 # Head sizes ``sageattn`` (sageattention 1.0.6) has kernels for, and the dtypes omnispec hands it.
@@ -131,12 +128,6 @@ def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | No
     return None
 
 
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Exact attention on torch's flash, memory-efficient or math kernel (never cuDNN's): the backward's forward."""
-    with sdpa_kernel(BACKWARD_KERNELS, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
-
-
 # Operators (``torch.library``), not an ``autograd.Function``: compiled code calls them as they are (``sageattn``'s
 # Triton kernels are not for dynamo to trace), so ``sage`` can run inside compiled blocks as ``flash4`` does.
 @torch.library.custom_op("omnispec::sage_attention", mutates_args=())
@@ -153,10 +144,8 @@ def _(q, k, v, scale):
 @torch.library.custom_op("omnispec::sage_attention_backward", mutates_args=())
 def sage_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact attention's gradients at ``q``, ``k``, ``v`` (the module docstring says why); torch.func, because an
-    operator's body runs below autograd, where plain autograd records nothing."""
-    _, pull_back = torch.func.vjp(lambda q, k, v: exact_attention(q, k, v, scale), q, k, v)
-    return tuple(g.contiguous() for g in pull_back(grad_out))  # type: ignore[return-value]
+    """Exact attention's gradients at ``q``, ``k``, ``v`` (the module docstring says why)."""
+    return tuple(g.contiguous() for g in exact_attention_gradients(grad_out, q, k, v, scale))  # type: ignore[return-value]
 
 
 @sage_attention_backward.register_fake

@@ -32,8 +32,8 @@ def diffusers_krea2(krea2_dir):
     return reference("Krea2Pipeline", krea2_dir)
 
 
-def diffusers_images(pipe, prompts, seed, **kwargs):
-    return pipe(prompts, height=32, width=64, num_inference_steps=3, max_sequence_length=16,
+def diffusers_images(pipe, prompts, seed, max_sequence_length=16, **kwargs):
+    return pipe(prompts, height=32, width=64, num_inference_steps=3, max_sequence_length=max_sequence_length,
                 generator=generators(*range(seed, seed + len(prompts))), output_type="np", **kwargs).images
 
 
@@ -53,6 +53,13 @@ def test_krea2_negative_prompt_matches_diffusers(krea2, diffusers_krea2):
     assert np.abs(ours.array - ref).max() <= TOL
 
 
+def test_krea2_with_padded_prompts_matches_diffusers(krea2, diffusers_krea2):
+    """Prompts shorter than the template (16 tokens above fill it): diffusers masks the padding, omnispec drops it."""
+    ours = krea2(PROMPTS, seed=6, max_sequence_length=64)
+    ref = diffusers_images(diffusers_krea2, PROMPTS, 6, max_sequence_length=64, guidance_scale=4.5)
+    assert np.abs(ours.array - ref).max() <= TOL
+
+
 def test_krea2_cli_matches_diffusers(krea2_dir, diffusers_krea2, tmp_path, capsys):
     from omnispec.cli import main
 
@@ -63,6 +70,25 @@ def test_krea2_cli_matches_diffusers(krea2_dir, diffusers_krea2, tmp_path, capsy
     assert code == 0, capsys.readouterr().err
     ref = diffusers_images(diffusers_krea2, ["a cat"], 7, guidance_scale=4.5)
     assert np.abs(np.load(out) - ref).max() <= TOL
+
+
+def test_forwards_take_each_prompts_valid_tokens_without_a_mask(krea2):
+    """What keeps Krea 2's attention on the flash-class kernels: each forward's rows share a count of valid prompt
+    tokens and get those alone (rows with other counts in forwards apart), and no forward is handed a mask."""
+    seen = []
+    handle = krea2.components["transformer"].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["encoder_hidden_states"].shape[:2],
+                                                  kwargs["encoder_attention_mask"])), with_kwargs=True)
+    try:
+        krea2(PROMPTS, seed=0, steps=1, max_sequence_length=64)
+    finally:
+        handle.remove()
+    assert all(mask is None for _, mask in seen)
+    shapes = sorted(tuple(shape) for shape, _ in seen)
+    template = krea2.family.helper.encode_prompt(["a cat"], device="cpu", max_sequence_length=64)[0].shape[1]
+    # the two prompts alone, the empty negative prompt's two rows together; each at fewer tokens than the template
+    assert sorted(batch for batch, _ in shapes) == [1, 1, 2] and len({tokens for _, tokens in shapes}) == 3
+    assert max(tokens for _, tokens in shapes) < template
 
 
 def test_krea2_rollouts_replay_exactly(krea2):

@@ -36,6 +36,7 @@ from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, MlpTarget, ParallelTarget, Targets
 from .base import Family
 from .checks import Inputs
+from .text_padding import per_length, valid_first
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
@@ -121,20 +122,13 @@ class HunyuanVideo15Family(Family):
         """One forward per prompt length among the rows (one in all for a single prompt, or a group of one prompt's
         samples), each with its prompts cut to their valid tokens, so no row is padded."""
         x = latents["latents"].to(self.latent_dtype(denoiser))
-        groups: dict[tuple[int, int], list[int]] = {}
-        lengths = zip(cond.batched["prompt_tokens"].tolist(), cond.batched["glyph_tokens"].tolist())  # on the host
-        for row, length in enumerate(lengths):
-            groups.setdefault(length, []).append(row)
-        if len(groups) == 1:
-            return {"latents": self._unpadded_forward(denoiser, x, cond, *next(iter(groups)), timestep)}
-        parts = []
-        for (prompt, glyph), rows in groups.items():
-            index = torch.tensor(rows, device=x.device)
-            parts.append((index, self._unpadded_forward(denoiser, x[index], cond.rows(index), prompt, glyph, timestep)))
-        out = parts[0][1].new_empty((x.shape[0], *parts[0][1].shape[1:]))
-        for index, part in parts:
-            out[index] = part
-        return {"latents": out}
+        lengths = list(zip(cond.batched["prompt_tokens"].tolist(), cond.batched["glyph_tokens"].tolist()))  # host
+
+        def forward(index: torch.Tensor | None, length: tuple[int, int]) -> torch.Tensor:
+            rows = (x, cond) if index is None else (x[index], cond.rows(index))
+            return self._unpadded_forward(denoiser, *rows, *length, timestep)
+
+        return {"latents": per_length(lengths, forward)}
 
     def _unpadded_forward(self, denoiser, x: torch.Tensor, cond: Conditioning, prompt: int, glyph: int,
                           timestep) -> torch.Tensor:
@@ -192,18 +186,6 @@ class HunyuanVideo15ImageToVideoFamily(HunyuanVideo15Family):
                                                                dtype, self.device)
         return Conditioning({"condition": torch.cat([condition, mask], dim=1),
                              "image_embeds": helper.encode_image(image, b, self.device, dtype)})
-
-
-def valid_first(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's valid tokens first, in their order, cut to the longest row's count; and the counts, on the host.
-    The transformer puts the valid tokens first too before its blocks, and nothing before that depends on where a
-    token sits (the token refiner has no positions), so dropping the padding changes nothing it computes."""
-    valid = mask.bool()
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    counts = valid.sum(dim=1).cpu()
-    n = int(counts.max()) if counts.numel() else 0
-    order = order[:, :n]
-    return (embeds.gather(1, order.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])), mask.gather(1, order), counts)
 
 
 class UnmaskedJointAttention(HunyuanVideo15AttnProcessor2_0):

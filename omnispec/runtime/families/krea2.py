@@ -1,8 +1,12 @@
 """Krea 2 text-to-image (``Krea2Pipeline``; the Raw checkpoint).
 
 Prompts are a Qwen3-VL text model's hidden states at twelve layers, stacked per token, in a fixed-length template
-padded in its middle (a boolean mask marks the real tokens), so every prompt has the same length and the mask goes
-to every forward. Latents are packed 2x2 patches in the prompt embeddings' dtype; text tokens sit at position 0 and
+padded in its middle (a boolean mask marks the real tokens). ``Krea2Pipeline`` hands every forward the whole template
+and its mask; here each prompt keeps its valid tokens alone (``text_padding``), and a forward's rows share one count
+of them, so no forward has a mask and attention runs on the flash-class kernels. The same outputs: the transformer
+masks padded tokens out as keys everywhere and drops the text at its output, its text fusion's per-token blocks and
+text refiner have no positions, and every text token's rotary position is 0, so where a token sat changes nothing.
+Latents are packed 2x2 patches in the prompt embeddings' dtype; text tokens sit at position 0 and
 image tokens at their latent-grid (0, row, column). The transformer takes ``sigma`` as its timestep. CFG is written
 ``cond + g (cond - uncond)`` (a ``cfg`` term with ``formulation: original``). Decoding is Qwen-Image's VAE with its
 latent mean and std.
@@ -19,10 +23,12 @@ from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTa
 from .base import Family
 from .checks import CheckpointMatch
 from .latents import PackedLatents, decode_images
+from .text_padding import per_length, valid_first
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers' block hooks do not know Krea2TransformerBlock (it is not in their "
                 "TransformerBlockRegistry)")
+PROMPT_KEYS = frozenset({"encoder_hidden_states", "encoder_attention_mask"})
 # The text encoder's hidden states the released checkpoint stacks (Krea2Pipeline's default taps); a checkpoint that
 # names others in its model_index.json is refused, as the helper is built with these.
 SELECT_LAYERS = [2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35]
@@ -39,6 +45,7 @@ class Krea2Family(PackedLatents, Family):
         cache_limits={"first_block": UNREGISTERED, "magcache": UNREGISTERED},
     )
     required = {"text_encoder": "encoder", "tokenizer": "tokenizer", "vae": "vae"}
+    ragged_passes_apart = True  # Krea2Pipeline's CFG: two forwards; here each at its own prompt's valid tokens
     checkpoints = CheckpointMatch(model_index_values={"patch_size": (None, 2),
                                                       "text_encoder_select_layers": (None, SELECT_LAYERS)})
 
@@ -63,7 +70,9 @@ class Krea2Family(PackedLatents, Family):
     def encode(self, prompts: list[str], request: Request) -> Conditioning:
         embeds, mask = self.helper.encode_prompt(list(prompts), device=self.device,
                                                  max_sequence_length=request.max_sequence_length or 512)
-        return Conditioning({"encoder_hidden_states": embeds, "encoder_attention_mask": mask})
+        embeds, mask, counts = valid_first(embeds, mask)
+        return Conditioning({"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "prompt_tokens": counts},
+                            ragged=PROMPT_KEYS)
 
     def latent_dtype(self, denoiser) -> torch.dtype:
         return self.helper.text_encoder.dtype  # Krea2Pipeline draws and steps latents in the prompt's dtype
@@ -94,14 +103,19 @@ class Krea2Family(PackedLatents, Family):
 
     def predict(self, denoiser, latents: Streams, timestep, cond, geometry, *, embedded=None,
                 perturbation: Perturbation | None = None) -> Streams:
+        """One forward per count of valid prompt tokens among the rows, each with its prompts cut to that count and
+        no mask (the module docstring says why the outputs are the same)."""
         x = latents["latents"].to(self.latent_dtype(denoiser))
         embeds = cond.batched["encoder_hidden_states"]
-        out = denoiser(hidden_states=x, encoder_hidden_states=embeds,
-                       timestep=(timestep / 1000).expand(x.shape[0]).to(x.dtype),
-                       position_ids=self._position_ids(embeds.shape[1], geometry),
-                       encoder_attention_mask=cond.batched["encoder_attention_mask"].to(embeds.device),
-                       attention_kwargs={}, return_dict=False)[0]
-        return {"latents": out}
+
+        def forward(index: torch.Tensor | None, tokens: int) -> torch.Tensor:
+            rows_x, rows_embeds = (x, embeds) if index is None else (x[index], embeds[index.to(embeds.device)])
+            return denoiser(hidden_states=rows_x, encoder_hidden_states=rows_embeds[:, :tokens],
+                            timestep=(timestep / 1000).expand(rows_x.shape[0]).to(x.dtype),
+                            position_ids=self._position_ids(tokens, geometry), encoder_attention_mask=None,
+                            attention_kwargs={}, return_dict=False)[0]
+
+        return {"latents": per_length(cond.batched["prompt_tokens"].tolist(), forward)}
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         helper, vae = self.helper, self.helper.vae

@@ -258,3 +258,31 @@ def test_outputs_carry_the_sound_track_as_mp4_wav_and_npy_beside_wav(ltx2_dir, t
     written = out.save(tmp_path / "frames.npy")
     assert [p.name for p in written] == ["frames.npy", "frames.wav"]
     assert np.array_equal(np.load(written[0]), out.array)
+
+
+def test_text_the_connectors_leave_unpadded_goes_without_a_mask(ltx2_dir, monkeypatch):
+    """diffusers' text connectors hand the transformer a mask of ones (registers fill the padding; without them the
+    padding's additive mask still reads as ones), which it turns into a bias of zeros that keeps the cross-attentions
+    on a masked kernel: the forwards pass no mask then. A mask that does mark padding goes to both streams."""
+    overrides = [*TINY_OVERRIDES["ltx2"], "runtime.encoding_cache_bytes=0"]  # every call encodes its prompt
+    pipe = omnispec.build(SPECS / "ltx2-t2v.yaml", source=str(ltx2_dir), overrides=overrides)
+    seen = []
+    hook = pipe.components["transformer"].register_forward_pre_hook(
+        lambda m, a, kw: seen.append((kw["encoder_attention_mask"], kw["audio_encoder_attention_mask"])),
+        with_kwargs=True)
+    plain = pipe("a robot", seed=0, steps=1).array
+    assert seen and all(video is None and audio is None for video, audio in seen)
+    connectors = pipe.family.helper.connectors
+
+    def last_token_padded(*args, **kwargs):
+        video, audio, mask = connectors(*args, **kwargs)
+        return video, audio, torch.cat([mask[:, :-1], torch.zeros_like(mask[:, -1:])], dim=1)
+
+    monkeypatch.setattr(pipe.family.helper, "connectors", last_token_padded)
+    seen.clear()
+    try:
+        padded = pipe("a robot", seed=0, steps=1).array
+    finally:
+        hook.remove()
+    assert seen and all(video is not None and audio is video and not video.all() for video, audio in seen)
+    assert np.abs(padded - plain).max() > 0  # the last text token no longer counts

@@ -148,8 +148,11 @@ class LTX2Family(Family):
         embeds, mask, _, _ = helper.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,
                                                   max_sequence_length=request.max_sequence_length or 1024)
         video, audio, mask = helper.connectors(embeds, mask, padding_side=helper.tokenizer.padding_side)
+        # whether a row's text still has padding, on the host: with learnable registers (the released checkpoints)
+        # none has, and the forwards then pass no mask, which would otherwise keep the cross-attentions on a masked
+        # kernel for a bias of zeros
         return Conditioning({"encoder_hidden_states": video, "audio_encoder_hidden_states": audio,
-                             "encoder_attention_mask": mask})
+                             "encoder_attention_mask": mask, "text_padded": (mask == 0).any(dim=1).cpu()})
 
     # ---- geometry and latents --------------------------------------------------------------------------
 
@@ -275,6 +278,7 @@ class LTX2Family(Family):
             video_coords = torch.cat([video_coords, cond.shared[APPENDED_COORDS].to(video_coords)], dim=2)
         f, h, w = self.latent_shape(geometry)
         stg_blocks, stg_mask = self._stg(perturbation, b, video)
+        text_mask = cond.batched["encoder_attention_mask"] if bool(cond.batched["text_padded"].any()) else None
         attention_mask = cond.shared.get(SELF_ATTENTION_MASK)
         if attention_mask is not None:  # the reference tokens' attention weights (ltx25_ic), the same for every row
             attention_mask = attention_mask.to(video.device).expand(b, -1, -1)
@@ -283,8 +287,7 @@ class LTX2Family(Family):
             encoder_hidden_states=cond.batched["encoder_hidden_states"],
             audio_encoder_hidden_states=cond.batched["audio_encoder_hidden_states"],
             timestep=video_t, audio_timestep=t, sigma=t,
-            encoder_attention_mask=cond.batched["encoder_attention_mask"],
-            audio_encoder_attention_mask=cond.batched["encoder_attention_mask"],
+            encoder_attention_mask=text_mask, audio_encoder_attention_mask=text_mask,
             num_frames=f, height=h, width=w, fps=self.conditioning_fps(geometry),
             audio_num_frames=self.audio_frames(geometry), video_self_attention_mask=attention_mask,
             video_coords=video_coords.expand(b, *video_coords.shape[1:]),

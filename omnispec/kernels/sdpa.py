@@ -15,6 +15,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..log import logger
 from ..spec.errors import first_line
+from .torch_internals import (
+    _scaled_dot_product_efficient_attention,
+    _scaled_dot_product_efficient_attention_backward,
+    _scaled_dot_product_flash_attention,
+    _scaled_dot_product_flash_attention_backward,
+    _scaled_dot_product_flash_attention_for_cpu,
+    _scaled_dot_product_flash_attention_for_cpu_backward,
+)
 
 # SDPA's kernels in the order the dispatcher tries them while cuDNN attention is off.
 _SAFE_ORDER = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
@@ -55,17 +63,17 @@ def exact_attention_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     under every one (FlopCounterMode, the profiler's memory modes)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        out, lse = _scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        return _scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, False, scale=scale)
     if q.device.type == "cuda":
         params = SDPAParams(q, k, v, None, 0.0, False, False)
         if torch.backends.cuda.flash_sdp_enabled() and can_use_flash_attention(params):
             return _flash_gradients(grad_out, q, k, v, scale)
         if torch.backends.cuda.mem_efficient_sdp_enabled() and can_use_efficient_attention(params):
-            out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            out, lse, seed, offset = _scaled_dot_product_efficient_attention(
                 q, k, v, None, True, 0.0, False, scale=scale)
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dq, dk, dv, _ = _scaled_dot_product_efficient_attention_backward(
                 grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale)
             return dq, dk, dv
     return _math_gradients(grad_out, q, k, v, scale)
@@ -78,9 +86,9 @@ def _flash_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dim = q.shape[-1]
     padded = [F.pad(t, (0, -dim % 8)) if dim % 8 else t for t in (q, k, v, grad_out)]
     q_p, k_p, v_p, grad_p = (t if t.stride(-1) == 1 else t.contiguous() for t in padded)
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _scaled_dot_product_flash_attention(
         q_p, k_p, v_p, 0.0, False, False, scale=scale)
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    grads = _scaled_dot_product_flash_attention_backward(
         grad_p, q_p, k_p, v_p, out, lse, cum_q, cum_k, max_q, max_k, 0.0, False, seed, offset, scale=scale)
     return tuple(g[..., :dim] for g in grads)  # type: ignore[return-value]
 

@@ -65,6 +65,19 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
     ("_scaled_dot_product_flash_attention_for_cpu", "torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu",
      "the CPU flash kernel, returning the log-sum-exp ring attention merges steps with: registered under the CUDA "
      "op's name so ring attention runs on gloo"),
+    # exact attention's gradients inside a backward operator's body (kernels/sdpa.exact_attention_gradients), where
+    # autograd records nothing and torch.func's wrappers fail under a TorchDispatchMode: SDPA's own forward and
+    # backward kernels, called as autograd would call them
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", "torch.ops.aten",
+     "_scaled_dot_product_flash_attention_for_cpu_backward", "the CPU flash kernel's backward"),
+    ("_scaled_dot_product_flash_attention", "torch.ops.aten", "_scaled_dot_product_flash_attention",
+     "CUDA flash attention's forward with the log-sum-exp and the state its backward takes"),
+    ("_scaled_dot_product_flash_attention_backward", "torch.ops.aten", "_scaled_dot_product_flash_attention_backward",
+     "CUDA flash attention's backward"),
+    ("_scaled_dot_product_efficient_attention", "torch.ops.aten", "_scaled_dot_product_efficient_attention",
+     "CUDA memory-efficient attention's forward with the log-sum-exp and the state its backward takes"),
+    ("_scaled_dot_product_efficient_attention_backward", "torch.ops.aten",
+     "_scaled_dot_product_efficient_attention_backward", "CUDA memory-efficient attention's backward"),
 )
 
 _WHERE = {export: (module, name) for export, module, name, _ in PRIVATE}

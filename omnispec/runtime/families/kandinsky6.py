@@ -120,8 +120,8 @@ class Kandinsky6Family(Family):
         embeds, pooled, mask, *_ = self.helper.encode_prompt(
             list(prompts), do_classifier_free_guidance=False, max_sequence_length=request.max_sequence_length or 1024,
             device=self.device, dtype=self.latent_dtype(None))
-        if mask is None:
-            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        # the mask on the host: each forward asks whether anything is padded without waiting for the device
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool) if mask is None else mask.cpu()
         return Conditioning({"encoder_hidden_states": embeds, "pooled_projections": pooled,
                              "encoder_attention_mask": mask})
 
@@ -209,7 +209,8 @@ class Kandinsky6Family(Family):
         out_video, out_audio = denoiser(
             hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=cond.batched["encoder_hidden_states"],
             pooled_projections=cond.batched["pooled_projections"], timestep=timestep.expand(b),
-            visual_rope_pos=rope_pos, encoder_attention_mask=None if bool(text_mask.all()) else text_mask,
+            visual_rope_pos=rope_pos,
+            encoder_attention_mask=None if bool(text_mask.all()) else text_mask.to(video.device),
             visual_token_type_ids=token_types, return_dict=False)
         return {"video": out_video[:, :frames], "audio": out_audio}
 

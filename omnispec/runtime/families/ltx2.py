@@ -148,9 +148,7 @@ class LTX2Family(Family):
         embeds, mask, _, _ = helper.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,
                                                   max_sequence_length=request.max_sequence_length or 1024)
         video, audio, mask = helper.connectors(embeds, mask, padding_side=helper.tokenizer.padding_side)
-        # whether a row's text still marks padding, on the host: diffusers' connectors hand back ones (learnable
-        # registers fill the padding; without them the additive mask they return reads as ones too), and the
-        # forwards then pass no mask, where the transformer would make it a bias of zeros on a masked kernel
+        # padding still marked, on the host: the connectors hand back ones, so no mask (a zero bias) goes in
         return Conditioning({"encoder_hidden_states": video, "audio_encoder_hidden_states": audio,
                              "encoder_attention_mask": mask, "text_padded": (mask == 0).any(dim=1).cpu()})
 

@@ -42,6 +42,7 @@ from ...spec.request import Request
 from ...targets import AttentionTarget, BlocksTarget, GuidanceTarget, ParallelTarget, Targets
 from .base import Family
 from .checks import Inputs, checkpoint_pipelines
+from .text_padding import per_length
 from .types import Conditioning, Decoded, Geometry, Perturbation, Streams
 
 UNREGISTERED = ("diffusers 0.42 registers no FLUX.3 transformer block for its block hooks (they cannot find its "
@@ -198,15 +199,12 @@ class Flux3Family(Family):
                 perturbation: Perturbation | None = None, target: torch.Tensor | None = None) -> Streams:
         """One forward per prompt window length among the rows (module docstring), each at its own length."""
         x = latents["latents"].to(denoiser.dtype)
-        lengths = cond.batched["text_length"][:, 0].tolist()
-        groups = {n: [r for r, m in enumerate(lengths) if m == n] for n in dict.fromkeys(lengths)}
-        outs, order = [], []
-        for n, rows in groups.items():
-            index = slice(None) if len(groups) == 1 else torch.tensor(rows, device=x.device)
-            outs.append(self._forward(denoiser, x[index], timestep, target, cond, geometry, index, int(n)))
-            order += rows
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)[torch.tensor(np.argsort(order), device=x.device)]
-        return {"latents": out}
+
+        def forward(index: torch.Tensor | None, length: int) -> torch.Tensor:
+            rows = slice(None) if index is None else index.to(x.device)
+            return self._forward(denoiser, x[rows], timestep, target, cond, geometry, rows, int(length))
+
+        return {"latents": per_length(cond.batched["text_length"][:, 0].tolist(), forward)}
 
     def _forward(self, denoiser, x, timestep, target, cond, geometry, index, length: int) -> torch.Tensor:
         b = x.shape[0]

@@ -1,6 +1,6 @@
-"""Prompt encodings without their padding, for families whose transformer masks padded text tokens out as keys: the
-valid tokens kept in their order (``valid_first``), and one forward per count of valid tokens among a batch's rows
-(``per_length``), so no forward needs a mask. A mask keeps attention off the flash-class kernels; without the padded
+"""Prompts at their own lengths: one forward per prompt length among a batch's rows (``per_length``), so no forward
+pads a prompt or needs a mask; and, for families whose transformer masks padded text tokens out as keys, the valid
+tokens kept in their order (``valid_first``). A mask keeps attention off the flash-class kernels; without the padded
 tokens nothing a valid token or an image token computes changes, where the text's rotary positions do not depend on
 where a token sits (a family says why that holds for it)."""
 

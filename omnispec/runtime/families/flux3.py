@@ -201,10 +201,10 @@ class Flux3Family(Family):
         x = latents["latents"].to(denoiser.dtype)
 
         def forward(index: torch.Tensor | None, length: int) -> torch.Tensor:
-            rows = slice(None) if index is None else index.to(x.device)
+            rows = slice(None) if index is None else index
             return self._forward(denoiser, x[rows], timestep, target, cond, geometry, rows, int(length))
 
-        return {"latents": per_length(cond.batched["text_length"][:, 0].tolist(), forward)}
+        return {"latents": per_length(cond.batched["text_length"][:, 0].tolist(), forward, x.device)}
 
     def _forward(self, denoiser, x, timestep, target, cond, geometry, index, length: int) -> torch.Tensor:
         b = x.shape[0]

@@ -128,7 +128,7 @@ class HunyuanVideo15Family(Family):
             rows = (x, cond) if index is None else (x[index], cond.rows(index))
             return self._unpadded_forward(denoiser, *rows, *length, timestep)
 
-        return {"latents": per_length(lengths, forward)}
+        return {"latents": per_length(lengths, forward, x.device)}
 
     def _unpadded_forward(self, denoiser, x: torch.Tensor, cond: Conditioning, prompt: int, glyph: int,
                           timestep) -> torch.Tensor:

@@ -109,13 +109,13 @@ class Krea2Family(PackedLatents, Family):
         embeds = cond.batched["encoder_hidden_states"]
 
         def forward(index: torch.Tensor | None, tokens: int) -> torch.Tensor:
-            rows_x, rows_embeds = (x, embeds) if index is None else (x[index], embeds[index.to(embeds.device)])
+            rows_x, rows_embeds = (x, embeds) if index is None else (x[index], embeds[index])
             return denoiser(hidden_states=rows_x, encoder_hidden_states=rows_embeds[:, :tokens],
                             timestep=(timestep / 1000).expand(rows_x.shape[0]).to(x.dtype),
                             position_ids=self._position_ids(tokens, geometry), encoder_attention_mask=None,
                             attention_kwargs={}, return_dict=False)[0]
 
-        return {"latents": per_length(cond.batched["prompt_tokens"].tolist(), forward)}
+        return {"latents": per_length(cond.batched["prompt_tokens"].tolist(), forward, x.device)}
 
     def decode(self, latents: Streams, geometry: Geometry) -> Decoded:
         helper, vae = self.helper, self.helper.vae

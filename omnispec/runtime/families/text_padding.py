@@ -23,18 +23,21 @@ def valid_first(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
     return embeds[rows, order], mask.gather(1, order), counts
 
 
-def per_length(lengths: Sequence[Hashable], forward: Callable[[torch.Tensor | None, Hashable], torch.Tensor]
-               ) -> torch.Tensor:
+def per_length(lengths: Sequence[Hashable], forward: Callable[[torch.Tensor | None, Hashable], torch.Tensor],
+               device: torch.device) -> torch.Tensor:
     """The rows' outputs, from one ``forward(index, length)`` per distinct length among them (``index``: the rows
-    of that length, on the host; None when every row has it), put back in row order."""
+    of that length, on ``device``; None when every row has it), put back in row order."""
     groups: dict[Hashable, list[int]] = {}
     for row, length in enumerate(lengths):
         groups.setdefault(length, []).append(row)
     if len(groups) == 1:
         return forward(None, next(iter(groups)))
-    parts = [(torch.tensor(rows), forward(torch.tensor(rows), length)) for length, rows in groups.items()]
+    parts = []
+    for length, rows in groups.items():
+        index = torch.tensor(rows, device=device)
+        parts.append((index, forward(index, length)))
     first = parts[0][1]
     out = first.new_empty((len(lengths), *first.shape[1:]))
     for index, part in parts:
-        out[index.to(out.device)] = part
+        out[index] = part
     return out

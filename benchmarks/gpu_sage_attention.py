@@ -1,9 +1,10 @@
-"""How fast and how close to bf16 is Sage-style int8 attention (``sage``) at Wan2.1 14B's shapes, with a backward?
-Peer: torch's flash attention kernel (SDPA), the bf16 exact baseline, forward and forward + backward.
+"""How fast and how close to bf16 are Sage-style int8 (``sage``) and omnispec's fp8 kernel (``fp8``) at Wan's shapes?
+Peer: torch's flash attention kernel (SDPA), the bf16 exact baseline, and FlashAttention-4 (``flash4``, where
+installed), forward and forward + backward.
 
-``python -m benchmarks.gpu_sage_attention [--iters 10] [--shapes wan14b_480p_self,wan14b_480p_cross] [--json FILE]``
-(needs CUDA and ``pip install sageattention``; ``--smoke``: a tiny shape on the CPU, where ``sage`` is omnispec's
-plain-torch reference)
+``python -m benchmarks.gpu_sage_attention [--iters 10] [--shapes wan14b_480p_self,wan14b_480p_cross]
+[--fp8-tiles 128x128x8x3,...] [--json FILE]`` (needs CUDA; ``sage`` rows need ``pip install sageattention``;
+``--smoke``: a tiny shape on the CPU, where ``sage`` and ``fp8`` are omnispec's plain-torch references)
 
 Each row is one attention call at a shape of Wan2.1 14B T2V 480x832x81 with CFG (batch 2: 21 latent frames of 30x52
 tokens, 40 heads of 128; self-attention over the video's 32,760 tokens, cross-attention to 512 text tokens), bf16,
@@ -13,6 +14,10 @@ laid out as the model hands q, k and v to SDPA ([batch, tokens, heads, dim] seen
 - ``sage``: ``omnispec.kernels.sage.sage_attention`` (``sageattn`` forward; the backward exact attention's at the same
   inputs, recomputed on torch's flash kernel, so forward + backward costs the int8 forward plus a flash forward and
   backward);
+- ``flash4``: FlashAttention-4 through omnispec's operators (``kernels/flash4.py``), its backward FA4's own;
+- ``fp8``: ``omnispec.kernels.fp8_attention.fp8_attention`` (omnispec's Triton kernel, its backward exact attention's
+  as ``sage``'s), one row per ``--fp8-tiles`` launch (query rows x key rows x warps x stages), with
+  ``cosine_kernel_vs_reference`` against ``fp8_reference`` on the first ``--check-rows`` query rows;
 - ``sage reference``: the plain-torch reference on the first ``--check-rows`` query rows (whole quantization blocks,
   the whole K), untimed: the check of the kernel (``cosine_kernel_vs_reference``) and, with P·V in float8
   (``pv="fp8"``), what an fp8 P·V would cost in accuracy.
@@ -45,6 +50,9 @@ SHAPES = {
 def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--fp8-tiles", default="",
+                        help="launches of the fp8 kernel to time besides its default, comma-separated: query rows x "
+                             "key rows x warps x stages, e.g. 128x64x4x3")
     parser.add_argument("--check-rows", type=int, default=1024,
                         help="query rows the plain-torch reference checks the kernel on (a multiple of 128)")
 
@@ -92,8 +100,47 @@ def _inputs(batch, heads, q_tokens, k_tokens, head_dim, device, dtype):
             .transpose(1, 2).requires_grad_(True) for tokens in (q_tokens, k_tokens, k_tokens)]
 
 
-def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, results: harness.Results) -> None:
-    from omnispec.kernels.sage import sage_attention, sage_reference
+def _flash4(q, k, v):
+    from omnispec.kernels.flash4 import flash4_sdpa
+
+    return flash4_sdpa(q, k, v, None)
+
+
+def _fp8_launch(tile: tuple[int, int, int, int] | None):
+    """``fp8_attention`` with the kernel's launch for this head size set to ``tile`` (None: the default)."""
+    from omnispec.kernels import fp8_attention as fp8
+
+    def run(q, k, v):
+        if tile is None:
+            return fp8.fp8_attention(q, k, v)
+        default = fp8.TILES[q.shape[-1]]
+        fp8.TILES[q.shape[-1]] = tile
+        try:
+            return fp8.fp8_attention(q, k, v)
+        finally:
+            fp8.TILES[q.shape[-1]] = default
+    return run
+
+
+def _kernels(fp8_tiles: str) -> list[tuple[str, object]]:
+    """The timed configurations: flash, flash4 where importable, sage, fp8 and its extra launches."""
+    import importlib.util
+
+    from omnispec.kernels.sage import sage_attention
+
+    kernels = [("flash", _flash)]
+    if harness.DEVICE == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        kernels.append(("flash4", _flash4))
+    kernels += [("sage", sage_attention), ("fp8", _fp8_launch(None))]
+    for tile in filter(None, fp8_tiles.split(",")):
+        kernels.append((f"fp8 {tile}", _fp8_launch(tuple(int(n) for n in tile.split("x")))))  # type: ignore[arg-type]
+    return kernels
+
+
+def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, fp8_tiles: str,
+                results: harness.Results) -> None:
+    from omnispec.kernels.fp8_attention import fp8_reference
+    from omnispec.kernels.sage import sage_reference
 
     batch, heads, q_tokens, k_tokens, head_dim = dims
     device = harness.DEVICE
@@ -103,7 +150,7 @@ def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, results: h
         bf16 = _flash(q, k, v)
     grad_out = torch.randn_like(bf16)
     timed = {}
-    for name, fn in (("flash", _flash), ("sage", sage_attention)):
+    for name, fn in _kernels(fp8_tiles):
         try:
             with torch.no_grad():
                 out = fn(q, k, v)
@@ -118,10 +165,10 @@ def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, results: h
         if "flash" in timed:
             row |= {"forward_speedup": timed["flash"][0] / forward_ms,
                     "forward_backward_speedup": timed["flash"][1] / backward_ms}
-        if name == "sage":
+        if name == "sage" or name.startswith("fp8"):
             rows = min(check_rows, q_tokens)
             with torch.no_grad():
-                reference = sage_reference(q[:, :, :rows], k, v)
+                reference = (sage_reference if name == "sage" else fp8_reference)(q[:, :, :rows], k, v)
             row["cosine_kernel_vs_reference"] = _cosine(out[:, :, :rows], reference)
         results.save(row)
         del out
@@ -140,7 +187,8 @@ def benchmark(args, results: harness.Results) -> None:
     shapes = {"tiny": (1, 2, 300, 200, 32)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     results.header = {"device": harness.device_name(), "torch": torch.__version__}
     for shape, dims in shapes.items():
-        _shape_rows(shape, dims, 1 if args.smoke else args.iters, 256 if args.smoke else args.check_rows, results)
+        _shape_rows(shape, dims, 1 if args.smoke else args.iters, 256 if args.smoke else args.check_rows,
+                    "" if args.smoke else args.fp8_tiles, results)
 
 
 if __name__ == "__main__":

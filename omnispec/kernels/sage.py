@@ -16,14 +16,8 @@ The forward, for (batch, heads, tokens, head size) inputs:
 ``sage_reference`` is that forward in plain torch: it runs on the CPU, and it is the check of the GPU kernel
 (``sageattn`` of the ``sageattention`` package, which quantizes at the same blocks). ``sage_attention`` runs the
 kernel where it applies (``sageattn`` on CUDA, the reference on the CPU) through an operator whose backward is
-exact attention's, which compiled code calls as it is.
-
-**The backward is a straight-through one.** Quantization has no useful derivative, so the gradient taken is exact
-attention's at the saved q, k and v: the backward operator recomputes ``softmax(q kᵀ · scale) v`` with torch's
-SDPA operators and differentiates it (``sdpa.exact_attention_gradients``), as SageAttention's training variants do
-(their backward is full-precision attention's). The forward a replay with gradients
-computes is the quantized forward its rollout computed, bit for bit, so an unchanged model replays with a log-prob
-ratio of exactly 1; the gradient is that of the exact attention the quantized one approximates.
+exact attention's at the same q, k and v (``straight_through.py``: why, and why a replay with gradients still
+computes its rollout's forward), which compiled code calls as it is.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .flops import register_attention_flops
-from .sdpa import exact_attention_gradients
+from .straight_through import straight_through_attention
 
 # Tokens per quantization block of Q and of K (SageAttention's own).
 BLOCK_Q = 128
@@ -128,49 +121,14 @@ def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | No
     return None
 
 
-# Operators (``torch.library``), not an ``autograd.Function``: compiled code calls them as they are (``sageattn``'s
-# Triton kernels are not for dynamo to trace), so ``sage`` can run inside compiled blocks as ``flash4`` does.
-@torch.library.custom_op("omnispec::sage_attention", mutates_args=())
-def sage_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """The quantized forward (``forward_kernel``) of (batch, heads, tokens, head size) ``q``, ``k``, ``v``."""
-    return forward_kernel(q.device)(q, k, v, scale).contiguous()
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    return forward_kernel(q.device)(q, k, v, scale)
 
 
-@sage_attention_op.register_fake
-def _(q, k, v, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
-@torch.library.custom_op("omnispec::sage_attention_backward", mutates_args=())
-def sage_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact attention's gradients at ``q``, ``k``, ``v`` (the module docstring says why)."""
-    return tuple(g.contiguous() for g in exact_attention_gradients(grad_out, q, k, v, scale))  # type: ignore[return-value]
-
-
-@sage_attention_backward.register_fake
-def _(grad_out, q, k, v, scale):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
-
-
-def _save(ctx, inputs, output):
-    q, k, v, scale = inputs
-    ctx.save_for_backward(q, k, v)
-    ctx.scale = scale
-
-
-def _backward(ctx, grad_out):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = torch.ops.omnispec.sage_attention_backward(grad_out.contiguous(), q, k, v, ctx.scale)
-    return dq, dk, dv, None
-
-
-sage_attention_op.register_autograd(_backward, setup_context=_save)
-register_attention_flops(torch.ops.omnispec.sage_attention, torch.ops.omnispec.sage_attention_backward)
+_operator = straight_through_attention("sage_attention", _forward)
 
 
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Sage-style attention of (batch, heads, tokens, dim) tensors, differentiable where gradients flow (the
     backward: exact attention's); the same forward with gradients or without, eager or compiled."""
-    return torch.ops.omnispec.sage_attention(q, k, v, scale)
+    return _operator(q, k, v, scale)

@@ -9,8 +9,8 @@ torch's dispatcher would be free to send to cuDNN attention runs with cuDNN atte
 flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
 are the ones torch trains with everywhere; cuDNN attention's backward can fail with a sticky CUDA error that no
 fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``.
-``sage``'s forward is quantized and its backward exact attention's at the same inputs (``kernels.sage``), so a rollout
-and its replays with gradients share its forward."""
+``sage``'s and ``fp8``'s forwards are quantized and their backward exact attention's at the same inputs
+(``kernels.straight_through``), so a rollout and its replays with gradients share their forward."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ SDPA_KERNELS = {
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
     "sdpa_math": SDPBackend.MATH,
 }
-CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage", "flash4")
-# Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to
-# int8): auto considers them only when the spec allows approximation.
-APPROXIMATE = ("sage",)
+CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage", "fp8", "flash4")
+# Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to int8, fp8 all
+# of Q, K, V and P to float8): auto considers them only when the spec allows approximation.
+APPROXIMATE = ("sage", "fp8")
 # Never an auto candidate: the math kernel materialises the full score matrix (160 GiB for one Wan-14B
 # 480p layer) and is never the fastest.
 AUTO_EXCLUDED = ("sdpa_math",)
@@ -98,6 +98,14 @@ def _sage_attention(q, k, v, scale):
     return sage_attention(q, k, v, scale)
 
 
+def _fp8_attention(q, k, v, scale):
+    """FP8 attention (``kernels/fp8_attention.py``): omnispec's Triton kernel on CUDA, its plain-torch reference on the
+    CPU; where gradients flow, its backward is exact attention's at the same q, k and v."""
+    from ..kernels.fp8_attention import fp8_attention
+
+    return fp8_attention(q, k, v, scale)
+
+
 def _flash4_attention(q, k, v, scale):
     """FlashAttention-4's CuTe kernels (package ``flash-attn-4``; Hopper and Blackwell) through omnispec's operators
     (``flash4.py``), which compiled code can call too and which run a call shape the package refuses on SDPA (one
@@ -108,7 +116,7 @@ def _flash4_attention(q, k, v, scale):
 
 
 _REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention,
-                                      "flash4": _flash4_attention}
+                                      "fp8": _fp8_attention, "flash4": _flash4_attention}
 
 
 class _RedirectSDPA(SDPAMode):
@@ -132,7 +140,7 @@ class _RedirectSDPA(SDPAMode):
 
 
 def redirect_mode(backend: str, head_sizes: frozenset[int] | None = None) -> TorchFunctionMode:
-    """The mode sending plain SDPA calls to a replacement kernel (``xformers``, ``sage``, ``flash4``)."""
+    """The mode sending plain SDPA calls to a replacement kernel (``xformers``, ``sage``, ``fp8``, ``flash4``)."""
     return _RedirectSDPA(_REPLACEMENTS[backend], head_sizes)
 
 
@@ -150,17 +158,16 @@ def backend_context(backend: str) -> Iterator[None]:
 
 # ---- detection ------------------------------------------------------------------------------------
 
-# The replacement kernels' packages: backend -> (module to import, package name, runs only on CUDA). ``sage`` runs on
-# the CPU too (its plain-torch reference) and says where it cannot run itself (``kernels.sage.refusal``).
+# The replacement kernels' packages: backend -> (module to import, package name, runs only on CUDA). ``sage`` and
+# ``fp8`` run on the CPU too (their plain-torch references) and say where they cannot run themselves (``refusal``).
 _PACKAGES = {"xformers": ("xformers.ops", "xformers", False), "flash4": ("flash_attn.cute", "flash-attn-4", True)}
 
 
 def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when the backend runs here for this dtype and head size, else the reason it does not."""
-    if backend == "sage":
-        from ..kernels.sage import refusal
-
-        if (why := refusal(device, dtype, head_dim)) is not None:
+    if backend in ("sage", "fp8"):
+        refusal = importlib.import_module(f"..kernels.{'sage' if backend == 'sage' else 'fp8_attention'}", __package__)
+        if (why := refusal.refusal(device, dtype, head_dim)) is not None:
             return why
     if backend in _PACKAGES:
         module, package, cuda_only = _PACKAGES[backend]

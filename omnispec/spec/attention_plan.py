@@ -30,17 +30,22 @@ def auto_as_sdpa(spec: PipelineSpec) -> str | None:
 
 
 ALSO = "; rollouts and their replays run it too, so a replay computes its rollout's forward"
-# What ``sage`` computes, and what its backward is (``kernels/sage.py``).
-SAGE_FORWARD = ("approximate: Q and K (K less its mean over tokens) quantized to int8 per block of tokens, softmax in "
-                "float32, P·V in the input's dtype; sageattention's kernel on CUDA, omnispec's plain-torch reference "
-                "on the CPU; calls with a mask, causal or with dropout run on sdpa")
-SAGE_BACKWARD = ("its backward is exact attention's at the same q, k and v (straight-through), on torch's flash or "
-                 "memory-efficient attention, never cuDNN's")
+# What the approximate backends compute (``kernels/sage.py``, ``kernels/fp8_attention.py``), and their backward.
+FORWARDS = {
+    "sage": ("approximate: Q and K (K less its mean over tokens) quantized to int8 per block of tokens, softmax in "
+             "float32, P·V in the input's dtype; sageattention's kernel on CUDA, omnispec's plain-torch reference on "
+             "the CPU; calls with a mask, causal or with dropout run on sdpa"),
+    "fp8": ("approximate: Q and K (K less its mean over tokens) in float8 e4m3 per block of 128 tokens, V per channel, "
+            "softmax in float32, P in float8 for P·V; omnispec's Triton kernel on CUDA (fp8 tensor cores: Ada, Hopper "
+            "and later), its plain-torch reference on the CPU; calls with a mask, causal or with dropout run on sdpa"),
+}
+STRAIGHT_THROUGH = ("its backward is exact attention's at the same q, k and v (straight-through), on torch's flash or "
+                    "memory-efficient attention, never cuDNN's")
 
 
 def approximation(backend: str) -> str:
     """What an approximate backend computes, as a clause ending in "; " (nothing for an exact one)."""
-    return f"{SAGE_FORWARD}; " if backend == "sage" else ""
+    return f"{FORWARDS[backend]}; " if backend in FORWARDS else ""
 
 
 def training_backend(backend: str, compiled: bool) -> str:
@@ -49,11 +54,11 @@ def training_backend(backend: str, compiled: bool) -> str:
         return SAFE_SDPA + ALSO
     if backend in SAFE_NAMED:
         return f"{backend} (named; its backward is torch's own){ALSO}"
-    if backend == "sage" and compiled:
-        return f"sage (named; {SAGE_FORWARD}; {SAGE_BACKWARD}), compiled in{ALSO}"
-    if backend == "sage":
-        return (f"sage (named; {SAGE_FORWARD}; {SAGE_BACKWARD}), each call shape first checked by a trial forward and "
-                f"backward; a shape that fails it runs on sdpa with cuDNN attention off{ALSO}")
+    if backend in FORWARDS and compiled:
+        return f"{backend} (named; {FORWARDS[backend]}; {STRAIGHT_THROUGH}), compiled in{ALSO}"
+    if backend in FORWARDS:
+        return (f"{backend} (named; {FORWARDS[backend]}; {STRAIGHT_THROUGH}), each call shape first checked by a trial "
+                f"forward and backward; a shape that fails it runs on sdpa with cuDNN attention off{ALSO}")
     if backend == "flash4" and compiled:
         return ("flash4 (its operators run a call shape FA4 refuses, forward or backward, on sdpa with cuDNN "
                 f"attention off){ALSO}")

@@ -1,0 +1,164 @@
+"""FP8 flash attention (``attention: fp8``): omnispec's Triton kernel for GPUs with fp8 tensor cores (Ada, Hopper and
+later), with a defined backward.
+
+Why a kernel of omnispec's own: FlashAttention-4's fp8 forward runs only on Blackwell (its interface asserts compute
+capability 10), FlashAttention-3's is built from source only, and sageattention's published build (1.0.6) computes
+P·V in 16 bits with tiles chosen for Ampere, which lost to FlashAttention-4 at Wan2.1 14B's shapes on the H100
+(BENCHMARKS.md, "Wan2.1 14B's presets with FlashAttention-4").
+
+The forward, for (batch, heads, tokens, head size) inputs:
+
+1. K smoothed: its mean over tokens subtracted (per batch, head and channel). Every score of a query row moves by the
+   same ``q · mean(k)``, which softmax cancels; what it removes is the offset K's channels carry, which would
+   otherwise set the scale that all of K's values are rounded against (SageAttention's observation).
+2. Q and the smoothed K in float8 e4m3, one scale per block of ``QUANT_BLOCK`` tokens: ``max |x| / 448``.
+3. V in float8 e4m3 with one scale per channel (per batch and head): ``max |v| / 448`` over the tokens.
+4. Scores: fp8 products summed in float32 by the tensor cores, times the two blocks' scales and the softmax scale;
+   the softmax online (running max and row sums, base 2), in float32.
+5. P times 2^8 (exact) in float8 e4m3, so that probabilities down to 2^-17 keep a value (e4m3's least is 2^-9); P·V
+   on the tensor cores; the output divided by the row sums (of the scaled P, so the 2^8 cancels), times V's scales.
+
+``fp8_reference`` is that forward in plain torch with float32 sums and the softmax over whole rows (the kernel's
+online softmax rounds P against the running maximum, so the two agree to fp8's rounding, not bit for bit): the CPU
+path, and the check of the kernel. ``fp8_attention`` runs the kernel on CUDA and the reference on the CPU through an
+operator whose backward is exact attention's (``straight_through.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+
+import torch
+
+from .straight_through import straight_through_attention
+
+# Tokens per quantization block of Q and of K, and the tile sizes divide it.
+QUANT_BLOCK = 128
+# The largest float8 e4m3 value.
+FP8_MAX = 448.0
+# P is scaled by this power of two before rounding (the module docstring, step 5); the kernel writes it as 8.0 in
+# its exponent.
+P_SCALE = 256.0
+# The least scale (a block or channel of zeros).
+_LEAST = 1e-30
+# Scores the reference holds at once (query rows times key tokens, over batch and heads).
+_SCORES_AT_ONCE = 1 << 24
+# Head sizes and input dtypes the kernel is built for.
+GPU_HEAD_SIZES = (64, 128)
+GPU_DTYPES = (torch.float16, torch.bfloat16)
+# The attention kernel's launch by head size: (query rows, key rows a step, warps, pipeline stages). The tiles divide
+# QUANT_BLOCK, so a query tile has one scale and a key tile one. How they were chosen: BENCHMARKS.md, "FP8
+# attention".
+TILES = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).float()
+
+
+def _blocks(x: torch.Tensor, rounding: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x`` (..., tokens, dim) rounded (e4m3) with one scale per block of ``QUANT_BLOCK`` tokens: the
+    rounded values (in float32) and the scales broadcast over their tokens."""
+    tokens = x.shape[-2]
+    blocks = torch.nn.functional.pad(x, (0, 0, 0, -tokens % QUANT_BLOCK)).unflatten(-2, (-1, QUANT_BLOCK))
+    scales = blocks.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(_LEAST) / FP8_MAX
+    values = rounding(blocks / scales).flatten(-3, -2)[..., :tokens, :]
+    return values, scales.expand(*scales.shape[:-2], QUANT_BLOCK, 1).flatten(-3, -2)[..., :tokens, :]
+
+
+def fp8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  rounding: Callable[[torch.Tensor], torch.Tensor] = _e4m3) -> torch.Tensor:
+    """The module docstring's forward in plain torch for (batch, heads, tokens, dim) inputs of any float dtype; the
+    output has q's dtype. ``rounding``: what the quantized values go through (float8 e4m3 and back; tests of the
+    kernel's arithmetic without fp8 pass the identity, as ``fp8_kernel``'s ``storage`` float32)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k32 = k.float()
+    k_values, k_scales = _blocks(k32 - k32.mean(dim=-2, keepdim=True), rounding)
+    v_scales = v.float().abs().amax(dim=-2, keepdim=True).clamp_min(_LEAST) / FP8_MAX
+    v_values = rounding(v.float() / v_scales)
+    rows = max(QUANT_BLOCK, _SCORES_AT_ONCE // max(1, k.shape[-2] * q.shape[0] * q.shape[1])
+               // QUANT_BLOCK * QUANT_BLOCK)  # whole blocks, so each block's scale is the whole block's
+    out = []
+    for start in range(0, q.shape[-2], rows):
+        q_values, q_scales = _blocks(q[..., start:start + rows, :].float(), rounding)
+        scores = (q_values @ k_values.transpose(-2, -1)) * q_scales * k_scales.transpose(-2, -1) * (scale / math.log(2))
+        probs = torch.exp2(scores - scores.amax(dim=-1, keepdim=True)) * P_SCALE
+        out.append((rounding(probs) @ v_values) / probs.sum(dim=-1, keepdim=True) * v_scales)
+    return torch.cat(out, dim=-2).to(q.dtype)
+
+
+def _padded(tokens: int) -> int:
+    return -(-tokens // QUANT_BLOCK) * QUANT_BLOCK
+
+
+def fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               storage: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """The Triton kernels (``fp8_attention_triton.py``) on (batch, heads, tokens, dim) q, k, v whose head size is
+    contiguous (others are copied): three quantizing launches, then the attention. The output is a (batch, heads,
+    tokens, dim) view of [batch, tokens, heads, dim] memory. ``storage``: the quantized values' dtype (float32 in
+    tests of the arithmetic under Triton's interpreter, whose float8 conversions do not round as GPUs do)."""
+    from . import fp8_attention_triton as kernels
+
+    batch, heads, q_tokens, dim = q.shape
+    k_tokens = k.shape[-2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    scale = dim ** -0.5 if scale is None else scale
+    q_padded, k_padded = _padded(q_tokens), _padded(k_tokens)
+    fp8, f32 = storage, torch.float32
+    q8 = torch.empty(batch * heads, q_padded, dim, dtype=fp8, device=q.device)
+    k8 = torch.empty(batch * heads, k_padded, dim, dtype=fp8, device=q.device)
+    v8 = torch.empty(batch * heads, dim, k_padded, dtype=fp8, device=q.device)
+    q_scales = torch.empty(batch * heads, q_padded // QUANT_BLOCK, dtype=f32, device=q.device)
+    k_scales = torch.empty(batch * heads, k_padded // QUANT_BLOCK, dtype=f32, device=q.device)
+    k_mean = torch.mean(k, dim=-2, dtype=f32).contiguous()
+    v_scales = (torch.linalg.vector_norm(v, ord=math.inf, dim=-2, dtype=f32).clamp_min(_LEAST) / FP8_MAX).contiguous()
+
+    def quantize(x, out, block_scales, tokens, padded, mode, out_st, out_sd):
+        kernels.quantize_kernel[(padded // QUANT_BLOCK, batch * heads)](
+            x, k_mean, v_scales, out, block_scales, tokens, heads, x.stride(0), x.stride(1), x.stride(2),
+            out.stride(0), out_st, out_sd, padded // QUANT_BLOCK, BLOCK=QUANT_BLOCK, D=dim, MODE=mode, num_warps=4)
+
+    quantize(q, q8, q_scales, q_tokens, q_padded, 0, dim, 1)
+    quantize(k, k8, k_scales, k_tokens, k_padded, 1, dim, 1)
+    quantize(v, v8, k_scales, k_tokens, k_padded, 2, 1, k_padded)  # k_scales: not written in mode 2
+    out = torch.empty(batch, q_tokens, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    block_m, block_n, warps, stages = TILES[dim]
+    kernels.attention_kernel[(q_padded // block_m, batch * heads)](
+        q8, k8, v8, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded,
+        q_padded // QUANT_BLOCK, k_padded // QUANT_BLOCK, scale / math.log(2), out.stride(0), out.stride(1),
+        out.stride(2), BLOCK_M=block_m, BLOCK_N=block_n, D=dim, QUANT_BLOCK=QUANT_BLOCK, num_warps=warps,
+        num_stages=stages)
+    return out
+
+
+def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the fp8 forward cannot run on ``device`` for this dtype and head size; None where it can."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"runs on CUDA (omnispec's Triton kernel) or on the CPU (its plain-torch reference), not {device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed; on CUDA omnispec does not run its plain-torch reference"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"needs fp8 tensor cores (compute capability 8.9 and up), this GPU has {major}.{minor}"
+    if dtype not in GPU_DTYPES:
+        return f"takes float16 or bfloat16 inputs on CUDA, not {str(dtype).removeprefix('torch.')}"
+    if head_dim not in GPU_HEAD_SIZES:
+        return f"the kernel takes head sizes {', '.join(map(str, GPU_HEAD_SIZES))}, not {head_dim}"
+    return None
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    return fp8_kernel(q, k, v, scale) if q.device.type == "cuda" else fp8_reference(q, k, v, scale)
+
+
+_operator = straight_through_attention("fp8_attention", _forward, tokens_major_output=True)
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """FP8 attention of (batch, heads, tokens, dim) tensors, differentiable where gradients flow (the backward: exact
+    attention's); the same forward with gradients or without, eager or compiled."""
+    return _operator(q, k, v, scale)

@@ -1,0 +1,89 @@
+"""The Triton kernels of ``attention: fp8`` (``fp8_attention.py`` says what they compute and why). A module of its own
+so that its functions are module globals, which Triton resolves when one calls another, and so that importing the
+operator does not import triton.
+
+Layouts (the launcher in ``fp8_attention.py`` allocates them): the quantized q and k are [batch x heads, padded
+tokens, head size] and v is [batch x heads, head size, padded tokens], each padded with zeros to whole blocks of
+``QUANT_BLOCK`` tokens. Hopper's fp8 tensor-core instructions read both operands contiguous along the summed
+dimension: the head size for q·kᵀ, the key tokens for p·v, hence v's transposed layout. The inputs and the output
+keep the model's layout: [batch, heads, tokens, head size] seen through strides, the head size contiguous.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize_kernel(x, mean, channel_scales, out, block_scales, tokens, heads, x_sb, x_sh, x_st, out_sbh, out_st,
+                    out_sd, blocks_per_head, BLOCK: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    # one block of BLOCK tokens of one (batch, head) into e4m3. MODE 0: one scale for the block, max |x| / 448 (q);
+    # 1: the same after subtracting ``mean`` (k less its mean over tokens); 2: a given scale per channel (v).
+    # Rows past ``tokens`` are written as zeros: the padded buffers need no other initialisation.
+    block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements at long videos' batches
+    b = bh // heads
+    h = bh % heads
+    t = block * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    live = (t < tokens)[:, None]
+    values = tl.load(x + b * x_sb + h * x_sh + t[:, None] * x_st + d[None, :], mask=live, other=0.0).to(tl.float32)
+    if MODE == 1:
+        values = tl.where(live, values - tl.load(mean + bh * D + d)[None, :], 0.0)
+    if MODE == 2:
+        scaled = values / tl.load(channel_scales + bh * D + d)[None, :]
+    else:
+        scale = tl.maximum(tl.max(tl.max(tl.abs(values), axis=1), axis=0), 1e-30) / 448.0
+        scaled = values / scale
+        tl.store(block_scales + bh * blocks_per_head + block, scale)
+    tl.store(out + bh * out_sbh + t[:, None] * out_st + d[None, :] * out_sd, scaled.to(out.dtype.element_ty))
+
+
+@triton.jit
+def attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, n, m, l, acc, k_tokens, k_padded, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, QUANT_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    # one block of BLOCK_N keys into the running max ``m`` (base 2), row sums ``l`` and output ``acc``
+    cols = n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    k_tile = tl.load(k_rows + cols[None, :] * D + d[:, None])  # [D, BLOCK_N]: kᵀ, contiguous along D
+    s = tl.dot(q_tile, k_tile) * (q_scale * tl.load(k_scales + n // QUANT_BLOCK))
+    if MASKED:
+        s = tl.where((cols < k_tokens)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # p times 2^8 (exact): e4m3 then keeps probabilities down to 2^-17 instead of 2^-9
+    p = tl.math.exp2(s - (m_new - 8.0)[:, None])
+    alpha = tl.math.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    v_tile = tl.load(v_cols + d[None, :] * k_padded + cols[:, None])  # [BLOCK_N, D], contiguous along the keys
+    acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
+    return m_new, l, acc
+
+
+@triton.jit
+def attention_kernel(q, k, v, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded,
+                     q_blocks, k_blocks, qk_scale, out_sb, out_sh, out_st, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    # BLOCK_M query rows of one (batch, head) against all its keys, online softmax in base 2
+    start = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements at long videos' batches
+    rows = start + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    q_tile = tl.load(q + bh * q_padded * D + rows[:, None] * D + d[None, :])
+    q_scale = tl.load(q_scales + bh * q_blocks + start // QUANT_BLOCK) * qk_scale
+    k_rows = k + bh * k_padded * D
+    v_cols = v + bh * D * k_padded
+    k_scales += bh * k_blocks
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    whole = k_tokens // BLOCK_N * BLOCK_N
+    for n in range(0, whole, BLOCK_N):
+        m, l, acc = attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, n, m, l, acc, k_tokens, k_padded,
+                                 BLOCK_N, D, QUANT_BLOCK, False)
+    if whole < k_tokens:
+        m, l, acc = attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, whole, m, l, acc, k_tokens, k_padded,
+                                 BLOCK_N, D, QUANT_BLOCK, True)
+    o = acc / l[:, None] * tl.load(v_scales + bh * D + d)[None, :]  # l sums p times 2^8 too
+    b = bh // heads
+    h = bh % heads
+    tl.store(out + b * out_sb + h * out_sh + rows[:, None] * out_st + d[None, :], o.to(out.dtype.element_ty),
+             mask=(rows < q_tokens)[:, None])

@@ -1,0 +1,209 @@
+"""The ``fp8`` attention backend (``kernels/fp8_attention.py``): its plain-torch reference is close to exact attention,
+its Triton kernel computes the reference's arithmetic (under Triton's interpreter) and compiles for Hopper to fp8
+tensor-core instructions without spills, its backward is exact attention's, and it serves rollouts and replays with
+gradients at a log-prob ratio of exactly 1, eager and compiled; refused with the reason where it cannot run."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_sage_attention import QUICK, SDE, _rollout_and_replay_with_gradients
+
+import omnispec
+from omnispec.cli import main
+from omnispec.kernels import fp8_attention as fp8
+
+from conftest import SPECS
+
+DIGITS = SPECS / "digits.yaml"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+def _inputs(batch, heads, q_tokens, k_tokens, dim, dtype=torch.float32, seed=0, device="cpu"):
+    """q, k, v in the model's layout ([batch, tokens, heads, dim] seen as [batch, heads, tokens, dim]), K with an
+    offset per channel as real models' keys have."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, tokens, heads, dim, generator=generator).transpose(1, 2)
+               for tokens in (q_tokens, k_tokens, k_tokens))
+    k = k + torch.randn(dim, generator=generator)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("shape, dtype", [((1, 2, 77, 90, 64), torch.float32), ((2, 3, 300, 200, 32), torch.bfloat16),
+                                          ((1, 2, 1000, 1000, 128), torch.bfloat16)])
+def test_the_reference_is_within_a_cosine_of_0_995_of_exact_attention_but_not_exact(shape, dtype):
+    q, k, v = _inputs(*shape, dtype=dtype)
+    out = fp8.fp8_reference(q, k, v)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert out.dtype == dtype and out.shape == q.shape
+    assert _cosine(out, exact) >= 0.995
+    assert not torch.allclose(out.float(), exact, atol=1e-4)  # quantized: not exact attention rounded
+
+
+def test_smoothing_k_keeps_a_per_channel_offset_from_setting_the_scales():
+    """A large offset per channel of K, shared by every token, leaves attention as it is (softmax cancels it); without
+    the mean subtracted, each block's scale would follow the offset and the other channels would lose their bits."""
+    q, k, v = _inputs(1, 2, 256, 256, 64)
+    shifted = k + 50 * torch.randn(64, generator=torch.Generator().manual_seed(1))
+    exact = F.scaled_dot_product_attention(q, k, v)
+    assert _cosine(fp8.fp8_reference(q, shifted, v), exact) >= 0.998
+    unsmoothed = fp8.fp8_reference(q * 0, shifted, v)  # all scores equal: the mean of V, whatever K's rounding
+    assert _cosine(unsmoothed, v.float().mean(dim=-2, keepdim=True).expand_as(unsmoothed)) >= 0.999
+
+
+def test_small_probabilities_keep_a_value_through_p_scaled_by_2_to_the_8():
+    """Diffuse attention over many keys: each probability near 1/keys, below e4m3's least value (2^-9) at 1,000 keys
+    and more; scaled by 2^8 before rounding, they keep about e4m3's precision."""
+    q, k, v = _inputs(1, 1, 128, 4096, 64)
+    out = fp8.fp8_reference(q * 0.01, k, v)
+    assert _cosine(out, F.scaled_dot_product_attention(q * 0.01, k, v)) >= 0.99
+
+
+def _interpreted_checks() -> None:
+    """The Triton kernels against the reference with float32 storage (the same arithmetic; Triton's interpreter does
+    not round float8 as GPUs do): partial blocks of queries and keys, a single partial key block, head sizes 64 and
+    128, a batch, strided inputs; the output a view of [batch, tokens, heads, dim] memory. Run as this file's main
+    under ``TRITON_INTERPRET=1``, which triton reads when first imported."""
+    for shape in ((2, 3, 300, 200, 64), (1, 2, 128, 77, 128)):
+        q, k, v = _inputs(*shape)
+        got = fp8.fp8_kernel(q, k, v, storage=torch.float32)
+        want = fp8.fp8_reference(q, k, v, rounding=lambda x: x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got.transpose(1, 2).is_contiguous(), got.stride()
+        scaled = fp8.fp8_kernel(q, k, v, scale=0.3, storage=torch.float32)
+        torch.testing.assert_close(scaled, fp8.fp8_reference(q, k, v, 0.3, rounding=lambda x: x), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_the_kernel_under_the_interpreter_computes_the_references_arithmetic():
+    done = subprocess.run([sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("dim", fp8.GPU_HEAD_SIZES)
+def test_the_kernel_compiles_for_hopper_to_fp8_tensor_core_instructions_without_spills(dim):
+    """Compiled for sm_90 as a launch specializes it, without a GPU: the products on fp8 wgmma, P rounded to nearest
+    even (saturating), and no registers spilled at the default tiles."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from benchmarks.kernel_timing import compiled_facts
+    from omnispec.kernels.fp8_attention_triton import attention_kernel
+
+    block_m, block_n, warps, stages = fp8.TILES[dim]
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D": dim, "QUANT_BLOCK": fp8.QUANT_BLOCK}
+    pointers = {"q": "*fp8e4nv", "k": "*fp8e4nv", "v": "*fp8e4nv", "out": "*bf16"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name) or (
+        "*fp32" if name.endswith("scales") else "fp32" if name == "qk_scale" else "i32")
+        for name in attention_kernel.arg_names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(attention_kernel.arg_names)
+                 if signature[name] not in ("constexpr", "fp32")}
+    options = {"num_warps": warps, "num_stages": stages}
+    facts = compiled_facts(attention_kernel, signature, constants, divisible, 90, options)
+    assert facts.get("spilled_bytes") == 0, facts
+    source = ASTSource(fn=attention_kernel, signature=signature, constexprs=constants, attrs=divisible)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+def test_gradients_are_exact_attentions_at_the_same_inputs_and_the_forward_is_unchanged():
+    q, k, v = (t.requires_grad_(True) for t in _inputs(2, 2, 200, 150, 32))
+    out = fp8.fp8_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()  # the layout the model's output projection reads
+    with torch.no_grad():
+        assert torch.equal(out, fp8.fp8_attention(q, k, v))
+        assert torch.equal(out, fp8.fp8_reference(q, k, v))
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    exact = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), grad_out)
+    for got, want in zip(grads, exact):
+        assert torch.isfinite(got).all() and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_fp8_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch, compiled):
+    calls = []
+    reference = fp8.fp8_reference
+    monkeypatch.setattr(fp8, "fp8_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    torch._dynamo.reset()
+    overrides = [*QUICK, "policies.attention.default=fp8"]
+    if compiled:
+        overrides.append("policies.compile={mode: regional, backend: aot_eager}")
+    pipe = omnispec.build(DIGITS, overrides=overrides)
+    assert ("compiled in" in pipe.explain(as_dict=True)["attention"]["self"]) == compiled
+    try:
+        pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
+        in_rollout = len(calls)
+        rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
+    finally:
+        torch._dynamo.reset()
+    assert in_rollout > 0 and len(calls) > 2 * in_rollout  # the quantized forward ran in the rollout and the replay
+    assert torch.equal(replayed, rolled)
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_fp8_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "float16 or bfloat16 inputs on CUDA, not float32" in fp8.refusal(cuda, torch.float32, 128)
+    assert "head sizes 64, 128, not 80" in fp8.refusal(cuda, torch.bfloat16, 80)
+    assert fp8.refusal(cuda, torch.bfloat16, 128) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "(compute capability 8.9 and up), this GPU has 8.0" in fp8.refusal(cuda, torch.bfloat16, 128)
+    assert "not mps" in fp8.refusal(torch.device("mps"), torch.float16, 64)
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: None)
+    assert "triton is not installed" in fp8.refusal(cuda, torch.bfloat16, 128)
+    assert fp8.refusal(torch.device("cpu"), torch.float32, 24) is None  # the reference runs on the CPU
+
+
+def test_explain_says_fp8_is_approximate_and_what_its_backward_is(capsys):
+    assert main(["explain", str(DIGITS), "--set", "policies.attention.default=fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "approximate: Q and K" in out["attention"]["default"] and "float8 e4m3" in out["attention"]["default"]
+    assert "backward is exact attention's at the same q, k and v (straight-through)" in (
+        out["attention_with_gradients"]["default"])
+
+
+def test_flop_counters_count_the_fp8_operator_as_the_attention_it_replaces():
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    q, k, v = (t.requires_grad_(True) for t in _inputs(2, 3, 96, 80, 32))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fp8.fp8_attention(q, k, v).sum().backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert counts.get("omnispec.fp8_attention") == sdpa_flop_count(q.shape, k.shape, v.shape)
+    assert counts.get("omnispec.fp8_attention_backward") == sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dim", fp8.GPU_HEAD_SIZES)
+def test_the_cuda_kernel_is_the_reference_to_fp8_rounding(dim):
+    """On the GPU: the Triton kernel against the reference (the kernel rounds P against the running maximum, the
+    reference against the row's: not bit for bit), both against exact attention, bf16, two partial blocks."""
+    q, k, v = _inputs(2, 4, 1000, 700, dim, dtype=torch.bfloat16, device="cuda")
+    got = fp8.fp8_kernel(q, k, v)
+    want = fp8.fp8_reference(q, k, v)
+    exact = F.scaled_dot_product_attention(q, k, v)
+    assert _cosine(got, want) >= 0.9995 and _cosine(got, exact) >= 0.995, (_cosine(got, want), _cosine(got, exact))
+    assert fp8.refusal(q.device, q.dtype, dim) is None
+
+
+if __name__ == "__main__":
+    _interpreted_checks()

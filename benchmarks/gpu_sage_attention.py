@@ -3,8 +3,9 @@ Peer: torch's flash attention kernel (SDPA), the bf16 exact baseline, and FlashA
 installed), forward and forward + backward.
 
 ``python -m benchmarks.gpu_sage_attention [--iters 10] [--shapes wan14b_480p_self,wan14b_480p_cross]
-[--fp8-tiles 128x128x8x3,...] [--json FILE]`` (needs CUDA; ``sage`` rows need ``pip install sageattention``;
-``--smoke``: a tiny shape on the CPU, where ``sage`` and ``fp8`` are omnispec's plain-torch references)
+[--fp8-tiles 128x64x4x3,128x128x8x3+tma,...] [--json FILE]`` (needs CUDA; ``sage`` rows need ``pip install
+sageattention``; ``--smoke``: a tiny shape on the CPU, where ``sage`` and ``fp8`` are omnispec's plain-torch
+references)
 
 Each row is one attention call at a shape of Wan2.1 14B T2V 480x832x81 with CFG (batch 2: 21 latent frames of 30x52
 tokens, 40 heads of 128; self-attention over the video's 32,760 tokens, cross-attention to 512 text tokens), bf16,
@@ -16,7 +17,8 @@ laid out as the model hands q, k and v to SDPA ([batch, tokens, heads, dim] seen
   backward);
 - ``flash4``: FlashAttention-4 through omnispec's operators (``kernels/flash4.py``), its backward FA4's own;
 - ``fp8``: ``omnispec.kernels.fp8_attention.fp8_attention`` (omnispec's Triton kernel, its backward exact attention's
-  as ``sage``'s), one row per ``--fp8-tiles`` launch (query rows x key rows x warps x stages), with
+  as ``sage``'s), one row per ``--fp8-tiles`` launch (query rows x key rows x warps x stages, ``+tma``: tiles loaded
+  by tensor descriptors), with
   ``cosine_kernel_vs_reference`` against ``fp8_reference`` on the first ``--check-rows`` query rows;
 - ``sage reference``: the plain-torch reference on the first ``--check-rows`` query rows (whole quantization blocks,
   the whole K), untimed: the check of the kernel (``cosine_kernel_vs_reference``) and, with P·V in float8
@@ -52,7 +54,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--fp8-tiles", default="",
                         help="launches of the fp8 kernel to time besides its default, comma-separated: query rows x "
-                             "key rows x warps x stages, e.g. 128x64x4x3")
+                             "key rows x warps x stages, then +tma for descriptor loads, e.g. 128x64x4x3,128x128x8x3+tma")
     parser.add_argument("--check-rows", type=int, default=1024,
                         help="query rows the plain-torch reference checks the kernel on (a multiple of 128)")
 
@@ -106,19 +108,22 @@ def _flash4(q, k, v):
     return flash4_sdpa(q, k, v, None)
 
 
-def _fp8_launch(tile: tuple[int, int, int, int] | None):
-    """``fp8_attention`` with the kernel's launch for this head size set to ``tile`` (None: the default)."""
+def _fp8_launch(launch: str | None):
+    """``fp8_attention`` with the kernel's launch for this head size set to ``launch`` (``fp8_attention.Launch``'s
+    text; None: the default)."""
     from omnispec.kernels import fp8_attention as fp8
 
+    chosen = fp8.Launch.parse(launch) if launch else None
+
     def run(q, k, v):
-        if tile is None:
+        if chosen is None:
             return fp8.fp8_attention(q, k, v)
-        default = fp8.TILES[q.shape[-1]]
-        fp8.TILES[q.shape[-1]] = tile
+        default = fp8.LAUNCHES.get(q.shape[-1])
+        fp8.LAUNCHES[q.shape[-1]] = chosen
         try:
             return fp8.fp8_attention(q, k, v)
         finally:
-            fp8.TILES[q.shape[-1]] = default
+            fp8.LAUNCHES[q.shape[-1]] = default if default is not None else fp8.Launch()
     return run
 
 
@@ -132,8 +137,8 @@ def _kernels(fp8_tiles: str) -> list[tuple[str, object]]:
     if harness.DEVICE == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         kernels.append(("flash4", _flash4))
     kernels += [("sage", sage_attention), ("fp8", _fp8_launch(None))]
-    for tile in filter(None, fp8_tiles.split(",")):
-        kernels.append((f"fp8 {tile}", _fp8_launch(tuple(int(n) for n in tile.split("x")))))  # type: ignore[arg-type]
+    for launch in filter(None, fp8_tiles.split(",")):
+        kernels.append((f"fp8 {launch}", _fp8_launch(launch)))
     return kernels
 
 
@@ -184,6 +189,12 @@ def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, fp8_tiles:
 def benchmark(args, results: harness.Results) -> None:
     if args.check_rows % 128:
         raise harness.UsageError(f"--check-rows: a multiple of 128 (whole quantization blocks), got {args.check_rows}")
+    from omnispec.kernels.fp8_attention import Launch
+
+    try:
+        [Launch.parse(launch) for launch in filter(None, args.fp8_tiles.split(","))]
+    except ValueError as exc:
+        raise harness.UsageError(f"--fp8-tiles: {exc}") from None
     shapes = {"tiny": (1, 2, 300, 200, 32)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     results.header = {"device": harness.device_name(), "torch": torch.__version__}
     for shape, dims in shapes.items():

@@ -72,14 +72,17 @@ def test_small_probabilities_keep_a_value_through_p_scaled_by_2_to_the_8():
 def _interpreted_checks() -> None:
     """The Triton kernels against the reference with float32 storage (the same arithmetic; Triton's interpreter does
     not round float8 as GPUs do): partial blocks of queries and keys, a single partial key block, head sizes 64 and
-    128, a batch, strided inputs; the output a view of [batch, tokens, heads, dim] memory. Run as this file's main
-    under ``TRITON_INTERPRET=1``, which triton reads when first imported."""
+    128, a batch, strided inputs; the output a view of [batch, tokens, heads, dim] memory; tiles through pointers and
+    through tensor descriptors. Run as this file's main under ``TRITON_INTERPRET=1``, which
+    triton reads when first imported."""
+    launches = [fp8.Launch.parse(text) for text in ("128x128x8x3", "64x128x4x3", "128x64x4x3+tma", "128x128x8x2+tma")]
     for shape in ((2, 3, 300, 200, 64), (1, 2, 128, 77, 128)):
         q, k, v = _inputs(*shape)
-        got = fp8.fp8_kernel(q, k, v, storage=torch.float32)
         want = fp8.fp8_reference(q, k, v, rounding=lambda x: x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert got.transpose(1, 2).is_contiguous(), got.stride()
+        for launch in launches:
+            got = fp8.fp8_kernel(q, k, v, storage=torch.float32, launch=launch)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, launch=launch: f"{launch}: {m}")
+            assert got.transpose(1, 2).is_contiguous(), got.stride()
         scaled = fp8.fp8_kernel(q, k, v, scale=0.3, storage=torch.float32)
         torch.testing.assert_close(scaled, fp8.fp8_reference(q, k, v, 0.3, rounding=lambda x: x), rtol=1e-5, atol=1e-5)
 
@@ -92,32 +95,44 @@ def test_the_kernel_under_the_interpreter_computes_the_references_arithmetic():
 
 
 @needs_triton
-@pytest.mark.parametrize("dim", fp8.GPU_HEAD_SIZES)
-def test_the_kernel_compiles_for_hopper_to_fp8_tensor_core_instructions_without_spills(dim):
+@pytest.mark.parametrize("dim, tma", [(64, False), (128, False), (128, True)], ids=["64", "128", "128_tma"])
+def test_the_kernel_compiles_for_hopper_to_fp8_tensor_core_instructions_without_spills(dim, tma):
     """Compiled for sm_90 as a launch specializes it, without a GPU: the products on fp8 wgmma, P rounded to nearest
-    even (saturating), and no registers spilled at the default tiles."""
+    even (saturating), no registers spilled at the default tiles; with ``+tma`` the tiles come by TMA copies."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from benchmarks.kernel_timing import compiled_facts
-    from omnispec.kernels.fp8_attention_triton import attention_kernel
+    from omnispec.kernels import fp8_attention_triton as kernels
 
-    block_m, block_n, warps, stages = fp8.TILES[dim]
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D": dim, "QUANT_BLOCK": fp8.QUANT_BLOCK}
-    pointers = {"q": "*fp8e4nv", "k": "*fp8e4nv", "v": "*fp8e4nv", "out": "*bf16"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name) or (
+    launch = fp8.Launch(**{**vars(fp8.LAUNCHES[dim]), "tma": tma})
+    kernel = kernels.attention_kernel_tma if tma else kernels.attention_kernel
+    constants = {"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "D": dim, "QUANT_BLOCK": fp8.QUANT_BLOCK}
+    tiles = {"q": (launch.block_m, dim), "k": (launch.block_n, dim), "v": (dim, launch.block_n)}
+    pointers = {name: f"tensordesc<fp8e4nv[{rows}, {cols}]>" if tma else "*fp8e4nv"
+                for name, (rows, cols) in tiles.items()} | {"out": "*bf16"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name.removesuffix("_desc")) or (
         "*fp32" if name.endswith("scales") else "fp32" if name == "qk_scale" else "i32")
-        for name in attention_kernel.arg_names}
-    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(attention_kernel.arg_names)
-                 if signature[name] not in ("constexpr", "fp32")}
-    options = {"num_warps": warps, "num_stages": stages}
-    facts = compiled_facts(attention_kernel, signature, constants, divisible, 90, options)
+        for name in kernel.arg_names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                 if signature[name].startswith(("*", "i32"))}
+    options = {"num_warps": launch.warps, "num_stages": launch.stages}
+    facts = compiled_facts(kernel, signature, constants, divisible, 90, options)
     assert facts.get("spilled_bytes") == 0, facts
-    source = ASTSource(fn=attention_kernel, signature=signature, constexprs=constants, attrs=divisible)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=divisible)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == tma
+
+
+def test_a_launch_is_read_from_its_text_and_a_bad_one_refused():
+    assert fp8.Launch.parse("128x64x4x3+tma") == fp8.Launch(128, 64, 4, 3, tma=True)
+    assert str(fp8.Launch.parse("64x128x4x2")) == "64x128x4x2"
+    for bad in ("96x128x4x3", "128x128x8", "128x128x8x3+ws", "axbxcxd", "0x128x4x3"):
+        with pytest.raises(ValueError, match="not a launch of the fp8 kernel"):
+            fp8.Launch.parse(bad)
 
 
 def test_gradients_are_exact_attentions_at_the_same_inputs_and_the_forward_is_unchanged():
@@ -193,12 +208,12 @@ def test_flop_counters_count_the_fp8_operator_as_the_attention_it_replaces():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dim", fp8.GPU_HEAD_SIZES)
-def test_the_cuda_kernel_is_the_reference_to_fp8_rounding(dim):
+@pytest.mark.parametrize("dim, launch", [(64, None), (128, None), (128, "128x128x8x3+tma"), (128, "128x64x4x3")])
+def test_the_cuda_kernel_is_the_reference_to_fp8_rounding(dim, launch):
     """On the GPU: the Triton kernel against the reference (the kernel rounds P against the running maximum, the
     reference against the row's: not bit for bit), both against exact attention, bf16, two partial blocks."""
     q, k, v = _inputs(2, 4, 1000, 700, dim, dtype=torch.bfloat16, device="cuda")
-    got = fp8.fp8_kernel(q, k, v)
+    got = fp8.fp8_kernel(q, k, v, launch=fp8.Launch.parse(launch) if launch else None)
     want = fp8.fp8_reference(q, k, v)
     exact = F.scaled_dot_product_attention(q, k, v)
     assert _cosine(got, want) >= 0.9995 and _cosine(got, exact) >= 0.995, (_cosine(got, want), _cosine(got, exact))

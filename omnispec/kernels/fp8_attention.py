@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -48,10 +49,39 @@ _SCORES_AT_ONCE = 1 << 24
 # Head sizes and input dtypes the kernel is built for.
 GPU_HEAD_SIZES = (64, 128)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
-# The attention kernel's launch by head size: (query rows, key rows a step, warps, pipeline stages). The tiles divide
-# QUANT_BLOCK, so a query tile has one scale and a key tile one. How they were chosen: BENCHMARKS.md, "FP8
-# attention".
-TILES = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the attention kernel runs: query rows and key rows a step (each dividing ``QUANT_BLOCK``, so a tile has
+    one scale), warps, pipeline stages, and whether tiles load through tensor descriptors (Hopper's TMA) rather than
+    pointers (the pipeliner's asynchronous copies)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    warps: int = 8
+    stages: int = 3
+    tma: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Launch:
+        """``128x128x8x3``, optionally ``+tma``: the benchmark's ``--fp8-tiles``."""
+        sizes, _, flag = text.partition("+")
+        try:
+            block_m, block_n, warps, stages = (int(n) for n in sizes.split("x"))
+        except ValueError:
+            block_m = block_n = 0
+        if flag not in ("", "tma") or block_m <= 0 or block_n <= 0 or any(QUANT_BLOCK % b for b in (block_m, block_n)):
+            raise ValueError(f"not a launch of the fp8 kernel: {text!r} (MxNxWARPSxSTAGES, M and N dividing "
+                             f"{QUANT_BLOCK}, optionally +tma)")
+        return cls(block_m, block_n, warps, stages, flag == "tma")
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.warps}x{self.stages}{'+tma' if self.tma else ''}"
+
+
+# The attention kernel's launch by head size. How they were chosen: BENCHMARKS.md, "FP8 attention".
+LAUNCHES = {64: Launch(), 128: Launch()}
 
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -94,11 +124,12 @@ def _padded(tokens: int) -> int:
 
 
 def fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               storage: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+               storage: torch.dtype = torch.float8_e4m3fn, launch: Launch | None = None) -> torch.Tensor:
     """The Triton kernels (``fp8_attention_triton.py``) on (batch, heads, tokens, dim) q, k, v whose head size is
     contiguous (others are copied): three quantizing launches, then the attention. The output is a (batch, heads,
     tokens, dim) view of [batch, tokens, heads, dim] memory. ``storage``: the quantized values' dtype (float32 in
-    tests of the arithmetic under Triton's interpreter, whose float8 conversions do not round as GPUs do)."""
+    tests of the arithmetic under Triton's interpreter, whose float8 conversions do not round as GPUs do);
+    ``launch``: the attention kernel's (default: ``LAUNCHES`` by head size)."""
     from . import fp8_attention_triton as kernels
 
     batch, heads, q_tokens, dim = q.shape
@@ -124,12 +155,21 @@ def fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float |
     quantize(k, k8, k_scales, k_tokens, k_padded, 1, dim, 1)
     quantize(v, v8, k_scales, k_tokens, k_padded, 2, 1, k_padded)  # k_scales: not written in mode 2
     out = torch.empty(batch, q_tokens, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
-    block_m, block_n, warps, stages = TILES[dim]
-    kernels.attention_kernel[(q_padded // block_m, batch * heads)](
-        q8, k8, v8, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded,
-        q_padded // QUANT_BLOCK, k_padded // QUANT_BLOCK, scale / math.log(2), out.stride(0), out.stride(1),
-        out.stride(2), BLOCK_M=block_m, BLOCK_N=block_n, D=dim, QUANT_BLOCK=QUANT_BLOCK, num_warps=warps,
-        num_stages=stages)
+    launch = launch or LAUNCHES.get(dim, Launch())
+    grid = (q_padded // launch.block_m, batch * heads)
+    sizes = {"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "D": dim, "QUANT_BLOCK": QUANT_BLOCK,
+             "num_warps": launch.warps, "num_stages": launch.stages}
+    rest = (q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded, q_padded // QUANT_BLOCK,
+            k_padded // QUANT_BLOCK, scale / math.log(2), out.stride(0), out.stride(1), out.stride(2))
+    if launch.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descriptors = (TensorDescriptor.from_tensor(q8.flatten(0, 1), [launch.block_m, dim]),
+                       TensorDescriptor.from_tensor(k8.flatten(0, 1), [launch.block_n, dim]),
+                       TensorDescriptor.from_tensor(v8.flatten(0, 1), [dim, launch.block_n]))
+        kernels.attention_kernel_tma[grid](*descriptors, *rest, **sizes)
+    else:
+        kernels.attention_kernel[grid](q8, k8, v8, *rest, **sizes)
     return out
 
 

@@ -39,13 +39,10 @@ def quantize_kernel(x, mean, channel_scales, out, block_scales, tokens, heads, x
 
 
 @triton.jit
-def attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, n, m, l, acc, k_tokens, k_padded, BLOCK_N: tl.constexpr,
-                 D: tl.constexpr, QUANT_BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    # one block of BLOCK_N keys into the running max ``m`` (base 2), row sums ``l`` and output ``acc``
-    cols = n + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    k_tile = tl.load(k_rows + cols[None, :] * D + d[:, None])  # [D, BLOCK_N]: kᵀ, contiguous along D
-    s = tl.dot(q_tile, k_tile) * (q_scale * tl.load(k_scales + n // QUANT_BLOCK))
+def attend(q_tile, k_tile, v_tile, qk_scale, m, l, acc, cols, k_tokens, MASKED: tl.constexpr):
+    # one block of keys into the running max ``m`` (base 2), row sums ``l`` and output ``acc``: ``k_tile`` is kᵀ
+    # [D, keys], ``v_tile`` [keys, D], ``qk_scale`` the product of q's and k's block scales and the softmax scale
+    s = tl.dot(q_tile, k_tile) * qk_scale
     if MASKED:
         s = tl.where((cols < k_tokens)[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -53,16 +50,38 @@ def attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, n, m, l, acc, k_toke
     p = tl.math.exp2(s - (m_new - 8.0)[:, None])
     alpha = tl.math.exp2(m - m_new)
     l = l * alpha + tl.sum(p, axis=1)
-    v_tile = tl.load(v_cols + d[None, :] * k_padded + cols[:, None])  # [BLOCK_N, D], contiguous along the keys
     acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
     return m_new, l, acc
+
+
+@triton.jit
+def finish(acc, l, v_scales, out, bh, heads, rows, q_tokens, out_sb, out_sh, out_st, D: tl.constexpr):
+    # the output rows of one (batch, head): divided by the row sums (of p times 2^8 too), times v's channel scales
+    d = tl.arange(0, D)
+    o = acc / l[:, None] * tl.load(v_scales + bh * D + d)[None, :]
+    b = bh // heads
+    h = bh % heads
+    tl.store(out + b * out_sb + h * out_sh + rows[:, None] * out_st + d[None, :], o.to(out.dtype.element_ty),
+             mask=(rows < q_tokens)[:, None])
+
+
+@triton.jit
+def pointer_tiles(k_rows, v_cols, k_scales, n, k_padded, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  QUANT_BLOCK: tl.constexpr):
+    # keys n to n + BLOCK_N through pointers: kᵀ [D, BLOCK_N] (contiguous along D), v [BLOCK_N, D] (along the keys)
+    cols = n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    k_tile = tl.load(k_rows + cols[None, :] * D + d[:, None])
+    v_tile = tl.load(v_cols + d[None, :] * k_padded + cols[:, None])
+    return k_tile, v_tile, tl.load(k_scales + n // QUANT_BLOCK), cols
 
 
 @triton.jit
 def attention_kernel(q, k, v, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded,
                      q_blocks, k_blocks, qk_scale, out_sb, out_sh, out_st, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT_BLOCK: tl.constexpr):
-    # BLOCK_M query rows of one (batch, head) against all its keys, online softmax in base 2
+    # BLOCK_M query rows of one (batch, head) against all its keys, online softmax in base 2; tiles loaded through
+    # pointers (the pipeliner's asynchronous copies)
     start = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements at long videos' batches
     rows = start + tl.arange(0, BLOCK_M)
@@ -77,13 +96,47 @@ def attention_kernel(q, k, v, q_scales, k_scales, v_scales, out, q_tokens, k_tok
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     whole = k_tokens // BLOCK_N * BLOCK_N
     for n in range(0, whole, BLOCK_N):
-        m, l, acc = attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, n, m, l, acc, k_tokens, k_padded,
-                                 BLOCK_N, D, QUANT_BLOCK, False)
+        k_tile, v_tile, k_scale, cols = pointer_tiles(k_rows, v_cols, k_scales, n, k_padded, BLOCK_N, D, QUANT_BLOCK)
+        m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, False)
     if whole < k_tokens:
-        m, l, acc = attend_block(q_tile, q_scale, k_rows, v_cols, k_scales, whole, m, l, acc, k_tokens, k_padded,
-                                 BLOCK_N, D, QUANT_BLOCK, True)
-    o = acc / l[:, None] * tl.load(v_scales + bh * D + d)[None, :]  # l sums p times 2^8 too
-    b = bh // heads
-    h = bh % heads
-    tl.store(out + b * out_sb + h * out_sh + rows[:, None] * out_st + d[None, :], o.to(out.dtype.element_ty),
-             mask=(rows < q_tokens)[:, None])
+        k_tile, v_tile, k_scale, cols = pointer_tiles(k_rows, v_cols, k_scales, whole, k_padded, BLOCK_N, D,
+                                                      QUANT_BLOCK)
+        m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, True)
+    finish(acc, l, v_scales, out, bh, heads, rows, q_tokens, out_sb, out_sh, out_st, D)
+
+
+@triton.jit
+def descriptor_tiles(k_desc, v_desc, k_scales, bh, n, k_padded, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                     QUANT_BLOCK: tl.constexpr):
+    # keys n to n + BLOCK_N through tensor descriptors (Hopper's TMA copies): the same tiles as ``pointer_tiles``
+    k_tile = k_desc.load([(bh * k_padded + n).to(tl.int32), 0]).T
+    v_tile = v_desc.load([(bh * D).to(tl.int32), n]).T
+    return k_tile, v_tile, tl.load(k_scales + n // QUANT_BLOCK), n + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def attention_kernel_tma(q_desc, k_desc, v_desc, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads,
+                         q_padded, k_padded, q_blocks, k_blocks, qk_scale, out_sb, out_sh, out_st,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    # ``attention_kernel`` with its tiles loaded by tensor descriptors over the buffers seen as 2-d ([batch x heads x
+    # padded tokens, D] for q and k, [batch x heads x D, padded tokens] for v). (tl.range's warp_specialize left
+    # this loop's code unchanged for sm_90 under triton 3.7.1, so it is not asked for.)
+    start = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    rows = start + tl.arange(0, BLOCK_M)
+    q_tile = q_desc.load([(bh * q_padded + start).to(tl.int32), 0])
+    q_scale = tl.load(q_scales + bh * q_blocks + start // QUANT_BLOCK) * qk_scale
+    k_scales += bh * k_blocks
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    whole = k_tokens // BLOCK_N * BLOCK_N
+    for n in range(0, whole, BLOCK_N):
+        k_tile, v_tile, k_scale, cols = descriptor_tiles(k_desc, v_desc, k_scales, bh, n, k_padded, BLOCK_N, D,
+                                                         QUANT_BLOCK)
+        m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, False)
+    if whole < k_tokens:
+        k_tile, v_tile, k_scale, cols = descriptor_tiles(k_desc, v_desc, k_scales, bh, whole, k_padded, BLOCK_N, D,
+                                                         QUANT_BLOCK)
+        m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, True)
+    finish(acc, l, v_scales, out, bh, heads, rows, q_tokens, out_sb, out_sh, out_st, D)

@@ -1,10 +1,10 @@
-"""How fast and how close to bf16 are Sage-style int8 (``sage``) and omnispec's fp8 kernel (``fp8``) at Wan's shapes?
+"""How fast and how close to bf16 are Sage-style int8 attentions (``sage``, ``int8_fp8``) at Wan's shapes?
 Peer: torch's flash attention kernel (SDPA), the bf16 exact baseline, and FlashAttention-4 (``flash4``, where
 installed), forward and forward + backward.
 
 ``python -m benchmarks.gpu_sage_attention [--iters 10] [--shapes wan14b_480p_self,wan14b_480p_cross]
-[--fp8-tiles 128x64x4x3,128x128x8x3+tma,...] [--json FILE]`` (needs CUDA; ``sage`` rows need ``pip install
-sageattention``; ``--smoke``: a tiny shape on the CPU, where ``sage`` and ``fp8`` are omnispec's plain-torch
+[--int8-fp8-launches 128x64x4x3,128x128x8x3+tma,...] [--json FILE]`` (needs CUDA; ``sage`` rows need ``pip install
+sageattention``; ``--smoke``: a tiny shape on the CPU, where ``sage`` and ``int8_fp8`` are omnispec's plain-torch
 references)
 
 Each row is one attention call at a shape of Wan2.1 14B T2V 480x832x81 with CFG (batch 2: 21 latent frames of 30x52
@@ -16,10 +16,10 @@ laid out as the model hands q, k and v to SDPA ([batch, tokens, heads, dim] seen
   inputs, recomputed on torch's flash kernel, so forward + backward costs the int8 forward plus a flash forward and
   backward);
 - ``flash4``: FlashAttention-4 through omnispec's operators (``kernels/flash4.py``), its backward FA4's own;
-- ``fp8``: ``omnispec.kernels.fp8_attention.fp8_attention`` (omnispec's Triton kernel, its backward exact attention's
-  as ``sage``'s), one row per ``--fp8-tiles`` launch (query rows x key rows x warps x stages, ``+tma``: tiles loaded
-  by tensor descriptors), with
-  ``cosine_kernel_vs_reference`` against ``fp8_reference`` on the first ``--check-rows`` query rows;
+- ``int8_fp8``: ``omnispec.kernels.int8_fp8.int8_fp8_attention`` (omnispec's Triton kernel: int8 Q·K, fp8 P·V; its
+  backward exact attention's as ``sage``'s), one row per ``--int8-fp8-launches`` launch (query rows x key rows x
+  warps x stages, ``+tma``: tiles loaded by tensor descriptors), with ``cosine_kernel_vs_reference`` against
+  ``int8_fp8_reference`` on the first ``--check-rows`` query rows;
 - ``sage reference``: the plain-torch reference on the first ``--check-rows`` query rows (whole quantization blocks,
   the whole K), untimed: the check of the kernel (``cosine_kernel_vs_reference``) and, with P·V in float8
   (``pv="fp8"``), what an fp8 P·V would cost in accuracy.
@@ -52,8 +52,8 @@ SHAPES = {
 def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--fp8-tiles", default="",
-                        help="launches of the fp8 kernel to time besides its default, comma-separated: query rows x "
+    parser.add_argument("--int8-fp8-launches", default="",
+                        help="launches of the int8_fp8 kernel to time besides its default, comma-separated: query rows x "
                              "key rows x warps x stages, then +tma for descriptor loads, e.g. 128x64x4x3,128x128x8x3+tma")
     parser.add_argument("--check-rows", type=int, default=1024,
                         help="query rows the plain-torch reference checks the kernel on (a multiple of 128)")
@@ -108,27 +108,27 @@ def _flash4(q, k, v):
     return flash4_sdpa(q, k, v, None)
 
 
-def _fp8_launch(launch: str | None):
-    """``fp8_attention`` with the kernel's launch for this head size set to ``launch`` (``fp8_attention.Launch``'s
+def _int8_fp8_launch(launch: str | None):
+    """``int8_fp8_attention`` with the kernel's launch for this head size set to ``launch`` (``int8_fp8.Launch``'s
     text; None: the default)."""
-    from omnispec.kernels import fp8_attention as fp8
+    from omnispec.kernels import int8_fp8
 
-    chosen = fp8.Launch.parse(launch) if launch else None
+    chosen = int8_fp8.Launch.parse(launch) if launch else None
 
     def run(q, k, v):
         if chosen is None:
-            return fp8.fp8_attention(q, k, v)
-        default = fp8.LAUNCHES.get(q.shape[-1])
-        fp8.LAUNCHES[q.shape[-1]] = chosen
+            return int8_fp8.int8_fp8_attention(q, k, v)
+        default = int8_fp8.LAUNCHES.get(q.shape[-1])
+        int8_fp8.LAUNCHES[q.shape[-1]] = chosen
         try:
-            return fp8.fp8_attention(q, k, v)
+            return int8_fp8.int8_fp8_attention(q, k, v)
         finally:
-            fp8.LAUNCHES[q.shape[-1]] = default if default is not None else fp8.Launch()
+            int8_fp8.LAUNCHES[q.shape[-1]] = default if default is not None else int8_fp8.Launch()
     return run
 
 
-def _kernels(fp8_tiles: str) -> list[tuple[str, object]]:
-    """The timed configurations: flash, flash4 where importable, sage, fp8 and its extra launches."""
+def _kernels(launches: str) -> list[tuple[str, object]]:
+    """The timed configurations: flash, flash4 where importable, sage, int8_fp8 and its extra launches."""
     import importlib.util
 
     from omnispec.kernels.sage import sage_attention
@@ -136,15 +136,15 @@ def _kernels(fp8_tiles: str) -> list[tuple[str, object]]:
     kernels = [("flash", _flash)]
     if harness.DEVICE == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         kernels.append(("flash4", _flash4))
-    kernels += [("sage", sage_attention), ("fp8", _fp8_launch(None))]
-    for launch in filter(None, fp8_tiles.split(",")):
-        kernels.append((f"fp8 {launch}", _fp8_launch(launch)))
+    kernels += [("sage", sage_attention), ("int8_fp8", _int8_fp8_launch(None))]
+    for launch in filter(None, launches.split(",")):
+        kernels.append((f"int8_fp8 {launch}", _int8_fp8_launch(launch)))
     return kernels
 
 
-def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, fp8_tiles: str,
+def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, launches: str,
                 results: harness.Results) -> None:
-    from omnispec.kernels.fp8_attention import fp8_reference
+    from omnispec.kernels.int8_fp8 import int8_fp8_reference
     from omnispec.kernels.sage import sage_reference
 
     batch, heads, q_tokens, k_tokens, head_dim = dims
@@ -155,7 +155,7 @@ def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, fp8_tiles:
         bf16 = _flash(q, k, v)
     grad_out = torch.randn_like(bf16)
     timed = {}
-    for name, fn in _kernels(fp8_tiles):
+    for name, fn in _kernels(launches):
         try:
             with torch.no_grad():
                 out = fn(q, k, v)
@@ -170,10 +170,10 @@ def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, fp8_tiles:
         if "flash" in timed:
             row |= {"forward_speedup": timed["flash"][0] / forward_ms,
                     "forward_backward_speedup": timed["flash"][1] / backward_ms}
-        if name == "sage" or name.startswith("fp8"):
+        if name == "sage" or name.startswith("int8_fp8"):
             rows = min(check_rows, q_tokens)
             with torch.no_grad():
-                reference = (sage_reference if name == "sage" else fp8_reference)(q[:, :, :rows], k, v)
+                reference = (sage_reference if name == "sage" else int8_fp8_reference)(q[:, :, :rows], k, v)
             row["cosine_kernel_vs_reference"] = _cosine(out[:, :, :rows], reference)
         results.save(row)
         del out
@@ -189,17 +189,17 @@ def _shape_rows(shape: str, dims: tuple, iters: int, check_rows: int, fp8_tiles:
 def benchmark(args, results: harness.Results) -> None:
     if args.check_rows % 128:
         raise harness.UsageError(f"--check-rows: a multiple of 128 (whole quantization blocks), got {args.check_rows}")
-    from omnispec.kernels.fp8_attention import Launch
+    from omnispec.kernels.int8_fp8 import Launch
 
     try:
-        [Launch.parse(launch) for launch in filter(None, args.fp8_tiles.split(","))]
+        [Launch.parse(launch) for launch in filter(None, args.int8_fp8_launches.split(","))]
     except ValueError as exc:
-        raise harness.UsageError(f"--fp8-tiles: {exc}") from None
+        raise harness.UsageError(f"--int8-fp8-launches: {exc}") from None
     shapes = {"tiny": (1, 2, 300, 200, 32)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     results.header = {"device": harness.device_name(), "torch": torch.__version__}
     for shape, dims in shapes.items():
         _shape_rows(shape, dims, 1 if args.smoke else args.iters, 256 if args.smoke else args.check_rows,
-                    "" if args.smoke else args.fp8_tiles, results)
+                    "" if args.smoke else args.int8_fp8_launches, results)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ it (FLUX, Wan; not SD3's ``JointAttnProcessor2_0`` or the digits model's ``AttnP
 refuses sageattention < 2.1.1, the only build on PyPI. Intercepting SDPA covers every processor alike.
 
 Under compile per-module hooks would make every block recompile, so the only replacements allowed there, ``flash4``,
-``sage`` and ``fp8`` (operators compiled code can call), run through one redirect around the denoiser's call
+``sage`` and ``int8_fp8`` (operators compiled code can call), run through one redirect around the denoiser's call
 (``CompiledRedirectHook``) that dynamo traces into each compiled block.
 
 Forwards that may be differentiated (with gradients, a rollout's, a replay's: ``kernels.sdpa.may_train``) run
@@ -92,10 +92,10 @@ class FixedBackendHook(ModelHook):
 
 class CompiledRedirectHook(ModelHook):
     """Under compile: the denoiser's whole call inside one redirect of plain SDPA calls of ``head_sizes`` to a
-    replacement kernel (``flash4``, ``sage`` or ``fp8``, operators compiled code can call). Dynamo traces the mode
-    into each compiled block; per-module hooks would make it recompile every block. A call shape FA4 refuses falls
-    back to SDPA inside its operators (``flash4.py``), as in eager runs; sage's and fp8's dtypes and head sizes are
-    checked at build."""
+    replacement kernel (``flash4``, ``sage`` or ``int8_fp8``, operators compiled code can call). Dynamo traces the
+    mode into each compiled block; per-module hooks would make it recompile every block. A call shape FA4 refuses
+    falls back to SDPA inside its operators (``flash4.py``), as in eager runs; sage's and int8_fp8's dtypes and head
+    sizes are checked at build."""
 
     def __init__(self, backend: str, head_sizes: frozenset[int]):
         super().__init__()
@@ -281,7 +281,7 @@ def apply_attention(spec: PipelineSpec, target: AttentionTarget, denoisers: Mapp
             hook_for = _plan_role(spec, target, role, dname, modules[0][1], denoiser.dtype, device, plan, problems)
             if hook_for is None:
                 continue
-            if compiled:  # the spec rules let only flash4, sage or fp8, named for every role, reach here
+            if compiled:  # the spec rules let only flash4, sage or int8_fp8, named for every role, reach here
                 traced.add(head_shape(modules[0][1], target)[1])
                 plan.notes[role] += "; compiled in, through one redirect around the denoiser's call"
                 continue

@@ -9,7 +9,7 @@ torch's dispatcher would be free to send to cuDNN attention runs with cuDNN atte
 flash attention where the call allows it, memory-efficient attention where it has a mask, math last. Their backwards
 are the ones torch trains with everywhere; cuDNN attention's backward can fail with a sticky CUDA error that no
 fallback can catch (BENCHMARKS.md, "Attention with gradients"), so it runs only where a spec names ``sdpa_cudnn``.
-``sage``'s and ``fp8``'s forwards are quantized and their backward exact attention's at the same inputs
+``sage``'s and ``int8_fp8``'s forwards are quantized and their backward exact attention's at the same inputs
 (``kernels.straight_through``), so a rollout and its replays with gradients share their forward."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ SDPA_KERNELS = {
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
     "sdpa_math": SDPBackend.MATH,
 }
-CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage", "fp8", "flash4")
-# Kernels whose results differ from exact attention beyond rounding (SageAttention quantizes Q and K to int8, fp8 all
-# of Q, K, V and P to float8): auto considers them only when the spec allows approximation.
-APPROXIMATE = ("sage", "fp8")
+CONCRETE = ("sdpa", *SDPA_KERNELS, "xformers", "sage", "int8_fp8", "flash4")
+# Kernels whose results differ from exact attention beyond rounding (both quantize Q and K to int8; int8_fp8 P and V
+# to float8 too): auto considers them only when the spec allows approximation.
+APPROXIMATE = ("sage", "int8_fp8")
 # Never an auto candidate: the math kernel materialises the full score matrix (160 GiB for one Wan-14B
 # 480p layer) and is never the fastest.
 AUTO_EXCLUDED = ("sdpa_math",)
@@ -98,12 +98,12 @@ def _sage_attention(q, k, v, scale):
     return sage_attention(q, k, v, scale)
 
 
-def _fp8_attention(q, k, v, scale):
-    """FP8 attention (``kernels/fp8_attention.py``): omnispec's Triton kernel on CUDA, its plain-torch reference on the
-    CPU; where gradients flow, its backward is exact attention's at the same q, k and v."""
-    from ..kernels.fp8_attention import fp8_attention
+def _int8_fp8_attention(q, k, v, scale):
+    """int8 Q·K, fp8 P·V attention (``kernels/int8_fp8.py``): omnispec's Triton kernel on CUDA, its plain-torch
+    reference on the CPU; where gradients flow, its backward is exact attention's at the same q, k and v."""
+    from ..kernels.int8_fp8 import int8_fp8_attention
 
-    return fp8_attention(q, k, v, scale)
+    return int8_fp8_attention(q, k, v, scale)
 
 
 def _flash4_attention(q, k, v, scale):
@@ -116,7 +116,7 @@ def _flash4_attention(q, k, v, scale):
 
 
 _REPLACEMENTS: dict[str, Callable] = {"xformers": _xformers_attention, "sage": _sage_attention,
-                                      "fp8": _fp8_attention, "flash4": _flash4_attention}
+                                      "int8_fp8": _int8_fp8_attention, "flash4": _flash4_attention}
 
 
 class _RedirectSDPA(SDPAMode):
@@ -140,7 +140,7 @@ class _RedirectSDPA(SDPAMode):
 
 
 def redirect_mode(backend: str, head_sizes: frozenset[int] | None = None) -> TorchFunctionMode:
-    """The mode sending plain SDPA calls to a replacement kernel (``xformers``, ``sage``, ``fp8``, ``flash4``)."""
+    """The mode sending plain SDPA calls to a replacement kernel (``xformers``, ``sage``, ``int8_fp8``, ``flash4``)."""
     return _RedirectSDPA(_REPLACEMENTS[backend], head_sizes)
 
 
@@ -159,15 +159,15 @@ def backend_context(backend: str) -> Iterator[None]:
 # ---- detection ------------------------------------------------------------------------------------
 
 # The replacement kernels' packages: backend -> (module to import, package name, runs only on CUDA). ``sage`` and
-# ``fp8`` run on the CPU too (their plain-torch references) and say where they cannot run themselves (``refusal``).
+# ``int8_fp8`` run on the CPU too (their plain-torch references) and say where they cannot run themselves (``refusal``).
 _PACKAGES = {"xformers": ("xformers.ops", "xformers", False), "flash4": ("flash_attn.cute", "flash-attn-4", True)}
 
 
 def probe(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when the backend runs here for this dtype and head size, else the reason it does not."""
-    if backend in ("sage", "fp8"):
-        refusal = importlib.import_module(f"..kernels.{'sage' if backend == 'sage' else 'fp8_attention'}", __package__)
-        if (why := refusal.refusal(device, dtype, head_dim)) is not None:
+    if backend in ("sage", "int8_fp8"):
+        kernel = importlib.import_module(f"..kernels.{backend}", __package__)
+        if (why := kernel.refusal(device, dtype, head_dim)) is not None:
             return why
     if backend in _PACKAGES:
         module, package, cuda_only = _PACKAGES[backend]

@@ -30,14 +30,15 @@ def auto_as_sdpa(spec: PipelineSpec) -> str | None:
 
 
 ALSO = "; rollouts and their replays run it too, so a replay computes its rollout's forward"
-# What the approximate backends compute (``kernels/sage.py``, ``kernels/fp8_attention.py``), and their backward.
+# What the approximate backends compute (``kernels/sage.py``, ``kernels/int8_fp8.py``), and their backward.
 FORWARDS = {
     "sage": ("approximate: Q and K (K less its mean over tokens) quantized to int8 per block of tokens, softmax in "
              "float32, P·V in the input's dtype; sageattention's kernel on CUDA, omnispec's plain-torch reference on "
              "the CPU; calls with a mask, causal or with dropout run on sdpa"),
-    "fp8": ("approximate: Q and K (K less its mean over tokens) in float8 e4m3 per block of 128 tokens, V per channel, "
-            "softmax in float32, P in float8 for P·V; omnispec's Triton kernel on CUDA (fp8 tensor cores: Ada, Hopper "
-            "and later), its plain-torch reference on the CPU; calls with a mask, causal or with dropout run on sdpa"),
+    "int8_fp8": ("approximate: Q and K (K less its mean over tokens) quantized to int8 per block of 128 tokens, softmax "
+                 "in float32, P and V (a scale per channel) in float8 e4m3 for P·V; omnispec's Triton kernel on CUDA "
+                 "(8-bit tensor cores: Ada, Hopper and later), its plain-torch reference on the CPU; calls with a "
+                 "mask, causal or with dropout run on sdpa"),
 }
 STRAIGHT_THROUGH = ("its backward is exact attention's at the same q, k and v (straight-through), on torch's flash or "
                     "memory-efficient attention, never cuDNN's")

@@ -240,7 +240,7 @@ def _policy_problems(spec: PipelineSpec):
             elif backend not in ("auto", "sdpa", *COMPILED_REPLACEMENTS):
                 yield ("policies", "attention", *where), (
                     f"backend {backend!r} is applied by per-module hooks that make policies.compile.mode "
-                    f"{policies.compile.mode!r} recompile every block; use auto, sdpa, flash4, sage or fp8 with compile"
+                    f"{policies.compile.mode!r} recompile every block; use auto, sdpa, flash4, sage or int8_fp8 with compile"
                 )
     perturbing = [
         i for i, phase in enumerate(spec.recipe.phases) if phase.guidance.perturbs_attention

@@ -15,15 +15,16 @@ from .base import SpecModel
 from .kinds import Axes, Kinds
 
 AttentionBackend = Literal[
-    "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage", "fp8", "flash4"
+    "auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "xformers", "sage", "int8_fp8",
+    "flash4"
 ]
 # Backends that run through torch's scaled_dot_product_attention, which diffusers' attention-score
 # perturbation (skip-layer guidance with skip: attention_scores) and the sequence-parallel attention intercept;
-# the others (xformers, sage, fp8, flash4) bypass it.
+# the others (xformers, sage, int8_fp8, flash4) bypass it.
 PERTURBABLE_BACKENDS = ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
 # Replacement kernels compiled code can call (operators): under compile one of them, named for every role, runs
 # through one redirect around the denoiser's call that the compiler traces into each block.
-COMPILED_REPLACEMENTS = ("flash4", "sage", "fp8")
+COMPILED_REPLACEMENTS = ("flash4", "sage", "int8_fp8")
 
 
 class SparseAttention(SpecModel):
@@ -49,7 +50,7 @@ class AttentionPolicy(SpecModel):
         default_factory=dict, description="Attention role (self, cross, joint, family roles) -> backend."
     )
     allow_fallback: bool = Field(default=False, description="Fall back to sdpa when a named backend can't run.")
-    approximate: bool = Field(default=False, description="Let auto consider approximate kernels (sage, fp8).")
+    approximate: bool = Field(default=False, description="Let auto consider approximate kernels (sage, int8_fp8).")
     fused_qk_norm_rope: bool = Field(default=False, description=(
         "Prepare each attention's queries and keys (per-head RMS norms, the text stream's first, the RoPE) in one "
         "kernel for both instead of the model's separate operations (families that have it: FLUX; a Triton "

@@ -39,9 +39,9 @@ FAST = (
     PresetField(("mlp", "fused_gelu"), True, "bias + GELU in the feed-forward matmul", "fused_gelu"),
     PresetField(("mlp", "precomputed_modulation"), True, "modulation linears precomputed per request", "modulation"),
 )
-# fp8 matmuls with a scale per row: the setting whose cosine against bf16 BENCHMARKS.md records for each family
-# (no approximate attention yet: ``sage`` runs compiled too, but whether sageattention's kernels beat FlashAttention-4
-# on Hopper is not measured: BENCHMARKS.md, "Not measured yet")
+# fp8 matmuls with a scale per row: the setting whose cosine against bf16 BENCHMARKS.md records for each family. No
+# approximate attention: ``sage`` lost to FlashAttention-4 on Hopper, and whether ``int8_fp8`` beats it is not
+# measured yet (BENCHMARKS.md, "int8 Q·K, fp8 P·V attention").
 FASTEST = FAST + (
     PresetField(("quantization", "denoiser"), {"method": "fp8_dynamic", "granularity": "row"},
                 "fp8 matmuls in the denoisers (torchao, a scale per row)", "fp8", approximate=True),

@@ -1,10 +1,10 @@
-"""The Triton kernels of ``attention: fp8`` (``fp8_attention.py`` says what they compute and why). A module of its own
+"""The Triton kernels of ``attention: int8_fp8`` (``int8_fp8.py`` says what they compute and why). A module of its own
 so that its functions are module globals, which Triton resolves when one calls another, and so that importing the
 operator does not import triton.
 
-Layouts (the launcher in ``fp8_attention.py`` allocates them): the quantized q and k are [batch x heads, padded
-tokens, head size] and v is [batch x heads, head size, padded tokens], each padded with zeros to whole blocks of
-``QUANT_BLOCK`` tokens. Hopper's fp8 tensor-core instructions read both operands contiguous along the summed
+Layouts (the launcher in ``int8_fp8.py`` allocates them): the quantized q and k (int8) are [batch x heads, padded
+tokens, head size] and v (e4m3) is [batch x heads, head size, padded tokens], each padded with zeros to whole blocks
+of ``QUANT_BLOCK`` tokens. Hopper's 8-bit tensor-core instructions read both operands contiguous along the summed
 dimension: the head size for q·kᵀ, the key tokens for p·v, hence v's transposed layout. The inputs and the output
 keep the model's layout: [batch, heads, tokens, head size] seen through strides, the head size contiguous.
 """
@@ -16,9 +16,10 @@ import triton.language as tl
 @triton.jit
 def quantize_kernel(x, mean, channel_scales, out, block_scales, tokens, heads, x_sb, x_sh, x_st, out_sbh, out_st,
                     out_sd, blocks_per_head, BLOCK: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
-    # one block of BLOCK tokens of one (batch, head) into e4m3. MODE 0: one scale for the block, max |x| / 448 (q);
-    # 1: the same after subtracting ``mean`` (k less its mean over tokens); 2: a given scale per channel (v).
-    # Rows past ``tokens`` are written as zeros: the padded buffers need no other initialisation.
+    # one block of BLOCK tokens of one (batch, head), quantized. MODE 0: int8 with one scale for the block,
+    # max |x| / 127, rounded half away from zero (q); 1: the same after subtracting ``mean`` (k less its mean over
+    # tokens); 2: e4m3 with a given scale per channel (v). Rows past ``tokens`` are written as zeros: the padded
+    # buffers need no other initialisation.
     block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements at long videos' batches
     b = bh // heads
@@ -30,19 +31,26 @@ def quantize_kernel(x, mean, channel_scales, out, block_scales, tokens, heads, x
     if MODE == 1:
         values = tl.where(live, values - tl.load(mean + bh * D + d)[None, :], 0.0)
     if MODE == 2:
-        scaled = values / tl.load(channel_scales + bh * D + d)[None, :]
+        quantized = values / tl.load(channel_scales + bh * D + d)[None, :]
     else:
-        scale = tl.maximum(tl.max(tl.max(tl.abs(values), axis=1), axis=0), 1e-30) / 448.0
+        scale = tl.maximum(tl.max(tl.max(tl.abs(values), axis=1), axis=0), 1e-30) / 127.0
         scaled = values / scale
+        quantized = tl.where(scaled >= 0, scaled + 0.5, scaled - 0.5).to(tl.int32)  # the cast truncates
         tl.store(block_scales + bh * blocks_per_head + block, scale)
-    tl.store(out + bh * out_sbh + t[:, None] * out_st + d[None, :] * out_sd, scaled.to(out.dtype.element_ty))
+    tl.store(out + bh * out_sbh + t[:, None] * out_st + d[None, :] * out_sd, quantized.to(out.dtype.element_ty))
 
 
 @triton.jit
 def attend(q_tile, k_tile, v_tile, qk_scale, m, l, acc, cols, k_tokens, MASKED: tl.constexpr):
     # one block of keys into the running max ``m`` (base 2), row sums ``l`` and output ``acc``: ``k_tile`` is kᵀ
     # [D, keys], ``v_tile`` [keys, D], ``qk_scale`` the product of q's and k's block scales and the softmax scale
-    s = tl.dot(q_tile, k_tile) * qk_scale
+    if q_tile.dtype == tl.int8:
+        # int32 sums (|s| <= 127^2 x 256 < 2^22) to float32 through the float 1.5 x 2^23's bits, an integer add and a
+        # float subtraction: a conversion instruction would run on the pipe the exponentials need
+        s = (tl.dot(q_tile, k_tile, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:  # float32 storage: the arithmetic under tests
+        s = tl.dot(q_tile, k_tile)
+    s = s * qk_scale
     if MASKED:
         s = tl.where((cols < k_tokens)[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -1,27 +1,31 @@
-"""FP8 flash attention (``attention: fp8``): omnispec's Triton kernel for GPUs with fp8 tensor cores (Ada, Hopper and
-later), with a defined backward.
+"""Sage-style quantized attention with an fp8 P·V (``attention: int8_fp8``): omnispec's Triton kernel for GPUs with
+8-bit tensor cores (Ada, Hopper and later), with a defined backward. The recipe is SageAttention2's (Zhang et al.,
+"SageAttention2: Efficient Attention with Thorough Outlier Smoothing and Per-thread INT4 Quantization"): Q·K in int8
+after smoothing K, P·V in float8.
 
-Why a kernel of omnispec's own: FlashAttention-4's fp8 forward runs only on Blackwell (its interface asserts compute
-capability 10), FlashAttention-3's is built from source only, and sageattention's published build (1.0.6) computes
-P·V in 16 bits with tiles chosen for Ampere, which lost to FlashAttention-4 at Wan2.1 14B's shapes on the H100
-(BENCHMARKS.md, "Wan2.1 14B's presets with FlashAttention-4").
+Why a kernel of omnispec's own: sageattention's published build (1.0.6) computes P·V in 16 bits with tiles chosen for
+Ampere, which lost to FlashAttention-4 at Wan2.1 14B's shapes on the H100 (BENCHMARKS.md, "Wan2.1 14B's presets with
+FlashAttention-4"); its later releases, FlashAttention-3's fp8 forward and vLLM's are built from source only, and
+FlashAttention-4's fp8 forward runs only on Blackwell (its interface asserts compute capability 10).
 
 The forward, for (batch, heads, tokens, head size) inputs:
 
 1. K smoothed: its mean over tokens subtracted (per batch, head and channel). Every score of a query row moves by the
    same ``q · mean(k)``, which softmax cancels; what it removes is the offset K's channels carry, which would
-   otherwise set the scale that all of K's values are rounded against (SageAttention's observation).
-2. Q and the smoothed K in float8 e4m3, one scale per block of ``QUANT_BLOCK`` tokens: ``max |x| / 448``.
+   otherwise set the scale that all of K's values are rounded against.
+2. Q and the smoothed K in int8, one scale per block of ``QUANT_BLOCK`` tokens: ``max |x| / 127``, values rounded half
+   away from zero. int8 rather than float8 for Q·K: on the values of a block it keeps about four times e4m3's
+   precision (seven bits against three), at the same tensor-core rate.
 3. V in float8 e4m3 with one scale per channel (per batch and head): ``max |v| / 448`` over the tokens.
-4. Scores: fp8 products summed in float32 by the tensor cores, times the two blocks' scales and the softmax scale;
-   the softmax online (running max and row sums, base 2), in float32.
+4. Scores: int8 products summed exactly in int32 by the tensor cores, times the two blocks' scales and the softmax
+   scale; the softmax online (running max and row sums, base 2), in float32.
 5. P times 2^8 (exact) in float8 e4m3, so that probabilities down to 2^-17 keep a value (e4m3's least is 2^-9); P·V
    on the tensor cores; the output divided by the row sums (of the scaled P, so the 2^8 cancels), times V's scales.
 
-``fp8_reference`` is that forward in plain torch with float32 sums and the softmax over whole rows (the kernel's
-online softmax rounds P against the running maximum, so the two agree to fp8's rounding, not bit for bit): the CPU
-path, and the check of the kernel. ``fp8_attention`` runs the kernel on CUDA and the reference on the CPU through an
-operator whose backward is exact attention's (``straight_through.py``).
+``int8_fp8_reference`` is that forward in plain torch (the int8 products summed in float32, exact at these sizes; the
+softmax over whole rows: the kernel's online softmax rounds P against the running maximum, so the two agree to fp8's
+rounding of P, not bit for bit): the CPU path, and the check of the kernel. ``int8_fp8_attention`` runs the kernel on
+CUDA and the reference on the CPU through an operator whose backward is exact attention's (``straight_through.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from .straight_through import straight_through_attention
 
 # Tokens per quantization block of Q and of K, and the tile sizes divide it.
 QUANT_BLOCK = 128
-# The largest float8 e4m3 value.
+# The largest int8 value Q and K are scaled to, and the largest float8 e4m3 value (V).
+INT8_MAX = 127.0
 FP8_MAX = 448.0
 # P is scaled by this power of two before rounding (the module docstring, step 5); the kernel writes it as 8.0 in
 # its exponent.
@@ -65,14 +70,14 @@ class Launch:
 
     @classmethod
     def parse(cls, text: str) -> Launch:
-        """``128x128x8x3``, optionally ``+tma``: the benchmark's ``--fp8-tiles``."""
+        """``128x128x8x3``, optionally ``+tma``: the benchmark's ``--int8-fp8-launches``."""
         sizes, _, flag = text.partition("+")
         try:
             block_m, block_n, warps, stages = (int(n) for n in sizes.split("x"))
         except ValueError:
             block_m = block_n = 0
         if flag not in ("", "tma") or block_m <= 0 or block_n <= 0 or any(QUANT_BLOCK % b for b in (block_m, block_n)):
-            raise ValueError(f"not a launch of the fp8 kernel: {text!r} (MxNxWARPSxSTAGES, M and N dividing "
+            raise ValueError(f"not a launch of the int8_fp8 kernel: {text!r} (MxNxWARPSxSTAGES, M and N dividing "
                              f"{QUANT_BLOCK}, optionally +tma)")
         return cls(block_m, block_n, warps, stages, flag == "tma")
 
@@ -80,7 +85,7 @@ class Launch:
         return f"{self.block_m}x{self.block_n}x{self.warps}x{self.stages}{'+tma' if self.tma else ''}"
 
 
-# The attention kernel's launch by head size. How they were chosen: BENCHMARKS.md, "FP8 attention".
+# The attention kernel's launch by head size. How they were chosen: BENCHMARKS.md, "int8 Q·K, fp8 P·V attention".
 LAUNCHES = {64: Launch(), 128: Launch()}
 
 
@@ -88,34 +93,35 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn).float()
 
 
-def _blocks(x: torch.Tensor, rounding: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``x`` (..., tokens, dim) rounded (e4m3) with one scale per block of ``QUANT_BLOCK`` tokens: the
-    rounded values (in float32) and the scales broadcast over their tokens."""
+def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x`` (..., tokens, dim) in int8 with one scale per block of ``QUANT_BLOCK`` tokens, rounded half away
+    from zero: the values (held in float32) and the scales broadcast over their tokens."""
     tokens = x.shape[-2]
     blocks = torch.nn.functional.pad(x, (0, 0, 0, -tokens % QUANT_BLOCK)).unflatten(-2, (-1, QUANT_BLOCK))
-    scales = blocks.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(_LEAST) / FP8_MAX
-    values = rounding(blocks / scales).flatten(-3, -2)[..., :tokens, :]
+    scales = blocks.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(_LEAST) / INT8_MAX
+    scaled = blocks / scales
+    values = torch.trunc(scaled + 0.5 * torch.sign(scaled)).flatten(-3, -2)[..., :tokens, :]
     return values, scales.expand(*scales.shape[:-2], QUANT_BLOCK, 1).flatten(-3, -2)[..., :tokens, :]
 
 
-def fp8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  rounding: Callable[[torch.Tensor], torch.Tensor] = _e4m3) -> torch.Tensor:
+def int8_fp8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                       pv_rounding: Callable[[torch.Tensor], torch.Tensor] = _e4m3) -> torch.Tensor:
     """The module docstring's forward in plain torch for (batch, heads, tokens, dim) inputs of any float dtype; the
-    output has q's dtype. ``rounding``: what the quantized values go through (float8 e4m3 and back; tests of the
-    kernel's arithmetic without fp8 pass the identity, as ``fp8_kernel``'s ``storage`` float32)."""
+    output has q's dtype. ``pv_rounding``: what P and V go through (float8 e4m3 and back; tests of the kernel's
+    arithmetic under Triton's interpreter pass the identity, as ``int8_fp8_kernel``'s ``pv_storage`` float32)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k32 = k.float()
-    k_values, k_scales = _blocks(k32 - k32.mean(dim=-2, keepdim=True), rounding)
+    k_values, k_scales = int8_blocks(k32 - k32.mean(dim=-2, keepdim=True))
     v_scales = v.float().abs().amax(dim=-2, keepdim=True).clamp_min(_LEAST) / FP8_MAX
-    v_values = rounding(v.float() / v_scales)
+    v_values = pv_rounding(v.float() / v_scales)
     rows = max(QUANT_BLOCK, _SCORES_AT_ONCE // max(1, k.shape[-2] * q.shape[0] * q.shape[1])
                // QUANT_BLOCK * QUANT_BLOCK)  # whole blocks, so each block's scale is the whole block's
     out = []
     for start in range(0, q.shape[-2], rows):
-        q_values, q_scales = _blocks(q[..., start:start + rows, :].float(), rounding)
+        q_values, q_scales = int8_blocks(q[..., start:start + rows, :].float())
         scores = (q_values @ k_values.transpose(-2, -1)) * q_scales * k_scales.transpose(-2, -1) * (scale / math.log(2))
         probs = torch.exp2(scores - scores.amax(dim=-1, keepdim=True)) * P_SCALE
-        out.append((rounding(probs) @ v_values) / probs.sum(dim=-1, keepdim=True) * v_scales)
+        out.append((pv_rounding(probs) @ v_values) / probs.sum(dim=-1, keepdim=True) * v_scales)
     return torch.cat(out, dim=-2).to(q.dtype)
 
 
@@ -123,24 +129,24 @@ def _padded(tokens: int) -> int:
     return -(-tokens // QUANT_BLOCK) * QUANT_BLOCK
 
 
-def fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               storage: torch.dtype = torch.float8_e4m3fn, launch: Launch | None = None) -> torch.Tensor:
-    """The Triton kernels (``fp8_attention_triton.py``) on (batch, heads, tokens, dim) q, k, v whose head size is
+def int8_fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    pv_storage: torch.dtype = torch.float8_e4m3fn, launch: Launch | None = None) -> torch.Tensor:
+    """The Triton kernels (``int8_fp8_triton.py``) on (batch, heads, tokens, dim) q, k, v whose head size is
     contiguous (others are copied): three quantizing launches, then the attention. The output is a (batch, heads,
-    tokens, dim) view of [batch, tokens, heads, dim] memory. ``storage``: the quantized values' dtype (float32 in
-    tests of the arithmetic under Triton's interpreter, whose float8 conversions do not round as GPUs do);
-    ``launch``: the attention kernel's (default: ``LAUNCHES`` by head size)."""
-    from . import fp8_attention_triton as kernels
+    tokens, dim) view of [batch, tokens, heads, dim] memory. ``pv_storage``: P's and V's dtype (float32 in tests of
+    the arithmetic under Triton's interpreter, whose float8 conversions do not round as GPUs do); ``launch``: the
+    attention kernel's (default: ``LAUNCHES`` by head size)."""
+    from . import int8_fp8_triton as kernels
 
     batch, heads, q_tokens, dim = q.shape
     k_tokens = k.shape[-2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     scale = dim ** -0.5 if scale is None else scale
     q_padded, k_padded = _padded(q_tokens), _padded(k_tokens)
-    fp8, f32 = storage, torch.float32
-    q8 = torch.empty(batch * heads, q_padded, dim, dtype=fp8, device=q.device)
-    k8 = torch.empty(batch * heads, k_padded, dim, dtype=fp8, device=q.device)
-    v8 = torch.empty(batch * heads, dim, k_padded, dtype=fp8, device=q.device)
+    f32 = torch.float32
+    q8 = torch.empty(batch * heads, q_padded, dim, dtype=torch.int8, device=q.device)
+    k8 = torch.empty(batch * heads, k_padded, dim, dtype=torch.int8, device=q.device)
+    v8 = torch.empty(batch * heads, dim, k_padded, dtype=pv_storage, device=q.device)
     q_scales = torch.empty(batch * heads, q_padded // QUANT_BLOCK, dtype=f32, device=q.device)
     k_scales = torch.empty(batch * heads, k_padded // QUANT_BLOCK, dtype=f32, device=q.device)
     k_mean = torch.mean(k, dim=-2, dtype=f32).contiguous()
@@ -174,7 +180,7 @@ def fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float |
 
 
 def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the fp8 forward cannot run on ``device`` for this dtype and head size; None where it can."""
+    """Why the quantized forward cannot run on ``device`` for this dtype and head size; None where it can."""
     if device.type == "cpu":
         return None
     if device.type != "cuda":
@@ -183,7 +189,7 @@ def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | No
         return "triton is not installed; on CUDA omnispec does not run its plain-torch reference"
     if torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
-        return f"needs fp8 tensor cores (compute capability 8.9 and up), this GPU has {major}.{minor}"
+        return f"needs float8 tensor cores (compute capability 8.9 and up), this GPU has {major}.{minor}"
     if dtype not in GPU_DTYPES:
         return f"takes float16 or bfloat16 inputs on CUDA, not {str(dtype).removeprefix('torch.')}"
     if head_dim not in GPU_HEAD_SIZES:
@@ -192,13 +198,13 @@ def refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | No
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    return fp8_kernel(q, k, v, scale) if q.device.type == "cuda" else fp8_reference(q, k, v, scale)
+    return int8_fp8_kernel(q, k, v, scale) if q.device.type == "cuda" else int8_fp8_reference(q, k, v, scale)
 
 
-_operator = straight_through_attention("fp8_attention", _forward, tokens_major_output=True)
+_operator = straight_through_attention("int8_fp8_attention", _forward, tokens_major_output=True)
 
 
-def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """FP8 attention of (batch, heads, tokens, dim) tensors, differentiable where gradients flow (the backward: exact
-    attention's); the same forward with gradients or without, eager or compiled."""
+def int8_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """int8 Q·K, fp8 P·V attention of (batch, heads, tokens, dim) tensors, differentiable where gradients flow (the
+    backward: exact attention's); the same forward with gradients or without, eager or compiled."""
     return _operator(q, k, v, scale)

@@ -13,13 +13,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_sage_attention import check_quantized_rollout_replays_exactly
 
-import omnispec
 from omnispec.cli import main
 from omnispec.kernels import int8_fp8 as quantized
 
 from conftest import SPECS
-from test_sage_attention import QUICK, SDE, _rollout_and_replay_with_gradients
 
 DIGITS = SPECS / "digits.yaml"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -57,8 +56,8 @@ def test_smoothing_k_keeps_a_per_channel_offset_from_setting_the_scales():
     shifted = k + 50 * torch.randn(64, generator=torch.Generator().manual_seed(1))
     exact = F.scaled_dot_product_attention(q, k, v)
     assert _cosine(quantized.int8_fp8_reference(q, shifted, v), exact) >= 0.999
-    values, scales = quantized.int8_blocks(shifted - shifted.mean(dim=-2, keepdim=True))
-    unsmoothed_values, unsmoothed_scales = quantized.int8_blocks(shifted)
+    _, scales = quantized.int8_blocks(shifted - shifted.mean(dim=-2, keepdim=True))
+    _, unsmoothed_scales = quantized.int8_blocks(shifted)
     assert unsmoothed_scales.max() > 10 * scales.max()  # without smoothing the offset would set the scales
 
 
@@ -121,13 +120,14 @@ def test_the_kernel_compiles_for_hopper_to_8_bit_tensor_core_instructions_withou
     from omnispec.kernels import int8_fp8_triton as kernels
 
     launch = quantized.Launch(**{**vars(quantized.LAUNCHES[dim]), "tma": tma})
-    kernel = kernels.attention_kernel_tma if tma else kernels.attention_kernel
-    constants = {"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "D": dim, "QUANT_BLOCK": quantized.QUANT_BLOCK}
+    kernel = kernels.attention_kernel
+    constants = {"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "D": dim, "QUANT_BLOCK": quantized.QUANT_BLOCK,
+                 "TMA": tma}
     tiles = {"q": (launch.block_m, dim), "k": (launch.block_n, dim), "v": (dim, launch.block_n)}
     types = {"q": "i8", "k": "i8", "v": "fp8e4nv"}
-    pointers = {name: f"tensordesc<{types[name]}[{rows}, {cols}]>" if tma else f"*{types[name]}"
+    operands = {name: f"tensordesc<{types[name]}[{rows}, {cols}]>" if tma else f"*{types[name]}"
                 for name, (rows, cols) in tiles.items()} | {"out": "*bf16"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name.removesuffix("_desc")) or (
+    signature = {name: "constexpr" if name in constants else operands.get(name) or (
         "*fp32" if name.endswith("scales") else "fp32" if name == "qk_scale" else "i32")
         for name in kernel.arg_names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -168,24 +168,7 @@ def test_gradients_are_exact_attentions_at_the_same_inputs_and_the_forward_is_un
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_an_int8_fp8_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch, compiled):
-    calls = []
-    reference = quantized.int8_fp8_reference
-    monkeypatch.setattr(quantized, "int8_fp8_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
-    torch._dynamo.reset()
-    overrides = [*QUICK, "policies.attention.default=int8_fp8"]
-    if compiled:
-        overrides.append("policies.compile={mode: regional, backend: aot_eager}")
-    pipe = omnispec.build(DIGITS, overrides=overrides)
-    assert ("compiled in" in pipe.explain(as_dict=True)["attention"]["self"]) == compiled
-    try:
-        pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
-        in_rollout = len(calls)
-        rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
-    finally:
-        torch._dynamo.reset()
-    assert in_rollout > 0 and len(calls) > 2 * in_rollout  # the quantized forward ran in the rollout and the replay
-    assert torch.equal(replayed, rolled)
-    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    check_quantized_rollout_replays_exactly(monkeypatch, quantized, "int8_fp8_reference", "int8_fp8", compiled)
 
 
 def test_int8_fp8_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):

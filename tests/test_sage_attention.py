@@ -127,17 +127,34 @@ def _rollout_and_replay_with_gradients(pipe) -> tuple[torch.Tensor, torch.Tensor
     return ro.log_probs, replay.log_probs.detach(), grads
 
 
-def test_a_sage_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch):
+def check_quantized_rollout_replays_exactly(monkeypatch, module, reference: str, backend: str, compiled: bool) -> None:
+    """An approximate backend's rollout and its replay with gradients run its quantized forward (``module``'s
+    ``reference``, the CPU's path, counted), and the replay's log-probs are the rollout's, bit for bit; with
+    ``compiled``, under regional compile, where the backend's operators are traced into each block (one redirect
+    around the denoiser's call) with their backward registered."""
     calls = []
-    reference = sage.sage_reference
-    monkeypatch.setattr(sage, "sage_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
-    pipe = omnispec.build(DIGITS, overrides=[*QUICK, "policies.attention.default=sage"])
-    pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
-    in_rollout = len(calls)
-    rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
+    original = getattr(module, reference)
+    monkeypatch.setattr(module, reference, lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch._dynamo.reset()
+    overrides = [*QUICK, f"policies.attention.default={backend}"]
+    if compiled:
+        overrides.append("policies.compile={mode: regional, backend: aot_eager}")
+    pipe = omnispec.build(DIGITS, overrides=overrides)
+    assert ("compiled in" in pipe.explain(as_dict=True)["attention"]["self"]) == compiled
+    try:
+        pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
+        in_rollout = len(calls)
+        rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
+    finally:
+        torch._dynamo.reset()
     assert in_rollout > 0 and len(calls) > 2 * in_rollout  # the quantized kernel ran in the rollout and the replay
     assert torch.equal(replayed, rolled)
     assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_sage_rollout_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch, compiled):
+    check_quantized_rollout_replays_exactly(monkeypatch, sage, "sage_reference", "sage", compiled)
 
 
 def test_sage_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
@@ -149,28 +166,6 @@ def test_sage_is_refused_with_the_reason_where_it_cannot_run(monkeypatch):
     assert sage.refusal(cuda, torch.bfloat16, 128) is None
     assert "not on mps" in sage.refusal(torch.device("mps"), torch.float16, 64)
     assert usable("sage", torch.device("cpu"), torch.float32, 24) is None  # the reference runs on the CPU
-
-
-def test_sage_compiled_into_the_blocks_replays_with_gradients_at_a_ratio_of_exactly_one(monkeypatch):
-    """Under regional compile sage runs as operators traced into each block (one redirect around the denoiser's
-    call), its backward registered with them: a compiled rollout and its replay with gradients run the quantized
-    kernel, and the replay's log-probs are the rollout's."""
-    calls = []
-    reference = sage.sage_reference
-    monkeypatch.setattr(sage, "sage_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
-    torch._dynamo.reset()
-    pipe = omnispec.build(DIGITS, overrides=[*QUICK, "policies.attention.default=sage",
-                                             "policies.compile={mode: regional, backend: aot_eager}"])
-    assert "compiled in" in pipe.explain(as_dict=True)["attention"]["self"]
-    pipe.rollout(["seven"], group_size=1, seed=0, sampler=SDE)
-    in_rollout = len(calls)
-    try:
-        rolled, replayed, grads = _rollout_and_replay_with_gradients(pipe)
-    finally:
-        torch._dynamo.reset()
-    assert in_rollout > 0 and len(calls) > 2 * in_rollout  # the quantized kernel ran in the rollout and the replay
-    assert torch.equal(replayed, rolled)
-    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 
 def test_sage_under_compile_beside_another_backend_is_refused_with_the_reason(capsys):
@@ -216,7 +211,7 @@ def test_flop_counters_count_omnispecs_attention_operators_as_the_attention_they
     """An MFU from torch's FlopCounterMode over a forward whose attention ran on ``sage`` or ``flash4`` counted the
     matmuls alone (half of Wan2.1 14B's step); both operators count as SDPA's exact attention of the same shapes
     (FA4's operator takes them tokens first)."""
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
     from omnispec.kernels import flash4
 

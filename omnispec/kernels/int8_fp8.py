@@ -162,20 +162,18 @@ def int8_fp8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     quantize(v, v8, k_scales, k_tokens, k_padded, 2, 1, k_padded)  # k_scales: not written in mode 2
     out = torch.empty(batch, q_tokens, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     launch = launch or LAUNCHES.get(dim, Launch())
-    grid = (q_padded // launch.block_m, batch * heads)
-    sizes = {"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "D": dim, "QUANT_BLOCK": QUANT_BLOCK,
-             "num_warps": launch.warps, "num_stages": launch.stages}
-    rest = (q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded, q_padded // QUANT_BLOCK,
-            k_padded // QUANT_BLOCK, scale / math.log(2), out.stride(0), out.stride(1), out.stride(2))
+    operands: tuple = (q8, k8, v8)
     if launch.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descriptors = (TensorDescriptor.from_tensor(q8.flatten(0, 1), [launch.block_m, dim]),
-                       TensorDescriptor.from_tensor(k8.flatten(0, 1), [launch.block_n, dim]),
-                       TensorDescriptor.from_tensor(v8.flatten(0, 1), [dim, launch.block_n]))
-        kernels.attention_kernel_tma[grid](*descriptors, *rest, **sizes)
-    else:
-        kernels.attention_kernel[grid](q8, k8, v8, *rest, **sizes)
+        operands = (TensorDescriptor.from_tensor(q8.flatten(0, 1), [launch.block_m, dim]),
+                    TensorDescriptor.from_tensor(k8.flatten(0, 1), [launch.block_n, dim]),
+                    TensorDescriptor.from_tensor(v8.flatten(0, 1), [dim, launch.block_n]))
+    kernels.attention_kernel[(q_padded // launch.block_m, batch * heads)](
+        *operands, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded,
+        scale / math.log(2), out.stride(0), out.stride(1), out.stride(2), BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n, D=dim, QUANT_BLOCK=QUANT_BLOCK, TMA=launch.tma, num_warps=launch.warps,
+        num_stages=launch.stages)
     return out
 
 

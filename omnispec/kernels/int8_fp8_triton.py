@@ -74,77 +74,46 @@ def finish(acc, l, v_scales, out, bh, heads, rows, q_tokens, out_sb, out_sh, out
 
 
 @triton.jit
-def pointer_tiles(k_rows, v_cols, k_scales, n, k_padded, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  QUANT_BLOCK: tl.constexpr):
-    # keys n to n + BLOCK_N through pointers: kᵀ [D, BLOCK_N] (contiguous along D), v [BLOCK_N, D] (along the keys)
+def key_tiles(k, v, k_scales, bh, n, k_padded, BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+              TMA: tl.constexpr):
+    # keys n to n + BLOCK_N of (batch, head) ``bh``: kᵀ [D, BLOCK_N] (contiguous along D), v [BLOCK_N, D] (contiguous
+    # along the keys), k's block scale and the keys' indices; through tensor descriptors (Hopper's TMA copies) over
+    # the buffers seen as 2-d, or through pointers (the pipeliner's asynchronous copies)
     cols = n + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    k_tile = tl.load(k_rows + cols[None, :] * D + d[:, None])
-    v_tile = tl.load(v_cols + d[None, :] * k_padded + cols[:, None])
-    return k_tile, v_tile, tl.load(k_scales + n // QUANT_BLOCK), cols
+    if TMA:
+        k_tile = k.load([(bh * k_padded + n).to(tl.int32), 0]).T
+        v_tile = v.load([(bh * D).to(tl.int32), n]).T
+    else:
+        d = tl.arange(0, D)
+        k_tile = tl.load(k + bh * k_padded * D + cols[None, :] * D + d[:, None])
+        v_tile = tl.load(v + bh * D * k_padded + d[None, :] * k_padded + cols[:, None])
+    return k_tile, v_tile, tl.load(k_scales + bh * (k_padded // QUANT_BLOCK) + n // QUANT_BLOCK), cols
 
 
 @triton.jit
 def attention_kernel(q, k, v, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads, q_padded, k_padded,
-                     q_blocks, k_blocks, qk_scale, out_sb, out_sh, out_st, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT_BLOCK: tl.constexpr):
-    # BLOCK_M query rows of one (batch, head) against all its keys, online softmax in base 2; tiles loaded through
-    # pointers (the pipeliner's asynchronous copies)
+                     qk_scale, out_sb, out_sh, out_st, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                     QUANT_BLOCK: tl.constexpr, TMA: tl.constexpr):
+    # BLOCK_M query rows of one (batch, head) against all its keys, online softmax in base 2. With TMA, q, k and v
+    # are tensor descriptors over the buffers seen as 2-d ([batch x heads x padded tokens, D] for q and k, [batch x
+    # heads x D, padded tokens] for v); else pointers. (tl.range's warp_specialize left the descriptor loop's code
+    # unchanged for sm_90 under triton 3.7.1, so it is not asked for.)
     start = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements at long videos' batches
     rows = start + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)
-    q_tile = tl.load(q + bh * q_padded * D + rows[:, None] * D + d[None, :])
-    q_scale = tl.load(q_scales + bh * q_blocks + start // QUANT_BLOCK) * qk_scale
-    k_rows = k + bh * k_padded * D
-    v_cols = v + bh * D * k_padded
-    k_scales += bh * k_blocks
+    if TMA:
+        q_tile = q.load([(bh * q_padded + start).to(tl.int32), 0])
+    else:
+        q_tile = tl.load(q + bh * q_padded * D + rows[:, None] * D + tl.arange(0, D)[None, :])
+    q_scale = tl.load(q_scales + bh * (q_padded // QUANT_BLOCK) + start // QUANT_BLOCK) * qk_scale
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     whole = k_tokens // BLOCK_N * BLOCK_N
     for n in range(0, whole, BLOCK_N):
-        k_tile, v_tile, k_scale, cols = pointer_tiles(k_rows, v_cols, k_scales, n, k_padded, BLOCK_N, D, QUANT_BLOCK)
+        k_tile, v_tile, k_scale, cols = key_tiles(k, v, k_scales, bh, n, k_padded, BLOCK_N, D, QUANT_BLOCK, TMA)
         m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, False)
-    if whole < k_tokens:
-        k_tile, v_tile, k_scale, cols = pointer_tiles(k_rows, v_cols, k_scales, whole, k_padded, BLOCK_N, D,
-                                                      QUANT_BLOCK)
-        m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, True)
-    finish(acc, l, v_scales, out, bh, heads, rows, q_tokens, out_sb, out_sh, out_st, D)
-
-
-@triton.jit
-def descriptor_tiles(k_desc, v_desc, k_scales, bh, n, k_padded, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                     QUANT_BLOCK: tl.constexpr):
-    # keys n to n + BLOCK_N through tensor descriptors (Hopper's TMA copies): the same tiles as ``pointer_tiles``
-    k_tile = k_desc.load([(bh * k_padded + n).to(tl.int32), 0]).T
-    v_tile = v_desc.load([(bh * D).to(tl.int32), n]).T
-    return k_tile, v_tile, tl.load(k_scales + n // QUANT_BLOCK), n + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
-def attention_kernel_tma(q_desc, k_desc, v_desc, q_scales, k_scales, v_scales, out, q_tokens, k_tokens, heads,
-                         q_padded, k_padded, q_blocks, k_blocks, qk_scale, out_sb, out_sh, out_st,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT_BLOCK: tl.constexpr):
-    # ``attention_kernel`` with its tiles loaded by tensor descriptors over the buffers seen as 2-d ([batch x heads x
-    # padded tokens, D] for q and k, [batch x heads x D, padded tokens] for v). (tl.range's warp_specialize left
-    # this loop's code unchanged for sm_90 under triton 3.7.1, so it is not asked for.)
-    start = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    rows = start + tl.arange(0, BLOCK_M)
-    q_tile = q_desc.load([(bh * q_padded + start).to(tl.int32), 0])
-    q_scale = tl.load(q_scales + bh * q_blocks + start // QUANT_BLOCK) * qk_scale
-    k_scales += bh * k_blocks
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    whole = k_tokens // BLOCK_N * BLOCK_N
-    for n in range(0, whole, BLOCK_N):
-        k_tile, v_tile, k_scale, cols = descriptor_tiles(k_desc, v_desc, k_scales, bh, n, k_padded, BLOCK_N, D,
-                                                         QUANT_BLOCK)
-        m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, False)
-    if whole < k_tokens:
-        k_tile, v_tile, k_scale, cols = descriptor_tiles(k_desc, v_desc, k_scales, bh, whole, k_padded, BLOCK_N, D,
-                                                         QUANT_BLOCK)
+    if whole < k_tokens:  # the last, partial block: keys past the sequence masked out
+        k_tile, v_tile, k_scale, cols = key_tiles(k, v, k_scales, bh, whole, k_padded, BLOCK_N, D, QUANT_BLOCK, TMA)
         m, l, acc = attend(q_tile, k_tile, v_tile, q_scale * k_scale, m, l, acc, cols, k_tokens, True)
     finish(acc, l, v_scales, out, bh, heads, rows, q_tokens, out_sb, out_sh, out_st, D)

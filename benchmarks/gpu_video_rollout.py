@@ -15,8 +15,9 @@ encodes every sample's prompt and runs CFG as one concatenated forward per step,
 time, as those trainers do. Videos/s include prompt encoding and decoding. Under ``compile: regional`` omnispec
 compiles the shared transformer's blocks in place, so the loop runs the same compiled blocks (diffusers' own
 ``compile_repeated_blocks`` would compile the same regions). omnispec decodes with ``policies.vae.slicing`` (one
-sample at a time: 16 videos at once do not fit beside the model on an 80 GB card), the loop a batch at a time, as it
-samples.
+sample at a time: 16 videos at once do not fit beside the model on an 80 GB card); the policy slices the VAE modules
+themselves, which the loop shares, so the loop's batches decode one sample at a time too. The sides' outputs differ
+in kind: omnispec's rollout hands back its videos as float32 arrays on the host, the loop keeps them on the device.
 Replay: omnispec's ``log_prob`` of a rollout's samples (all of them by default, as a trainer replays its batch;
 ``--replay-batch`` fewer), without and with gradients (the device's memory choosing micro-batches, and for a 19B
 model checkpointed blocks), valued as the rollout's own forwards ran (``exact``): max |ratio - 1| (0.0 is exact).

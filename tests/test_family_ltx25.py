@@ -140,7 +140,7 @@ def test_a_step_cache_runs_and_skips_the_masked_steps_forwards(ltx25_dir):
 def test_sequence_parallel_and_cudnn_under_compile_are_refused_with_the_reason():
     with pytest.raises(SpecError, match="split-RoPE"):
         omnispec.build(SPECS / "ltx2.5-t2v.yaml", overrides=["policies.parallel.ulysses=2"])
-    with pytest.raises(SpecError, match="sdpa_cudnn.*use auto, sdpa, flash4 or sage with compile"):
+    with pytest.raises(SpecError, match="sdpa_cudnn.*use auto, sdpa, flash4, sage or int8_fp8 with compile"):
         omnispec.load_spec(SPECS / "ltx2.5-t2v.yaml", overrides=["policies.attention.default=sdpa_cudnn",
                                                                  "policies.compile.mode=regional"])
 

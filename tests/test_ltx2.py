@@ -162,7 +162,7 @@ def test_sequence_parallel_is_refused_with_the_reason():
 def test_cudnn_attention_with_compile_is_refused(where):
     """cuDNN attention under dynamo crashes on LTX-2's audio attention; the rule that refuses hooked backends
     under compile covers it, by default and per role, before anything loads."""
-    with pytest.raises(SpecError, match="sdpa_cudnn.*use auto, sdpa, flash4 or sage with compile"):
+    with pytest.raises(SpecError, match="sdpa_cudnn.*use auto, sdpa, flash4, sage or int8_fp8 with compile"):
         omnispec.load_spec(SPECS / "ltx2-t2v.yaml", overrides=[f"policies.attention.{where}=sdpa_cudnn",
                                                                "policies.compile.mode=regional"])
 

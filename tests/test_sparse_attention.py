@@ -65,6 +65,37 @@ def test_a_window_over_the_whole_grid_is_dense_attention():
     assert torch.allclose(video.attend(q, k, v), F.scaled_dot_product_attention(q, k, v), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind, grid, tile, window", [
+    ("sliding_tile", (5, 12, 20), (2, 4, 4), (1, 1, 1)), ("radial", (9, 10, 17), (1, 4, 8), (1, 1, 1)),
+    ("sliding_tile", (4, 9, 11), (1, 2, 2), (0, 1, 0)),
+])
+def test_the_block_mask_is_torchs_made_a_few_query_rows_at_a_time(monkeypatch, kind, grid, tile, window):
+    """``sparse_video.block_mask`` holds the mask of a few query blocks at once (torch's ``create_block_mask`` holds
+    every pair: tens of GB at Wan2.1 14B 480p's 32,760 tokens) and makes the block mask torch's function makes:
+    the same partial and full blocks, in the same order, both ways (by query and by key)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from omnispec.kernels import sparse_video
+
+    monkeypatch.setattr(sparse_video, "QUERIES_AT_ONCE", 2 * sparse_video.BLOCK)  # several rounds at these sizes
+    rows = []
+    video = layout(kind, grid, tile, window, torch.device("cpu"))
+    mask_mod = video.mask.mask_mod
+
+    def counting(b, h, q, kv):
+        rows.append(q.numel())
+        return mask_mod(b, h, q, kv)
+
+    mine = sparse_video.block_mask(counting, video.tokens, torch.device("cpu"))
+    torchs = create_block_mask(mask_mod, None, None, video.tokens, video.tokens, device="cpu")
+    assert len(rows) > 1 and max(rows) <= 2 * sparse_video.BLOCK
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        assert torch.equal(getattr(mine, counts), getattr(torchs, counts)), counts
+        for row, n in enumerate(getattr(torchs, counts)[0, 0].tolist()):
+            assert torch.equal(getattr(mine, indices)[0, 0, row, :n], getattr(torchs, indices)[0, 0, row, :n])
+
+
 def test_radial_reach_halves_as_the_temporal_distance_doubles():
     assert radial_reach(16, 1, 1, 9).tolist() == [16, 16, 8, 8, 4, 4, 4, 4, 2]
     assert radial_reach(16, 4, 0, 4).tolist() == [16, 8, 4, 4]

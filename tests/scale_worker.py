@@ -30,8 +30,12 @@ def local_bytes(module: torch.nn.Module) -> dict[str, int]:
 
 def run_case(family: str, source: str, specs: str, sets: list[str], prompts: int) -> dict:
     spec = f"{specs}/{SPECS[family]}"
-    base = [*TINY_OVERRIDES[family], *(["recipe.phases.0.guidance.terms.1.layers=[1]"] if family == "ltx2" else []), *(["policies.vae.tiling={tile: 16, overlap: 8}"] if "vae_patch" in str(sets)
-                                        else [])]
+    # attention sdpa on both sides: several ranks resolve ``auto`` to sdpa, where one process times the kernels and,
+    # on a loaded machine, can pick another that rounds differently (the likely cause of a rare failure under a full
+    # suite: latents 2e-6 apart, a tiled Wan decode's frames 0.0096)
+    base = [*TINY_OVERRIDES[family], "policies.attention.default=sdpa",
+            *(["recipe.phases.0.guidance.terms.1.layers=[1]"] if family == "ltx2" else []),
+            *(["policies.vae.tiling={tile: 16, overlap: 8}"] if "vae_patch" in str(sets) else [])]
     request = dict(prompt=[f"a cat number {i}" for i in range(prompts)], seed=5)
     one = omnispec.build(spec, source=source, overrides=base)
     expected = one(**request)

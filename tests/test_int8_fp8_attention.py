@@ -112,36 +112,14 @@ def test_the_kernel_compiles_for_hopper_to_8_bit_tensor_core_instructions_withou
     """Compiled for sm_90 as a launch specializes it, without a GPU: Q·K on int8 wgmma, P·V on e4m3 wgmma, P rounded
     to nearest even (saturating), the int32 scores made float without a conversion instruction, no registers spilled
     at the default tiles; with ``+tma`` the tiles come by TMA copies."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from benchmarks.triton_ptx import compile_int8_fp8
 
-    from benchmarks.kernel_timing import compiled_facts
-    from omnispec.kernels import int8_fp8_triton as kernels
-
-    launch = quantized.Launch(**{**vars(quantized.LAUNCHES[dim]), "tma": tma})
-    kernel = kernels.attention_kernel
-    constants = {"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "D": dim, "QUANT_BLOCK": quantized.QUANT_BLOCK,
-                 "TMA": tma}
-    tiles = {"q": (launch.block_m, dim), "k": (launch.block_n, dim), "v": (dim, launch.block_n)}
-    types = {"q": "i8", "k": "i8", "v": "fp8e4nv"}
-    operands = {name: f"tensordesc<{types[name]}[{rows}, {cols}]>" if tma else f"*{types[name]}"
-                for name, (rows, cols) in tiles.items()} | {"out": "*bf16"}
-    signature = {name: "constexpr" if name in constants else operands.get(name) or (
-        "*fp32" if name.endswith("scales") else "fp32" if name == "qk_scale" else "i32")
-        for name in kernel.arg_names}
-    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                 if signature[name].startswith(("*", "i32"))}
-    options = {"num_warps": launch.warps, "num_stages": launch.stages}
-    facts = compiled_facts(kernel, signature, constants, divisible, 90, options)
+    facts = compile_int8_fp8(90, quantized.Launch(**{**vars(quantized.LAUNCHES[dim]), "tma": tma}), dim)
     assert facts.get("spilled_bytes") == 0, facts
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=divisible)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
-    assert "cvt.rn.f32.s32" not in ptx
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    assert ("cp.async.bulk.tensor" in ptx) == tma
+    assert any(re.fullmatch(r"m64n\d+k32\.s32\.s8\.s8", i) for i in facts["tensor_core"]), facts
+    assert any(re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", i) for i in facts["tensor_core"]), facts
+    assert facts["p_rounding"] == ["cvt.rn.satfinite.e4m3x2.f32"] and facts["int32_to_float"] == 0, facts
+    assert (facts["tma_copies"] > 0) == tma, facts
 
 
 def test_a_launch_is_read_from_its_text_and_a_bad_one_refused():

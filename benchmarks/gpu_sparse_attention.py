@@ -1,8 +1,10 @@
 """How much faster is a video's self-attention on sparse layouts than dense? One attention call, at real grids.
 Peer: dense attention on torch's flash kernel (what a dense step runs) and on FlexAttention without a mask.
 
-``python -m benchmarks.gpu_sparse_attention [--iters 20] [--shapes wan14b_480p,ltx2_video] [--json FILE]``  (needs
-CUDA; ``--smoke``: a tiny grid on the CPU)
+``python -m benchmarks.gpu_sparse_attention [--iters 20] [--shapes wan14b_480p,ltx2_video] [--kept-only]
+[--json FILE]``  (needs CUDA; ``--smoke``: a tiny grid on the CPU; ``--kept-only``: each layout's fraction of blocks
+kept and the time and memory of building its block mask, nothing timed on attention, on any device: the fractions
+do not depend on it)
 
 Each row is one layout of ``policies.attention.sparse`` (``kernels.sparse_video``: tokens in tile-major order, a
 FlexAttention block mask, the output put back in order) at the token grid and heads of a model's video
@@ -40,6 +42,8 @@ LAYOUTS = {
 def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--kept-only", action="store_true",
+                        help="only each layout's blocks kept and its block mask's build (seconds, peak memory)")
 
 
 def _milliseconds(fn, iters: int, device: str) -> float:
@@ -65,6 +69,11 @@ def benchmark(args, results: harness.Results) -> None:
     shapes = {"tiny": ((3, 8, 8), 2, 16)} if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     layouts = {"sliding_tile 1x4x4 w0x1x1": ("sliding_tile", (1, 4, 4), (0, 1, 1)),
                "radial 1x4x4 w0x1x1": ("radial", (1, 4, 4), (0, 1, 1))} if args.smoke else LAYOUTS
+    if args.kept_only:
+        results.header = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                          "torch": torch.__version__}
+        _kept_rows(shapes, layouts, device, results)
+        return
     results.header = {"device": harness.device_name(), "torch": torch.__version__}
     flex = torch.compile(flex_attention, dynamic=False) if device == "cuda" else flex_attention
     for shape, (grid, heads, head_dim) in shapes.items():
@@ -89,6 +98,25 @@ def benchmark(args, results: harness.Results) -> None:
             except Exception as exc:  # noqa: BLE001 - a layout that cannot run is a row of its own
                 results.save({"shape": shape, "config": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
         harness.free_device_memory()
+
+
+def _kept_rows(shapes: dict, layouts: dict, device: str, results: harness.Results) -> None:
+    """Each layout's fraction of blocks kept, with its build's seconds and the process's peak memory after it (the
+    device's on CUDA, resident on the CPU)."""
+    import resource
+
+    from omnispec.kernels.sparse_video import kept_fraction, layout
+
+    for shape, (grid, _, _) in shapes.items():
+        for name, (kind, tile, window) in layouts.items():
+            begin = time.perf_counter()
+            video = layout(kind, grid, tile, window, torch.device(device))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            results.save({"shape": shape, "tokens": video.tokens, "config": name, "kept": kept_fraction(video),
+                          "build_s": time.perf_counter() - begin, "peak_memory_gib": peak / 2**30})
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ SMOKES = [
     ("gpu_gemm_epilogue", [], 1),
     ("gpu_attention_kernels", [], 1),
     ("gpu_sparse_attention", [], 1),
+    ("gpu_sparse_attention", ["--kept-only"], 1),  # the layouts' blocks kept and their masks' build, no timing
     ("gpu_sage_attention", [], 1),
     ("gpu_gemm_kernels", [], 1),
     ("gpu_joint_gemm", [], 1),

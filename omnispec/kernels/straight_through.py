@@ -44,7 +44,6 @@ def straight_through_attention(name: str, forward: Forward, tokens_major_output:
     def gradients_shaped(grad_out, q, k, v, scale):
         return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
-    run.__name__, gradients.__name__ = name, f"{name}_backward"
     forward_op = torch.library.custom_op(f"omnispec::{name}", run, mutates_args=())
     forward_op.register_fake(shaped)
     backward_op = torch.library.custom_op(f"omnispec::{name}_backward", gradients, mutates_args=())
